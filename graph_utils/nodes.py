@@ -1,0 +1,78 @@
+"""Finding nodes and collectives in an ``fx.Graph``, matched by op identity, never by name."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+c10d = torch.ops._c10d_functional
+
+COLLECTIVE_OPS = frozenset({
+    c10d.all_reduce.default,
+    c10d.all_reduce_.default,
+    c10d.all_gather_into_tensor.default,
+    c10d.reduce_scatter_tensor.default,
+    c10d.all_reduce_coalesced.default,
+    c10d.all_gather_into_tensor_coalesced.default,
+    c10d.reduce_scatter_tensor_coalesced.default,
+    c10d.broadcast.default,
+})
+WAIT_OP = c10d.wait_tensor.default
+
+
+def find_node(graph: fx.Graph, predicate: Callable[[fx.Node], bool], reverse: bool = False) -> list[fx.Node]:
+    """All nodes of ``graph`` for which ``predicate`` holds, in graph order (or reversed)."""
+    nodes = reversed(graph.nodes) if reverse else graph.nodes
+    return [n for n in nodes if predicate(n)]
+
+
+def get_output(graph: fx.Graph) -> fx.Node:
+    """The graph's output node."""
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            return node
+    raise ValueError("graph has no output node")
+
+
+def is_comm_node(node: fx.Node) -> bool:
+    """True for a functional collective (all_reduce, all_gather, reduce_scatter, ...)."""
+    return node.op == "call_function" and node.target in COLLECTIVE_OPS
+
+
+def is_all_reduce(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is c10d.all_reduce.default
+
+
+def is_wait_node(node: fx.Node) -> bool:
+    """True for ``_c10d_functional.wait_tensor``."""
+    return node.op == "call_function" and node.target is WAIT_OP
+
+
+def tensor_bytes(node: fx.Node) -> int:
+    """Bytes of the tensor a node produces (0 when it has no tensor ``meta['val']``)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    return 0
+
+
+def set_fake_val(node: fx.Node) -> None:
+    """Fill ``node.meta['val']`` by running its op on its inputs' fake values.
+
+    Every node a pass creates must carry a FakeTensor so later passes and lowering can
+    read shapes and dtypes; this is the one place that computes it.
+    """
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta["val"] for n in node.all_input_nodes if "val" in n.meta]
+    mode = detect_fake_mode(vals)
+    args = fx.node.map_arg(node.args, lambda n: n.meta["val"])
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta["val"])
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+    with mode:
+        node.meta["val"] = node.target(*args, **kwargs)

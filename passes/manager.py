@@ -1,0 +1,139 @@
+"""Declaring graph passes and running them in a valid order.
+
+``@graph_optimization_pass(prerequisites=[...], apply_after=[...])`` declares a pass
+``fn(gm, *args)``. What has been applied is recorded on each graph module (never in a
+process-wide registry), so two models compile independently in one process. Before a
+pass runs, its wrapper checks that every prerequisite was applied to that module and
+that no pass which must come after it was applied already.
+
+``PassManager`` takes a set of passes and orders them by those constraints
+(networkx topological sort), refusing cycles.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import networkx as nx
+
+log = logging.getLogger(__name__)
+
+_APPLIED_ATTR = "_spmd_applied_passes"
+
+
+@dataclass(eq=False)
+class PassInfo:
+    """A declared pass: its function and its ordering constraints."""
+
+    fn: Callable
+    prerequisites: list["GraphPass"] = field(default_factory=list)
+    apply_after: list["GraphPass"] = field(default_factory=list)
+    must_precede: list["GraphPass"] = field(default_factory=list)  # filled by later declarations
+
+    @property
+    def name(self) -> str:
+        return self.fn.__qualname__
+
+
+GraphPass = Callable[..., None]
+
+
+def applied_passes(gm: Any) -> list[GraphPass]:
+    """The passes applied to ``gm`` so far, in order."""
+    return vars(gm).setdefault(_APPLIED_ATTR, [])
+
+
+def pass_info(p: Callable) -> PassInfo:
+    """The ``PassInfo`` of a declared pass (or of a ``functools.partial`` of one)."""
+    base = p.func if isinstance(p, functools.partial) else p
+    info = getattr(base, "pass_info", None)
+    if info is None:
+        raise TypeError(f"{base!r} is not declared with @graph_optimization_pass")
+    return info
+
+
+def _names(passes: Iterable[GraphPass]) -> str:
+    return ", ".join(pass_info(p).name for p in passes)
+
+
+def graph_optimization_pass(prerequisites: Sequence[GraphPass] = (), apply_after: Sequence[GraphPass] = ()):
+    """Declare a graph pass with ordering constraints.
+
+    ``prerequisites``: passes that must already be applied to the module.
+    ``apply_after``: passes that, if applied at all, must be applied before this one.
+
+    Example::
+
+        @graph_optimization_pass(prerequisites=[comm_fusion_with_concat])
+        def schedule_comm_wait(gm): ...
+    """
+
+    def decorator(fn: Callable) -> GraphPass:
+        info = PassInfo(fn, list(prerequisites), list(apply_after))
+
+        @functools.wraps(fn)
+        def run_pass(gm, *args, **kwargs):
+            done = applied_passes(gm)
+            assert run_pass not in done, f"Cannot apply {info.name} twice"
+            later = [p for p in info.must_precede if p in done]
+            assert not later, f"{_names(later)} must be applied after {info.name}"
+            missing = [p for p in info.prerequisites if p not in done]
+            assert not missing, f"{_names(missing)} are the prerequisites of {info.name} but are not applied"
+            start = time.perf_counter()
+            fn(gm, *args, **kwargs)
+            graph = getattr(gm, "graph", None)
+            if graph is not None and hasattr(graph, "lint"):
+                graph.lint()
+                graph.eliminate_dead_code()
+                gm.recompile()
+            done.append(run_pass)
+            log.debug("pass %s took %.3fs", info.name, time.perf_counter() - start)
+
+        run_pass.pass_info = info
+        for earlier in info.apply_after:
+            pass_info(earlier).must_precede.append(run_pass)
+        return run_pass
+
+    return decorator
+
+
+class PassManager:
+    """Runs a set of passes in an order that satisfies their declared constraints.
+
+    Passes may be given bare or as ``functools.partial(pass, *args)``. The order is a
+    topological sort of "prerequisite/apply_after -> pass" edges among the given
+    passes, ties broken by the order given. A prerequisite that is not in the set must
+    already be applied when the pass runs (the pass's own check enforces it).
+    """
+
+    def __init__(self, passes: Sequence[Callable]):
+        self.passes = list(passes)
+        self.order = self._order()
+
+    def _order(self) -> list[Callable]:
+        base = [p.func if isinstance(p, functools.partial) else p for p in self.passes]
+        for p in base:
+            pass_info(p)
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(base)))
+        where = {p: i for i, p in enumerate(base)}
+        for i, p in enumerate(base):
+            info = pass_info(p)
+            for dep in [*info.prerequisites, *info.apply_after]:
+                if dep in where:
+                    g.add_edge(where[dep], i)
+        try:
+            order = list(nx.lexicographical_topological_sort(g))
+        except nx.NetworkXUnfeasible:
+            cycle = nx.find_cycle(g)
+            names = " -> ".join(pass_info(base[a]).name for a, _ in cycle)
+            raise ValueError(f"PassManager: the passes' ordering constraints form a cycle: {names}") from None
+        return [self.passes[i] for i in order]
+
+    def __call__(self, gm) -> None:
+        for p in self.order:
+            p(gm)

@@ -1,0 +1,12 @@
+"""spmd: compile a whole data-parallel training step into one optimized graph."""
+
+from .api import CompiledTrainStep, compile
+from .errors import SpmdCompileError
+from .iter_graph_module import IterGraph, IterGraphModule, IterMoveError
+from .parallel import DataParallel
+from .transformation import GraphModuleTransformation
+
+__all__ = [
+    "CompiledTrainStep", "DataParallel", "GraphModuleTransformation", "IterGraph", "IterGraphModule",
+    "IterMoveError", "SpmdCompileError", "compile",
+]

@@ -1,0 +1,141 @@
+"""``spmd.compile``: trace a whole train step once per input signature and run the graph."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .errors import SpmdCompileError
+from .iter_graph_module import IterGraphModule
+from .parallel import DataParallel
+from .step_state import StepState, ensure_optimizer_state, find_modules_and_optimizers
+from .tracing import trace_train_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompiledStep:
+    """One cache entry: the runnable graph and how to map the step's inputs onto it."""
+
+    runner: Callable
+    out_spec: pytree.TreeSpec
+    graph: fx.GraphModule  # the expanded graph, before the user transformation
+
+
+def _user_signature(args: tuple, kwargs: dict) -> tuple:
+    sig = []
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            sig.append(("T", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
+            sig.append(("obj", id(leaf)))
+        else:
+            sig.append(("v", type(leaf).__name__, repr(leaf)))
+    return tuple(sig)
+
+
+class CompiledTrainStep:
+    """The callable that ``spmd.compile`` returns; see ``compile``."""
+
+    def __init__(self, fn: Callable, module_override: Optional[Sequence] = None,
+                 gm_transformation: Optional[Callable] = None, parallel_mode: Optional[DataParallel] = None):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.module_override = list(module_override or [])
+        self.gm_transformation = gm_transformation
+        self.parallel_mode = parallel_mode or DataParallel("replicate")
+        self.cache: dict[tuple, CompiledStep] = {}
+        self._overridden: set[int] = set()
+
+    def _apply_overrides(self, modules: list[nn.Module]) -> None:
+        for mod in modules:
+            if id(mod) in self._overridden or not self.module_override:
+                continue
+            for fqn, sub in list(mod.named_modules()):
+                for override in self.module_override:
+                    new = override.replacement(fqn, sub)
+                    if new is not sub and fqn:
+                        parent_name, _, leaf = fqn.rpartition(".")
+                        setattr(mod.get_submodule(parent_name) if parent_name else mod, leaf, new)
+            self._overridden.add(id(mod))
+
+    def _compile(self, state: StepState, args: tuple, kwargs: dict) -> CompiledStep:
+        created = [o for o in state.optimizers if ensure_optimizer_state(o)]
+        try:
+            if created:  # state was just created: lay it out again
+                state = StepState(state.modules, state.optimizers)
+            traced = trace_train_step(self.fn, state, args, kwargs)
+        except BaseException:
+            for o in created:
+                o.state.clear()
+            raise
+        gm = self.parallel_mode.expand(traced.gm)
+        for override in self.module_override:
+            gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
+        runner = self.gm_transformation(gm) if self.gm_transformation else gm
+        return CompiledStep(runner, traced.out_spec, gm), state
+
+    def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
+        modules, optimizers = find_modules_and_optimizers(args, kwargs)
+        self._apply_overrides(modules)
+        state = StepState(modules, optimizers)
+        with_grad = [n for n, p in zip(state.param_names, state.params) if p.grad is not None]
+        if with_grad:
+            raise SpmdCompileError(
+                f"spmd.compile: parameters {with_grad[:3]}{'...' if len(with_grad) > 3 else ''} hold gradients "
+                "from outside the compiled step, which it would ignore. Call optim.zero_grad() (set_to_none) "
+                "before calling the compiled train_step."
+            )
+        key = (state.signature(), _user_signature(args, kwargs), tuple(map(id, modules + optimizers)))
+        entry = self.cache.get(key)
+        if entry is None:
+            if self.cache:
+                log.warning("spmd.compile: %s is retracing for a new input signature (%d cached)",
+                            self.__name__, len(self.cache))
+            entry, state = self._compile(state, args, kwargs)
+            # key again: compiling may have created optimizer state
+            key = (state.signature(), _user_signature(args, kwargs), tuple(map(id, modules + optimizers)))
+            self.cache[key] = entry
+        user_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        flat = [*state.flat_tensors(), *state.lr_tensors(), *user_tensors]
+        with torch.no_grad():
+            if isinstance(entry.runner, IterGraphModule):
+                out = entry.runner(*flat, last_iter=last_train_step)
+            else:
+                out = entry.runner(*flat)
+        return pytree.tree_unflatten(list(out), entry.out_spec)
+
+
+def compile(module_override: Optional[Sequence] = None, gm_transformation: Optional[Callable] = None,
+            parallel_mode: Optional[DataParallel] = None) -> Callable[[Callable], CompiledTrainStep]:
+    """Compile a whole train step (forward, backward, optimizer step) into one graph.
+
+    Example::
+
+        @spmd.compile(parallel_mode=spmd.DataParallel("replicate"))
+        def train_step(model, optim, batch):
+            loss = model(batch).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            return loss
+
+        for i in range(n):
+            loss = train_step(model, optim, batch, last_train_step=(i == n - 1))
+
+    The step is traced on the first call for each input signature; parameters,
+    buffers and optimizer state are graph inputs updated in place on every call.
+    """
+
+    def decorator(fn: Callable) -> CompiledTrainStep:
+        return CompiledTrainStep(fn, module_override, gm_transformation, parallel_mode)
+
+    return decorator

@@ -1,0 +1,266 @@
+"""IterGraphModule: one step graph run as setup, main and cleanup iterations.
+
+Some overlap crosses the iteration boundary: e.g. start the last bucket's all_reduce
+and optimizer update at the end of iteration k and finish them during iteration k+1's
+forward. ``IterGraph.move_to_next_iter_before(nodes, target)`` records such a move;
+the three graphs are then derived from the one logical graph and the recorded moves:
+
+* setup (iteration 1): the step without the moved nodes; it exports the values the
+  moved nodes need ("carried" values) as extra outputs.
+* main (iterations 2..N-1): first, before ``target``, the moved nodes of the previous
+  iteration run on the carried values; this iteration's carried values are exported.
+* cleanup (iteration N): the previous iteration's moved nodes run before ``target``,
+  then the whole step runs unmoved, so nothing is left pending.
+
+Because setup, main and cleanup are functions of the logical graph, every edit made
+through ``gm.graph`` reaches all three; nothing has to mirror node maps by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+_PERSISTENT_ROLES = ("param", "buffer", "state")
+_COPY = torch.ops.aten.copy_.default
+
+
+class IterMoveError(ValueError):
+    """A cross-iteration move that would change what the step computes."""
+
+
+@dataclass
+class Move:
+    nodes: list[fx.Node]          # in graph order
+    target: fx.Node
+    carried: list[fx.Node]        # external inputs whose value crosses the iteration boundary
+    reused: list[fx.Node]         # persistent placeholders read afresh in the next iteration
+
+
+def _index(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+class IterGraph(fx.Graph):
+    """The logical one-iteration graph plus the moves that defer parts of it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.moves: list[Move] = []
+        self.frozen = False
+
+    def move_to_next_iter_before(self, nodes: Iterable[fx.Node], target_node: fx.Node) -> None:
+        """Run ``nodes`` in the NEXT iteration, just before ``target_node``.
+
+        Refuses (``IterMoveError``, graph untouched) a move whose nodes are used by
+        other nodes, that overlaps an earlier move, or that updates a parameter, buffer
+        or optimizer state which a node before ``target_node`` reads: that node would
+        see the value from before the deferred update.
+        """
+        if self.frozen:
+            raise IterMoveError("move_to_next_iter_before must be called before finalize_setup()")
+        order = _index(self)
+        nodes = sorted(set(nodes), key=lambda n: order.get(n, -1))
+        if not nodes:
+            raise IterMoveError("move_to_next_iter_before: no nodes to move")
+        for n in nodes + [target_node]:
+            if n not in order:
+                raise IterMoveError(f"move_to_next_iter_before: node {n} is not in this graph")
+        if any(n.op in ("placeholder", "output") for n in nodes):
+            raise IterMoveError("move_to_next_iter_before: placeholders and the output cannot move")
+        if target_node in nodes:
+            raise IterMoveError(f"move_to_next_iter_before: target {target_node.name} is itself moved")
+        moved = set(nodes)
+        already = {n for m in self.moves for n in m.nodes}
+        if moved & already:
+            raise IterMoveError("move_to_next_iter_before: some nodes were already moved by an earlier move")
+        for n in nodes:
+            outside = [u.name for u in n.users if u not in moved]
+            if outside:
+                raise IterMoveError(
+                    f"move_to_next_iter_before: {n.name} is used by {outside}, which stay in this iteration; "
+                    "move a set of nodes whose results only they use (e.g. find_all_descendants)."
+                )
+        carried, reused = [], []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a in moved or a in carried or a in reused:
+                    continue
+                persistent = a.op == "placeholder" and a.meta.get("spmd_role") in _PERSISTENT_ROLES
+                (reused if persistent else carried).append(a)
+        # Every persistent input the moved nodes read must not be updated by others this iteration.
+        for p in reused:
+            foreign = [u.name for u in p.users if u.target is _COPY and u.args[0] is p and u not in moved]
+            if foreign:
+                raise IterMoveError(
+                    f"move_to_next_iter_before: the moved nodes read {p.meta.get('spmd_name', p.name)}, which "
+                    f"{foreign} update in this iteration; move those updates too."
+                )
+        # No reader of a deferred update's destination may run before the target.
+        for n in nodes:
+            if n.target is not _COPY:
+                continue
+            dst = n.args[0]
+            readers = [u for u in dst.users if u not in moved]
+            if not readers:
+                continue
+            first = min(readers, key=order.__getitem__)
+            if order[first] < order[target_node]:
+                name = dst.meta.get("spmd_name", dst.name)
+                raise IterMoveError(
+                    f"move_to_next_iter_before: {name} is updated by the moved nodes but read by {first.name} "
+                    f"before the target {target_node.name}, so the next iteration would read a stale value. "
+                    f"The latest legal target node is {first.name}."
+                )
+        self.moves.append(Move(nodes, target_node, carried, reused))
+
+    def clone_without_moves(self) -> fx.Graph:
+        return _copy(self)[0]
+
+
+def _copy(src: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    g = fx.Graph()
+    vmap: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(src, vmap)
+    g.output(out)
+    return g, vmap
+
+
+def _outputs(g: fx.Graph) -> tuple[fx.Node, list]:
+    out = next(n for n in reversed(g.nodes) if n.op == "output")
+    return out, list(out.args[0])
+
+
+def _add_placeholders(g: fx.Graph, like: list[fx.Node], prefix: str) -> list[fx.Node]:
+    last = [n for n in g.nodes if n.op == "placeholder"][-1]
+    made = []
+    for i, src in enumerate(like):
+        with g.inserting_after(last):
+            ph = g.placeholder(f"{prefix}_{i}")
+        ph.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta")})
+        ph.meta["spmd_role"] = "carried"
+        made.append(ph)
+        last = ph
+    return made
+
+
+def build_setup_graph(logical: IterGraph) -> fx.Graph:
+    g, vmap = _copy(logical)
+    out, values = _outputs(g)
+    for move in logical.moves:
+        values += [vmap[c] for c in move.carried]
+    out.args = (tuple(values),)
+    for move in logical.moves:
+        for n in reversed(move.nodes):
+            g.erase_node(vmap[n])
+    g.lint()
+    return g
+
+
+def build_main_graph(logical: IterGraph) -> fx.Graph:
+    g, vmap = _copy(logical)
+    out, values = _outputs(g)
+    for m_idx, move in enumerate(logical.moves):
+        phs = dict(zip((vmap[c] for c in move.carried), _add_placeholders(g, [vmap[c] for c in move.carried], f"carried{m_idx}")))
+        target = vmap[move.target]
+        for n in move.nodes:
+            node = vmap[n]
+            target.prepend(node)
+            node.args = fx.node.map_arg(node.args, lambda a: phs.get(a, a))
+            node.kwargs = fx.node.map_arg(node.kwargs, lambda a: phs.get(a, a))
+        values += list(phs)
+    out.args = (tuple(values),)
+    g.lint()
+    return g
+
+
+def build_cleanup_graph(logical: IterGraph) -> fx.Graph:
+    g, vmap = _copy(logical)
+    for m_idx, move in enumerate(logical.moves):
+        env = dict(zip((vmap[c] for c in move.carried), _add_placeholders(g, [vmap[c] for c in move.carried], f"carried{m_idx}")))
+        with g.inserting_before(vmap[move.target]):
+            for n in move.nodes:
+                env[vmap[n]] = g.node_copy(vmap[n], lambda a: env.get(a, a))
+    g.lint()
+    return g
+
+
+class IterGraphModule(nn.Module):
+    """Runs a step graph as setup / main / cleanup iterations (see the module docstring).
+
+    ``gm.graph`` is the logical graph (an ``IterGraph``); passes edit it. Call
+    ``finalize_setup()`` after all moves (it is called on the first run if not). Call
+    with ``last_iter=True`` on the last step so deferred work is flushed; the next
+    call starts again with setup.
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__()
+        logical = IterGraph()
+        logical.output(logical.graph_copy(gm.graph, {}))
+        self._logical = fx.GraphModule(gm, logical)
+        self.num_user_outputs = len(_outputs(logical)[1])
+        self.setup_gm: Optional[fx.GraphModule] = None
+        self.main_gm: Optional[fx.GraphModule] = None
+        self.cleanup_gm: Optional[fx.GraphModule] = None
+        self._carry: Optional[tuple] = None
+        self._finalized = False
+        self.iteration = 0
+
+    @property
+    def graph(self) -> IterGraph:
+        return self._logical.graph
+
+    @property
+    def logical_gm(self) -> fx.GraphModule:
+        return self._logical
+
+    def recompile(self) -> None:
+        self._logical.recompile()
+        self._finalized = False
+
+    def finalize_setup(self) -> None:
+        """Freeze moves and build the setup, main and cleanup modules from the logical graph."""
+        if self._carry is not None:
+            raise RuntimeError("IterGraphModule: cannot rebuild graphs while deferred work is pending")
+        self.graph.frozen = True
+        self._logical.recompile()
+        self.setup_gm = fx.GraphModule(self._logical, build_setup_graph(self.graph))
+        self.main_gm = fx.GraphModule(self._logical, build_main_graph(self.graph))
+        self.cleanup_gm = fx.GraphModule(self._logical, build_cleanup_graph(self.graph))
+        self._finalized = True
+
+    @property
+    def pending(self) -> bool:
+        """True while the last iteration's deferred work has not run yet."""
+        return self._carry is not None
+
+    def _run(self, label: str, gm: fx.GraphModule, args: tuple) -> tuple:
+        with torch.profiler.record_function(f"spmd.{label}"):
+            return tuple(gm(*args))
+
+    def forward(self, *args, last_iter: bool = False):
+        if not self._finalized:
+            self.finalize_setup()
+        self.iteration += 1
+        if not self.graph.moves:
+            return self._run("step", self._logical, args)
+        if self._carry is None:
+            if last_iter:
+                out = self._run("step", self._logical, args)
+            else:
+                res = self._run("setup", self.setup_gm, args)
+                out, self._carry = res[: self.num_user_outputs], res[self.num_user_outputs:]
+        elif last_iter:
+            carry, self._carry = self._carry, None
+            out = self._run("cleanup", self.cleanup_gm, args + carry)
+        else:
+            res = self._run("main", self.main_gm, args + self._carry)
+            out, self._carry = res[: self.num_user_outputs], res[self.num_user_outputs:]
+        if last_iter:
+            self.iteration = 0
+        return out

@@ -1,0 +1,233 @@
+"""Whole-step capture: forward, backward and optimizer step into one pure aten graph.
+
+Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside it:
+
+1. ``make_fx`` (fake tensors) runs the user's step with every parameter, buffer,
+   optimizer state tensor and learning rate swapped for a graph input. Real autograd
+   runs under the tracer, so backward ops are recorded; a hook on each trained
+   parameter tags its gradient with ``spmd::tag_grad`` so the parallel mode can find it.
+2. That graph (plain aten ops, some in place) is re-traced under ``functionalize``:
+   the result is pure, and every input the step mutates gets an explicit ``copy_``
+   back into it at the end, so running the graph on the real tensors updates them.
+
+Placeholders carry ``meta["spmd_role"]`` (param, buffer, state, lr, input) and
+``meta["spmd_name"]`` so passes never infer roles from positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .errors import SpmdCompileError
+from .optim_meta import register_missing_fused_optimizer_metas
+from .step_state import StepState
+
+# --- the gradient tag -------------------------------------------------------------
+
+
+@torch.library.custom_op("spmd::tag_grad", mutates_args=())
+def tag_grad(grad: torch.Tensor, param_index: int) -> torch.Tensor:
+    """Identity marker on the gradient of trained parameter ``param_index``."""
+    return grad.clone()
+
+
+@tag_grad.register_fake
+def _(grad, param_index):
+    return torch.empty_like(grad)
+
+
+TAG_GRAD = torch.ops.spmd.tag_grad.default
+
+
+# --- the traced result ------------------------------------------------------------
+
+
+@dataclass
+class TracedStep:
+    """A functional whole-step graph and how to call it.
+
+    ``gm`` takes ``state.flat_tensors() + lr tensors + user tensors`` positionally and
+    returns the flattened user return value; ``out_spec`` rebuilds it.
+    """
+
+    gm: torch.fx.GraphModule
+    out_spec: pytree.TreeSpec
+    num_user_outputs: int
+    placeholder_roles: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _compiling_flag():
+    """Make optimizers take their trace-friendly path (step counter as tensor math)."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
+
+
+@contextlib.contextmanager
+def _rematerialize_optimizers(state: StepState, params, states, lrs):
+    """Point each optimizer at the traced tensors for the duration of the trace."""
+    saved = []
+    try:
+        for o_idx, optim in enumerate(state.optimizers):
+            saved.append((optim, optim.state, [dict(g) for g in optim.param_groups]))
+            traced_state = defaultdict(dict)
+            for g_idx, group in enumerate(optim.param_groups):
+                indices = state.group_param_indices[o_idx][g_idx]
+                group["params"] = [params[i] for i in indices]
+                group["lr"] = lrs[state.lr_slot[(o_idx, g_idx)]]
+                if "capturable" in group:
+                    # The capturable path is pure tensor math: it takes a tensor lr and
+                    # keeps the step counter on the graph. Same numerics up to rounding.
+                    group["capturable"] = True
+                for i in indices:
+                    traced_state[params[i]] = states[i]
+            optim.state = traced_state
+        yield
+    finally:
+        for optim, opt_state, groups in saved:
+            optim.state = opt_state
+            for group, old in zip(optim.param_groups, groups):
+                group.clear()
+                group.update(old)
+
+
+def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
+    """Turn the errors torch raises for untraceable steps into ones that name the fix."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
+
+    text = str(err)
+    if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
+        return SpmdCompileError(
+            "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
+            "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
+            "with tensor ops (torch.where) or move it outside train_step."
+        )
+    if isinstance(err, UnsupportedOperatorException) or "no fake impl or Meta kernel" in text or "attempted to run this operator with Meta" in text:
+        op = getattr(err, "func", None) or text.split(":", 1)[0]
+        return SpmdCompileError(
+            f"spmd.compile: train_step uses the operator {op}, which has no shape (fake/meta) kernel, so it "
+            "cannot be traced. Replace it with a supported op or register a fake kernel for it with "
+            "torch.library.register_fake."
+        )
+    return None
+
+
+_aten = torch.ops.aten
+# in-place fused optimizer packet -> (functional packet, number of list outputs)
+_FUSED_INPLACE = {
+    _aten._fused_adam_: (_aten._fused_adam, 5),
+    _aten._fused_adamw_: (_aten._fused_adamw, 5),
+    _aten._fused_sgd_: (_aten._fused_sgd, 3),
+}
+
+
+class _FunctionalFusedOptim(torch.fx.Interpreter):
+    """Replays a graph, running fused in-place optimizer ops as functional op + copy_.
+
+    Functionalization's generated kernels for some overloads (e.g.
+    ``_fused_adamw_.tensor_lr``) reject functional inputs; the functional overloads
+    followed by explicit copies are handled like any other mutation.
+    """
+
+    def call_function(self, target, args, kwargs):
+        packet = getattr(target, "overloadpacket", None)
+        if packet in _FUSED_INPLACE:
+            functional, n_lists = _FUSED_INPLACE[packet]
+            results = getattr(functional, target._overloadname)(*args, **kwargs)
+            for dsts, srcs in zip(args[:n_lists], results):
+                for dst, src in zip(dsts, srcs):
+                    dst.copy_(src)
+            return None
+        return super().call_function(target, args, kwargs)
+
+
+def trace_train_step(
+    fn: Callable, state: StepState, args: tuple, kwargs: dict
+) -> TracedStep:
+    """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph."""
+    register_missing_fused_optimizer_metas()
+    flat_user, user_spec = pytree.tree_flatten((args, kwargs))
+    tensor_slots = [i for i, v in enumerate(flat_user) if isinstance(v, torch.Tensor)]
+    user_tensors = [flat_user[i] for i in tensor_slots]
+    n_params, n_buffers = len(state.params), len(state.buffers)
+    n_state = len(state.state_tensors)
+
+    out_holder: dict[str, Any] = {}
+
+    def whole_step(params, buffers, state_tensors, lrs, inputs):
+        for i, p in enumerate(params):
+            if state.param_trained[i]:
+                p.register_hook(lambda g, i=i: tag_grad(g, i))
+        states = state.rebuild_optimizer_states(state_tensors, params)
+        flat = list(flat_user)
+        for slot, t in zip(tensor_slots, inputs):
+            flat[slot] = t
+        call_args, call_kwargs = pytree.tree_unflatten(flat, user_spec)
+        with contextlib.ExitStack() as stack:
+            for mod, names in state.module_param_names():
+                mapping = {n: params[i] for n, i in names}
+                mapping.update({n: buffers[i] for n, i in state.module_buffer_names(mod)})
+                stack.enter_context(_reparametrize_module(mod, mapping))
+            stack.enter_context(_rematerialize_optimizers(state, params, states, lrs))
+            out = fn(*call_args, **call_kwargs)
+            leftover = [state.param_names[i] for i, p in enumerate(params) if p.grad is not None]
+        if leftover:
+            raise SpmdCompileError(
+                "spmd.compile: after train_step returns, these parameters still hold gradients: "
+                f"{leftover[:5]}{'...' if len(leftover) > 5 else ''}. Gradients cannot be carried "
+                "between compiled steps; call optim.zero_grad() at the end of train_step."
+            )
+        flat_out, out_spec = pytree.tree_flatten(out)
+        out_holder["spec"] = out_spec
+        bad = [type(v).__name__ for v in flat_out if v is not None and not isinstance(v, (torch.Tensor, int, float, bool))]
+        if bad:
+            raise SpmdCompileError(
+                f"spmd.compile: train_step returns values of type {bad}; return tensors or Python numbers."
+            )
+        return [v.detach() if isinstance(v, torch.Tensor) else v for v in flat_out]
+
+    lr_values = state.lr_tensors()
+    inputs = (list(state.params), list(state.buffers), list(state.state_tensors), lr_values, user_tensors)
+    try:
+        with _compiling_flag():
+            impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
+    except SpmdCompileError:
+        raise
+    except Exception as err:  # torch raises many types here; translate the ones we know
+        translated = _translate_trace_error(err)
+        if translated is None:
+            raise
+        raise translated from err
+
+    flat_inputs = [t.detach() for t in pytree.tree_leaves(inputs)]
+
+    def replay(*flat):
+        return _FunctionalFusedOptim(impure).run(*flat)
+
+    pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"), tracing_mode="fake")(*flat_inputs)
+    roles = (["param"] * n_params + ["buffer"] * n_buffers + ["state"] * n_state
+             + ["lr"] * len(lr_values) + ["input"] * len(user_tensors))
+    names = (list(state.param_names) + list(state.buffer_names) + list(state.state_names)
+             + [f"lr_{k}" for k in range(len(lr_values))] + [f"input_{k}" for k in range(len(user_tensors))])
+    for node, role, name in zip(pure.graph.find_nodes(op="placeholder"), roles, names):
+        node.meta["spmd_role"] = role
+        node.meta["spmd_name"] = name
+    pure.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, tuple out
+    output = next(n for n in reversed(pure.graph.nodes) if n.op == "output")
+    output.args = (tuple(output.args[0]),)
+    pure.recompile()
+    out_spec = out_holder["spec"]
+    return TracedStep(gm=pure, out_spec=out_spec, num_user_outputs=out_spec.num_leaves, placeholder_roles=roles)

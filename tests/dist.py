@@ -1,0 +1,39 @@
+"""Run a test body in N real gloo processes (spawned), failing the test if any rank fails."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, *args, world_size: int = 2) -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
+
+
+class single_process_group:
+    """A gloo group of world size 1 in this process (for graph structure tests)."""
+
+    def __enter__(self):
+        self._tmp = tempfile.TemporaryDirectory()
+        dist.init_process_group("gloo", init_method=f"file://{self._tmp.name}/store", rank=0, world_size=1)
+        return self
+
+    def __exit__(self, *exc):
+        dist.destroy_process_group()
+        self._tmp.cleanup()
