@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import SpmdCompileError
 from .optim_meta import register_missing_fused_optimizer_metas
@@ -104,19 +105,24 @@ def _rematerialize_optimizers(state: StepState, params, states, lrs):
                 group.update(old)
 
 
+_DATA_DEPENDENT = SpmdCompileError(
+    "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
+    "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
+    "with tensor ops (torch.where), return the tensor itself, or move it outside train_step."
+)
+
+
 def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
     """Turn the errors torch raises for untraceable steps into ones that name the fix."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
 
     text = str(err)
     if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
-        return SpmdCompileError(
-            "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
-            "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
-            "with tensor ops (torch.where) or move it outside train_step."
-        )
-    if isinstance(err, UnsupportedOperatorException) or "no fake impl or Meta kernel" in text or "attempted to run this operator with Meta" in text:
-        op = getattr(err, "func", None) or text.split(":", 1)[0]
+        return _DATA_DEPENDENT
+    no_kernel = ("no fake impl or Meta kernel", "attempted to run this operator with Meta", "no fake impl registered")
+    if isinstance(err, UnsupportedOperatorException) or any(t in text for t in no_kernel):
+        op = getattr(err, "func", None) or (text.split("for <CustomOpDef(", 1)[1].split(")", 1)[0]
+                                            if "CustomOpDef(" in text else text.split(":", 1)[0])
         return SpmdCompileError(
             f"spmd.compile: train_step uses the operator {op}, which has no shape (fake/meta) kernel, so it "
             "cannot be traced. Replace it with a supported op or register a fake kernel for it with "
@@ -192,6 +198,8 @@ def trace_train_step(
             )
         flat_out, out_spec = pytree.tree_flatten(out)
         out_holder["spec"] = out_spec
+        if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
+            raise _DATA_DEPENDENT
         bad = [type(v).__name__ for v in flat_out if v is not None and not isinstance(v, (torch.Tensor, int, float, bool))]
         if bad:
             raise SpmdCompileError(
@@ -201,6 +209,17 @@ def trace_train_step(
 
     lr_values = state.lr_tensors()
     inputs = (list(state.params), list(state.buffers), list(state.state_tensors), lr_values, user_tensors)
+    known = {id(o) for o in state.optimizers}
+
+    def refuse_unknown_optimizer(optim, args, kwargs):
+        if id(optim) not in known:
+            raise SpmdCompileError(
+                f"spmd.compile: train_step calls .step() on a {type(optim).__name__} that is not among its "
+                "arguments, so its update cannot be captured. Pass the optimizer to train_step, e.g. "
+                "train_step(model, optim, batch)."
+            )
+
+    hook = register_optimizer_step_pre_hook(refuse_unknown_optimizer)
     try:
         with _compiling_flag():
             impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
@@ -211,6 +230,8 @@ def trace_train_step(
         if translated is None:
             raise
         raise translated from err
+    finally:
+        hook.remove()
 
     flat_inputs = [t.detach() for t in pytree.tree_leaves(inputs)]
 

@@ -57,16 +57,19 @@ class DataParallel:
         for tag in tags:
             grad = tag.args[0]
             graph = gm.graph
-            with graph.inserting_before(tag):
-                if group_name is None:
-                    tag.replace_all_uses_with(grad)
-                    graph.erase_node(tag)
-                    continue
+            if group_name is None:
+                tag.replace_all_uses_with(grad)
+                graph.erase_node(tag)
+                continue
+            # issue the collective as soon as the gradient exists
+            with graph.inserting_after(grad):
                 if self.grad_reduce == "avg" and world_size > 1:
                     grad = graph.call_function(torch.ops.aten.div.Scalar, (grad, world_size))
                     set_fake_val(grad)
+            with graph.inserting_after(grad):
                 reduced = graph.call_function(c10d.all_reduce.default, (grad, "sum", group_name))
                 set_fake_val(reduced)
+            with graph.inserting_after(reduced):
                 waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
                 set_fake_val(waited)
             for n in (reduced, waited):

@@ -1,0 +1,171 @@
+"""Bad train steps get a clear error and leave parameters and optimizer state untouched."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import spmd
+from spmd import SpmdCompileError
+from spmd.models import MLP
+
+
+@torch.library.custom_op("spmdtest::no_fake_kernel", mutates_args=())
+def no_fake_kernel(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _snapshot(model, optim):
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for p, s in optim.state.items()}
+    return params, state
+
+
+def _assert_unchanged(model, optim, snap):
+    params, state = snap
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q), "a parameter changed although compilation failed"
+        assert p.grad is None
+    now = {id(p): s for p, s in optim.state.items()}
+    assert now.keys() == state.keys(), "optimizer state was created or dropped although compilation failed"
+    for k in state:
+        for name, v in state[k].items():
+            assert torch.equal(torch.as_tensor(now[k][name]), torch.as_tensor(v))
+
+
+def _model_and_optim(warm: bool):
+    torch.manual_seed(0)
+    model = MLP(2, 4)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    if warm:  # optimizer state already exists
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+def _branchy(model, optim, x):
+    loss = model(x).sum()
+    if loss > 0:
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _item(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.item()
+
+
+def _unsupported(model, optim, x):
+    no_fake_kernel(model(x)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _no_zero_grad(model, optim, x):
+    model(x).sum().backward()
+    optim.step()
+
+
+CASES = {
+    "data-dependent branch": (_branchy, "branches on or reads the value of a tensor"),
+    "item()": (_item, "branches on or reads the value of a tensor"),
+    "op without fake kernel": (_unsupported, "no shape"),
+    "gradients left behind": (_no_zero_grad, "zero_grad"),
+}
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["fresh-optimizer", "warm-optimizer"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_step_raises_clear_error_and_touches_nothing(case, warm):
+    fn, message = CASES[case]
+    model, optim = _model_and_optim(warm)
+    snap = _snapshot(model, optim)
+    with pytest.raises(SpmdCompileError, match=message):
+        spmd.compile()(fn)(model, optim, torch.randn(3, 4))
+    _assert_unchanged(model, optim, snap)
+
+
+def test_no_module_in_arguments():
+    w = torch.randn(3, requires_grad=True)
+    optim = torch.optim.SGD([w], lr=0.1)
+
+    @spmd.compile()
+    def step(w, optim):
+        w.sum().backward()
+        optim.step()
+
+    with pytest.raises(SpmdCompileError, match="nn.Module"):
+        step(w, optim)
+
+
+def test_optimizer_not_passed_as_argument():
+    model, optim = _model_and_optim(warm=True)
+    snap = _snapshot(model, optim)
+
+    @spmd.compile()
+    def step(model, x):
+        model(x).sum().backward()
+        optim.step()  # an optimizer from the enclosing scope
+        optim.zero_grad()
+
+    with pytest.raises(SpmdCompileError, match="not among its arguments"):
+        step(model, torch.randn(3, 4))
+    _assert_unchanged(model, optim, snap)
+
+
+def test_gradients_from_outside_the_step_are_refused():
+    model, optim = _model_and_optim(warm=True)
+    model(torch.randn(2, 4)).sum().backward()
+
+    @spmd.compile()
+    def step(model, optim, x):
+        model(x).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    with pytest.raises(SpmdCompileError, match="hold gradients"):
+        step(model, optim, torch.randn(3, 4))
+
+
+def test_unimplemented_flags_raise():
+    with pytest.raises(NotImplementedError, match="pass pipeline"):
+        spmd.GraphModuleTransformation(enable_graph_optimization=True)
+    with pytest.raises(NotImplementedError, match="Inductor"):
+        spmd.GraphModuleTransformation(enable_inductor=True)
+    with pytest.raises(NotImplementedError, match="replicate"):
+        spmd.DataParallel("fully_shard")
+
+
+def test_single_process_without_process_group_trains_like_eager():
+    torch.manual_seed(0)
+    model = MLP(2, 4)
+    ref = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    @spmd.compile()
+    def step(model, optim, x):
+        loss = model(x).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        loss = step(model, optim, x)
+        ref_loss = ref(x).sum()
+        ref_loss.backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        torch.testing.assert_close(loss, ref_loss.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)

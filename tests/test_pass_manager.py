@@ -1,0 +1,105 @@
+"""The pass decorator's ordering checks and the PassManager's ordering."""
+
+from __future__ import annotations
+
+import functools
+from unittest.mock import MagicMock
+
+import pytest
+
+from passes import PassManager, applied_passes, graph_optimization_pass
+from spmd import IterGraphModule
+
+
+def _three_passes():
+    calls = []
+
+    @graph_optimization_pass(prerequisites=[], apply_after=[])
+    def my_pass1(gm) -> None:
+        calls.append("1")
+
+    @graph_optimization_pass(prerequisites=[my_pass1], apply_after=[])
+    def my_pass2(gm) -> None:
+        calls.append("2")
+
+    @graph_optimization_pass(prerequisites=[], apply_after=[my_pass1])
+    def my_pass3(gm) -> None:
+        calls.append("3")
+
+    return my_pass1, my_pass2, my_pass3, calls
+
+
+def test_order_valid_sequence_runs():
+    p1, p2, p3, calls = _three_passes()
+    gm = MagicMock(spec=IterGraphModule)
+    p1(gm)
+    p3(gm)
+    p2(gm)
+    assert calls == ["1", "3", "2"]
+    assert applied_passes(gm) == [p1, p3, p2]
+
+
+def test_order_missing_prerequisite_fails():
+    p1, p2, p3, calls = _three_passes()
+    gm = MagicMock(spec=IterGraphModule)
+    p3(gm)
+    with pytest.raises(AssertionError, match="are the prerequisites of"):
+        p2(gm)
+    assert calls == ["3"]
+
+
+def test_order_apply_after_violation_fails():
+    p1, p2, p3, calls = _three_passes()
+    gm = MagicMock(spec=IterGraphModule)
+    p3(gm)
+    with pytest.raises(AssertionError, match="must be applied after"):
+        p1(gm)
+    assert calls == ["3"]
+
+
+def test_applied_passes_are_per_module():
+    p1, p2, p3, calls = _three_passes()
+    a, b = MagicMock(spec=IterGraphModule), MagicMock(spec=IterGraphModule)
+    p1(a)
+    p1(b)  # another module is independent of the first
+    with pytest.raises(AssertionError, match="twice"):
+        p1(a)
+
+
+def test_pass_manager_orders_by_constraints():
+    p1, p2, p3, calls = _three_passes()
+    manager = PassManager([p2, p3, p1])
+    gm = MagicMock(spec=IterGraphModule)
+    manager(gm)
+    assert calls == ["1", "2", "3"]
+
+
+def test_pass_manager_accepts_partials():
+    seen = []
+
+    @graph_optimization_pass()
+    def with_arg(gm, size) -> None:
+        seen.append(size)
+
+    PassManager([functools.partial(with_arg, size=7)])(MagicMock(spec=IterGraphModule))
+    assert seen == [7]
+
+
+def test_pass_manager_refuses_cycles():
+    @graph_optimization_pass()
+    def a(gm) -> None:
+        pass
+
+    @graph_optimization_pass(apply_after=[a])
+    def b(gm) -> None:
+        pass
+
+    # a later declaration makes a depend on b: a -> b -> a
+    a.pass_info.prerequisites.append(b)
+    with pytest.raises(ValueError, match="cycle"):
+        PassManager([a, b])
+
+
+def test_undeclared_pass_is_refused():
+    with pytest.raises(TypeError, match="graph_optimization_pass"):
+        PassManager([lambda gm: None])
