@@ -178,11 +178,19 @@ class StepState:
         return states
 
     def lr_values_and_devices(self) -> list[tuple[float, torch.device]]:
+        """Each param group's lr, with the device it must live on in the graph.
+
+        That is the device of the group's step counters when they are tensors (CPU for
+        non-capturable CUDA optimizers), else the device of its parameters.
+        """
         out = []
         for o_idx, optim in enumerate(self.optimizers):
             for g_idx, group in enumerate(optim.param_groups):
                 idx = self.group_param_indices[o_idx][g_idx]
                 device = self.params[idx[0]].device if idx else torch.device("cpu")
+                step = optim.state.get(self.params[idx[0]], {}).get("step") if idx else None
+                if torch.is_tensor(step):
+                    device = step.device
                 out.append((float(group["lr"]), device))
         return out
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import torch
@@ -11,19 +10,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, fn, args):
+def _worker(rank: int, world_size: int, init_file: str, backend: str, fn, args):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def run_distributed(fn, *args, world_size: int = 2) -> None:
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes."""
+def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo") -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo, or nccl: one GPU each)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "store"), backend, fn, args),
+                 nprocs=world_size, join=True)
 
 
 class single_process_group:

@@ -1,0 +1,84 @@
+"""Replicate parity against DDP on 2 GPUs with NCCL (run by tools/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd
+from spmd.models import GPT, MLP, GPTConfig
+from tests.dist import run_distributed
+from tests.parity import assert_params_close, ddp_copy, eager_step
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+
+def _seed_style(rank, world_size, optim_kwargs):
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = MLP(layers=4, dim=256).to(device)
+    ddp = ddp_copy(model, device_ids=[rank])
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, **optim_kwargs)
+    ddp_optim = torch.optim.Adam(ddp.parameters(), lr=0.01, **optim_kwargs)
+
+    @spmd.compile(gm_transformation=spmd.GraphModuleTransformation())
+    def train_step(model, optim, batch):
+        model(batch).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    torch.manual_seed(rank)
+    for i in range(5):
+        batch = torch.randn(32, 256, device=device)
+        train_step(model, optim, batch, last_train_step=(i == 4))
+        eager_step(ddp, ddp_optim, batch, grad_scale=world_size)
+    assert_params_close(model, ddp, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("optim_kwargs", [
+    {"foreach": True, "capturable": True},
+    {"foreach": True, "capturable": False},
+    {"fused": True, "capturable": True},
+    {"fused": True},
+], ids=["foreach-capturable", "foreach-noncapturable", "fused-capturable", "fused"])
+def test_adam_matches_ddp_on_two_gpus(optim_kwargs):
+    run_distributed(_seed_style, optim_kwargs, backend="nccl")
+
+
+def _gpt(rank, world_size):
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128, frozen_pos_emb=True)
+    model = GPT(cfg).to(device)
+    ddp = ddp_copy(model, device_ids=[rank])
+
+    def make(m):
+        decay = [p for p in m.parameters() if p.dim() >= 2 and p.requires_grad]
+        rest = [p for p in m.parameters() if p.dim() < 2 and p.requires_grad]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=1e-3, fused=True, capturable=True)
+
+    optim, ddp_optim = make(model), make(ddp)
+
+    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
+    def train_step(model, optim, idx, targets):
+        loss = model(idx, targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    gen = torch.Generator(device=device).manual_seed(10 + rank)
+    for i in range(6):
+        idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), device=device, generator=gen)
+        loss = train_step(model, optim, idx, idx.roll(-1, 1))
+        ref = eager_step(ddp, ddp_optim, idx, idx.roll(-1, 1))
+        torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-4)
+    assert_params_close(model, ddp, atol=1e-4, rtol=1e-4)
+
+
+def test_gpt_fused_adamw_avg_matches_ddp_on_two_gpus():
+    run_distributed(_gpt, backend="nccl")

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One call does the whole GPU check: environment, then the NCCL parity tests on 2 GPUs.
+# Usage (on a machine with >= 2 GPUs, from the repo root): bash tools/gpu_check.sh
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "python", sys.version.split()[0])'
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu_parity.py -rA "$@"
