@@ -67,6 +67,15 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight
         if cfg.frozen_pos_emb:
             self.wpe.weight.requires_grad_(False)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        """GPT-2 initialisation (normal, std 0.02): the first loss is about log(vocab_size)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.shape[1], device=idx.device)

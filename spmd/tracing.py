@@ -194,7 +194,7 @@ def trace_train_step(
             raise SpmdCompileError(
                 "spmd.compile: after train_step returns, these parameters still hold gradients: "
                 f"{leftover[:5]}{'...' if len(leftover) > 5 else ''}. Gradients cannot be carried "
-                "between compiled steps; call optim.zero_grad() at the end of train_step."
+                "between compiled steps; call optim.zero_grad() (set_to_none=True, the default) at the end of train_step."
             )
         flat_out, out_spec = pytree.tree_flatten(out)
         out_holder["spec"] = out_spec
