@@ -1,5 +1,21 @@
 """Graph optimization passes over whole-step graphs, and the manager that orders them."""
 
+from .comm_fusion import comm_fusion_with_concat, plan_buckets
+from .comm_wait import schedule_comm_wait
+from .fused_optimizer import (
+    ForeachAddBlock,
+    FusedAdamBlock,
+    FusedOptimizerBlock,
+    get_all_fused_optimizer_blocks,
+    split_fused_optimizer,
+)
+from .iter_move import find_all_descendants, iter_move_grads_and_optimizers
 from .manager import PassManager, applied_passes, graph_optimization_pass, pass_info
+from .optimizer_copies import remove_copy_from_optimizer
 
-__all__ = ["PassManager", "applied_passes", "graph_optimization_pass", "pass_info"]
+__all__ = [
+    "ForeachAddBlock", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
+    "comm_fusion_with_concat", "find_all_descendants", "get_all_fused_optimizer_blocks",
+    "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
+    "remove_copy_from_optimizer", "schedule_comm_wait", "split_fused_optimizer",
+]

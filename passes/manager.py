@@ -36,7 +36,7 @@ class PassInfo:
 
     @property
     def name(self) -> str:
-        return self.fn.__qualname__
+        return self.fn.__name__
 
 
 GraphPass = Callable[..., None]

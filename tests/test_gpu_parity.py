@@ -48,7 +48,7 @@ def test_adam_matches_ddp_on_two_gpus(optim_kwargs):
     run_distributed(_seed_style, optim_kwargs, backend="nccl")
 
 
-def _gpt(rank, world_size):
+def _gpt(rank, world_size, optimize=False):
     device = torch.device("cuda", rank)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128, frozen_pos_emb=True)
@@ -63,7 +63,9 @@ def _gpt(rank, world_size):
 
     optim, ddp_optim = make(model), make(ddp)
 
-    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
+    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
+                  gm_transformation=spmd.GraphModuleTransformation(enable_graph_optimization=optimize,
+                                                                   bucket_size_mb=0.5))
     def train_step(model, optim, idx, targets):
         loss = model(idx, targets)
         loss.backward()
@@ -74,11 +76,12 @@ def _gpt(rank, world_size):
     gen = torch.Generator(device=device).manual_seed(10 + rank)
     for i in range(6):
         idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), device=device, generator=gen)
-        loss = train_step(model, optim, idx, idx.roll(-1, 1))
+        loss = train_step(model, optim, idx, idx.roll(-1, 1), last_train_step=(i == 5))
         ref = eager_step(ddp, ddp_optim, idx, idx.roll(-1, 1))
         torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-4)
     assert_params_close(model, ddp, atol=1e-4, rtol=1e-4)
 
 
-def test_gpt_fused_adamw_avg_matches_ddp_on_two_gpus():
-    run_distributed(_gpt, backend="nccl")
+@pytest.mark.parametrize("optimize", [False, True], ids=["replicate", "pass-pipeline"])
+def test_gpt_fused_adamw_avg_matches_ddp_on_two_gpus(optimize):
+    run_distributed(_gpt, optimize, backend="nccl")

@@ -7,3 +7,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import torch, sys; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "python", sys.version.split()[0])'
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_parity.py -rA "$@"
+rc=$?
+# Exposed communication before/after the pass pipeline (GPT 124M-like, 2 GPUs); traces under ${OUT:-profile_out}
+python3 tools/profile_overlap.py --out "${OUT:-profile_out}" ${PROFILE_ARGS:-}
+exit $rc
