@@ -2,11 +2,12 @@
 
 from .api import CompiledTrainStep, compile
 from .errors import SpmdCompileError
+from .explain import Plan, explain
 from .iter_graph_module import IterGraph, IterGraphModule, IterMoveError
 from .parallel import DataParallel
 from .transformation import GraphModuleTransformation
 
 __all__ = [
     "CompiledTrainStep", "DataParallel", "GraphModuleTransformation", "IterGraph", "IterGraphModule",
-    "IterMoveError", "SpmdCompileError", "compile",
+    "IterMoveError", "Plan", "SpmdCompileError", "compile", "explain",
 ]

@@ -42,6 +42,12 @@ def _user_signature(args: tuple, kwargs: dict) -> tuple:
     return tuple(sig)
 
 
+def _default_transformation():
+    from .transformation import GraphModuleTransformation
+
+    return GraphModuleTransformation()
+
+
 class CompiledTrainStep:
     """The callable that ``spmd.compile`` returns; see ``compile``."""
 
@@ -50,7 +56,8 @@ class CompiledTrainStep:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.module_override = list(module_override or [])
-        self.gm_transformation = gm_transformation
+        # default: an IterGraphModule, no passes (dumps if SPMD_DUMP_DIR is set)
+        self.gm_transformation = gm_transformation or _default_transformation()
         self.parallel_mode = parallel_mode or DataParallel("replicate")
         self.cache: dict[tuple, CompiledStep] = {}
         self._overridden: set[int] = set()
@@ -67,7 +74,12 @@ class CompiledTrainStep:
                         setattr(mod.get_submodule(parent_name) if parent_name else mod, leaf, new)
             self._overridden.add(id(mod))
 
-    def _compile(self, state: StepState, args: tuple, kwargs: dict) -> CompiledStep:
+    def trace_and_expand(self, state: StepState, args: tuple, kwargs: dict):
+        """Trace the step and expand it for the parallel mode: (expanded gm, traced step, state, created).
+
+        ``created`` lists optimizers whose state was created for the trace; on failure it
+        is removed again, so a failed compile leaves the user's objects as they were.
+        """
         created = [o for o in state.optimizers if ensure_optimizer_state(o)]
         try:
             if created:  # state was just created: lay it out again
@@ -80,10 +92,15 @@ class CompiledTrainStep:
         gm = self.parallel_mode.expand(traced.gm)
         for override in self.module_override:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
+        return gm, traced, state, created
+
+    def _compile(self, state: StepState, args: tuple, kwargs: dict) -> CompiledStep:
+        gm, traced, state, _ = self.trace_and_expand(state, args, kwargs)
         runner = self.gm_transformation(gm) if self.gm_transformation else gm
         return CompiledStep(runner, traced.out_spec, gm), state
 
-    def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
+    def prepare_state(self, args: tuple, kwargs: dict) -> StepState:
+        """Find the step's modules and optimizers, apply overrides, and check no stray gradients."""
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
         state = StepState(modules, optimizers)
@@ -94,6 +111,11 @@ class CompiledTrainStep:
                 "from outside the compiled step, which it would ignore. Call optim.zero_grad() (set_to_none) "
                 "before calling the compiled train_step."
             )
+        return state
+
+    def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
+        state = self.prepare_state(args, kwargs)
+        modules, optimizers = state.modules, state.optimizers
         key = (state.signature(), _user_signature(args, kwargs), tuple(map(id, modules + optimizers)))
         entry = self.cache.get(key)
         if entry is None:

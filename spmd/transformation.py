@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Callable, Optional, Sequence
 
+import torch.distributed as dist
 import torch.fx as fx
 
 from graph_utils import dump_graphs_to_files
@@ -32,15 +33,20 @@ class GraphModuleTransformation:
     ``enable_graph_optimization=True`` runs ``default_passes(bucket_size_mb)`` plus any
     ``passes`` the user gives (declared with ``@graph_optimization_pass``, bare or as
     ``functools.partial``), ordered together by ``PassManager``. ``passes`` alone (without
-    the flag) runs only the user's. ``dump_graphs=True`` writes the traced graph, the graph
-    after each pass and the setup/main/cleanup graphs to ``dump_dir`` (default
-    ``$SPMD_DUMP_DIR`` or ``./spmd_dump``). ``enable_inductor`` is not implemented yet and
-    raises ``NotImplementedError``.
+    the flag) runs only the user's.
+
+    Dumps: ``dump_graphs=True`` (or the environment variable ``SPMD_DUMP_DIR``, no code
+    change needed) writes the traced graph, the graph after each pass and the
+    setup/main/cleanup graphs to ``dump_dir`` (default ``$SPMD_DUMP_DIR`` or
+    ``./spmd_dump``), on rank 0 only unless ``dump_ranks="all"`` (or
+    ``SPMD_DUMP_RANKS=all``), which writes ``dump_dir/rank<r>/`` per rank. When off, no
+    graph is copied or written. ``enable_inductor`` is not implemented yet and raises
+    ``NotImplementedError``.
     """
 
     def __init__(self, enable_graph_optimization: bool = False, enable_inductor: bool = False,
-                 dump_graphs: bool = False, dump_dir: Optional[str] = None, bucket_size_mb: float = 25.0,
-                 passes: Sequence[Callable] = ()):
+                 dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None, bucket_size_mb: float = 25.0,
+                 passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None):
         if enable_inductor:
             raise NotImplementedError(
                 "GraphModuleTransformation(enable_inductor=True): Inductor lowering of the whole step is "
@@ -48,24 +54,38 @@ class GraphModuleTransformation:
             )
         chosen = (default_passes(bucket_size_mb) if enable_graph_optimization else []) + list(passes)
         self.pass_manager = PassManager(chosen)  # validates declarations and order now, not mid-compile
-        self.dump_graphs = dump_graphs
-        self.dump_dir = dump_dir or os.environ.get("SPMD_DUMP_DIR") or "spmd_dump"
+        env_dir = os.environ.get("SPMD_DUMP_DIR")
+        self.dump_graphs = bool(env_dir) if dump_graphs is None else dump_graphs
+        self.dump_dir = dump_dir or env_dir or "spmd_dump"
+        self.dump_ranks = dump_ranks or os.environ.get("SPMD_DUMP_RANKS", "0")
+        if self.dump_ranks not in ("0", "all"):
+            raise ValueError(f"GraphModuleTransformation: dump_ranks must be '0' or 'all', got {self.dump_ranks!r}")
+
+    def _dump_folder(self) -> Optional[str]:
+        """Where this rank dumps, or None when it does not."""
+        if not self.dump_graphs:
+            return None
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if self.dump_ranks == "all":
+            return os.path.join(self.dump_dir, f"rank{rank}")
+        return self.dump_dir if rank == 0 else None
 
     def __call__(self, gm: fx.GraphModule) -> IterGraphModule:
         igm = IterGraphModule(gm)
+        folder = self._dump_folder()
         stages = {"00_traced": gm}
         for p in self.pass_manager.order:
             p(igm)
-            if self.dump_graphs:  # snapshot: later passes edit the same graph
+            if folder:  # snapshot: later passes edit the same graph
                 snapshot = fx.Graph()
                 snapshot.output(snapshot.graph_copy(igm.graph, {}))
                 stages[f"{len(stages):02d}_{pass_info(p).name}"] = fx.GraphModule(igm.logical_gm, snapshot)
         igm.finalize_setup()
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
-        if self.dump_graphs:
+        if folder:
             n = len(stages)
             stages.update({f"{n:02d}_setup": igm.setup_gm, f"{n + 1:02d}_main": igm.main_gm,
                            f"{n + 2:02d}_cleanup": igm.cleanup_gm})
-            paths = dump_graphs_to_files(stages, self.dump_dir)
-            log.info("spmd: wrote %d graph dump files to %s", len(paths), self.dump_dir)
+            paths = dump_graphs_to_files(stages, folder)
+            log.info("spmd: wrote %d graph dump files to %s", len(paths), folder)
         return igm

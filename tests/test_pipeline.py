@@ -81,3 +81,29 @@ def test_user_pass_runs_in_order_with_ours_and_dumps_every_stage(tmp_path):
     fused = json.loads(next(tmp_path.glob("01_comm_fusion_with_concat.json")).read_text())
     assert traced["by_kind"]["collective"] == 4 and fused["by_kind"]["collective"] == 1
     assert traced["comm_bytes"] == fused["comm_bytes"]  # same bytes, fewer collectives
+
+
+def test_dump_dir_env_var_turns_dumps_on_without_code_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPMD_DUMP_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = MLP(layers=1, dim=4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @spmd.compile()
+    def train_step(model, optim, batch):
+        model(batch).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    train_step(model, optim, torch.randn(2, 4))
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == ["00_traced.py", "01_setup.py", "02_main.py",
+                                                             "03_cleanup.py"]
+
+
+def test_dumps_are_off_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPMD_DUMP_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert spmd.GraphModuleTransformation()._dump_folder() is None
+    assert spmd.GraphModuleTransformation(dump_graphs=True, dump_ranks="all")._dump_folder().endswith("rank0")
+    with pytest.raises(ValueError, match="dump_ranks"):
+        spmd.GraphModuleTransformation(dump_ranks="some")

@@ -1,0 +1,146 @@
+"""``spmd.explain``: what compiling a train step would do, without running a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graph_utils import find_node, is_all_reduce, is_wait_node, tensor_bytes
+from passes import PassManager, pass_info
+
+from .api import CompiledTrainStep
+from .iter_graph_module import IterGraphModule
+from .transformation import GraphModuleTransformation
+
+TINY_ALL_REDUCE_BYTES = 1 << 20  # an all_reduce under 1 MiB is dominated by latency
+
+
+@dataclass
+class Bucket:
+    name: str
+    gradients: int
+    bytes: int
+    wait_distance: int  # nodes between the collective and its wait
+
+
+@dataclass
+class Plan:
+    """The compile plan of one train step (see ``explain``)."""
+
+    params: int
+    trainable_params: int
+    param_bytes: int
+    buckets: list[Bucket] = field(default_factory=list)
+    passes: list[dict[str, Any]] = field(default_factory=list)
+    moves: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _pass_rows(manager: PassManager) -> list[dict[str, Any]]:
+    rows = []
+    for p in manager.order:
+        info = pass_info(p)
+        args = dict(p.keywords) if hasattr(p, "keywords") else {}
+        rows.append({"pass": info.name, "args": args,
+                     "prerequisites": [pass_info(q).name for q in info.prerequisites],
+                     "apply_after": [pass_info(q).name for q in info.apply_after]})
+    return rows
+
+
+def _buckets(graph) -> list[Bucket]:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    out = []
+    for comm in find_node(graph, is_all_reduce):
+        waits = [u for u in comm.users if is_wait_node(u)]
+        distance = order[waits[0]] - order[comm] - 1 if waits else -1
+        members = comm.meta.get("spmd_bucket") or [comm.meta.get("spmd_grad_of")]
+        out.append(Bucket(comm.name, len(members), tensor_bytes(comm), distance))
+    return out
+
+
+def _warnings(plan: Plan, optimized: bool) -> list[str]:
+    warn = []
+    if plan.buckets and not optimized:
+        warn.append(f"{len(plan.buckets)} all_reduces, one per gradient, each waited on at once: enable "
+                    "GraphModuleTransformation(enable_graph_optimization=True) to bucket them and overlap.")
+    adjacent = [b.name for b in plan.buckets if 0 <= b.wait_distance <= 1]
+    if adjacent and optimized:
+        warn.append(f"{len(adjacent)} collectives are waited on right after they start (nothing overlaps them): "
+                    f"{adjacent[:4]}")
+    tiny = [b for b in plan.buckets if b.gradients == 1 and b.bytes < TINY_ALL_REDUCE_BYTES]
+    if len(plan.buckets) > 1 and tiny:
+        warn.append(f"{len(tiny)} un-fused all_reduces under 1 MiB (latency-bound): raise bucket_size_mb.")
+    return warn
+
+
+def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwargs) -> Plan:
+    """Trace ``train_step`` on these arguments and report the plan, without running a step.
+
+    Returns (and prints with rich) parameters and bytes, gradient buckets and their sizes,
+    the pass pipeline in order with its constraints, cross-iteration moves, and warnings
+    for what will run slowly. Parameters and optimizer state are left as they were
+    (optimizer state created for the trace is removed again).
+
+    Example::
+
+        plan = spmd.explain(train_step, model, optim, batch)
+        print(plan.buckets)
+    """
+    if not isinstance(train_step, CompiledTrainStep):
+        raise TypeError("spmd.explain: pass the function returned by @spmd.compile(...)")
+    kwargs.pop("last_train_step", None)
+    state = train_step.prepare_state(args, kwargs)
+    gm, _, state, created = train_step.trace_and_expand(state, args, kwargs)
+    try:
+        transform = train_step.gm_transformation
+        manager = transform.pass_manager if isinstance(transform, GraphModuleTransformation) else PassManager([])
+        igm = IterGraphModule(gm)
+        manager(igm)
+        if transform is not None and not isinstance(transform, GraphModuleTransformation):
+            result = transform(gm)  # a user transformation: show what it built
+            igm = result if isinstance(result, IterGraphModule) else igm
+    finally:
+        for o in created:
+            o.state.clear()
+    params = {id(p): p for p in state.params}
+    plan = Plan(
+        params=sum(p.numel() for p in params.values()),
+        trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
+        param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+        buckets=_buckets(igm.graph),
+        passes=_pass_rows(manager),
+        moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
+    )
+    plan.warnings = _warnings(plan, optimized=bool(plan.passes))
+    if print_plan:
+        print_plan_tables(plan)
+    return plan
+
+
+def print_plan_tables(plan: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]parameters[/]: {plan.params:,} ({plan.trainable_params:,} trained), "
+                  f"{plan.param_bytes / 2**20:.2f} MiB")
+    table = Table(title="gradient collectives (graph order)")
+    for col in ("collective", "gradients", "MiB", "nodes until wait"):
+        table.add_column(col, justify="right")
+    for b in plan.buckets:
+        table.add_row(b.name, str(b.gradients), f"{b.bytes / 2**20:.3f}", str(b.wait_distance))
+    console.print(table)
+    table = Table(title="pass pipeline (in order)")
+    for col in ("pass", "args", "prerequisites", "apply after"):
+        table.add_column(col)
+    for row in plan.passes:
+        table.add_row(row["pass"], str(row["args"] or ""), ", ".join(row["prerequisites"]) or "-",
+                      ", ".join(row["apply_after"]) or "-")
+    console.print(table)
+    for m in plan.moves:
+        console.print(f"moved to the next iteration: {m['nodes']} nodes before {m['target']} "
+                      f"({m['carried']} values carried)")
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/] {w}")

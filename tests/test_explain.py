@@ -1,0 +1,53 @@
+"""spmd.explain reports buckets, passes and warnings without running a step."""
+
+from __future__ import annotations
+
+import torch
+
+import spmd
+from passes import plan_buckets  # noqa: F401  (public API used by users planning buckets)
+from spmd.models import MLP
+from tests.dist import single_process_group
+
+
+def _step(transform):
+    @spmd.compile(gm_transformation=transform)
+    def train_step(model, optim, batch):
+        model(batch).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    return train_step
+
+
+def test_explain_reports_known_buckets_and_touches_nothing():
+    torch.manual_seed(0)
+    model = MLP(layers=4, dim=32)  # per layer: weight 4 KiB, bias 128 B (fp32)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    bucket_mb = (32 * 32 * 4 + 32 * 4) / 2**20  # exactly one layer per bucket
+    step = _step(spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=bucket_mb))
+    with single_process_group():
+        plan = spmd.explain(step, model, optim, torch.randn(8, 32), print_plan=False)
+    assert plan.params == 4 * (32 * 32 + 32) and plan.param_bytes == plan.params * 4
+    assert [b.bytes for b in plan.buckets] == [32 * 32 * 4 + 32 * 4] * 4
+    assert all(b.gradients == 2 for b in plan.buckets)
+    assert [r["pass"] for r in plan.passes] == ["comm_fusion_with_concat", "schedule_comm_wait",
+                                                 "remove_copy_from_optimizer"]
+    assert plan.passes[1]["prerequisites"] == ["comm_fusion_with_concat"]
+    assert all(b.wait_distance > 1 for b in plan.buckets)
+    assert not step.cache, "explain must not compile or run a step"
+    assert not optim.state, "optimizer state created for the trace must be removed"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_explain_warns_about_unbucketed_all_reduces(capsys):
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with single_process_group():
+        plan = spmd.explain(_step(spmd.GraphModuleTransformation()), model, optim, torch.randn(4, 8))
+    assert len(plan.buckets) == 4 and plan.passes == []
+    assert any("enable_graph_optimization" in w for w in plan.warnings)
+    assert any("under 1 MiB" in w for w in plan.warnings)
+    assert "gradient collectives" in capsys.readouterr().out
