@@ -45,8 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to spawn (default: all GPUs, or 2 on CPU); ignored under torchrun")
-    p.add_argument("--dump-dir", default=None,
-                   help="write spmd's traced/setup/main/cleanup graphs under DIR/rank<r>/")
+    p.add_argument("--dump-dir", default="spmd_dump",
+                   help="where spmd writes its graphs (traced, after each pass, setup/main/cleanup) for rank 0 "
+                        "(default ./spmd_dump; inspect with tools/inspect_graphs.py)")
+    p.add_argument("--no-passes", action="store_true", help="compile without the comm/optimizer pass pipeline")
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch < 1:
         p.error("--steps and --batch must be >= 1")
@@ -120,10 +122,9 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     batches = make_batches(cfg, args.steps, args.batch, rank, device)
     n_params = sum(p.numel() for p in model.parameters())
 
-    gm_transformation = None
-    if args.dump_dir:
-        dump_dir = os.path.join(args.dump_dir, f"rank{rank}")
-        gm_transformation = spmd.GraphModuleTransformation(dump_graphs=True, dump_dir=dump_dir)
+    gm_transformation = spmd.GraphModuleTransformation(
+        enable_graph_optimization=not args.no_passes, bucket_size_mb=0.05,  # several buckets for a small model
+        dump_graphs=True, dump_dir=args.dump_dir)
 
     @spmd.compile(gm_transformation=gm_transformation,
                   parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
@@ -157,7 +158,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
 
         spmd_res = run_mode("spmd", spmd_step, batches, device, progress, task)
         (entry,) = train_step.cache.values()  # one input signature: traced once
-        graph_nodes = [n for n in entry.graph.graph.nodes if n.op == "call_function"]
+        graph_nodes = [n for n in entry.runner.main_gm.graph.nodes if n.op == "call_function"]  # what runs
         n_allreduce = sum(n.target is torch.ops._c10d_functional.all_reduce.default for n in graph_nodes)
         del model, optim, train_step, entry  # free the spmd copy before measuring DDP
         ddp = DDP(ddp_init.to(device), device_ids=[device.index] if on_gpu else None)
@@ -213,10 +214,9 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         console = Console()
         console.print(table)
         console.print(f"spmd step graph: {len(graph_nodes)} ops, {n_allreduce} gradient all_reduces "
-                      "(one per parameter; DDP buckets them)")
-        if args.dump_dir:
-            console.print(f"spmd graphs written to {os.path.abspath(args.dump_dir)}/rank<r>/ "
-                          "(00_traced, 01_setup, 02_main, 03_cleanup: .py, .graph.txt, .json)")
+                      f"({'one per parameter' if args.no_passes else 'fused into buckets'})")
+        console.print(f"spmd graphs (rank 0) written to {os.path.abspath(args.dump_dir)}/: traced, after each "
+                      f"pass, setup/main/cleanup. Look: python tools/inspect_graphs.py {args.dump_dir}")
         if ok:
             console.print(f"[green]OK[/]: spmd matches eager DDP (max |loss diff| {max_diff:.2e} <= {TOLERANCE:g})")
         else:
