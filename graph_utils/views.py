@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections import Counter
 from typing import Any
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from .nodes import is_comm_node, is_wait_node, tensor_bytes
@@ -34,24 +36,94 @@ def _kind(node: fx.Node) -> str:
     return "compute"
 
 
+def _op_name(node: fx.Node) -> str:
+    """The overload packet name of a call_function (``"all_reduce"``, ``"_fused_adamw_"``), else ``""``."""
+    packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+    return getattr(packet, "__name__", "")
+
+
+def _waited_comm(wait: fx.Node) -> fx.Node | None:
+    """The collective a wait_tensor waits on (through the getitem of a coalesced collective)."""
+    src = wait.args[0] if wait.args else None
+    if isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem:
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and is_comm_node(src) else None
+
+
+def _comm_bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):  # coalesced collectives produce a list of tensors
+        return sum(v.numel() * v.element_size() for v in val if isinstance(v, torch.Tensor))
+    return tensor_bytes(node)
+
+
 def graph_summary(graph: fx.Graph) -> dict[str, Any]:
-    """Node counts by kind and every collective with its op, group and bytes."""
+    """Node counts by kind, every collective, every wait's overlap window and the fused optimizer ops.
+
+    Keys: ``nodes`` (count), ``by_kind`` (placeholder/compute/collective/wait/... counts),
+    ``collectives`` (name, op, group, reduce_op, bytes, bucket = parameter indices or None,
+    index = graph position), ``comm_bytes`` (sum of their bytes), ``waits`` (name, collective,
+    index, ``distance`` = nodes strictly between the collective and the wait,
+    ``first_user_distance`` = nodes strictly between the wait and its first user, None without
+    users) and ``optimizer_ops`` (every ``_fused_*`` op: name, op, params = ``len(args[0])``).
+    A wait with distance 0 or 1 overlaps its collective with (almost) nothing.
+
+    Example::
+
+        s = graph_summary(gm.graph)
+        exposed = sum(w["distance"] <= 1 for w in s["waits"])
+    """
+    index = {n: i for i, n in enumerate(graph.nodes)}
     counts = Counter(_kind(n) for n in graph.nodes)
-    comms = []
+    comms, waits, optim = [], [], []
     for node in graph.nodes:
         if is_comm_node(node):
+            bucket = node.meta.get("spmd_bucket")
+            if bucket is None and "spmd_grad_of" in node.meta:
+                bucket = [node.meta["spmd_grad_of"]]
+            reduce_op = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else None
             comms.append({
                 "name": node.name,
                 "op": str(node.target),
                 "group": str(node.args[-1]) if node.args else None,
-                "bytes": tensor_bytes(node),
+                "reduce_op": reduce_op,
+                "bytes": _comm_bytes(node),
+                "bucket": list(bucket) if bucket is not None else None,
+                "index": index[node],
             })
+        elif is_wait_node(node):
+            comm = _waited_comm(node)
+            first_user = min((index[u] for u in node.users), default=None)
+            waits.append({
+                "name": node.name,
+                "collective": comm.name if comm is not None else None,
+                "index": index[node],
+                "distance": index[node] - index[comm] - 1 if comm is not None else None,
+                "first_user_distance": first_user - index[node] - 1 if first_user is not None else None,
+            })
+        elif _op_name(node).startswith("_fused_"):
+            params = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else []
+            optim.append({"name": node.name, "op": _op_name(node), "params": len(params), "index": index[node]})
     return {
         "nodes": len(graph.nodes),
         "by_kind": dict(sorted(counts.items())),
         "collectives": comms,
         "comm_bytes": sum(c["bytes"] for c in comms),
+        "waits": waits,
+        "optimizer_ops": optim,
     }
+
+
+def node_records(graph: fx.Graph) -> list[dict[str, Any]]:
+    """One record per node in graph order: name, op, target, kind, args (input node names), users."""
+    return [{
+        "name": n.name,
+        "op": n.op,
+        "target": n.target if isinstance(n.target, str) else str(n.target),
+        "kind": _kind(n),
+        "args": [a.name for a in n.all_input_nodes],
+        "users": [u.name for u in n.users],
+    } for n in graph.nodes]
 
 
 def print_graph_summary(graph: fx.Graph, title: str = "graph") -> None:
@@ -72,6 +144,9 @@ def print_graph_summary(graph: fx.Graph, title: str = "graph") -> None:
 def dump_graphs_to_files(graphs: dict[str, fx.GraphModule], folder: str) -> list[str]:
     """Write each GraphModule as readable Python code, graph text and a JSON summary.
 
+    The JSON is ``graph_summary`` plus ``node_list`` (``node_records``), so tools can read a
+    dump folder without torch (see ``tools/inspect_graphs.py``).
+
     Returns the paths written. ``graphs`` maps a file stem (e.g. ``"03_main"``) to a module.
     """
     os.makedirs(folder, exist_ok=True)
@@ -83,6 +158,6 @@ def dump_graphs_to_files(graphs: dict[str, fx.GraphModule], folder: str) -> list
         with open(stem + ".graph.txt", "w") as f:
             f.write(str(gm.graph))
         with open(stem + ".json", "w") as f:
-            json.dump(graph_summary(gm.graph), f, indent=1)
+            json.dump({**graph_summary(gm.graph), "node_list": node_records(gm.graph)}, f, indent=1)
         paths += [stem + ".py", stem + ".graph.txt", stem + ".json"]
     return paths
