@@ -16,10 +16,11 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, fn, args):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)
+    # Tear down together: a rank that destroys its group while a peer is still inside a
+    # collective aborts the peer ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo") -> None:
