@@ -54,6 +54,28 @@ def kernel_intervals(events: list[dict]) -> tuple[list[tuple[float, float]], lis
     return comm, compute
 
 
+def exposed_intervals(events: list[dict]) -> list[tuple[float, float]]:
+    """Communication time no compute kernel covers, as sorted disjoint (start, end) in µs.
+
+    Its total length is ``exposed_communication(events)["exposed_comm_ms"] * 1000`` (one step).
+    """
+    comm, compute = kernel_intervals(events)
+    out, j = [], 0
+    compute_u = _union(compute)
+    for start, end in _union(comm):
+        while j < len(compute_u) and compute_u[j][1] <= start:
+            j += 1
+        k, cur = j, start
+        while k < len(compute_u) and compute_u[k][0] < end:
+            if compute_u[k][0] > cur:
+                out.append((cur, compute_u[k][0]))
+            cur = max(cur, compute_u[k][1])
+            k += 1
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
 def exposed_communication(events: list[dict], steps: int = 1) -> dict[str, float]:
     """Communication, exposed communication (ms per step) and the share overlapped."""
     comm, compute = kernel_intervals(events)

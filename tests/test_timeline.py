@@ -1,0 +1,98 @@
+"""tools/timeline.py on a synthetic two-stream trace with known overlap: lanes, kernels, exposed time, figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import timeline  # noqa: E402
+
+from spmd.trace_analysis import exposed_intervals  # noqa: E402
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _k(name, ts, dur, stream):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def _trace():
+    # compute on stream 7: [1000, 1100) and [1200, 1300); NCCL on stream 18: [1050, 1150) is 50 µs
+    # exposed ([1100, 1150)), [1320, 1360) fully exposed: 90 µs exposed of 140 µs communication.
+    return [
+        _k("gemm", 1000, 100, 7), _k("elementwise", 1200, 100, 7),
+        _k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1050, 100, 18),
+        _k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1320, 40, 18),
+        {"ph": "X", "cat": "user_annotation", "name": "spmd.step", "ts": 990, "dur": 300},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "spmd.step", "ts": 1000, "dur": 400},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 995, "dur": 10},
+    ]
+
+
+def _svg(events, **kw):
+    return ET.fromstring(timeline.render_svg(events, **kw))
+
+
+def _rects(root, cls):
+    return [r for r in root.iter(SVG + "rect") if cls in r.get("class", "").split()]
+
+
+def test_exposed_intervals_are_comm_minus_compute():
+    assert exposed_intervals(_trace()) == [(1100.0, 1150.0), (1320.0, 1360.0)]
+
+
+def test_one_lane_per_stream_named_by_kind_plus_exposed_lane():
+    labels = [g.get("data-label") for g in _svg(_trace()).iter(SVG + "g") if g.get("class") == "lane"]
+    assert labels == ["NCCL stream 18", "compute stream 7", "exposed comm"]
+
+
+def test_kernel_rectangles_and_red_exposed_width():
+    root = _svg(_trace())
+    kernels = _rects(root, "kernel")
+    assert len(kernels) == 4
+    assert len(_rects(root, "nccl")) == 2 and len(_rects(root, "compute")) == 2
+    plot_w = float(next(r for r in root.iter(SVG + "rect") if r.get("fill") == "#f4f4f4").get("width"))
+    red = sum(float(r.get("width")) for r in _rects(root, "exposed"))
+    assert red / plot_w == pytest.approx(90 / 400, rel=1e-3)  # 90 µs exposed over a 400 µs step window
+    steps = [ln for ln in root.iter(SVG + "line") if ln.get("class") == "step"]
+    assert len(steps) == 1 and float(steps[0].get("x1")) == pytest.approx(timeline.LABEL_W)
+
+
+def test_subpixel_kernels_merge_but_keep_their_count():
+    events = [_k("tiny", 1000 + 2 * i, 1, 7) for i in range(500)] + [_k("nccl_send", 3000, 10, 18)]
+    root = _svg(events, width=400)
+    kernels = _rects(root, "kernel")
+    assert len(kernels) < 20
+    assert sum(int(r.get("data-n")) for r in kernels) == 501
+
+
+def test_header_and_printed_figures(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": _trace()}))
+    assert timeline.main([str(path), "--out", str(tmp_path / "t.html")]) == 0
+    printed = capsys.readouterr().out
+    svg = (tmp_path / "t.svg").read_text()
+    assert svg in (tmp_path / "t.html").read_text()
+    header = ET.fromstring(svg).find(f".//{SVG}text[@class='header']").text
+    # steps 1, step 0.4 ms, comm 0.14 ms, exposed 0.09 ms, overlapped 100 * 50 / 140 %
+    want = {"steps": 1, "step": 0.4, "comm": 0.14, "exposed": 0.09, "overlapped": 100 * 50 / 140}
+    nums = [float(v) for v in re.findall(r"\d+(?:\.\d+)?", printed.split("\n", 1)[1].split("wrote")[0])]
+    assert nums[-5:] == pytest.approx([want["steps"], want["step"], want["comm"], want["exposed"],
+                                       want["overlapped"]], abs=0.05)
+    assert float(re.search(r"exposed communication ([\d.]+) ms", header).group(1)) == pytest.approx(0.09)
+    assert float(re.search(r"([\d.]+)% of communication overlapped", header).group(1)) == pytest.approx(
+        want["overlapped"], abs=0.05)
+    assert float(re.search(r"step ([\d.]+) ms", header).group(1)) == pytest.approx(0.4)
+
+
+def test_steps_flag_divides_per_step_figures():
+    figs = timeline.timeline_figures(_trace(), steps=2)
+    assert figs["steps"] == 2 and figs["exposed_comm_ms"] == pytest.approx(0.045)
+    assert figs["step_ms"] == pytest.approx(0.2)

@@ -1,0 +1,243 @@
+"""Draw a torch.profiler Chrome trace as a per-stream GPU timeline (SVG + HTML), with exposed comm in red.
+
+    python tools/timeline.py TRACE.json [--steps N] [--out timeline.html] [--width PX] [--window START:END]
+
+One lane per CUDA stream ("NCCL stream N" when its kernels are NCCL, else "compute stream N"),
+kernels as rectangles (NCCL orange, compute blue), an extra lane with the exposed communication
+(NCCL time no compute kernel covers) in red, step boundaries from the ``spmd.*``
+``record_function`` annotations as dashed vertical lines, and a time axis in ms. The header and
+the printed table give exposed communication ms per step, % of communication overlapped and step
+time, computed by ``spmd.trace_analysis.exposed_communication``. Steps are the ``spmd.*``
+annotations found, or ``--steps``. Kernels on one lane closer than one pixel are drawn as one
+span (its tooltip says how many kernels) unless exposed communication starts in the gap, so a
+whole profiled window stays a small file; ``--window`` zooms in (ms from the trace start).
+
+Writes ``OUT`` and its sibling (``x.html`` and ``x.svg``); the trace itself is only read, and
+still opens as is in Perfetto (https://ui.perfetto.dev) for kernel-level detail.
+Not yet: ``--record`` (profiling a compiled step from this tool); use tools/profile_overlap.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from bisect import bisect_left
+import os
+import sys
+from html import escape
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spmd.trace_analysis import exposed_communication, exposed_intervals, load_trace_events  # noqa: E402
+
+COLORS = {"nccl": "#f28e2b", "compute": "#4e79a7", "exposed": "#d62728", "step": "#555555"}
+LABEL_W, LANE_H, LANE_GAP, HEADER_H, AXIS_H = 150, 22, 8, 72, 30
+_STEP_NAMES = ("spmd.step", "spmd.setup", "spmd.main", "spmd.cleanup")
+
+
+def _kernels(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
+def _is_nccl(ev: dict) -> bool:
+    return "nccl" in ev.get("name", "").lower()
+
+
+def step_annotations(events: list[dict]) -> list[tuple[float, float]]:
+    """(start, end) µs of the ``spmd.*`` step annotations, on the GPU timeline when the trace has it."""
+    for cat in ("gpu_user_annotation", "user_annotation"):
+        spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                       if e.get("ph") == "X" and e.get("cat") == cat and e.get("name") in _STEP_NAMES)
+        if spans:
+            return spans
+    return []
+
+
+def timeline_figures(events: list[dict], steps: int | None = None) -> dict[str, float]:
+    """exposed_communication per step, plus ``steps`` and ``step_ms`` (GPU span of the steps / steps)."""
+    spans = step_annotations(events)
+    n = steps or len(spans) or 1
+    figs = exposed_communication(events, steps=n)
+    kern = _kernels(events)
+    if spans:
+        lo, hi = spans[0][0], max(b for _, b in spans)
+    else:
+        lo = min(float(e["ts"]) for e in kern)
+        hi = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kern)
+    return {**figs, "steps": n, "step_ms": (hi - lo) / 1000 / n}
+
+
+def _lanes(kernels: list[dict]) -> list[tuple[str, list[dict]]]:
+    by_stream: dict[int, list[dict]] = {}
+    for k in kernels:
+        by_stream.setdefault(int(k.get("args", {}).get("stream", -1)), []).append(k)
+    lanes = []
+    for stream in sorted(by_stream, key=lambda s: (not any(_is_nccl(k) for k in by_stream[s]), s)):
+        kind = "NCCL" if any(_is_nccl(k) for k in by_stream[stream]) else "compute"
+        lanes.append((f"{kind} stream {stream}", sorted(by_stream[stream], key=lambda k: float(k["ts"]))))
+    return lanes
+
+
+def _spans(kernels: list[dict], us_per_px: float,
+           cuts: list[tuple[float, float]] = ()) -> list[tuple[float, float, list[dict]]]:
+    """Kernels grouped into drawn spans: a kernel starting within one pixel of the span's end joins it,
+    unless an interval of ``cuts`` (the exposed communication) starts in the gap, so no gap that
+    explains exposed time is hidden."""
+    starts = [a for a, _ in cuts]
+    spans: list[tuple[float, float, list[dict]]] = []
+    for k in kernels:
+        a = float(k["ts"])
+        b = a + float(k.get("dur", 0))
+        if spans and a - spans[-1][1] < us_per_px and not _any_in(starts, spans[-1][1], a):
+            spans[-1] = (spans[-1][0], max(spans[-1][1], b), spans[-1][2] + [k])
+        else:
+            spans.append((a, b, [k]))
+    return spans
+
+
+def _any_in(sorted_xs: list[float], lo: float, hi: float) -> bool:
+    i = bisect_left(sorted_xs, lo)
+    return i < len(sorted_xs) and sorted_xs[i] < hi
+
+
+def _tick_ms(total_ms: float, target: int = 12) -> float:
+    raw = total_ms / target
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+
+
+def header_text(figs: dict[str, float]) -> str:
+    return (f"exposed communication {figs['exposed_comm_ms']:.3f} ms/step · "
+            f"{figs['overlapped_pct']:.1f}% of communication overlapped · "
+            f"step {figs['step_ms']:.3f} ms · communication {figs['comm_ms']:.3f} ms/step · "
+            f"{figs['steps']} steps")
+
+
+def render_svg(events: list[dict], steps: int | None = None, width: int = 2400, title: str = "",
+               window_ms: tuple[float, float] | None = None) -> str:
+    """The timeline as a standalone SVG string (see the module docstring for what it draws).
+
+    ``window_ms`` (start, end), in ms from the start of the trace, draws only that window; the
+    header figures are still those of the whole trace.
+    """
+    kernels = _kernels(events)
+    if not kernels:
+        raise SystemExit("no GPU kernels (ph == 'X', cat == 'kernel') in this trace")
+    figs = timeline_figures(events, steps)
+    step_spans = step_annotations(events)
+    exposed = exposed_intervals(events)
+    origin = min([float(k["ts"]) for k in kernels] + [a for a, _ in step_spans])
+    t0, t1 = origin, max([float(k["ts"]) + float(k.get("dur", 0)) for k in kernels] + [b for _, b in step_spans])
+    if window_ms:
+        t0, t1 = origin + window_ms[0] * 1000, origin + window_ms[1] * 1000
+        inside = lambda a, b: b > t0 and a < t1  # noqa: E731
+        kernels = [k for k in kernels if inside(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0)))]
+        exposed = [(max(a, t0), min(b, t1)) for a, b in exposed if inside(a, b)]
+        step_spans = [(a, b) for a, b in step_spans if t0 <= a <= t1]
+    plot_w = width - LABEL_W - 20
+    us_per_px = (t1 - t0) / plot_w if t1 > t0 else 1.0
+    x = lambda t: LABEL_W + (t - t0) / us_per_px  # noqa: E731
+
+    lanes = _lanes(kernels)
+    n_lanes = len(lanes) + 1
+    lanes_h = n_lanes * (LANE_H + LANE_GAP)
+    height = HEADER_H + lanes_h + AXIS_H + 24
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="10" y="20" font-size="15" font-weight="bold">{escape(title or "GPU timeline")}</text>',
+           f'<text class="header" x="10" y="42" font-size="13" '
+           f'data-exposed-ms="{figs["exposed_comm_ms"]:.6f}" data-overlapped-pct="{figs["overlapped_pct"]:.4f}" '
+           f'data-step-ms="{figs["step_ms"]:.6f}" data-steps="{figs["steps"]}">{escape(header_text(figs))}</text>']
+    for i, (label, ks) in enumerate(lanes + [("exposed comm", [])]):
+        y = HEADER_H + i * (LANE_H + LANE_GAP)
+        out.append(f'<g class="lane" data-label="{escape(label)}">')
+        out.append(f'<rect x="{LABEL_W}" y="{y}" width="{plot_w}" height="{LANE_H}" fill="#f4f4f4"/>')
+        out.append(f'<text x="{LABEL_W - 8}" y="{y + LANE_H / 2 + 4}" text-anchor="end">{escape(label)}</text>')
+        if label == "exposed comm":
+            for a, b in exposed:
+                out.append(f'<rect class="exposed" x="{x(a):.3f}" y="{y}" width="{(b - a) / us_per_px:.4f}" '
+                           f'height="{LANE_H}" fill="{COLORS["exposed"]}" stroke="{COLORS["exposed"]}" '
+                           f'stroke-width="0.6"><title>exposed {(b - a) / 1000:.3f} ms</title></rect>')
+        for a, b, group in _spans(ks, us_per_px, exposed):
+            a, b = max(a, t0), min(b, t1)
+            kind = "nccl" if any(_is_nccl(k) for k in group) else "compute"
+            tip = (group[0]["name"][:120] if len(group) == 1 else f"{len(group)} kernels")
+            out.append(f'<rect class="kernel {kind}" data-n="{len(group)}" x="{x(a):.3f}" y="{y + 2}" '
+                       f'width="{max((b - a) / us_per_px, 0.6):.3f}" height="{LANE_H - 4}" fill="{COLORS[kind]}">'
+                       f'<title>{escape(tip)} · {(b - a) / 1000:.3f} ms</title></rect>')
+        out.append('</g>')
+    axis_y = HEADER_H + lanes_h
+    tick = _tick_ms((t1 - t0) / 1000)
+    out.append(f'<line x1="{LABEL_W}" y1="{axis_y}" x2="{LABEL_W + plot_w}" y2="{axis_y}" stroke="black"/>')
+    for j in range(math.ceil((t0 - origin) / 1000 / tick), int((t1 - origin) / 1000 / tick) + 1):
+        tx = x(origin + j * tick * 1000)
+        out.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 5}" stroke="black"/>'
+                   f'<text x="{tx:.2f}" y="{axis_y + 18}" text-anchor="middle">{j * tick:g}</text>')
+    out.append(f'<text x="{LABEL_W + plot_w}" y="{axis_y + 34}" text-anchor="end">time (ms)</text>')
+    all_starts = [a for a, _ in step_annotations(events)]
+    for a, _ in step_spans:
+        k = all_starts.index(a)
+        sx = x(a)
+        out.append(f'<line class="step" x1="{sx:.2f}" y1="{HEADER_H - 6}" x2="{sx:.2f}" y2="{axis_y}" '
+                   f'stroke="{COLORS["step"]}" stroke-width="1.5" stroke-dasharray="5,3"/>'
+                   f'<text x="{sx + 4:.2f}" y="{HEADER_H - 8}" font-size="11">step {k + 1}</text>')
+    legend_x = width - 430
+    for j, (name, key) in enumerate((("NCCL kernel", "nccl"), ("compute kernel", "compute"),
+                                     ("exposed comm", "exposed"))):
+        lx = legend_x + j * 140
+        out.append(f'<rect x="{lx}" y="9" width="14" height="14" fill="{COLORS[key]}"/>'
+                   f'<text x="{lx + 19}" y="21">{name}</text>')
+    out.append('</svg>')
+    return "\n".join(out)
+
+
+def render_html(svg: str, title: str) -> str:
+    return (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{escape(title)}</title></head>\n"
+            f"<body style='margin:8px;font-family:sans-serif'>\n<div style='overflow-x:auto'>{svg}</div>\n"
+            "<p>Hover a rectangle for the kernel (or merged span) and its duration. "
+            "For kernel-level detail open the original trace in https://ui.perfetto.dev.</p>\n</body></html>\n")
+
+
+def print_figures(figs: dict[str, float], path: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"timeline: {os.path.basename(path)}")
+    for col in ("steps", "step ms", "comm ms/step", "exposed comm ms/step", "% comm overlapped"):
+        table.add_column(col, justify="right")
+    table.add_row(str(figs["steps"]), f"{figs['step_ms']:.3f}", f"{figs['comm_ms']:.3f}",
+                  f"{figs['exposed_comm_ms']:.3f}", f"{figs['overlapped_pct']:.1f}")
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="The Chrome trace is left untouched; it already opens in Perfetto (ui.perfetto.dev).")
+    p.add_argument("trace", help="Chrome trace JSON written by torch.profiler (export_chrome_trace)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps in the trace (default: the number of spmd.* step annotations, else 1)")
+    p.add_argument("--out", default="timeline.html", help="x.html or x.svg; both files are written")
+    p.add_argument("--width", type=int, default=2400, help="SVG width in pixels")
+    p.add_argument("--window", default=None, metavar="START:END",
+                   help="draw only this window, in ms from the start of the trace (figures stay whole-trace)")
+    args = p.parse_args(argv)
+    window = tuple(float(v) for v in args.window.split(":")) if args.window else None
+    events = load_trace_events(args.trace)
+    title = f"GPU timeline: {os.path.basename(args.trace)}"
+    if window:
+        title += f" ({window[0]:g}-{window[1]:g} ms)"
+    svg = render_svg(events, args.steps, args.width, title, window)
+    stem = os.path.splitext(args.out)[0]
+    with open(stem + ".svg", "w") as f:
+        f.write(svg)
+    with open(stem + ".html", "w") as f:
+        f.write(render_html(svg, title))
+    print_figures(timeline_figures(events, args.steps), args.trace)
+    print(f"wrote {stem}.svg and {stem}.html")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
