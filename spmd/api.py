@@ -28,6 +28,20 @@ class CompiledStep:
     runner: Callable
     out_spec: pytree.TreeSpec
     graph: fx.GraphModule  # the expanded graph, before the user transformation
+    lr_tensors: Optional[list[torch.Tensor]] = None  # kept across calls: CUDA graphs read them in place
+    lr_values: Optional[list[float]] = None
+
+    def lr_inputs(self, state: StepState) -> list[torch.Tensor]:
+        """The graph's lr inputs for this call, filled in place only when an lr changed."""
+        values = state.lr_values_and_devices()
+        if self.lr_tensors is None:
+            self.lr_tensors = [torch.tensor(v, device=d) for v, d in values]
+            self.lr_values = [v for v, _ in values]
+        for i, (v, _) in enumerate(values):
+            if v != self.lr_values[i]:
+                self.lr_tensors[i].fill_(v)
+                self.lr_values[i] = v
+        return self.lr_tensors
 
 
 def _user_signature(args: tuple, kwargs: dict) -> tuple:
@@ -127,7 +141,7 @@ class CompiledTrainStep:
             key = (state.signature(), _user_signature(args, kwargs), tuple(map(id, modules + optimizers)))
             self.cache[key] = entry
         user_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        flat = [*state.flat_tensors(), *state.lr_tensors(), *user_tensors]
+        flat = [*state.flat_tensors(), *entry.lr_inputs(state), *user_tensors]
         with torch.no_grad():
             if isinstance(entry.runner, IterGraphModule):
                 out = entry.runner(*flat, last_iter=last_train_step)

@@ -19,7 +19,7 @@ through ``gm.graph`` reaches all three; nothing has to mirror node maps by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -221,6 +221,10 @@ class IterGraphModule(nn.Module):
         self._carry: Optional[tuple] = None
         self._finalized = False
         self.iteration = 0
+        # (label, graph module, first call's args, number of user outputs) -> what runs that
+        # graph; set by the transformation for Inductor / CUDA graphs. None: run the FX graph.
+        self.stage_compiler: Optional[Callable[[str, fx.GraphModule, tuple, int], Callable]] = None
+        self._runners: dict[str, Callable] = {}
 
     @property
     def graph(self) -> IterGraph:
@@ -243,6 +247,7 @@ class IterGraphModule(nn.Module):
         self.setup_gm = fx.GraphModule(self._logical, build_setup_graph(self.graph))
         self.main_gm = fx.GraphModule(self._logical, build_main_graph(self.graph))
         self.cleanup_gm = fx.GraphModule(self._logical, build_cleanup_graph(self.graph))
+        self._runners = {}
         self._finalized = True
 
     @property
@@ -251,8 +256,12 @@ class IterGraphModule(nn.Module):
         return self._carry is not None
 
     def _run(self, label: str, gm: fx.GraphModule, args: tuple) -> tuple:
+        runner = self._runners.get(label)
+        if runner is None:  # compiled on first use: each of step/setup/main/cleanup at most once
+            runner = self.stage_compiler(label, gm, args, self.num_user_outputs) if self.stage_compiler else gm
+            self._runners[label] = runner
         with torch.profiler.record_function(f"spmd.{label}"):
-            return tuple(gm(*args))
+            return tuple(runner(*args))
 
     def forward(self, *args, last_iter: bool = False):
         if not self._finalized:

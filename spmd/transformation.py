@@ -16,7 +16,9 @@ from passes import (
     schedule_comm_wait,
 )
 
+from .cudagraphs import CudaGraphRunner
 from .iter_graph_module import IterGraphModule
+from .lowering import compile_with_inductor
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,22 @@ def default_passes(bucket_size_mb: float = 25.0) -> list[Callable]:
     """Our pipeline: comm fusion (DDP-sized buckets) -> comm-wait scheduling -> optimizer copy removal."""
     return [functools.partial(comm_fusion_with_concat, bucket_size_mb=bucket_size_mb), schedule_comm_wait,
             remove_copy_from_optimizer]
+
+
+_STATIC_ROLES = ("param", "buffer", "state", "lr")  # inputs a CUDA graph may read in place
+
+
+def stage_compiler(inductor: bool, cudagraphs: bool) -> Callable:
+    """What ``IterGraphModule`` calls on the first run of each of its graphs (step/setup/main/cleanup)."""
+
+    def compile_stage(label: str, gm: fx.GraphModule, args: tuple, num_user_outputs: int) -> Callable:
+        runner = compile_with_inductor(gm, args, label) if inductor else gm
+        if cudagraphs:
+            roles = [n.meta.get("spmd_role") for n in gm.graph.nodes if n.op == "placeholder"]
+            runner = CudaGraphRunner(runner, [r in _STATIC_ROLES for r in roles], num_user_outputs, label)
+        return runner
+
+    return compile_stage
 
 
 class GraphModuleTransformation:
@@ -40,18 +58,21 @@ class GraphModuleTransformation:
     setup/main/cleanup graphs to ``dump_dir`` (default ``$SPMD_DUMP_DIR`` or
     ``./spmd_dump``), on rank 0 only unless ``dump_ranks="all"`` (or
     ``SPMD_DUMP_RANKS=all``), which writes ``dump_dir/rank<r>/`` per rank. When off, no
-    graph is copied or written. ``enable_inductor`` is not implemented yet and raises
-    ``NotImplementedError``.
+    graph is copied or written.
+
+    ``enable_inductor=True`` compiles each graph the step runs (the whole step, or its
+    setup/main/cleanup parts after a cross-iteration move) with TorchInductor on first
+    use, keeping the collective and wait positions the passes chose (``spmd.lowering``).
+    ``enable_cudagraphs=True`` replays each repeated graph as one CUDA graph from its
+    second call on (``spmd.cudagraphs``); it needs every input on the GPU, so optimizers
+    must be ``capturable=True``.
     """
 
     def __init__(self, enable_graph_optimization: bool = False, enable_inductor: bool = False,
                  dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None, bucket_size_mb: float = 25.0,
-                 passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None):
-        if enable_inductor:
-            raise NotImplementedError(
-                "GraphModuleTransformation(enable_inductor=True): Inductor lowering of the whole step is "
-                "not implemented yet."
-            )
+                 passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False):
+        self.enable_inductor = enable_inductor
+        self.enable_cudagraphs = enable_cudagraphs
         chosen = (default_passes(bucket_size_mb) if enable_graph_optimization else []) + list(passes)
         self.pass_manager = PassManager(chosen)  # validates declarations and order now, not mid-compile
         env_dir = os.environ.get("SPMD_DUMP_DIR")
@@ -81,6 +102,8 @@ class GraphModuleTransformation:
                 snapshot.output(snapshot.graph_copy(igm.graph, {}))
                 stages[f"{len(stages):02d}_{pass_info(p).name}"] = fx.GraphModule(igm.logical_gm, snapshot)
         igm.finalize_setup()
+        if self.enable_inductor or self.enable_cudagraphs:
+            igm.stage_compiler = stage_compiler(self.enable_inductor, self.enable_cudagraphs)
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
         if folder:
             n = len(stages)

@@ -1,0 +1,143 @@
+"""Lower a step graph (or one of its setup/main/cleanup parts) through TorchInductor.
+
+The whole graph goes to Inductor in one piece, functional collectives included, so
+forward, backward and optimizer math fuse across layer boundaries. Two things keep
+what our passes decided:
+
+* Inductor's own communication reordering is switched off (``_INDUCTOR_CONFIG``):
+  no compute/comm overlap reordering, no overlap scheduler, no FX bucketing, and no
+  peak-memory reordering (it picks among BFS/DFS topological orders and would move
+  collectives and waits). Collectives are issued, and waited on, in graph order.
+* In-place fused optimizer ops (``_fused_adamw_`` and friends, produced by
+  ``remove_copy_from_optimizer``) are wrapped in opaque custom ops
+  (``spmd_lowering::*``). Inductor re-functionalizes its input; for an aten fused op
+  that means the functional variant, which clones every parameter, gradient and
+  moment buffer and copies them back. A custom op that mutates its arguments is
+  instead auto-functionalized, and Inductor's re-inplacing turns it back into the
+  in-place call on the graph inputs, with no copies.
+
+The alternative, compiling the compute regions between collectives separately, keeps
+the schedule trivially but cuts fusion at every bucket boundary, materializes every
+tensor that crosses one and multiplies compile work by the number of regions.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+# Inductor options that would move collectives or waits away from where our passes put them.
+_INDUCTOR_CONFIG = {
+    "reorder_for_compute_comm_overlap": False,
+    "reorder_for_peak_memory": False,
+    "_fuse_ddp_communication": False,
+    "bucket_all_reduces_fx": "none",
+    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+}
+
+_OPAQUE_NAMESPACE = "spmd_lowering"
+_opaque_lib = torch.library.Library(_OPAQUE_NAMESPACE, "FRAGMENT")
+_opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
+
+
+def inductor_config() -> dict:
+    """The subset of ``_INDUCTOR_CONFIG`` this torch version knows (names moved between 2.11 and 2.13)."""
+    import torch._inductor.config as config
+
+    known = config.get_config_copy()
+    return {k: v for k, v in _INDUCTOR_CONFIG.items() if k in known}
+
+
+def _wrappable_fused_optimizer(node: fx.Node) -> bool:
+    """An in-place fused optimizer op that leaves its gradients alone.
+
+    The fused kernels write gradients back only when unscaling them (``grad_scale``
+    given, as ``GradScaler`` does); the opaque op declares them read-only, so such
+    calls stay as they are.
+    """
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+            and target._opname in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_")
+            and node.kwargs.get("grad_scale") is None and node.kwargs.get("found_inf") is None)
+
+
+def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+    """A custom op with ``op``'s schema, gradients read-only, that calls ``op``: Inductor keeps it in place.
+
+    Gradients are declared read-only because they are: without ``grad_scale`` the
+    kernels only read them. Declared mutable, they would be auto-functionalized
+    too, and gradients are views into shared bucket buffers, read by several such
+    ops when the optimizer has several param groups; Inductor mishandles that (NaNs).
+    """
+    if op not in _opaque_ops:
+        name = f"{op._opname.strip('_')}_{op._overloadname}"
+        args = str(op._schema).split("(", 1)[1]
+        read_only_grads = re.sub(r"Tensor\(\w!\)\[\] grads", "Tensor[] grads", args)
+        assert read_only_grads != args, f"unexpected schema {op._schema}"
+        _opaque_lib.define(name + "(" + read_only_grads)
+        _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{_OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)
+        _opaque_ops[op] = getattr(getattr(torch.ops, _OPAQUE_NAMESPACE), name).default
+    return _opaque_ops[op]
+
+
+def _view_of_copy_op(target):
+    """``aten.t_copy`` -> ``aten.t`` (same overload): functionalization's copying views."""
+    if not (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+            and target._opname.endswith("_copy")):
+        return None
+    packet = getattr(aten, target._opname[: -len("_copy")], None)
+    view = getattr(packet, target._overloadname, None) if packet is not None else None
+    if view is None or not view.is_view:
+        return None
+    return view
+
+
+def prepare_for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` ready for ``compile_fx``; ``gm`` itself is not changed.
+
+    * ``*_copy`` view ops (``detach_copy``, ``t_copy``, ...) left by our functionalization
+      become the views they copy. Inductor has no lowering for some (``detach_copy``
+      runs as a real copy of every gradient); its own functionalization re-derives
+      the same values from the views.
+    * In-place fused optimizer ops become their ``opaque_inplace_op``.
+    """
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        view = _view_of_copy_op(node.target)
+        if view is not None:
+            node.target = view
+        elif _wrappable_fused_optimizer(node):
+            node.target = opaque_inplace_op(node.target)
+    graph.lint()
+    return fx.GraphModule(gm, graph)
+
+
+def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step") -> Callable:
+    """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
+
+    The graph updates parameters and optimizer state in place and is compiled as
+    inference (no autograd), which is what it is: the backward is already in it.
+    Returns a callable taking the graph's inputs positionally and returning its outputs.
+    """
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    start = time.perf_counter()
+    prepared = prepare_for_inductor(gm)
+    with torch.no_grad(), config.patch(inductor_config()):
+        compiled = compile_fx(prepared, list(example_inputs))
+    log.info("spmd: Inductor compiled the %s graph (%d nodes) in %.1f s", label, len(gm.graph.nodes),
+             time.perf_counter() - start)
+    return compiled

@@ -1,0 +1,204 @@
+"""Inductor lowering of whole steps: graph preparation, kept comm schedule, parity (CPU, C++ backend)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import spmd
+from graph_utils import find_node, is_all_reduce, is_wait_node
+from passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
+from spmd import IterGraphModule, SpmdCompileError
+from spmd.lowering import prepare_for_inductor
+from spmd.models import MLP
+from spmd.transformation import stage_compiler
+from tests.dist import run_distributed, single_process_group
+from tests.parity import assert_params_close, ddp_copy, eager_step
+from tests.test_iter_move import _first_relu, _pipeline as _iter_move_pipeline
+
+aten = torch.ops.aten
+# Inductor reassociates float math (fused reductions, FMA); Adam turns that into small
+# parameter differences. Anything beyond this is a real numerical change.
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+def _step(model, optim, batch):
+    loss = model(batch).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _pipeline_igm(bucket_mb: float):
+    seen = {}
+
+    def transform(gm):
+        igm = IterGraphModule(gm)
+        comm_fusion_with_concat(igm, bucket_mb)
+        schedule_comm_wait(igm)
+        remove_copy_from_optimizer(igm)
+        igm.finalize_setup()
+        seen["igm"] = igm
+        return igm
+
+    return transform, seen
+
+
+def test_prepare_for_inductor_turns_copy_views_into_views_and_wraps_inplace_optimizer():
+    transform, seen = _pipeline_igm(0.002)
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    with single_process_group():
+        spmd.compile(gm_transformation=transform)(_step)(model, optim, torch.randn(4, 16))
+    gm = seen["igm"].logical_gm
+    before = str(gm.graph)
+
+    def targets(g):
+        return [n.target for n in g.nodes if n.op == "call_function"]
+
+    assert any(getattr(t, "_opname", "").endswith("_copy") and t.is_view is False for t in targets(gm.graph))
+    assert aten._fused_adamw_.tensor_lr in targets(gm.graph)
+
+    prepared = prepare_for_inductor(gm)
+    after = targets(prepared.graph)
+    assert str(gm.graph) == before  # the input graph is not edited
+    assert not [t for t in after if isinstance(t, torch._ops.OpOverload) and t._opname in ("detach_copy", "t_copy", "view_copy")]
+    assert aten._fused_adamw_.tensor_lr not in after
+    assert torch.ops.spmd_lowering.fused_adamw_tensor_lr.default in after
+    assert len(after) == len(targets(gm.graph))
+
+
+def _comm_tokens_in_graph(graph) -> list[str]:
+    """'A<i>' for the i-th all_reduce, 'W<i>' for its wait, in graph order."""
+    index = {n: i for i, n in enumerate(find_node(graph, is_all_reduce))}
+    tokens = []
+    for n in graph.nodes:
+        if n in index:
+            tokens.append(f"A{index[n]}")
+        elif is_wait_node(n):
+            tokens.append(f"W{index[n.args[0]]}")
+    return tokens
+
+
+def _comm_tokens_in_code(code: str) -> tuple[list[str], list[int]]:
+    """The same tokens from Inductor's output code, and how many kernels ran between each A and its W."""
+    tokens, kernels_since, between = [], {}, []
+    buffer_of = {}
+    for line in code.splitlines():
+        line = line.strip()
+        if line.startswith("#"):
+            continue
+        m = re.search(r"_c10d_functional\.all_reduce_?\.default\((\w+)", line)
+        if m:
+            buffer_of[m.group(1)] = len(buffer_of)
+            tokens.append(f"A{buffer_of[m.group(1)]}")
+            kernels_since[m.group(1)] = 0
+            continue
+        m = re.search(r"_c10d_functional\.wait_tensor\.default\((\w+)", line)
+        if m:
+            tokens.append(f"W{buffer_of[m.group(1)]}")
+            between.append(kernels_since.pop(m.group(1)))
+            continue
+        if re.match(r"(cpp_fused_\w+|extern_kernels\.\w+)\(", line):
+            kernels_since = {k: v + 1 for k, v in kernels_since.items()}
+    return tokens, between
+
+
+def test_inductor_keeps_the_collective_and_wait_order_the_passes_chose():
+    transform, seen = _pipeline_igm(0.002)  # several buckets for MLP(5, 16)
+
+    def lowered(gm):
+        igm = transform(gm)
+        igm.stage_compiler = stage_compiler(inductor=True, cudagraphs=False)
+        return igm
+
+    torch.manual_seed(0)
+    model = MLP(layers=5, dim=16)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    with single_process_group():
+        _, codes = run_and_get_code(spmd.compile(gm_transformation=lowered)(_step), model, optim, torch.randn(4, 16))
+    graph_tokens = _comm_tokens_in_graph(seen["igm"].graph)
+    code_tokens, kernels_between = _comm_tokens_in_code("\n".join(codes))
+    assert len(find_node(seen["igm"].graph, is_all_reduce)) >= 3
+    assert code_tokens == graph_tokens
+    assert any(k > 0 for k in kernels_between), "every wait was issued right after its collective"
+
+
+def _parity(rank, world_size, optimize, optim_kwargs):
+    torch.manual_seed(0)
+    model = MLP(layers=4, dim=16)
+    ddp = ddp_copy(model)
+
+    def make(m):  # two param groups: two optimizer ops read gradients from one bucket
+        weights = [p for p in m.parameters() if p.dim() == 2]
+        biases = [p for p in m.parameters() if p.dim() == 1]
+        return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}],
+                                 lr=0.01, **optim_kwargs)
+
+    optim, ddp_optim = make(model), make(ddp)
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=optimize, bucket_size_mb=0.002,
+                                                    enable_inductor=True)
+    step = spmd.compile(gm_transformation=transformation, parallel_mode=spmd.DataParallel("replicate", "avg"))(_step)
+    torch.manual_seed(rank)
+    for i in range(5):
+        batch = torch.randn(8, 16)
+        loss = step(model, optim, batch, last_train_step=(i == 4))
+        torch.testing.assert_close(loss, eager_step(ddp, ddp_optim, batch), **TOL)
+    assert_params_close(model, ddp, **TOL)
+    (entry,) = step.cache.values()
+    for label, runner in entry.runner._runners.items():
+        assert not isinstance(runner, torch.fx.GraphModule), f"the {label} graph was not compiled"
+
+
+@pytest.mark.parametrize("optimize,optim_kwargs", [
+    (False, {"foreach": True}),
+    (True, {"fused": True}),
+    (True, {"foreach": True}),
+], ids=["replicate-foreach", "pipeline-fused", "pipeline-foreach"])
+def test_inductor_lowered_step_matches_ddp(optimize, optim_kwargs):
+    run_distributed(_parity, optimize, optim_kwargs)
+
+
+def _iter_move_parity(rank, world_size):
+    torch.manual_seed(0)
+    model = MLP(layers=5, dim=16)
+    ddp = ddp_copy(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    ddp_optim = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=True)
+    seen = {}
+    pipeline = _iter_move_pipeline(lambda comms: comms[0], _first_relu, seen)  # the seed file's move
+
+    def moved(gm):
+        igm = pipeline(gm)
+        igm.stage_compiler = stage_compiler(inductor=True, cudagraphs=False)
+        return igm
+
+    step = spmd.compile(gm_transformation=moved)(_step)
+    torch.manual_seed(rank)
+    for i in range(4):  # setup, main, main, cleanup
+        batch = torch.randn(8, 16)
+        step(model, optim, batch, last_train_step=(i == 3))
+        eager_step(ddp, ddp_optim, batch, grad_scale=world_size)
+    assert_params_close(model, ddp, **TOL)
+    assert sorted(seen["igm"]._runners) == ["cleanup", "main", "setup"]
+
+
+def test_inductor_compiles_setup_main_and_cleanup_of_a_moved_step():
+    run_distributed(_iter_move_parity)
+
+
+def test_cudagraphs_refuse_cpu_inputs_before_running_anything():
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_cudagraphs=True))(_step)
+    with pytest.raises(SpmdCompileError, match=r"enable_cudagraphs=True.*is on cpu.*capturable=True"):
+        step(model, optim, torch.randn(4, 8))
+    for p, q in zip(model.parameters(), before):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
