@@ -1,4 +1,5 @@
-"""tools/timeline.py on a synthetic two-stream trace with known overlap: lanes, kernels, exposed time, figures."""
+"""tools/timeline.py: a synthetic two-stream trace with known overlap (lanes, kernels, exposed time, figures),
+step annotations, CPU-only traces, and ``--record`` of a real 2-process gloo run."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 import timeline  # noqa: E402
 
-from spmd.trace_analysis import exposed_intervals  # noqa: E402
+from spmd.trace_analysis import exposed_intervals, load_trace_events  # noqa: E402
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -96,3 +98,64 @@ def test_steps_flag_divides_per_step_figures():
     figs = timeline.timeline_figures(_trace(), steps=2)
     assert figs["steps"] == 2 and figs["exposed_comm_ms"] == pytest.approx(0.045)
     assert figs["step_ms"] == pytest.approx(0.2)
+
+
+def _annotated_cpu_trace():
+    return [{"ph": "X", "cat": "user_annotation", "name": f"spmd.{n}", "ts": 1000 * i, "dur": 800}
+            for i, n in enumerate(("setup", "main", "main", "cleanup"), 1)]
+
+
+def test_each_setup_main_cleanup_annotation_is_one_labelled_step():
+    events = _trace()[:4] + [{"ph": "X", "cat": "gpu_user_annotation", "name": f"spmd.{n}", "ts": ts, "dur": 100}
+                             for n, ts in (("setup", 1000), ("main", 1100), ("cleanup", 1200))]
+    assert timeline.timeline_figures(events)["steps"] == 3
+    lines = [ln.get("data-name") for ln in _svg(events).iter(SVG + "line") if ln.get("class") == "step"]
+    assert lines == ["spmd.setup", "spmd.main", "spmd.cleanup"]
+
+
+def test_trace_without_gpu_kernels_draws_its_steps_and_has_no_comm_figures():
+    events = _annotated_cpu_trace()
+    figs = timeline.timeline_figures(events)
+    assert figs["steps"] == 4 and figs["step_ms"] == pytest.approx(3.8 / 4)
+    assert figs["comm_ms"] is None and figs["exposed_comm_ms"] is None and figs["overlapped_pct"] is None
+    root = _svg(events)
+    assert [g.get("data-label") for g in root.iter(SVG + "g") if g.get("class") == "lane"] == ["steps (CPU)"]
+    assert [r.get("data-name") for r in _rects(root, "annotation")] == [e["name"] for e in events]
+    assert not _rects(root, "kernel") and not _rects(root, "exposed")
+
+
+def test_trace_with_neither_kernels_nor_steps_is_refused_with_a_message():
+    with pytest.raises(SystemExit, match="nothing to draw"):
+        timeline.render_svg([{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}])
+
+
+@pytest.mark.parametrize("argv", [[], ["trace.json", "--record"]], ids=["neither", "both"])
+def test_trace_and_record_are_exclusive(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        timeline.main(argv)
+    assert exc.value.code == 2 and "pass a Chrome trace to draw, or --record" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--record uses NCCL on GPUs; tools/gpu_check.sh runs it there")
+def test_record_itermove_on_cpu_profiles_setup_main_cleanup(tmp_path, capsys):
+    out = tmp_path / "tl.html"
+    assert timeline.main(["--record", "--steps", "3", "--mode", "pipeline_itermove", "--nproc", "2", "--layers", "2",
+                          "--dim", "64", "--seq", "32", "--batch", "2", "--vocab", "256", "--out", str(out)]) == 0
+    traces = [tmp_path / f"tl_trace_rank{r}.json" for r in range(2)]
+    printed = capsys.readouterr().out
+    assert all(str(t) in printed for t in traces)  # paths to open in Perfetto
+    svg = (tmp_path / "tl.svg").read_text()
+    assert svg in out.read_text()
+    for t in traces:  # the window holds the three compiled calls, nothing of the compile or warm-up
+        events = load_trace_events(str(t))
+        steps = timeline.step_annotations(events)
+        assert [name for name, _, _ in steps] == ["spmd.setup", "spmd.main", "spmd.cleanup"]
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events if e.get("ph") == "X"]
+        window = max(b for _, b in spans) - min(a for a, _ in spans)
+        assert sum(b - a for _, a, b in steps) > 0.5 * window  # a compile inside would take ~98% of it
+    figs = timeline.timeline_figures(load_trace_events(str(traces[0])))
+    assert figs["steps"] == 3 and figs["step_ms"] > 0 and figs["comm_ms"] is None  # CPU: no GPU kernels
+    root = ET.fromstring(svg)
+    assert root.find(f".//{SVG}text[@class='header']").get("data-steps") == "3"
+    assert [ln.get("data-name") for ln in root.iter(SVG + "line") if ln.get("class") == "step"] == [
+        "spmd.setup", "spmd.main", "spmd.cleanup"]

@@ -10,4 +10,5 @@ python3 -m pytest -q -p no:cacheprovider tests/test_gpu_parity.py -rA "$@"
 rc=$?
 # Exposed communication before/after the pass pipeline (GPT 124M-like, 2 GPUs); traces under ${OUT:-profile_out}
 python3 tools/profile_overlap.py --out "${OUT:-profile_out}" ${PROFILE_ARGS:-}
+python3 tools/timeline.py --record --steps 3 --mode pipeline_itermove --layers 12 --dim 768 --seq 512 --batch 4 --out "${OUT:-profile_out}/timeline_itermove.html"
 exit $rc

@@ -1,6 +1,8 @@
 """Draw a torch.profiler Chrome trace as a per-stream GPU timeline (SVG + HTML), with exposed comm in red.
 
     python tools/timeline.py TRACE.json [--steps N] [--out timeline.html] [--width PX] [--window START:END]
+    python tools/timeline.py --record [--steps 3] [--mode pipeline|replicate|pipeline_itermove]
+                             [--layers 12 --dim 768 --seq 512 --batch 4 ...] [--out timeline.html]
 
 One lane per CUDA stream ("NCCL stream N" when its kernels are NCCL, else "compute stream N"),
 kernels as rectangles (NCCL orange, compute blue), an extra lane with the exposed communication
@@ -8,13 +10,22 @@ kernels as rectangles (NCCL orange, compute blue), an extra lane with the expose
 ``record_function`` annotations as dashed vertical lines, and a time axis in ms. The header and
 the printed table give exposed communication ms per step, % of communication overlapped and step
 time, computed by ``spmd.trace_analysis.exposed_communication``. Steps are the ``spmd.*``
-annotations found, or ``--steps``. Kernels on one lane closer than one pixel are drawn as one
-span (its tooltip says how many kernels) unless exposed communication starts in the gap, so a
-whole profiled window stays a small file; ``--window`` zooms in (ms from the trace start).
+annotations found (each ``spmd.step``, ``spmd.setup``, ``spmd.main`` or ``spmd.cleanup`` is one
+step, and its line is labelled with it), or ``--steps``. Kernels on one lane closer than one
+pixel are drawn as one span (its tooltip says how many kernels) unless exposed communication
+starts in the gap, so a whole profiled window stays a small file; ``--window`` zooms in (ms from
+the trace start).
 
 Writes ``OUT`` and its sibling (``x.html`` and ``x.svg``); the trace itself is only read, and
-still opens as is in Perfetto (https://ui.perfetto.dev) for kernel-level detail.
-Not yet: ``--record`` (profiling a compiled step from this tool); use tools/profile_overlap.py.
+still opens as is in Perfetto (https://ui.perfetto.dev) for kernel-level detail. A trace without
+GPU kernels (a CPU-only profile) has no communication figures: the picture then shows the step
+annotations alone and the figures read n/a.
+
+``--record`` first profiles ``--steps`` (default 3) compiled steps of ``--mode`` itself, as
+tools/profile_overlap.py runs them (one process per GPU with NCCL; 2 gloo CPU processes without
+GPUs): compiling and one setup/main/cleanup cycle of warm-up stay outside the profiler; the
+profiled window runs from a first call (setup) to a call with ``last_train_step=True`` (cleanup).
+The Chrome traces are kept next to ``OUT`` (``<OUT stem>_trace_rank<r>.json``) and rank 0's is drawn.
 """
 
 from __future__ import annotations
@@ -28,9 +39,10 @@ from html import escape
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from profile_overlap import MODES, add_run_args, launch, record_trace  # noqa: E402
 from spmd.trace_analysis import exposed_communication, exposed_intervals, load_trace_events  # noqa: E402
 
-COLORS = {"nccl": "#f28e2b", "compute": "#4e79a7", "exposed": "#d62728", "step": "#555555"}
+COLORS = {"nccl": "#f28e2b", "compute": "#4e79a7", "exposed": "#d62728", "step": "#555555", "annotation": "#bab0ac"}
 LABEL_W, LANE_H, LANE_GAP, HEADER_H, AXIS_H = 150, 22, 8, 72, 30
 _STEP_NAMES = ("spmd.step", "spmd.setup", "spmd.main", "spmd.cleanup")
 
@@ -43,27 +55,39 @@ def _is_nccl(ev: dict) -> bool:
     return "nccl" in ev.get("name", "").lower()
 
 
-def step_annotations(events: list[dict]) -> list[tuple[float, float]]:
-    """(start, end) µs of the ``spmd.*`` step annotations, on the GPU timeline when the trace has it."""
+def step_annotations(events: list[dict]) -> list[tuple[str, float, float]]:
+    """(name, start, end µs) of the ``spmd.*`` step annotations, on the GPU timeline when the trace has it.
+
+    Each ``spmd.step`` / ``spmd.setup`` / ``spmd.main`` / ``spmd.cleanup`` call is one step.
+    """
     for cat in ("gpu_user_annotation", "user_annotation"):
-        spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+        spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]) for e in events
                        if e.get("ph") == "X" and e.get("cat") == cat and e.get("name") in _STEP_NAMES)
         if spans:
-            return spans
+            return [(name, a, b) for a, b, name in spans]
     return []
 
 
-def timeline_figures(events: list[dict], steps: int | None = None) -> dict[str, float]:
-    """exposed_communication per step, plus ``steps`` and ``step_ms`` (GPU span of the steps / steps)."""
+def timeline_figures(events: list[dict], steps: int | None = None) -> dict[str, float | None]:
+    """exposed_communication per step, plus ``steps`` and ``step_ms`` (span of the steps / steps).
+
+    Without GPU kernels the communication figures are None (not measurable); ``step_ms`` is
+    None when there are neither kernels nor step annotations.
+    """
     spans = step_annotations(events)
     n = steps or len(spans) or 1
-    figs = exposed_communication(events, steps=n)
     kern = _kernels(events)
-    if spans:
-        lo, hi = spans[0][0], max(b for _, b in spans)
+    if kern:
+        figs = exposed_communication(events, steps=n)
     else:
+        figs = dict.fromkeys(("comm_ms", "exposed_comm_ms", "compute_ms", "overlapped_pct"))
+    if spans:
+        lo, hi = spans[0][1], max(b for _, _, b in spans)
+    elif kern:
         lo = min(float(e["ts"]) for e in kern)
         hi = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kern)
+    else:
+        return {**figs, "steps": n, "step_ms": None}
     return {**figs, "steps": n, "step_ms": (hi - lo) / 1000 / n}
 
 
@@ -106,7 +130,14 @@ def _tick_ms(total_ms: float, target: int = 12) -> float:
     return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
 
 
-def header_text(figs: dict[str, float]) -> str:
+def _f(v: float | None, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def header_text(figs: dict[str, float | None]) -> str:
+    if figs["comm_ms"] is None:
+        return (f"no GPU kernels in this trace (CPU-only profile): no communication figures · "
+                f"step {_f(figs['step_ms'], '.3f')} ms · {figs['steps']} steps")
     return (f"exposed communication {figs['exposed_comm_ms']:.3f} ms/step · "
             f"{figs['overlapped_pct']:.1f}% of communication overlapped · "
             f"step {figs['step_ms']:.3f} ms · communication {figs['comm_ms']:.3f} ms/step · "
@@ -118,38 +149,45 @@ def render_svg(events: list[dict], steps: int | None = None, width: int = 2400, 
     """The timeline as a standalone SVG string (see the module docstring for what it draws).
 
     ``window_ms`` (start, end), in ms from the start of the trace, draws only that window; the
-    header figures are still those of the whole trace.
+    header figures are still those of the whole trace. A trace without GPU kernels is drawn as
+    one lane of its step annotations (CPU time); one with neither is refused (SystemExit).
     """
     kernels = _kernels(events)
-    if not kernels:
-        raise SystemExit("no GPU kernels (ph == 'X', cat == 'kernel') in this trace")
+    all_steps = step_annotations(events)
+    if not kernels and not all_steps:
+        raise SystemExit("timeline: nothing to draw: the trace has no GPU kernels (ph 'X', cat 'kernel') and no "
+                         "spmd.* step annotations. Profile a compiled step (ProfilerActivity.CUDA on a GPU), "
+                         "e.g. with tools/timeline.py --record.")
     figs = timeline_figures(events, steps)
-    step_spans = step_annotations(events)
     exposed = exposed_intervals(events)
-    origin = min([float(k["ts"]) for k in kernels] + [a for a, _ in step_spans])
-    t0, t1 = origin, max([float(k["ts"]) + float(k.get("dur", 0)) for k in kernels] + [b for _, b in step_spans])
+    origin = min([float(k["ts"]) for k in kernels] + [a for _, a, _ in all_steps])
+    t0, t1 = origin, max([float(k["ts"]) + float(k.get("dur", 0)) for k in kernels] + [b for _, _, b in all_steps])
+    numbered = list(enumerate(all_steps, 1))
     if window_ms:
         t0, t1 = origin + window_ms[0] * 1000, origin + window_ms[1] * 1000
         inside = lambda a, b: b > t0 and a < t1  # noqa: E731
         kernels = [k for k in kernels if inside(float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0)))]
         exposed = [(max(a, t0), min(b, t1)) for a, b in exposed if inside(a, b)]
-        step_spans = [(a, b) for a, b in step_spans if t0 <= a <= t1]
+        numbered = [(k, s) for k, s in numbered if t0 <= s[1] <= t1]
     plot_w = width - LABEL_W - 20
     us_per_px = (t1 - t0) / plot_w if t1 > t0 else 1.0
     x = lambda t: LABEL_W + (t - t0) / us_per_px  # noqa: E731
 
-    lanes = _lanes(kernels)
-    n_lanes = len(lanes) + 1
-    lanes_h = n_lanes * (LANE_H + LANE_GAP)
+    # Without kernels (a CPU-only profile) the one lane is the steps themselves, in CPU time.
+    gpu = figs["comm_ms"] is not None
+    lanes = (_lanes(kernels) + [("exposed comm", [])]) if gpu else [("steps (CPU)", [])]
+    lanes_h = len(lanes) * (LANE_H + LANE_GAP)
     height = HEADER_H + lanes_h + AXIS_H + 24
+    data = " ".join(f'data-{k}="{_f(figs[f], s)}"' for k, f, s in (
+        ("exposed-ms", "exposed_comm_ms", ".6f"), ("overlapped-pct", "overlapped_pct", ".4f"),
+        ("step-ms", "step_ms", ".6f")))
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
            f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<text x="10" y="20" font-size="15" font-weight="bold">{escape(title or "GPU timeline")}</text>',
-           f'<text class="header" x="10" y="42" font-size="13" '
-           f'data-exposed-ms="{figs["exposed_comm_ms"]:.6f}" data-overlapped-pct="{figs["overlapped_pct"]:.4f}" '
-           f'data-step-ms="{figs["step_ms"]:.6f}" data-steps="{figs["steps"]}">{escape(header_text(figs))}</text>']
-    for i, (label, ks) in enumerate(lanes + [("exposed comm", [])]):
+           f'<text class="header" x="10" y="42" font-size="13" {data} '
+           f'data-steps="{figs["steps"]}">{escape(header_text(figs))}</text>']
+    for i, (label, ks) in enumerate(lanes):
         y = HEADER_H + i * (LANE_H + LANE_GAP)
         out.append(f'<g class="lane" data-label="{escape(label)}">')
         out.append(f'<rect x="{LABEL_W}" y="{y}" width="{plot_w}" height="{LANE_H}" fill="#f4f4f4"/>')
@@ -159,6 +197,13 @@ def render_svg(events: list[dict], steps: int | None = None, width: int = 2400, 
                 out.append(f'<rect class="exposed" x="{x(a):.3f}" y="{y}" width="{(b - a) / us_per_px:.4f}" '
                            f'height="{LANE_H}" fill="{COLORS["exposed"]}" stroke="{COLORS["exposed"]}" '
                            f'stroke-width="0.6"><title>exposed {(b - a) / 1000:.3f} ms</title></rect>')
+        if label == "steps (CPU)":
+            for name, a, b in [s for s in all_steps if s[2] > t0 and s[1] < t1]:
+                a, b = max(a, t0), min(b, t1)
+                out.append(f'<rect class="annotation" data-name="{name}" x="{x(a):.3f}" y="{y + 2}" '
+                           f'width="{max((b - a) / us_per_px, 0.6):.3f}" height="{LANE_H - 4}" '
+                           f'fill="{COLORS["annotation"]}" stroke="white">'
+                           f'<title>{name} · {(b - a) / 1000:.3f} ms</title></rect>')
         for a, b, group in _spans(ks, us_per_px, exposed):
             a, b = max(a, t0), min(b, t1)
             kind = "nccl" if any(_is_nccl(k) for k in group) else "compute"
@@ -175,16 +220,17 @@ def render_svg(events: list[dict], steps: int | None = None, width: int = 2400, 
         out.append(f'<line x1="{tx:.2f}" y1="{axis_y}" x2="{tx:.2f}" y2="{axis_y + 5}" stroke="black"/>'
                    f'<text x="{tx:.2f}" y="{axis_y + 18}" text-anchor="middle">{j * tick:g}</text>')
     out.append(f'<text x="{LABEL_W + plot_w}" y="{axis_y + 34}" text-anchor="end">time (ms)</text>')
-    all_starts = [a for a, _ in step_annotations(events)]
-    for a, _ in step_spans:
-        k = all_starts.index(a)
+    for k, (name, a, _) in numbered:
         sx = x(a)
-        out.append(f'<line class="step" x1="{sx:.2f}" y1="{HEADER_H - 6}" x2="{sx:.2f}" y2="{axis_y}" '
-                   f'stroke="{COLORS["step"]}" stroke-width="1.5" stroke-dasharray="5,3"/>'
-                   f'<text x="{sx + 4:.2f}" y="{HEADER_H - 8}" font-size="11">step {k + 1}</text>')
+        kind = name.split(".", 1)[1]
+        label = f"step {k}" + (f" · {kind}" if kind != "step" else "")
+        out.append(f'<line class="step" data-name="{name}" x1="{sx:.2f}" y1="{HEADER_H - 6}" x2="{sx:.2f}" '
+                   f'y2="{axis_y}" stroke="{COLORS["step"]}" stroke-width="1.5" stroke-dasharray="5,3"/>'
+                   f'<text x="{sx + 4:.2f}" y="{HEADER_H - 8}" font-size="11">{label}</text>')
     legend_x = width - 430
-    for j, (name, key) in enumerate((("NCCL kernel", "nccl"), ("compute kernel", "compute"),
-                                     ("exposed comm", "exposed"))):
+    legend = (("NCCL kernel", "nccl"), ("compute kernel", "compute"), ("exposed comm", "exposed")) if gpu else (
+        ("spmd.* step annotation", "annotation"),)
+    for j, (name, key) in enumerate(legend):
         lx = legend_x + j * 140
         out.append(f'<rect x="{lx}" y="9" width="14" height="14" fill="{COLORS[key]}"/>'
                    f'<text x="{lx + 19}" y="21">{name}</text>')
@@ -199,43 +245,80 @@ def render_html(svg: str, title: str) -> str:
             "For kernel-level detail open the original trace in https://ui.perfetto.dev.</p>\n</body></html>\n")
 
 
-def print_figures(figs: dict[str, float], path: str) -> None:
+def print_figures(figs: dict[str, float | None], path: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"timeline: {os.path.basename(path)}")
     for col in ("steps", "step ms", "comm ms/step", "exposed comm ms/step", "% comm overlapped"):
         table.add_column(col, justify="right")
-    table.add_row(str(figs["steps"]), f"{figs['step_ms']:.3f}", f"{figs['comm_ms']:.3f}",
-                  f"{figs['exposed_comm_ms']:.3f}", f"{figs['overlapped_pct']:.1f}")
+    table.add_row(str(figs["steps"]), _f(figs["step_ms"], ".3f"), _f(figs["comm_ms"], ".3f"),
+                  _f(figs["exposed_comm_ms"], ".3f"), _f(figs["overlapped_pct"], ".1f"))
     Console().print(table)
+    if figs["comm_ms"] is None:
+        print(f"{path} has no GPU kernels (a CPU-only profile): communication and overlap are not measurable "
+              "from it, so those figures are n/a; the picture shows the spmd.* step annotations only.")
+
+
+def draw(trace: str, steps: int | None, out: str, width: int = 2400,
+         window: tuple[float, float] | None = None) -> dict[str, float | None]:
+    """Render ``trace`` to ``out``'s .svg and .html, print its figures and return them."""
+    events = load_trace_events(trace)
+    title = f"{'GPU' if _kernels(events) else 'CPU'} timeline: {os.path.basename(trace)}"
+    if window:
+        title += f" ({window[0]:g}-{window[1]:g} ms)"
+    svg = render_svg(events, steps, width, title, window)
+    stem = os.path.splitext(out)[0]
+    with open(stem + ".svg", "w") as f:
+        f.write(svg)
+    with open(stem + ".html", "w") as f:
+        f.write(render_html(svg, title))
+    figs = timeline_figures(events, steps)
+    print_figures(figs, trace)
+    print(f"wrote {stem}.svg and {stem}.html")
+    return figs
+
+
+def record(args: argparse.Namespace) -> list[str]:
+    """Profile ``args.steps`` compiled steps of ``args.mode`` on every rank; the trace paths, rank 0 first."""
+    template = os.path.splitext(args.out)[0] + "_trace_rank{rank}.json"
+    nproc = launch(record_trace, args, template, nproc=args.nproc)
+    return [template.format(rank=r) for r in range(nproc)]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="The Chrome trace is left untouched; it already opens in Perfetto (ui.perfetto.dev).")
-    p.add_argument("trace", help="Chrome trace JSON written by torch.profiler (export_chrome_trace)")
+    p.add_argument("trace", nargs="?", help="Chrome trace JSON written by torch.profiler (export_chrome_trace)")
     p.add_argument("--steps", type=int, default=None,
-                   help="steps in the trace (default: the number of spmd.* step annotations, else 1)")
+                   help="steps in the trace (default: the number of spmd.* step annotations, else 1); "
+                        "with --record, the steps to profile (default 3)")
     p.add_argument("--out", default="timeline.html", help="x.html or x.svg; both files are written")
     p.add_argument("--width", type=int, default=2400, help="SVG width in pixels")
     p.add_argument("--window", default=None, metavar="START:END",
                    help="draw only this window, in ms from the start of the trace (figures stay whole-trace)")
+    rec = p.add_argument_group("--record: profile compiled steps first (as tools/profile_overlap.py)")
+    rec.add_argument("--record", action="store_true",
+                     help="record the trace instead of reading TRACE; traces are kept as <OUT stem>_trace_rank<r>.json")
+    rec.add_argument("--mode", choices=MODES, default="pipeline",
+                     help="pipeline_itermove defers the last bucket, so steps run as setup/main/cleanup")
+    add_run_args(rec)
     args = p.parse_args(argv)
+    if bool(args.trace) == args.record:
+        p.error(f"got {'both TRACE.json and' if args.record else 'neither TRACE.json nor'} --record; pass a Chrome "
+                "trace to draw, or --record to profile compiled steps and draw their trace")
     window = tuple(float(v) for v in args.window.split(":")) if args.window else None
-    events = load_trace_events(args.trace)
-    title = f"GPU timeline: {os.path.basename(args.trace)}"
-    if window:
-        title += f" ({window[0]:g}-{window[1]:g} ms)"
-    svg = render_svg(events, args.steps, args.width, title, window)
-    stem = os.path.splitext(args.out)[0]
-    with open(stem + ".svg", "w") as f:
-        f.write(svg)
-    with open(stem + ".html", "w") as f:
-        f.write(render_html(svg, title))
-    print_figures(timeline_figures(events, args.steps), args.trace)
-    print(f"wrote {stem}.svg and {stem}.html")
+    trace, steps = args.trace, args.steps
+    if args.record:
+        args.steps = args.steps or 3
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        paths = record(args)
+        print("Chrome traces (open in https://ui.perfetto.dev):\n  " + "\n  ".join(paths))
+        trace, steps = paths[0], None  # steps: the annotations the recorded trace holds
+    figs = draw(trace, steps, args.out, args.width, window)
+    if args.record and figs["steps"] != args.steps:
+        print(f"warning: recorded {args.steps} steps but the trace holds {figs['steps']} spmd.* step annotations")
     return 0
 
 
