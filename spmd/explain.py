@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from graph_utils import find_node, is_all_reduce, is_wait_node, tensor_bytes
 from passes import PassManager, pass_info

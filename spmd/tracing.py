@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
