@@ -48,11 +48,27 @@ _opaque_lib = torch.library.Library(_OPAQUE_NAMESPACE, "FRAGMENT")
 _opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
 
 
-def inductor_config() -> dict:
-    """The subset of ``_INDUCTOR_CONFIG`` this torch version knows (names moved between 2.11 and 2.13)."""
+# For comparison only: Inductor's own overlap scheduler and bucketer (or, on a torch without
+# it, its older compute/comm reordering) decide where collectives go.
+_INDUCTOR_COMM_PASSES_CONFIG = {
+    "aten_distributed_optimizations.enable_overlap_scheduling": True,
+}
+_INDUCTOR_COMM_PASSES_FALLBACK = {"reorder_for_compute_comm_overlap": True}
+
+
+def inductor_config(inductor_comm_passes: bool = False) -> dict:
+    """Inductor options for our graphs, limited to what this torch version knows.
+
+    Default: keep our schedule (``_INDUCTOR_CONFIG``). ``inductor_comm_passes=True``:
+    let Inductor's own comm passes schedule and bucket the collectives instead.
+    """
     import torch._inductor.config as config
 
     known = config.get_config_copy()
+    if inductor_comm_passes:
+        wanted = _INDUCTOR_COMM_PASSES_CONFIG if all(k in known for k in _INDUCTOR_COMM_PASSES_CONFIG) \
+            else _INDUCTOR_COMM_PASSES_FALLBACK
+        return {k: v for k, v in wanted.items() if k in known}
     return {k: v for k, v in _INDUCTOR_CONFIG.items() if k in known}
 
 
@@ -124,19 +140,22 @@ def prepare_for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step") -> Callable:
+def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
+                          inductor_comm_passes: bool = False) -> Callable:
     """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
 
     The graph updates parameters and optimizer state in place and is compiled as
     inference (no autograd), which is what it is: the backward is already in it.
     Returns a callable taking the graph's inputs positionally and returning its outputs.
+    ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
+    (for comparing them with ours; see ``inductor_config``).
     """
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
     start = time.perf_counter()
     prepared = prepare_for_inductor(gm)
-    with torch.no_grad(), config.patch(inductor_config()):
+    with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes)):
         compiled = compile_fx(prepared, list(example_inputs))
     log.info("spmd: Inductor compiled the %s graph (%d nodes) in %.1f s", label, len(gm.graph.nodes),
              time.perf_counter() - start)

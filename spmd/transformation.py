@@ -32,11 +32,11 @@ def default_passes(bucket_size_mb: float = 25.0) -> list[Callable]:
 _STATIC_ROLES = ("param", "buffer", "state", "lr")  # inputs a CUDA graph may read in place
 
 
-def stage_compiler(inductor: bool, cudagraphs: bool) -> Callable:
+def stage_compiler(inductor: bool, cudagraphs: bool, inductor_comm_passes: bool = False) -> Callable:
     """What ``IterGraphModule`` calls on the first run of each of its graphs (step/setup/main/cleanup)."""
 
     def compile_stage(label: str, gm: fx.GraphModule, args: tuple, num_user_outputs: int) -> Callable:
-        runner = compile_with_inductor(gm, args, label) if inductor else gm
+        runner = compile_with_inductor(gm, args, label, inductor_comm_passes) if inductor else gm
         if cudagraphs:
             roles = [n.meta.get("spmd_role") for n in gm.graph.nodes if n.op == "placeholder"]
             runner = CudaGraphRunner(runner, [r in _STATIC_ROLES for r in roles], num_user_outputs, label)
@@ -65,12 +65,18 @@ class GraphModuleTransformation:
     use, keeping the collective and wait positions the passes chose (``spmd.lowering``).
     ``enable_cudagraphs=True`` replays each repeated graph as one CUDA graph from its
     second call on (``spmd.cudagraphs``); it needs every input on the GPU, so optimizers
-    must be ``capturable=True``.
+    must be ``capturable=True``. ``inductor_comm_passes=True`` (with ``enable_inductor``)
+    lets Inductor's own comm passes (its overlap scheduler and bucketer) place the
+    collectives instead of keeping ours; it exists to compare the two.
     """
 
     def __init__(self, enable_graph_optimization: bool = False, enable_inductor: bool = False,
                  dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None, bucket_size_mb: float = 25.0,
-                 passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False):
+                 passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False,
+                 inductor_comm_passes: bool = False):
+        if inductor_comm_passes and not enable_inductor:
+            raise ValueError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
+        self.inductor_comm_passes = inductor_comm_passes
         self.enable_inductor = enable_inductor
         self.enable_cudagraphs = enable_cudagraphs
         chosen = (default_passes(bucket_size_mb) if enable_graph_optimization else []) + list(passes)
@@ -103,7 +109,8 @@ class GraphModuleTransformation:
                 stages[f"{len(stages):02d}_{pass_info(p).name}"] = fx.GraphModule(igm.logical_gm, snapshot)
         igm.finalize_setup()
         if self.enable_inductor or self.enable_cudagraphs:
-            igm.stage_compiler = stage_compiler(self.enable_inductor, self.enable_cudagraphs)
+            igm.stage_compiler = stage_compiler(self.enable_inductor, self.enable_cudagraphs,
+                                                self.inductor_comm_passes)
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
         if folder:
             n = len(stages)
