@@ -57,14 +57,15 @@ def defer_last_bucket(gm) -> None:
     iter_move_grads_and_optimizers(gm, find_node(gm.graph, is_all_reduce)[-1], first_forward)
 
 
-def transformation(mode: str, bucket_mb: float):
+def transformation(mode: str, bucket_mb: float, inductor: bool = False, cudagraphs: bool = False):
+    lowering = dict(enable_inductor=inductor, enable_cudagraphs=cudagraphs)
     if mode == "replicate":
-        return spmd.GraphModuleTransformation()
+        return spmd.GraphModuleTransformation(**lowering)
     if mode == "pipeline":
-        return spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=bucket_mb)
+        return spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=bucket_mb, **lowering)
     if mode == "pipeline_itermove":
         return spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=bucket_mb,
-                                              passes=[defer_last_bucket])
+                                              passes=[defer_last_bucket], **lowering)
     raise SystemExit(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
@@ -79,6 +80,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3,
                    help="compiled steps before the measured ones (record_trace: at least 3, setup to cleanup)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--inductor", action="store_true", help="lower the step graphs with Inductor")
+    p.add_argument("--cudagraphs", action="store_true", help="replay them as CUDA graphs (CUDA only)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast around the forward, as tools/bench.py")
 
 
 def build(rank, device, args, mode):
@@ -94,10 +98,13 @@ def build(rank, device, args, mode):
     fused = cuda or mode == "pipeline_itermove"  # the move defers a fused optimizer op
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, capturable=cuda, foreach=not fused)
 
-    @spmd.compile(gm_transformation=transformation(mode, args.bucket_mb),
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
+
+    @spmd.compile(gm_transformation=transformation(mode, args.bucket_mb, args.inductor, args.cudagraphs),
                   parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
     def train_step(model, optim, idx, targets):
-        loss = model(idx, targets)
+        with autocast:
+            loss = model(idx, targets)
         loss.backward()
         optim.step()
         optim.zero_grad()
