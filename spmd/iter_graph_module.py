@@ -215,9 +215,7 @@ class IterGraphModule(nn.Module):
         logical.output(logical.graph_copy(gm.graph, {}))
         self._logical = fx.GraphModule(gm, logical)
         self.num_user_outputs = len(_outputs(logical)[1])
-        self.setup_gm: Optional[fx.GraphModule] = None
-        self.main_gm: Optional[fx.GraphModule] = None
-        self.cleanup_gm: Optional[fx.GraphModule] = None
+        self._stage_gms: Optional[tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule]] = None
         self._carry: Optional[tuple] = None
         self._finalized = False
         self.iteration = 0
@@ -244,11 +242,29 @@ class IterGraphModule(nn.Module):
             raise RuntimeError("IterGraphModule: cannot rebuild graphs while deferred work is pending")
         self.graph.frozen = True
         self._logical.recompile()
-        self.setup_gm = fx.GraphModule(self._logical, build_setup_graph(self.graph))
-        self.main_gm = fx.GraphModule(self._logical, build_main_graph(self.graph))
-        self.cleanup_gm = fx.GraphModule(self._logical, build_cleanup_graph(self.graph))
+        self._stage_gms = None  # built on first use: a step without moves only ever runs the logical graph
         self._runners = {}
         self._finalized = True
+
+    def _stages(self) -> tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule]:
+        if not self._finalized:
+            raise RuntimeError("IterGraphModule: call finalize_setup() before using the setup/main/cleanup graphs")
+        if self._stage_gms is None:
+            self._stage_gms = tuple(fx.GraphModule(self._logical, build(self.graph))
+                                    for build in (build_setup_graph, build_main_graph, build_cleanup_graph))
+        return self._stage_gms
+
+    @property
+    def setup_gm(self) -> fx.GraphModule:
+        return self._stages()[0]
+
+    @property
+    def main_gm(self) -> fx.GraphModule:
+        return self._stages()[1]
+
+    @property
+    def cleanup_gm(self) -> fx.GraphModule:
+        return self._stages()[2]
 
     @property
     def pending(self) -> bool:
