@@ -52,6 +52,7 @@ _opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
 # it, its older compute/comm reordering) decide where collectives go.
 _INDUCTOR_COMM_PASSES_CONFIG = {
     "aten_distributed_optimizations.enable_overlap_scheduling": True,
+    "aten_distributed_optimizations.collective_bucketing": True,  # off by default: 1 all_reduce per gradient
 }
 _INDUCTOR_COMM_PASSES_FALLBACK = {"reorder_for_compute_comm_overlap": True}
 
@@ -66,8 +67,8 @@ def inductor_config(inductor_comm_passes: bool = False) -> dict:
 
     known = config.get_config_copy()
     if inductor_comm_passes:
-        wanted = _INDUCTOR_COMM_PASSES_CONFIG if all(k in known for k in _INDUCTOR_COMM_PASSES_CONFIG) \
-            else _INDUCTOR_COMM_PASSES_FALLBACK
+        overlap = "aten_distributed_optimizations.enable_overlap_scheduling"
+        wanted = _INDUCTOR_COMM_PASSES_CONFIG if overlap in known else _INDUCTOR_COMM_PASSES_FALLBACK
         return {k: v for k, v in wanted.items() if k in known}
     return {k: v for k, v in _INDUCTOR_CONFIG.items() if k in known}
 

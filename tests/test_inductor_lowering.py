@@ -202,3 +202,18 @@ def test_cudagraphs_refuse_cpu_inputs_before_running_anything():
         step(model, optim, torch.randn(4, 8))
     for p, q in zip(model.parameters(), before):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_our_schedule_switches_inductor_comm_reordering_off_and_the_comparison_switches_it_on():
+    import torch._inductor.config as config
+
+    from spmd.lowering import inductor_config
+
+    ours, theirs = inductor_config(), inductor_config(inductor_comm_passes=True)
+    assert ours["reorder_for_compute_comm_overlap"] is False and ours["reorder_for_peak_memory"] is False
+    if "aten_distributed_optimizations.enable_overlap_scheduling" in config.get_config_copy():
+        assert ours["aten_distributed_optimizations.enable_overlap_scheduling"] is False
+        assert theirs["aten_distributed_optimizations.enable_overlap_scheduling"] is True
+    assert any(v is True for v in theirs.values())
+    with pytest.raises(ValueError, match="needs enable_inductor=True"):
+        spmd.GraphModuleTransformation(inductor_comm_passes=True)
