@@ -20,7 +20,8 @@ All spmd modes lower through Inductor.
 Columns: ms/step is the median of the timed steps (one CUDA event before each step, one
 synchronize at the end, so CPU launch overhead shows); tokens/s/GPU = batch * seq / median;
 ratio to best = median / the section's fastest median; peak GiB = torch.cuda.max_memory_allocated
-over the mode; warm-up s = wall time of the warm-up calls minus warmup * median (compilation).
+over the mode minus what was allocated before it built its model (so nothing an earlier mode left
+behind counts); warm-up s = wall time of the warm-up calls minus warmup * median (compilation).
 max |Δloss| vs DDP: largest step-by-step loss difference to ``ddp`` over all steps and ranks;
 flagged when a step differs by more than ATOL + RTOL * |ddp loss| (bf16 autocast: the two
 modes round differently). Single-GPU modes train without averaging gradients, so only their
@@ -162,8 +163,12 @@ def mode_step(mode: str, args, device: torch.device, n_calls: int):
 # ----------------------------------------------------------------------------- timing a mode
 
 
-def time_mode(step, batches, args, device: torch.device, advance) -> dict:
-    """Run ``--warmup`` + ``--steps`` calls of ``step``; return this rank's raw numbers."""
+def time_mode(step, batches, args, device: torch.device, advance, baseline: int = 0) -> dict:
+    """Run ``--warmup`` + ``--steps`` calls of ``step``; return this rank's raw numbers.
+
+    ``baseline``: bytes allocated before the mode built its model (the batches, anything an
+    earlier mode left behind); the mode's peak is counted above it.
+    """
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     losses = []
@@ -209,7 +214,8 @@ def time_mode(step, batches, args, device: torch.device, advance) -> dict:
     return dict(status="ok", median_ms=median_ms, step_ms=step_ms, first_call_s=first_call_s,
                 warmup_s=max(0.0, warmup_wall_s - args.warmup * median_ms / 1000), warmup_wall_s=warmup_wall_s,
                 timed_wall_s=timed_wall_s,
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                peak_gib=(torch.cuda.max_memory_allocated() - baseline) / 2**30 if cuda else None,
+                baseline_gib=baseline / 2**30,
                 losses=torch.stack(losses).float().cpu().tolist())
 
 
@@ -219,9 +225,10 @@ def run_mode(mode: str, batches, args, device: torch.device, advance) -> dict:
     if reason:
         advance(args.warmup + args.steps)
         return dict(status="skipped", reason=reason)
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
         with mode_step(mode, args, device, args.warmup + args.steps) as step:
-            return time_mode(step, batches, args, device, advance)
+            return time_mode(step, batches, args, device, advance, baseline)
     except Exception as err:  # noqa: BLE001 - report it and go on with the next mode
         first_line = (str(err).strip().splitlines() or [""])[0]
         return dict(status="error", reason=f"{type(err).__name__}: {first_line}"[:300],
