@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -14,10 +16,8 @@ from spmd.transformation import stage_compiler
 from tests.dist import run_distributed
 from tests.parity import assert_params_close, ddp_copy, eager_step
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
 def _seed_style(rank, world_size, optim_kwargs):
@@ -48,6 +48,7 @@ def _seed_style(rank, world_size, optim_kwargs):
     {"fused": True, "capturable": True},
     {"fused": True},
 ], ids=["foreach-capturable", "foreach-noncapturable", "fused-capturable", "fused"])
+@two_gpus
 def test_adam_matches_ddp_on_two_gpus(optim_kwargs):
     run_distributed(_seed_style, optim_kwargs, backend="nccl")
 
@@ -124,5 +125,51 @@ def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, ite
     (True, True, True, True),
 ], ids=["replicate", "pass-pipeline", "inductor", "inductor-pipeline", "inductor-pipeline-cudagraphs",
         "pipeline-cudagraphs", "inductor-itermove-cudagraphs"])
+@two_gpus
 def test_gpt_fused_adamw_avg_matches_ddp_on_two_gpus(optimize, inductor, cudagraphs, itermove):
     run_distributed(_gpt, optimize, inductor, cudagraphs, itermove, backend="nccl")
+
+
+def _cudagraphs_follow_lr_and_reloaded_state(rank, world_size):
+    """A CUDA-graph step sees a new lr each step and recaptures when optimizer state is reloaded."""
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = MLP(layers=4, dim=256).to(device)
+    ddp = ddp_copy(model, device_ids=[rank])
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True, capturable=True)
+    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True, capturable=True)
+    decay = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.7 ** i) for o in (optim, ddp_optim)]
+    seen = {}
+
+    def transformation(gm):
+        igm = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.5,
+                                             enable_inductor=True, enable_cudagraphs=True)(gm)
+        seen["igm"] = igm
+        return igm
+
+    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), gm_transformation=transformation)
+    def train_step(model, optim, batch):
+        loss = model(batch).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(rank)
+    for i in range(8):
+        if i == 4:  # new state tensors (new storage), same values, in both
+            for o in (optim, ddp_optim):
+                o.load_state_dict(copy.deepcopy(o.state_dict()))
+        batch = torch.randn(32, 256, device=device)
+        loss = train_step(model, optim, batch)
+        torch.testing.assert_close(loss, eager_step(ddp, ddp_optim, batch), atol=1e-3, rtol=1e-3)
+        for s in decay:
+            s.step()
+    assert_params_close(model, ddp, atol=1e-3, rtol=1e-3)
+    runner = seen["igm"]._runners["step"]
+    assert runner.captures == 2, f"expected a recapture after load_state_dict, got {runner.captures} captures"
+
+
+def test_cudagraph_step_follows_lr_schedule_and_recaptures_after_state_reload():
+    run_distributed(_cudagraphs_follow_lr_and_reloaded_state, world_size=min(2, torch.cuda.device_count()),
+                    backend="nccl")
