@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -109,8 +110,12 @@ class CompiledTrainStep:
         return gm, traced, state, created
 
     def _compile(self, state: StepState, args: tuple, kwargs: dict) -> CompiledStep:
+        start = time.perf_counter()
         gm, traced, state, _ = self.trace_and_expand(state, args, kwargs)
+        traced_at = time.perf_counter()
         runner = self.gm_transformation(gm) if self.gm_transformation else gm
+        log.info("spmd: %s traced in %.1f s (%d nodes), transformed in %.1f s", self.__name__, traced_at - start,
+                 len(gm.graph.nodes), time.perf_counter() - traced_at)
         return CompiledStep(runner, traced.out_spec, gm), state
 
     def prepare_state(self, args: tuple, kwargs: dict) -> StepState:
