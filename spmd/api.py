@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -13,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .compile_times import phase, recording
 from .errors import SpmdCompileError
 from .iter_graph_module import IterGraphModule
 from .parallel import DataParallel
@@ -31,6 +33,7 @@ class CompiledStep:
     graph: fx.GraphModule  # the expanded graph, before the user transformation
     lr_tensors: Optional[list[torch.Tensor]] = None  # kept across calls: CUDA graphs read them in place
     lr_values: Optional[list[float]] = None
+    compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
 
     def lr_inputs(self, state: StepState) -> list[torch.Tensor]:
         """The graph's lr inputs for this call, filled in place only when an lr changed."""
@@ -76,6 +79,7 @@ class CompiledTrainStep:
         self.parallel_mode = parallel_mode or DataParallel("replicate")
         self.cache: dict[tuple, CompiledStep] = {}
         self._overridden: set[int] = set()
+        self._last_compiled: Optional[CompiledStep] = None
 
     def _apply_overrides(self, modules: list[nn.Module]) -> None:
         for mod in modules:
@@ -95,28 +99,40 @@ class CompiledTrainStep:
         ``created`` lists optimizers whose state was created for the trace; on failure it
         is removed again, so a failed compile leaves the user's objects as they were.
         """
-        created = [o for o in state.optimizers if ensure_optimizer_state(o)]
+        with phase("optimizer_state"):
+            created = [o for o in state.optimizers if ensure_optimizer_state(o)]
         try:
             if created:  # state was just created: lay it out again
                 state = StepState(state.modules, state.optimizers)
-            traced = trace_train_step(self.fn, state, args, kwargs)
+            with phase("trace"):
+                traced = trace_train_step(self.fn, state, args, kwargs)
         except BaseException:
             for o in created:
                 o.state.clear()
             raise
-        gm = self.parallel_mode.expand(traced.gm)
+        with phase("expand"):
+            gm = self.parallel_mode.expand(traced.gm)
         for override in self.module_override:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
         return gm, traced, state, created
 
+    @property
+    def compile_times(self) -> dict[str, float]:
+        """Seconds per compile phase of the most recently compiled signature (see ``spmd.compile_times``)."""
+        return dict(self._last_compiled.compile_times) if self._last_compiled else {}
+
     def _compile(self, state: StepState, args: tuple, kwargs: dict) -> CompiledStep:
         start = time.perf_counter()
-        gm, traced, state, _ = self.trace_and_expand(state, args, kwargs)
-        traced_at = time.perf_counter()
-        runner = self.gm_transformation(gm) if self.gm_transformation else gm
+        times: dict[str, float] = {}
+        with recording(times):
+            gm, traced, state, _ = self.trace_and_expand(state, args, kwargs)
+            traced_at = time.perf_counter()
+            with phase("transform"):
+                runner = self.gm_transformation(gm) if self.gm_transformation else gm
         log.info("spmd: %s traced in %.1f s (%d nodes), transformed in %.1f s", self.__name__, traced_at - start,
                  len(gm.graph.nodes), time.perf_counter() - traced_at)
-        return CompiledStep(runner, traced.out_spec, gm), state
+        self._last_compiled = CompiledStep(runner, traced.out_spec, gm, compile_times=times)
+        return self._last_compiled, state
 
     def prepare_state(self, args: tuple, kwargs: dict) -> StepState:
         """Find the step's modules and optimizers, apply overrides, and check no stray gradients."""
@@ -137,7 +153,8 @@ class CompiledTrainStep:
         modules, optimizers = state.modules, state.optimizers
         key = (state.signature(), _user_signature(args, kwargs), tuple(map(id, modules + optimizers)))
         entry = self.cache.get(key)
-        if entry is None:
+        first_run = entry is None
+        if first_run:
             if self.cache:
                 log.warning("spmd.compile: %s is retracing for a new input signature (%d cached)",
                             self.__name__, len(self.cache))
@@ -147,7 +164,9 @@ class CompiledTrainStep:
             self.cache[key] = entry
         user_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         flat = [*state.flat_tensors(), *entry.lr_inputs(state), *user_tensors]
-        with torch.no_grad():
+        # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
+        with torch.no_grad(), recording(entry.compile_times), (
+                phase("first_run") if first_run else contextlib.nullcontext()):
             if isinstance(entry.runner, IterGraphModule):
                 out = entry.runner(*flat, last_iter=last_train_step)
             else:

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .compile_times import phase
 from .errors import SpmdCompileError
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         try:
             # thread_local: the NCCL watchdog thread keeps querying events during capture
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with phase(f"cudagraph/{self.label}/capture"), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.static_outputs = tuple(self.fn(*self.static_inputs))
         except Exception as e:  # capture records work and runs none: nothing of the user's changed
             self.static_inputs, self.static_outputs = [], ()

@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from graph_utils import lazy_graph_module
+
 _PERSISTENT_ROLES = ("param", "buffer", "state")
 
 
@@ -213,7 +215,7 @@ class IterGraphModule(nn.Module):
         super().__init__()
         logical = IterGraph()
         logical.output(logical.graph_copy(gm.graph, {}))
-        self._logical = fx.GraphModule(gm, logical)
+        self._logical = lazy_graph_module(gm, logical)  # code built on first run (passes edit it first)
         self.num_user_outputs = len(_outputs(logical)[1])
         self._stage_gms: Optional[tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule]] = None
         self._carry: Optional[tuple] = None
@@ -250,7 +252,7 @@ class IterGraphModule(nn.Module):
         if not self._finalized:
             raise RuntimeError("IterGraphModule: call finalize_setup() before using the setup/main/cleanup graphs")
         if self._stage_gms is None:
-            self._stage_gms = tuple(fx.GraphModule(self._logical, build(self.graph))
+            self._stage_gms = tuple(lazy_graph_module(self._logical, build(self.graph))
                                     for build in (build_setup_graph, build_main_graph, build_cleanup_graph))
         return self._stage_gms
 

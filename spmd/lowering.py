@@ -31,6 +31,10 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from graph_utils import lazy_graph_module
+
+from .compile_times import phase
+
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
@@ -138,7 +142,7 @@ def prepare_for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
         elif _wrappable_fused_optimizer(node):
             node.target = opaque_inplace_op(node.target)
     graph.lint()
-    return fx.GraphModule(gm, graph)
+    return lazy_graph_module(gm, graph)
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
@@ -155,8 +159,9 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     from torch._inductor.compile_fx import compile_fx
 
     start = time.perf_counter()
-    prepared = prepare_for_inductor(gm)
-    with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes)):
+    with phase(f"inductor/{label}/prepare"):
+        prepared = prepare_for_inductor(gm)
+    with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes)), phase(f"inductor/{label}/compile_fx"):
         compiled = compile_fx(prepared, list(example_inputs))
     log.info("spmd: Inductor compiled the %s graph (%d nodes) in %.1f s", label, len(gm.graph.nodes),
              time.perf_counter() - start)

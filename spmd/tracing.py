@@ -27,6 +27,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from graph_utils import lazy_graph_modules, make_lazy
+
+from .compile_times import phase
 from .errors import SpmdCompileError
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState
@@ -220,7 +223,7 @@ def trace_train_step(
 
     hook = register_optimizer_step_pre_hook(refuse_unknown_optimizer)
     try:
-        with _compiling_flag():
+        with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
             impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
     except SpmdCompileError:
         raise
@@ -237,7 +240,8 @@ def trace_train_step(
     def replay(*flat):
         return _FunctionalFusedOptim(impure).run(*flat)
 
-    pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"), tracing_mode="fake")(*flat_inputs)
+    with phase("trace/functionalize"), lazy_graph_modules():
+        pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"), tracing_mode="fake")(*flat_inputs)
     roles = (["param"] * n_params + ["buffer"] * n_buffers + ["state"] * n_state
              + ["lr"] * len(lr_values) + ["input"] * len(user_tensors))
     names = (list(state.param_names) + list(state.buffer_names) + list(state.state_names)
@@ -248,6 +252,6 @@ def trace_train_step(
     pure.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, tuple out
     output = next(n for n in reversed(pure.graph.nodes) if n.op == "output")
     output.args = (tuple(output.args[0]),)
-    pure.recompile()
+    pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
     out_spec = out_holder["spec"]
     return TracedStep(gm=pure, out_spec=out_spec, num_user_outputs=out_spec.num_leaves, placeholder_roles=roles)

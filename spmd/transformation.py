@@ -16,6 +16,7 @@ from passes import (
     schedule_comm_wait,
 )
 
+from .compile_times import phase
 from .cudagraphs import CudaGraphRunner
 from .iter_graph_module import IterGraphModule
 from .lowering import compile_with_inductor
@@ -102,12 +103,14 @@ class GraphModuleTransformation:
         folder = self._dump_folder()
         stages = {"00_traced": gm}
         for p in self.pass_manager.order:
-            p(igm)
+            with phase(f"passes/{pass_info(p).name}"):
+                p(igm)
             if folder:  # snapshot: later passes edit the same graph
                 snapshot = fx.Graph()
                 snapshot.output(snapshot.graph_copy(igm.graph, {}))
                 stages[f"{len(stages):02d}_{pass_info(p).name}"] = fx.GraphModule(igm.logical_gm, snapshot)
-        igm.finalize_setup()
+        with phase("passes/finalize"):
+            igm.finalize_setup()
         if self.enable_inductor or self.enable_cudagraphs:
             igm.stage_compiler = stage_compiler(self.enable_inductor, self.enable_cudagraphs,
                                                 self.inductor_comm_passes)

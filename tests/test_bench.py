@@ -48,3 +48,14 @@ def test_bench_runs_modes_on_two_cpu_processes_and_reports_parity(tmp_path):
     # single_eager starts from the same init on the same data: its first loss is DDP's
     assert rows["single_eager"]["first_step_dloss_vs_ddp"] == 0.0
     assert "max_abs_dloss_vs_ddp" not in rows["single_eager"]
+
+
+def test_compile_time_tool_reports_phases_on_cpu():
+    """tools/compile_time.py on a tiny GPT: spmd's first calls and its compile phases (Inductor C++)."""
+    out = subprocess.run(
+        [sys.executable, "tools/compile_time.py", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16",
+         "--vocab", "64", "--batch", "2", "--calls", "2", "--skip-torch-compile"],
+        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for text in ("spmd pipeline", "trace/functionalize", "passes/comm_fusion_with_concat", "inductor/step/compile_fx"):
+        assert text in out.stdout, f"{text!r} missing from:\n{out.stdout}"

@@ -143,7 +143,11 @@ def mode_step(mode: str, args, device: torch.device, n_calls: int):
                 enable_graph_optimization=mode in ("spmd_pipeline", "spmd_pipeline_cg"), bucket_size_mb=args.bucket_mb,
                 enable_inductor=True, enable_cudagraphs=mode == "spmd_pipeline_cg",
                 inductor_comm_passes=mode == "spmd_inductor_comm"))(train_step)
-        yield lambda i, idx, targets: step(model, optim, idx, targets, last_train_step=(i == n_calls - 1))
+        def call(i, idx, targets):
+            return step(model, optim, idx, targets, last_train_step=(i == n_calls - 1))
+
+        call.compile_times = lambda: step.compile_times  # seconds per compile phase, for the JSON
+        yield call
     elif mode == "ddp_ca":
         # DDP (python reducer) and torch.compile (compiled autograd) read the config when built: build inside
         with torch._dynamo.config.patch(compiled_autograd=True, optimize_ddp="python_reducer"):
@@ -228,7 +232,10 @@ def run_mode(mode: str, batches, args, device: torch.device, advance) -> dict:
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
         with mode_step(mode, args, device, args.warmup + args.steps) as step:
-            return time_mode(step, batches, args, device, advance, baseline)
+            result = time_mode(step, batches, args, device, advance, baseline)
+            if hasattr(step, "compile_times"):
+                result["compile_times"] = step.compile_times()
+            return result
     except Exception as err:  # noqa: BLE001 - report it and go on with the next mode
         first_line = (str(err).strip().splitlines() or [""])[0]
         return dict(status="error", reason=f"{type(err).__name__}: {first_line}"[:300],
