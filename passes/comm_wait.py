@@ -74,6 +74,14 @@ def schedule_comm_wait(gm) -> None:
             "(move_to_next_iter_before), and moving waits would change the nodes those moves name. "
             "Apply schedule_comm_wait before moving nodes across iterations."
         )
+    place_waits_before_first_use(graph)
+
+
+def place_waits_before_first_use(graph: fx.Graph) -> None:
+    """``schedule_comm_wait``'s edit on a graph: each collective's wait block moves to before its first consumer.
+
+    Moves only later in the graph; applying it again after consumers moved later is safe.
+    """
     plans = []
     for comm in [n for n in graph.nodes if is_comm_node(n)]:
         users = list(comm.users)

@@ -20,6 +20,7 @@ from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import schedule_comm_wait
 from .manager import graph_optimization_pass
 from .optimizer_copies import remove_copy_from_optimizer
+from .optimizer_split import split_optimizer_per_bucket
 
 NodeRef = Union[str, fx.Node]
 
@@ -71,7 +72,7 @@ def _check_no_early_reader(gm, block, downstream: set, dest: fx.Node) -> None:
 
 
 @graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],
-                         apply_after=[comm_fusion_with_concat, schedule_comm_wait])
+                         apply_after=[comm_fusion_with_concat, schedule_comm_wait, split_optimizer_per_bucket])
 def iter_move_grads_and_optimizers(gm, target_comm_node: NodeRef, target_dest_node: NodeRef) -> None:
     """Defer one bucket's wait, split and optimizer update to the next iteration, before ``target_dest_node``.
 

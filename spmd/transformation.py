@@ -13,7 +13,7 @@ import torch.fx as fx
 from graph_utils import dump_graphs_to_files
 from passes import (
     PassManager, applied_passes, comm_fusion_with_concat, pass_info, remove_copy_from_optimizer,
-    schedule_comm_wait,
+    schedule_comm_wait, split_optimizer_per_bucket,
 )
 
 from .compile_times import phase
@@ -24,10 +24,14 @@ from .lowering import compile_with_inductor
 log = logging.getLogger(__name__)
 
 
-def default_passes(bucket_size_mb: float = 25.0) -> list[Callable]:
-    """Our pipeline: comm fusion (DDP-sized buckets) -> comm-wait scheduling -> optimizer copy removal."""
+def default_passes(bucket_size_mb: float = 25.0, optimizer_parts: int = 4) -> list[Callable]:
+    """Our pipeline: comm fusion (DDP-sized buckets) -> comm-wait scheduling -> optimizer split per
+    trailing bucket (``optimizer_parts`` ops at most; 1: no split) -> optimizer copy removal."""
+    if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
+        raise ValueError(f"optimizer_parts must be an int >= 1 (1: one optimizer op), got {optimizer_parts!r}")
+    split = [functools.partial(split_optimizer_per_bucket, max_parts=optimizer_parts)] if optimizer_parts > 1 else []
     return [functools.partial(comm_fusion_with_concat, bucket_size_mb=bucket_size_mb), schedule_comm_wait,
-            remove_copy_from_optimizer]
+            *split, remove_copy_from_optimizer]
 
 
 _STATIC_ROLES = ("param", "buffer", "state", "lr")  # inputs a CUDA graph may read in place
@@ -49,7 +53,7 @@ def stage_compiler(inductor: bool, cudagraphs: bool, inductor_comm_passes: bool 
 class GraphModuleTransformation:
     """Wrap the step graph in an ``IterGraphModule``, optimize it, optionally dump it.
 
-    ``enable_graph_optimization=True`` runs ``default_passes(bucket_size_mb)`` plus any
+    ``enable_graph_optimization=True`` runs ``default_passes(bucket_size_mb, optimizer_parts)`` plus any
     ``passes`` the user gives (declared with ``@graph_optimization_pass``, bare or as
     ``functools.partial``), ordered together by ``PassManager``. ``passes`` alone (without
     the flag) runs only the user's.
@@ -74,13 +78,13 @@ class GraphModuleTransformation:
     def __init__(self, enable_graph_optimization: bool = False, enable_inductor: bool = False,
                  dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None, bucket_size_mb: float = 25.0,
                  passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False,
-                 inductor_comm_passes: bool = False):
+                 inductor_comm_passes: bool = False, optimizer_parts: int = 4):
         if inductor_comm_passes and not enable_inductor:
             raise ValueError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
         self.inductor_comm_passes = inductor_comm_passes
         self.enable_inductor = enable_inductor
         self.enable_cudagraphs = enable_cudagraphs
-        chosen = (default_passes(bucket_size_mb) if enable_graph_optimization else []) + list(passes)
+        chosen = (default_passes(bucket_size_mb, optimizer_parts) if enable_graph_optimization else []) + list(passes)
         self.pass_manager = PassManager(chosen)  # validates declarations and order now, not mid-compile
         env_dir = os.environ.get("SPMD_DUMP_DIR")
         self.dump_graphs = bool(env_dir) if dump_graphs is None else dump_graphs

@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="processes (default: one per GPU, or 2 on CPU)")
     p.add_argument("--json", default="bench_results.json")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="spmd gradient bucket size (default 25)")
+    p.add_argument("--optimizer-parts", type=int, default=4,
+                   help="spmd pipeline: optimizer ops, one per trailing bucket (default 4; 1: one op)")
     args = p.parse_args(argv)
     args.batch = [int(b) for b in args.batch.split(",")]
     args.modes = args.modes.split(",")
@@ -141,8 +143,10 @@ def mode_step(mode: str, args, device: torch.device, n_calls: int):
             parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
             gm_transformation=spmd.GraphModuleTransformation(
                 enable_graph_optimization=mode in ("spmd_pipeline", "spmd_pipeline_cg"), bucket_size_mb=args.bucket_mb,
+                optimizer_parts=args.optimizer_parts,
                 enable_inductor=True, enable_cudagraphs=mode == "spmd_pipeline_cg",
                 inductor_comm_passes=mode == "spmd_inductor_comm"))(train_step)
+
         def call(i, idx, targets):
             return step(model, optim, idx, targets, last_train_step=(i == n_calls - 1))
 

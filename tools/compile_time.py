@@ -60,6 +60,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def torch_timings() -> dict[str, float]:
+    """Seconds per ``dynamo_timed`` torch function since the last call (Inductor/AOT/dynamo internals)."""
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", None)
+    if metrics is None:
+        return {}
+    totals = {name: sum(values) for name, values in metrics.items()}
+    metrics.clear()
+    return totals
+
+
 def timed_calls(step, batches, calls: int, sync) -> tuple[float, float, float]:
     """(first call s, warm-up s, last call ms): warm-up = all calls minus calls * last call's time."""
     sync()
@@ -93,6 +103,8 @@ def main(argv=None) -> int:
     batches = make_batches(args, args.batch, 0, device)
     console = Console()
     rows = []
+    internals: dict[str, dict[str, float]] = {}
+    torch_timings()
 
     if not args.skip_torch_compile:
         model = build_model(args, device)
@@ -100,6 +112,7 @@ def main(argv=None) -> int:
         compiled = torch.compile(model)
         first, warm, ms = timed_calls(lambda i, idx, t: train_step(compiled, optim, idx, t), batches, args.calls, sync)
         rows.append(("torch.compile(model)", first, warm, ms))
+        internals["torch.compile(model)"] = torch_timings()
         del model, optim, compiled
         torch._dynamo.reset()
 
@@ -124,6 +137,7 @@ def main(argv=None) -> int:
     first, warm, ms = timed_calls(spmd_call, batches, args.calls, sync)
     label = "spmd " + ("replicate" if args.no_passes else "pipeline") + (" + CUDA graphs" if args.cudagraphs else "")
     rows.append((label, first, warm, ms))
+    internals[label] = torch_timings()
 
     table = Table(title=f"First calls, GPT {args.layers}x{args.dim}, batch {args.batch}, seq {args.seq} "
                         f"({torch.cuda.get_device_name(device) if cuda else 'CPU'}, torch {torch.__version__})")
@@ -141,6 +155,14 @@ def main(argv=None) -> int:
     for name, seconds in step.compile_times.items():
         phases.add_row(name, f"{seconds:.2f}")
     console.print(phases)
+    inside = Table(title="torch internals (dynamo_timed), s: where Inductor, AOT and dynamo spend it")
+    inside.add_column("function")
+    for label in internals:
+        inside.add_column(label, justify="right")
+    names = sorted({n for t in internals.values() for n in t}, key=lambda n: -max(t.get(n, 0) for t in internals.values()))
+    for name in names[:25]:
+        inside.add_row(name, *(f"{t[name]:.2f}" if name in t else "" for t in internals.values()))
+    console.print(inside)
     if profiler:
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(args.profile)
     dist.destroy_process_group()

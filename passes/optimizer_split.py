@@ -1,0 +1,110 @@
+"""split_optimizer_per_bucket: start the optimizer before the last gradient buckets arrive.
+
+With one fused optimizer op over every parameter, the whole update waits for the last
+gradient bucket, and that bucket is the slowest to arrive: it holds the first layers'
+gradients (and, in a GPT, the tied embedding's, which the backward finishes last), so
+its all_reduce starts when the backward ends and nothing is left to overlap it. Split
+per bucket, the update of everything that arrived during the backward runs while the
+last buckets are still being reduced; each trailing bucket's update follows its own wait.
+
+The split changes no numerics: fused Adam/AdamW updates every parameter independently.
+Each part costs a few kernel launches, so only the last ``max_parts - 1`` buckets get a
+part of their own and every earlier bucket shares the first part (those buckets arrived
+during the backward in a profile; a part for each would only add launches).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch.fx as fx
+
+from graph_utils import is_wait_node
+
+from .comm_fusion import comm_fusion_with_concat
+from .comm_wait import UNPACK_OPS, place_waits_before_first_use, schedule_comm_wait
+from .fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
+from .manager import graph_optimization_pass
+
+log = logging.getLogger(__name__)
+_FUSED = ("_fused_adam", "_fused_adamw")
+
+
+def _source_collective(grad: fx.Node) -> Optional[fx.Node]:
+    """The collective whose waited result ``grad`` is (through split/getitem/view), or None."""
+    node = grad
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if is_wait_node(node):
+            return node.args[0]
+        if node.target not in UNPACK_OPS:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _parts(grads: list[fx.Node], bucket_index: dict[fx.Node, int], max_parts: int) -> Optional[list[list[fx.Node]]]:
+    """Gradients grouped into parts in bucket order: earlier buckets together, the trailing ones alone.
+
+    None when a gradient is not a bucket's result (e.g. clipped first: the update
+    waits for every bucket anyway) or when there would be a single part.
+    """
+    sources = [_source_collective(g) for g in grads]
+    if any(s not in bucket_index for s in sources):
+        return None
+    buckets = sorted({bucket_index[s] for s in sources})
+    part_of = {b: 0 for b in buckets}
+    part_of.update({b: i + 1 for i, b in enumerate(buckets[-(max_parts - 1):])})
+    groups: dict[int, list[fx.Node]] = {}
+    for g, s in zip(grads, sources):
+        groups.setdefault(part_of[bucket_index[s]], []).append(g)
+    parts = [groups[k] for k in sorted(groups)]
+    return parts if len(parts) > 1 else None
+
+
+def _current_block(gm, optim_node: fx.Node):
+    return next(b for name in _FUSED for b in get_all_fused_optimizer_blocks(gm, name)
+                if b.optim.optim_node is optim_node)
+
+
+@graph_optimization_pass(prerequisites=[comm_fusion_with_concat, schedule_comm_wait])
+def split_optimizer_per_bucket(gm, max_parts: int = 4) -> None:
+    """Split each fused Adam/AdamW op so the last gradient buckets each update their own parameters.
+
+    Before: gradient buckets are fused (``spmd_bucket`` on each all_reduce) and their
+    waits scheduled. After: for each fused Adam/AdamW op whose gradients are all direct
+    bucket results, the parameters of the last ``max_parts - 1`` buckets it reads have
+    one op (and step update) each, every other parameter shares the first op; the parts
+    run in bucket order, and each bucket's wait block sits right before the first part
+    that reads it. Ops whose gradients are computed on first (e.g. clipped) are left
+    whole. Same values as before.
+
+    Example::
+
+        comm_fusion_with_concat(igm, bucket_size_mb=25)
+        schedule_comm_wait(igm)
+        split_optimizer_per_bucket(igm, max_parts=4)
+    """
+    if isinstance(max_parts, bool) or not isinstance(max_parts, int) or max_parts < 2:
+        raise ValueError(f"split_optimizer_per_bucket: max_parts must be an int >= 2, got {max_parts!r}")
+    graph = gm.graph
+    if getattr(graph, "moves", None):
+        raise ValueError(
+            "split_optimizer_per_bucket: the graph already defers nodes to the next iteration; "
+            "apply split_optimizer_per_bucket before moving nodes across iterations."
+        )
+    collectives = [n for n in graph.nodes if "spmd_bucket" in n.meta and not is_wait_node(n)]
+    bucket_index = {c: i for i, c in enumerate(collectives)}
+    optim_nodes = [b.optim.optim_node for name in _FUSED for b in get_all_fused_optimizer_blocks(gm, name)]
+    split = 0
+    for optim_node in optim_nodes:
+        block = _current_block(gm, optim_node)
+        parts = _parts(block.optim.grads, bucket_index, max_parts)
+        if parts is None:
+            continue
+        for part in parts[:-1]:
+            _, block = split_fused_optimizer(gm, block, part)
+        split += 1
+    if split:
+        place_waits_before_first_use(graph)
+    log.debug("split_optimizer_per_bucket: split %d of %d fused optimizer ops", split, len(optim_nodes))

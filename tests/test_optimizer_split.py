@@ -1,0 +1,156 @@
+"""split_optimizer_per_bucket: part structure, wait placement, refusals, DDP parity (also after a move)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+import spmd
+from graph_utils import find_node, is_all_reduce
+from passes import (
+    comm_fusion_with_concat, get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
+    schedule_comm_wait, split_optimizer_per_bucket,
+)
+from passes.comm_wait import wait_block
+from spmd.models import MLP
+from tests.dist import run_distributed
+from tests.parity import assert_params_close, ddp_copy, eager_step
+from tests.test_comm_passes import _fusion, _trace
+
+
+def _optim_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and "_fused_adam" in str(n.target)]
+
+
+def _bucket_of(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Each gradient view a wait block produces -> that block's collective."""
+    return {n: comm for comm in find_node(graph, is_all_reduce) for n in wait_block(next(iter(comm.users)))}
+
+
+@pytest.mark.parametrize("max_parts", [2, 4])
+def test_trailing_buckets_get_their_own_part_right_after_their_wait(max_parts):
+    model, _, igm = _trace("gpt", [_fusion(0.02), schedule_comm_wait,
+                                   lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)], optim="fused")
+    graph = igm.graph
+    comms = find_node(graph, is_all_reduce)
+    assert len(comms) > max_parts, "the test needs more buckets than parts"
+    parts = _optim_nodes(graph)
+    assert len(parts) == max_parts
+    bucket_of = _bucket_of(graph)
+    params = [p for part in parts for p in part.args[0]]
+    assert sorted(p.meta["spmd_name"] for p in params) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_buckets = comms[-(max_parts - 1):]
+    for part, comm in zip(parts[1:], last_buckets):
+        assert {bucket_of[g] for g in part.args[1]} == {comm}, "a trailing part reads exactly its own bucket"
+        block = wait_block(next(iter(comm.users)))
+        between = [n for n in graph.nodes if order[block[0]] <= order[n] < order[part]]
+        assert set(between) <= set(block) | {n for n in graph.nodes if "_foreach_add" in str(n.target)}, \
+            f"only the wait block of {comm.name} sits between its wait and its part"
+    assert {bucket_of[g] for g in parts[0].args[1]}.isdisjoint(last_buckets)
+    last_wait = next(iter(comms[-1].users))
+    assert order[parts[0]] < order[last_wait], "the first part runs while the last bucket is still reduced"
+
+
+def test_gradients_that_are_computed_on_first_leave_the_optimizer_whole():
+    """Clipping reads every gradient before the update: the update waits for all buckets anyway."""
+    from tests.dist import single_process_group
+
+    def body(model, optim, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    seen = {}
+
+    def transform(gm):
+        igm = spmd.IterGraphModule(gm)
+        for p in (_fusion(0.0005), schedule_comm_wait, split_optimizer_per_bucket):
+            p(igm)
+        igm.finalize_setup()
+        seen["igm"] = igm
+        return igm
+
+    torch.manual_seed(0)
+    model = MLP(layers=4, dim=16)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    with single_process_group():
+        spmd.compile(gm_transformation=transform)(body)(model, optim, torch.randn(4, 16))
+    assert len(find_node(seen["igm"].graph, is_all_reduce)) > 2
+    assert len(_optim_nodes(seen["igm"].graph)) == 1
+
+
+@pytest.mark.parametrize("bad", [1, 0, 2.5, True])
+def test_max_parts_must_be_an_int_of_at_least_two(bad):
+    with pytest.raises(ValueError, match="max_parts must be an int >= 2"):
+        _trace("mlp", [_fusion(0.001), schedule_comm_wait, lambda gm: split_optimizer_per_bucket(gm, max_parts=bad)],
+               optim="fused")
+
+
+def _step(model, optim, x):
+    loss = model(x).sum()  # eager_step's loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _defer_last_bucket(gm):
+    """The last bucket's wait and optimizer part move before the first forward node of the next step."""
+    first_forward = next(n for n in gm.graph.nodes if n.op == "call_function")
+    iter_move_grads_and_optimizers(gm, find_node(gm.graph, is_all_reduce)[-1], first_forward)
+
+
+def _parity(rank, world_size, defer):
+    torch.manual_seed(0)
+    model = MLP(layers=5, dim=16)
+    ddp = ddp_copy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True)
+    seen = {}
+
+    def transform(gm):
+        igm = spmd.IterGraphModule(gm)
+        passes = [_fusion(0.002), schedule_comm_wait, split_optimizer_per_bucket, remove_copy_from_optimizer]
+        for p in passes + ([_defer_last_bucket] if defer else []):
+            p(igm)
+        igm.finalize_setup()
+        seen["igm"] = igm
+        return igm
+
+    step = spmd.compile(gm_transformation=transform, parallel_mode=spmd.DataParallel("replicate", "avg"))(_step)
+    torch.manual_seed(rank)
+    for i in range(5):
+        batch = torch.randn(8, 16)
+        loss = step(model, optim, batch, last_train_step=(i == 4))
+        torch.testing.assert_close(loss, eager_step(ddp, ddp_optim, batch), atol=1e-6, rtol=1e-6)
+    assert_params_close(model, ddp)
+    assert len(get_all_fused_optimizer_blocks(seen["igm"].logical_gm, "_fused_adamw")) == 4
+    assert bool(seen["igm"].graph.moves) == defer
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["split", "split-then-defer-last-bucket"])
+def test_split_optimizer_matches_ddp(defer):
+    run_distributed(_parity, defer)
+
+
+def _names(passes):
+    return [p.func.__name__ if hasattr(p, "func") else p.__name__ for p in passes]
+
+
+def test_default_pipeline_splits_after_wait_scheduling_unless_asked_for_one_optimizer_op():
+    default = spmd.transformation.default_passes()
+    names = _names(default)
+    assert names.index("schedule_comm_wait") < names.index("split_optimizer_per_bucket") \
+        < names.index("remove_copy_from_optimizer")
+    assert default[names.index("split_optimizer_per_bucket")].keywords == {"max_parts": 4}
+    assert "split_optimizer_per_bucket" not in _names(spmd.transformation.default_passes(optimizer_parts=1))
+    order = spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=2).pass_manager.order
+    assert order[_names(order).index("split_optimizer_per_bucket")].keywords == {"max_parts": 2}
+    with pytest.raises(ValueError, match="optimizer_parts must be an int >= 1"):
+        spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=0)
+
