@@ -9,7 +9,7 @@ import torch.fx as fx
 import spmd
 from graph_utils import find_node, is_all_reduce
 from passes import (
-    comm_fusion_with_concat, get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
+    get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
     schedule_comm_wait, split_optimizer_per_bucket,
 )
 from passes.comm_wait import wait_block
