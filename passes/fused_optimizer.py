@@ -191,6 +191,18 @@ def get_all_fused_optimizer_blocks(gm, optim_op_name: str) -> list[FusedOptimize
     return [_block(n, order) for n in gm.graph.nodes if _packet(n) in packets]
 
 
+def is_fused_adam(node: fx.Node) -> bool:
+    """True for a fused Adam/AdamW op, functional or in place."""
+    return any(_packet(node) in packets for packets in _OPTIMIZERS.values())
+
+
+def fused_optimizer_block(gm, optim_node: fx.Node) -> FusedOptimizerBlock:
+    """The block of one fused Adam/AdamW node of ``gm`` (``ValueError`` if its step update is not found)."""
+    if not is_fused_adam(optim_node):
+        raise ValueError(f"fused_optimizer_block: {optim_node.name} is {optim_node.target}, not a fused Adam/AdamW op")
+    return _block(optim_node, {n: i for i, n in enumerate(gm.graph.nodes)})
+
+
 def _restrict(graph: fx.Graph, node: fx.Node, keep: list[int]) -> fx.Node:
     """A copy of ``node`` (inserted before it) whose tensor-list arguments keep only indices ``keep``."""
     args = list(node.args)

@@ -24,11 +24,10 @@ from graph_utils import is_wait_node
 
 from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import UNPACK_OPS, place_waits_before_first_use, schedule_comm_wait
-from .fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
+from .fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
 from .manager import graph_optimization_pass
 
 log = logging.getLogger(__name__)
-_FUSED = ("_fused_adam", "_fused_adamw")
 
 
 def _source_collective(grad: fx.Node) -> Optional[fx.Node]:
@@ -62,11 +61,6 @@ def _parts(grads: list[fx.Node], bucket_index: dict[fx.Node, int], max_parts: in
     return parts if len(parts) > 1 else None
 
 
-def _current_block(gm, optim_node: fx.Node):
-    return next(b for name in _FUSED for b in get_all_fused_optimizer_blocks(gm, name)
-                if b.optim.optim_node is optim_node)
-
-
 @graph_optimization_pass(prerequisites=[comm_fusion_with_concat, schedule_comm_wait])
 def split_optimizer_per_bucket(gm, max_parts: int = 4) -> None:
     """Split each fused Adam/AdamW op so the last gradient buckets each update their own parameters.
@@ -95,15 +89,20 @@ def split_optimizer_per_bucket(gm, max_parts: int = 4) -> None:
         )
     collectives = [n for n in graph.nodes if "spmd_bucket" in n.meta and not is_wait_node(n)]
     bucket_index = {c: i for i, c in enumerate(collectives)}
-    optim_nodes = [b.optim.optim_node for name in _FUSED for b in get_all_fused_optimizer_blocks(gm, name)]
+    optim_nodes = [n for n in graph.nodes if is_fused_adam(n)]
     split = 0
     for optim_node in optim_nodes:
-        block = _current_block(gm, optim_node)
-        parts = _parts(block.optim.grads, bucket_index, max_parts)
-        if parts is None:
+        try:  # an optimization: an optimizer graph we do not recognize stays whole (and correct)
+            block = fused_optimizer_block(gm, optim_node)
+            parts = _parts(block.optim.grads, bucket_index, max_parts)
+            if parts is None:
+                continue
+            for part in parts[:-1]:
+                _, block = split_fused_optimizer(gm, block, part)
+        except ValueError as err:
+            log.warning("split_optimizer_per_bucket: left %s (or what remains of it) as one op: %s",
+                        optim_node.name, err)
             continue
-        for part in parts[:-1]:
-            _, block = split_fused_optimizer(gm, block, part)
         split += 1
     if split:
         place_waits_before_first_use(graph)

@@ -154,3 +154,16 @@ def test_default_pipeline_splits_after_wait_scheduling_unless_asked_for_one_opti
     with pytest.raises(ValueError, match="optimizer_parts must be an int >= 1"):
         spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=0)
 
+
+
+def test_an_optimizer_graph_it_cannot_split_is_left_whole_with_a_warning(monkeypatch, caplog):
+    import passes.optimizer_split as module
+
+    def refuse(gm, block, grads):
+        raise ValueError("unrecognized step update")
+
+    monkeypatch.setattr(module, "split_fused_optimizer", refuse)
+    with caplog.at_level("WARNING", logger="passes.optimizer_split"):
+        _, _, igm = _trace("gpt", [_fusion(0.02), schedule_comm_wait, split_optimizer_per_bucket], optim="fused")
+    assert len(_optim_nodes(igm.graph)) == 1
+    assert "left" in caplog.text and "unrecognized step update" in caplog.text

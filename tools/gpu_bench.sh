@@ -3,11 +3,13 @@
 #   bench     tools/bench.py, GPT 124M, seq 1024, bf16 autocast, batch ${BENCH_BATCH:-8,2}: every mode side by side;
 #   ab        the spmd pipeline at batch 8 with one optimizer op (--optimizer-parts 1) against the default split;
 #   timeline  a timeline of the spmd pipeline lowered through Inductor at batch 8, to see what limits it;
-#   compile   tools/compile_time.py: spmd's first call against torch.compile's warm-up, both from cold caches.
-# Usage: bash tools/gpu_bench.sh [bench] [ab] [timeline] [compile]   (no argument: all four; each takes
+#   compile   tools/compile_time.py: spmd's first call against torch.compile's warm-up, both from cold caches;
+#   ctas      batch 8 with NCCL limited to ${CTAS:-4 8 16} CTAs (NCCL_MAX_CTAS): does leaving the backward more
+#             SMs hide more communication? (DDP with compiled autograd and spmd alike; not in the default set)
+# Usage: bash tools/gpu_bench.sh [bench] [ab] [timeline] [compile] [ctas]   (no argument: the first four; each takes
 # minutes, so where one call is time-limited, run them as separate calls).
 # Results go to ${OUT:-bench_out}: bench.json/.log, bench_ab.json/.log, timeline_pipeline_inductor.* + traces,
-# compile_time.log.
+# compile_time.log, bench_ctas*.json/.log.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=200
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -35,8 +37,14 @@ for part in "${parts[@]}"; do
             --out "$out/timeline_pipeline_inductor.html" 2>&1 | grep -iv "warn" | tail -15 ;;
     compile)
         python3 tools/compile_time.py 2>&1 | grep -iv "warn" | tee "$out/compile_time.log" ;;
+    ctas)
+        for c in ${CTAS:-4 8 16}; do
+            NCCL_MAX_CTAS=$c python3 tools/bench.py --batch 8 --modes single_compile,ddp_ca,spmd_pipeline \
+                --json "$out/bench_ctas$c.json" 2>&1 | tee "$out/bench_ctas$c.log" | quiet
+            [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+        done ;;
     *)
-        echo "tools/gpu_bench.sh: unknown part '$part' (bench, ab, timeline, compile)" >&2
+        echo "tools/gpu_bench.sh: unknown part '$part' (bench, ab, timeline, compile, ctas)" >&2
         exit 2 ;;
     esac
 done
