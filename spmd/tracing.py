@@ -6,9 +6,11 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    optimizer state tensor and learning rate swapped for a graph input. Real autograd
    runs under the tracer, so backward ops are recorded; a hook on each trained
    parameter tags its gradient with ``spmd::tag_grad`` so the parallel mode can find it.
-2. That graph (plain aten ops, some in place) is re-traced under ``functionalize``:
-   the result is pure, and every input the step mutates gets an explicit ``copy_``
-   back into it at the end, so running the graph on the real tensors updates them.
+2. That graph (plain aten ops, some in place) is made functional: the result is pure,
+   and every input the step mutates gets an explicit ``copy_`` back into it at the
+   end, so running the graph on the real tensors updates them. When the only writes
+   are the optimizer's (the usual step), ``spmd.direct_functionalize`` rewrites those
+   nodes in place of a second trace; anything else is re-traced under ``functionalize``.
 
 Placeholders carry ``meta["spmd_role"]`` (param, buffer, state, lr, input) and
 ``meta["spmd_name"]`` so passes never infer roles from positions.
@@ -30,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from graph_utils import lazy_graph_modules, make_lazy
 
 from .compile_times import phase
+from .direct_functionalize import functionalize_optimizer_writes
 from .errors import SpmdCompileError
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState
@@ -241,7 +244,10 @@ def trace_train_step(
         return _FunctionalFusedOptim(impure).run(*flat)
 
     with phase("trace/functionalize"), lazy_graph_modules():
-        pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"), tracing_mode="fake")(*flat_inputs)
+        pure = functionalize_optimizer_writes(impure)  # the common case, without a second trace
+        if pure is None:
+            pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"),
+                           tracing_mode="fake")(*flat_inputs)
     roles = (["param"] * n_params + ["buffer"] * n_buffers + ["state"] * n_state
              + ["lr"] * len(lr_values) + ["input"] * len(user_tensors))
     names = (list(state.param_names) + list(state.buffer_names) + list(state.state_names)

@@ -1,0 +1,109 @@
+"""spmd.direct_functionalize: when it replaces the functionalize re-trace, and that it computes the same step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+
+import spmd
+import spmd.tracing
+from spmd.models import GPT, MLP, ConvBN, GPTConfig
+
+aten = torch.ops.aten
+# Not bitwise: the re-trace turns views into copies (``t_copy`` is contiguous, ``t`` is not), so
+# matmuls may take another BLAS path and round differently; the direct rewrite keeps eager's views.
+TOL = dict(atol=1e-6, rtol=1e-6)
+
+
+def _step(model, optim, *batch):
+    out = model(*batch)
+    loss = out if out.dim() == 0 else out.sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _inplace_activation_step(model, optim, x):
+    loss = (model(x) * 2.0).add_(1.0).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _returns_a_parameter(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss, next(model.parameters())
+
+
+def _gpt():
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    idx = lambda: torch.randint(0, 64, (2, 8))  # noqa: E731
+    return GPT(cfg), lambda: (idx(), idx())
+
+
+CASES = {
+    # name: (model and batch maker, optimizer kwargs, step, whether the direct rewrite applies)
+    "mlp-fused-adamw": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True), _step, True),
+    "gpt-fused-adam": (_gpt, dict(fused=True), _step, True),
+    "mlp-foreach-adam": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(foreach=True), _step, False),
+    "convbn-buffers": (lambda: (ConvBN(), lambda: (torch.randn(2, 3, 8, 8),)), dict(fused=True), _step, False),
+    "inplace-activation": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True),
+                           _inplace_activation_step, False),
+    "returns-a-parameter": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True),
+                            _returns_a_parameter, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_direct_rewrite_or_retrace_computes_the_same_steps(case, monkeypatch):
+    make, optim_kwargs, step_fn, direct_expected = CASES[case]
+    torch.manual_seed(0)
+    model, batch = make()
+    twin = copy.deepcopy(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, **optim_kwargs)
+    twin_optim = torch.optim.Adam(twin.parameters(), lr=0.01, **optim_kwargs)
+
+    results = []
+    real = spmd.tracing.functionalize_optimizer_writes
+    monkeypatch.setattr(spmd.tracing, "functionalize_optimizer_writes",
+                        lambda gm: results.append(real(gm)) or results[-1])
+    direct = spmd.compile()(step_fn)
+    retraced = spmd.compile()(step_fn)
+    for i in range(3):
+        inputs = batch()
+        out = direct(model, optim, *inputs)
+        if i == 0:
+            assert (results[-1] is not None) == direct_expected
+            monkeypatch.setattr(spmd.tracing, "functionalize_optimizer_writes", lambda gm: None)  # force re-trace
+        ref = retraced(twin, twin_optim, *inputs)
+        torch.testing.assert_close(out, ref, **TOL)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"{name}: {m}")
+    for b, c in zip(model.buffers(), twin.buffers()):
+        torch.testing.assert_close(b, c, **TOL)
+
+
+def test_the_direct_rewrite_writes_back_parameters_state_and_steps_at_the_end():
+    torch.manual_seed(0)
+    model = MLP(2, 8)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    step = spmd.compile()(_step)
+    step(model, optim, torch.randn(4, 8))
+    (entry,) = step.cache.values()
+    nodes = list(entry.graph.graph.nodes)
+    copies = [n for n in nodes if n.target is aten.copy_.default]
+    written = {n.args[0].meta["spmd_name"] for n in copies}
+    names = [n for n, _ in model.named_parameters()]
+    assert written == {f"{n}{suffix}" for n in names for suffix in ("", ".exp_avg", ".exp_avg_sq", ".step")}
+    assert nodes.index(copies[0]) == len(nodes) - 1 - len(copies), "the write-backs end the graph"
+    assert not [n for n in nodes if n.op == "call_function" and str(n.target).endswith("_copy.default")
+                and n.target is not aten.copy_.default], "views stay views"
+
