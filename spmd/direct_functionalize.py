@@ -56,6 +56,23 @@ def _tensors(arg) -> list[fx.Node]:
     return [a for a in (arg if isinstance(arg, (list, tuple)) else [arg]) if isinstance(a, fx.Node)]
 
 
+def _is_view(node: fx.Node) -> bool:
+    """True if ``node``'s result aliases its first argument (a view op, or an element of a view op's list)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and _is_view(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The tensor whose storage ``node`` views (``node`` itself if it is no view)."""
+    while _is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def _aliases(node: fx.Node) -> set[fx.Node]:
     """``node`` and every view of it, transitively (ops whose schema says they alias an input)."""
     found, frontier = {node}, [node]
@@ -64,7 +81,8 @@ def _aliases(node: fx.Node) -> set[fx.Node]:
             schema = getattr(user.target, "_schema", None)
             returns_alias = schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
                                                        for r in schema.returns)
-            if user not in found and (returns_alias or user.target is operator.getitem and user.args[0] in found):
+            if user not in found and (returns_alias or user.target is operator.getitem and user.args[0] in found
+                                      and _is_view(user)):
                 found.add(user)
                 frontier.append(user)
     return found
@@ -88,12 +106,15 @@ def _rewritable(graph: fx.Graph) -> Optional[list[tuple[fx.Node, list[int]]]]:
             if target in written:
                 return None  # written twice: reads between the writes would need the middle value
             written.add(target)
-            aliases = _aliases(target)
+            base = _base(target)
+            if base is not target and base.op == "placeholder":
+                return None  # a write through a view of a graph input
+            aliases = _aliases(base)
             later = [u for a in aliases for u in a.users if order[u] > order[node]]
             if output in later:
                 return None
             if target.op != "placeholder" and later:
-                return None  # an intermediate read after the write
+                return None  # an intermediate (or a tensor sharing its storage) read after the write
             if any(order[u] > order[node] for v in aliases if v is not target and order[v] < order[node]
                    for u in v.users):
                 return None  # a view made before the write, read after it

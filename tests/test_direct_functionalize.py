@@ -107,3 +107,32 @@ def test_the_direct_rewrite_writes_back_parameters_state_and_steps_at_the_end():
     assert not [n for n in nodes if n.op == "call_function" and str(n.target).endswith("_copy.default")
                 and n.target is not aten.copy_.default], "views stay views"
 
+
+
+def _nudges_parameters_through_views(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    with torch.no_grad():  # an allowed op, but writing through views of the parameters
+        torch._foreach_add_([p.detach() for p in model.parameters()], 0.5)
+    return loss
+
+
+def test_a_write_through_a_view_of_a_parameter_is_re_traced_and_lands_in_the_parameter(monkeypatch):
+    torch.manual_seed(0)
+    model = MLP(2, 8)
+    eager = copy.deepcopy(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    eager_optim = torch.optim.Adam(eager.parameters(), lr=0.01, fused=True)
+    results = []
+    real = spmd.tracing.functionalize_optimizer_writes
+    monkeypatch.setattr(spmd.tracing, "functionalize_optimizer_writes",
+                        lambda gm: results.append(real(gm)) or results[-1])
+    step = spmd.compile()(_nudges_parameters_through_views)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(step(model, optim, x), _nudges_parameters_through_views(eager, eager_optim, x))
+    assert results == [None], "the direct rewrite must refuse a write through a view of an input"
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q)
