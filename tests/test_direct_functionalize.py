@@ -53,7 +53,11 @@ CASES = {
     # name: (model and batch maker, optimizer kwargs, step, whether the direct rewrite applies)
     "mlp-fused-adamw": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True), _step, True),
     "gpt-fused-adam": (_gpt, dict(fused=True), _step, True),
+    "mlp-fused-adam-amsgrad": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True, amsgrad=True),
+                               _step, True),
     "mlp-foreach-adam": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(foreach=True), _step, False),
+    "mlp-fused-sgd-momentum": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)),
+                               dict(cls=torch.optim.SGD, fused=True, momentum=0.9), _step, True),
     "convbn-buffers": (lambda: (ConvBN(), lambda: (torch.randn(2, 3, 8, 8),)), dict(fused=True), _step, False),
     "inplace-activation": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True),
                            _inplace_activation_step, False),
@@ -65,11 +69,13 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_direct_rewrite_or_retrace_computes_the_same_steps(case, monkeypatch):
     make, optim_kwargs, step_fn, direct_expected = CASES[case]
+    optim_kwargs = dict(optim_kwargs)
     torch.manual_seed(0)
     model, batch = make()
     twin = copy.deepcopy(model)
-    optim = torch.optim.Adam(model.parameters(), lr=0.01, **optim_kwargs)
-    twin_optim = torch.optim.Adam(twin.parameters(), lr=0.01, **optim_kwargs)
+    optim_cls = optim_kwargs.pop("cls", torch.optim.Adam)
+    optim = optim_cls(model.parameters(), lr=0.01, **optim_kwargs)
+    twin_optim = optim_cls(twin.parameters(), lr=0.01, **optim_kwargs)
 
     results = []
     real = spmd.tracing.functionalize_optimizer_writes
