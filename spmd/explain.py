@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 
 from graph_utils import find_node, is_all_reduce, is_wait_node, tensor_bytes
 from passes import PassManager, pass_info
@@ -59,8 +60,18 @@ def _buckets(graph) -> list[Bucket]:
     return out
 
 
-def _warnings(plan: Plan, optimized: bool) -> list[str]:
+def _unfused_adam(optimizers) -> bool:
+    """True if an Adam/AdamW optimizer of the step runs unfused (foreach or single-tensor)."""
+    return any(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and not all(g.get("fused") for g in o.param_groups)
+               for o in optimizers)
+
+
+def _warnings(plan: Plan, optimized: bool, unfused_adam: bool = False) -> list[str]:
     warn = []
+    if optimized and unfused_adam and len(plan.buckets) > 1:
+        warn.append("Adam/AdamW is not fused, so its whole update waits for the last gradient bucket; "
+                    "torch.optim.Adam/AdamW(fused=True) lets split_optimizer_per_bucket overlap it with "
+                    "the last all_reduces.")
     if plan.buckets and not optimized:
         warn.append(f"{len(plan.buckets)} all_reduces, one per gradient, each waited on at once: enable "
                     "GraphModuleTransformation(enable_graph_optimization=True) to bucket them and overlap.")
@@ -112,7 +123,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
         passes=_pass_rows(manager),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )
-    plan.warnings = _warnings(plan, optimized=bool(plan.passes))
+    plan.warnings = _warnings(plan, optimized=bool(plan.passes), unfused_adam=_unfused_adam(state.optimizers))
     if print_plan:
         print_plan_tables(plan)
     return plan

@@ -51,3 +51,16 @@ def test_explain_warns_about_unbucketed_all_reduces(capsys):
     assert any("enable_graph_optimization" in w for w in plan.warnings)
     assert any("under 1 MiB" in w for w in plan.warnings)
     assert "gradient collectives" in capsys.readouterr().out
+
+
+def test_explain_warns_when_the_optimizer_is_not_fused_and_not_otherwise():
+    def plan_for(**optim_kwargs):
+        torch.manual_seed(0)
+        model = MLP(layers=4, dim=32)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01, **optim_kwargs)
+        step = _step(spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.005))
+        with single_process_group():
+            return spmd.explain(step, model, optim, torch.randn(8, 32), print_plan=False)
+
+    assert any("not fused" in w and "fused=True" in w for w in plan_for(foreach=True).warnings)
+    assert not any("not fused" in w for w in plan_for(fused=True).warnings)
