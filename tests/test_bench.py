@@ -59,3 +59,14 @@ def test_compile_time_tool_reports_phases_on_cpu():
     assert out.returncode == 0, out.stderr[-3000:]
     for text in ("spmd pipeline", "trace/functionalize", "passes/comm_fusion_with_concat", "inductor/step/compile_fx"):
         assert text in out.stdout, f"{text!r} missing from:\n{out.stdout}"
+
+
+def test_compile_time_tool_without_inductor_and_forced_retrace():
+    out = subprocess.run(
+        [sys.executable, "tools/compile_time.py", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16",
+         "--vocab", "64", "--batch", "2", "--calls", "2", "--skip-torch-compile", "--no-inductor", "--retrace"],
+        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no Inductor, re-traced" in out.stdout and "trace/functionalize" in out.stdout
+    assert "inductor/" not in out.stdout

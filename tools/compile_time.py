@@ -3,6 +3,8 @@
     python tools/compile_time.py                       # GPT 124M, batch 8, spmd pipeline + Inductor
     python tools/compile_time.py --cudagraphs --profile 40   # plus the 40 costliest functions (cProfile)
     python tools/compile_time.py --layers 2 --dim 64 --heads 2 --seq 32 --vocab 256 --batch 2   # CPU
+    python tools/compile_time.py --no-inductor --skip-torch-compile --batch 1 --calls 2 [--retrace]
+        # tracing and passes only (any machine); --retrace: without direct functionalization, to compare
 
 One process (a process group of one, so the graph has its all-reduces). It first times
 single-GPU ``torch.compile(model)``: the first call and the following warm-up calls, like
@@ -41,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 import spmd
+import spmd.tracing
 from bench import build_model, make_batches, make_optimizer, train_step
 
 
@@ -52,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-passes", action="store_true", help="spmd replicate without our passes")
     p.add_argument("--cudagraphs", action="store_true", help="spmd with CUDA graphs (CUDA only)")
     p.add_argument("--skip-torch-compile", action="store_true", help="time only spmd")
+    p.add_argument("--no-inductor", action="store_true", help="spmd without Inductor: tracing and passes only")
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused", help="AdamW implementation")
+    p.add_argument("--retrace", action="store_true",
+                   help="for comparison: always re-trace under functionalize (no direct functionalization)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="cProfile spmd's first call and print its N costliest functions (cumulative)")
     args = p.parse_args(argv)
@@ -116,12 +123,15 @@ def main(argv=None) -> int:
         del model, optim, compiled
         torch._dynamo.reset()
 
+    if args.retrace:
+        spmd.tracing.functionalize_optimizer_writes = lambda gm: None
     model = build_model(args, device)
-    optim = make_optimizer(model, device, capturable=cuda)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, **{args.optimizer: True},
+                              **(dict(capturable=True) if cuda else {}))
     step = spmd.compile(
         parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
         gm_transformation=spmd.GraphModuleTransformation(
-            enable_graph_optimization=not args.no_passes, enable_inductor=True,
+            enable_graph_optimization=not args.no_passes, enable_inductor=not args.no_inductor,
             enable_cudagraphs=args.cudagraphs))(train_step)
     profiler = cProfile.Profile() if args.profile else None
 
@@ -135,7 +145,8 @@ def main(argv=None) -> int:
                 profiler.disable()
 
     first, warm, ms = timed_calls(spmd_call, batches, args.calls, sync)
-    label = "spmd " + ("replicate" if args.no_passes else "pipeline") + (" + CUDA graphs" if args.cudagraphs else "")
+    label = ("spmd " + ("replicate" if args.no_passes else "pipeline") + (" + CUDA graphs" if args.cudagraphs else "")
+             + (", no Inductor" if args.no_inductor else "") + (", re-traced" if args.retrace else ""))
     rows.append((label, first, warm, ms))
     internals[label] = torch_timings()
 
