@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One call does the whole GPU check: environment, then the NCCL parity tests on 2 GPUs.
-# Usage (on a machine with >= 2 GPUs, from the repo root): bash tools/gpu_check.sh
+# One call does the whole GPU check: environment, then the NCCL parity tests on up to 2 GPUs.
+# Usage (from the repo root): bash tools/gpu_check.sh
+# On a 1-GPU machine the tests run with a process group of one (the CUDA lowering is checked, the
+# collectives are no-ops) and the overlap profiles below have no communication to show.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
