@@ -31,6 +31,15 @@ def eager_step(model, optim, *batch, grad_scale: float = 1.0, loss_fn=_default_l
     return loss.detach()
 
 
+def lm_train_step(model, optim, idx, targets):
+    """A GPT training step as users write it (compile it with ``spmd.compile(...)(lm_train_step)``)."""
+    loss = model(idx, targets)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def assert_params_close(model, ref, atol=1e-5, rtol=1e-5):
     ref = ref.module if isinstance(ref, DDP) else ref
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 import spmd
-from passes import plan_buckets  # noqa: F401  (public API used by users planning buckets)
 from spmd.models import MLP
 from tests.dist import single_process_group
 

@@ -15,7 +15,7 @@ import torch
 import spmd
 from spmd.models import GPT, GPTConfig
 from tests.dist import run_distributed
-from tests.parity import ddp_copy, eager_step
+from tests.parity import ddp_copy, eager_step, lm_train_step
 
 LR = 2.0 ** -8  # exact in float32
 
@@ -31,13 +31,8 @@ def _gpt_float64(rank, world_size, inductor):
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.05,
                                                     enable_inductor=inductor)
 
-    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), gm_transformation=transformation)
-    def train_step(model, optim, idx, targets):
-        loss = model(idx, targets)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
+    train_step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
+                              gm_transformation=transformation)(lm_train_step)
 
     atol = 1e-12 if inductor else 0.0
     gen = torch.Generator().manual_seed(rank)

@@ -18,7 +18,7 @@ from spmd import IterGraphModule
 from spmd.models import GPT, MLP, GPTConfig
 from spmd.transformation import stage_compiler
 from tests.dist import run_distributed
-from tests.parity import assert_params_close, ddp_copy, eager_step
+from tests.parity import assert_params_close, ddp_copy, eager_step, lm_train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 WORLD_SIZE = min(2, torch.cuda.device_count())
@@ -98,13 +98,8 @@ def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, ite
     # Inductor reassociates float math; Adam turns that into small parameter differences
     tol = {"atol": 1e-3, "rtol": 1e-3} if inductor else {"atol": 1e-4, "rtol": 1e-4}
 
-    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), gm_transformation=transformation)
-    def train_step(model, optim, idx, targets):
-        loss = model(idx, targets)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
+    train_step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
+                              gm_transformation=transformation)(lm_train_step)
 
     gen = torch.Generator(device=device).manual_seed(10 + rank)
     steps = 8

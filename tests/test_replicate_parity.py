@@ -7,7 +7,7 @@ import torch
 import spmd
 from spmd.models import GPT, MLP, ConvBN, GPTConfig
 from tests.dist import run_distributed
-from tests.parity import assert_params_close, ddp_copy, eager_step
+from tests.parity import assert_params_close, ddp_copy, eager_step, lm_train_step
 
 
 def _seed_style(rank, world_size, optim_kwargs):
@@ -60,13 +60,7 @@ def _gpt(rank, world_size, optimizer: str):
 
     optim, ddp_optim = make(model), make(ddp)
 
-    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
-    def train_step(model, optim, idx, targets):
-        loss = model(idx, targets)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
+    train_step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(lm_train_step)
 
     gen = torch.Generator().manual_seed(100 + rank)
     frozen_before = model.wpe.weight.detach().clone()
