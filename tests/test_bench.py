@@ -70,3 +70,17 @@ def test_compile_time_tool_without_inductor_and_forced_retrace():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "no Inductor, re-traced" in out.stdout and "trace/functionalize" in out.stdout
     assert "inductor/" not in out.stdout
+
+
+def test_step_overhead_tool_times_modes_and_profiles_spmd_on_cpu():
+    """tools/step_overhead.py on a tiny GPT: per-mode CPU and step times, and a profile of spmd's calls."""
+    out = subprocess.run(
+        [sys.executable, "tools/step_overhead.py", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16",
+         "--vocab", "64", "--batch", "2", "--steps", "3", "--warmup", "2", "--top", "5",
+         "--modes", "single_eager,spmd_pipeline,spmd_pipeline_cg"],
+        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "spmd_pipeline_cg: skipped (CUDA graphs need a CUDA device)" in out.stdout
+    for text in ("single_eager", "cpu ms per call", "functions with the most own time", "Ordered by: internal time"):
+        assert text in out.stdout, f"{text!r} missing from:\n{out.stdout}"
