@@ -7,8 +7,10 @@
 #   ctas      batch 8 with NCCL limited to ${CTAS:-4 8 16} CTAs (NCCL_MAX_CTAS): does leaving the backward more
 #             SMs hide more communication? (DDP with compiled autograd and spmd alike; not in the default set)
 # Usage: bash tools/gpu_bench.sh [bench] [ab] [timeline] [compile] [ctas]   (no argument: the first four; each takes
-# minutes, so where one call is time-limited, run them as separate calls).
-# Results go to ${OUT:-bench_out}: bench.json/.log, bench_ab.json/.log, timeline_pipeline_inductor.* + traces,
+# minutes, so where one call is time-limited, run them as separate calls). Every mode at one batch size takes about
+# 5 minutes on one H100 (compiles included), so under a 10-minute limit run `BENCH_BATCH=8 ... bench` and
+# `BENCH_BATCH=2 ... bench` as two calls (each writes bench_b$BENCH_BATCH.json).
+# Results go to ${OUT:-bench_out}: bench_b<batches>.json/.log, bench_ab_parts{1,4}.json/.log, timeline_pipeline_inductor.* + traces,
 # compile_time.log, bench_ctas*.json/.log.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 COLUMNS=200
@@ -23,8 +25,9 @@ quiet() { grep -v "^\s*$" | grep -iv "warn"; }
 for part in "${parts[@]}"; do
     case "$part" in
     bench)
-        python3 tools/bench.py --batch "${BENCH_BATCH:-8,2}" --json "$out/bench.json" ${BENCH_ARGS:-} 2>&1 \
-            | tee "$out/bench.log" | quiet
+        tag="b$(echo "${BENCH_BATCH:-8,2}" | tr ',' '_')"
+        python3 tools/bench.py --batch "${BENCH_BATCH:-8,2}" --json "$out/bench_$tag.json" ${BENCH_ARGS:-} 2>&1 \
+            | tee "$out/bench_$tag.log" | quiet
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1 ;;
     ab)
         for n in 1 4; do
