@@ -2,6 +2,7 @@
 
 from .comm_fusion import comm_fusion_with_concat, plan_buckets
 from .comm_wait import schedule_comm_wait
+from .foreach_split import ForeachChain, foreach_chains, split_foreach_chain
 from .fused_optimizer import (
     ForeachAddBlock,
     FusedAdamBlock,
@@ -15,7 +16,7 @@ from .optimizer_copies import remove_copy_from_optimizer
 from .optimizer_split import split_optimizer_per_bucket
 
 __all__ = [
-    "ForeachAddBlock", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
+    "ForeachAddBlock", "ForeachChain", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
     "comm_fusion_with_concat", "find_all_descendants", "get_all_fused_optimizer_blocks",
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
     "remove_copy_from_optimizer", "schedule_comm_wait", "split_fused_optimizer", "split_optimizer_per_bucket",

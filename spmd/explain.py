@@ -60,18 +60,28 @@ def _buckets(graph) -> list[Bucket]:
     return out
 
 
-def _unfused_adam(optimizers) -> bool:
-    """True if an Adam/AdamW optimizer of the step runs unfused (foreach or single-tensor)."""
-    return any(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and not all(g.get("fused") for g in o.param_groups)
+def _single_tensor_adam(optimizers) -> bool:
+    """True if an Adam/AdamW optimizer of the step runs its single-tensor implementation.
+
+    That is ``foreach=False``, or ``foreach=None`` with a parameter off CUDA (torch then
+    picks the single-tensor loop): one op per parameter, which ``split_optimizer_per_bucket``
+    does not cut (it cuts fused ops and foreach chains).
+    """
+    def single(group) -> bool:
+        if group.get("fused") or group.get("foreach"):
+            return False
+        return group.get("foreach") is False or any(p.device.type != "cuda" for p in group["params"])
+
+    return any(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) and any(map(single, o.param_groups))
                for o in optimizers)
 
 
-def _warnings(plan: Plan, optimized: bool, unfused_adam: bool = False) -> list[str]:
+def _warnings(plan: Plan, optimized: bool, single_tensor_adam: bool = False) -> list[str]:
     warn = []
-    if optimized and unfused_adam and len(plan.buckets) > 1:
-        warn.append("Adam/AdamW is not fused, so its whole update waits for the last gradient bucket; "
-                    "torch.optim.Adam/AdamW(fused=True) lets split_optimizer_per_bucket overlap it with "
-                    "the last all_reduces.")
+    if optimized and single_tensor_adam and len(plan.buckets) > 1:
+        warn.append("Adam/AdamW runs its single-tensor implementation (one op per parameter), so its whole "
+                    "update waits for the last gradient bucket; Adam/AdamW(fused=True) or (foreach=True) lets "
+                    "split_optimizer_per_bucket overlap it with the last all_reduces.")
     if plan.buckets and not optimized:
         warn.append(f"{len(plan.buckets)} all_reduces, one per gradient, each waited on at once: enable "
                     "GraphModuleTransformation(enable_graph_optimization=True) to bucket them and overlap.")
@@ -123,7 +133,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
         passes=_pass_rows(manager),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )
-    plan.warnings = _warnings(plan, optimized=bool(plan.passes), unfused_adam=_unfused_adam(state.optimizers))
+    plan.warnings = _warnings(plan, optimized=bool(plan.passes), single_tensor_adam=_single_tensor_adam(state.optimizers))
     if print_plan:
         print_plan_tables(plan)
     return plan

@@ -52,7 +52,7 @@ def test_explain_warns_about_unbucketed_all_reduces(capsys):
     assert "gradient collectives" in capsys.readouterr().out
 
 
-def test_explain_warns_when_the_optimizer_is_not_fused_and_not_otherwise():
+def test_explain_warns_when_adam_runs_single_tensor_and_not_otherwise():
     def plan_for(**optim_kwargs):
         torch.manual_seed(0)
         model = MLP(layers=4, dim=32)
@@ -61,5 +61,7 @@ def test_explain_warns_when_the_optimizer_is_not_fused_and_not_otherwise():
         with single_process_group():
             return spmd.explain(step, model, optim, torch.randn(8, 32), print_plan=False)
 
-    assert any("not fused" in w and "fused=True" in w for w in plan_for(foreach=True).warnings)
-    assert not any("not fused" in w for w in plan_for(fused=True).warnings)
+    for single_tensor in ({"foreach": False}, {}):  # {}: torch's default on CPU is the single-tensor loop
+        assert any("single-tensor" in w and "fused=True" in w for w in plan_for(**single_tensor).warnings)
+    for split in ({"fused": True}, {"foreach": True}):
+        assert not any("single-tensor" in w for w in plan_for(**split).warnings)

@@ -74,7 +74,7 @@ def _itermove_pipeline(bucket_mb, inductor, cudagraphs):
     return transform
 
 
-def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, itermove=False):
+def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, itermove=False, impl="fused"):
     device = torch.device("cuda", rank)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128, frozen_pos_emb=True)
@@ -82,12 +82,13 @@ def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, ite
     ddp = ddp_copy(model, device_ids=[rank])
 
     def make(m):
+        kind = {impl: True, "capturable": True}
         if itermove:  # iter_move_grads_and_optimizers splits one optimizer op: one param group
-            return torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True)
+            return torch.optim.AdamW(m.parameters(), lr=1e-3, **kind)
         decay = [p for p in m.parameters() if p.dim() >= 2 and p.requires_grad]
         rest = [p for p in m.parameters() if p.dim() < 2 and p.requires_grad]
         return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                 lr=1e-3, fused=True, capturable=True)
+                                 lr=1e-3, **kind)
 
     optim, ddp_optim = make(model), make(ddp)
 
@@ -113,18 +114,21 @@ def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, ite
     assert_params_close(model, ddp, **tol)
 
 
-@pytest.mark.parametrize("optimize,inductor,cudagraphs,itermove", [
-    (False, False, False, False),
-    (True, False, False, False),
-    (False, True, False, False),
-    (True, True, False, False),
-    (True, True, True, False),
-    (True, False, True, False),
-    (True, True, True, True),
+@pytest.mark.parametrize("optimize,inductor,cudagraphs,itermove,impl", [
+    (False, False, False, False, "fused"),
+    (True, False, False, False, "fused"),
+    (False, True, False, False, "fused"),
+    (True, True, False, False, "fused"),
+    (True, True, True, False, "fused"),
+    (True, False, True, False, "fused"),
+    (True, True, True, True, "fused"),
+    (True, True, False, False, "foreach"),
+    (True, True, True, False, "foreach"),
 ], ids=["replicate", "pass-pipeline", "inductor", "inductor-pipeline", "inductor-pipeline-cudagraphs",
-        "pipeline-cudagraphs", "inductor-itermove-cudagraphs"])
-def test_gpt_fused_adamw_avg_matches_ddp_on_gpus(optimize, inductor, cudagraphs, itermove):
-    run_distributed(_gpt, optimize, inductor, cudagraphs, itermove, world_size=WORLD_SIZE, backend="nccl")
+        "pipeline-cudagraphs", "inductor-itermove-cudagraphs", "foreach-inductor-pipeline",
+        "foreach-inductor-pipeline-cudagraphs"])
+def test_gpt_adamw_avg_matches_ddp_on_gpus(optimize, inductor, cudagraphs, itermove, impl):
+    run_distributed(_gpt, optimize, inductor, cudagraphs, itermove, impl, world_size=WORLD_SIZE, backend="nccl")
 
 
 def _cudagraphs_follow_lr_and_reloaded_state(rank, world_size):
