@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="processes (default: one per GPU, or 2 on CPU)")
     p.add_argument("--json", default="bench_results.json")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="spmd gradient bucket size (default 25)")
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                   help="AdamW implementation on CUDA for every mode (default fused; CPU runs use foreach)")
     p.add_argument("--optimizer-parts", type=int, default=4,
                    help="spmd pipeline: optimizer ops, one per trailing bucket (default 4; 1: one op)")
     args = p.parse_args(argv)
@@ -118,8 +120,9 @@ def build_model(args, device: torch.device) -> GPT:
     return GPT(cfg).to(device)
 
 
-def make_optimizer(model, device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:
-    impl = dict(fused=True, capturable=capturable) if device.type == "cuda" else dict(foreach=True)
+def make_optimizer(model, device: torch.device, capturable: bool = False, kind: str = "fused") -> torch.optim.Optimizer:
+    """AdamW lr 1e-4: ``kind`` (fused or foreach) on CUDA, foreach on CPU."""
+    impl = {kind: True, "capturable": capturable} if device.type == "cuda" else dict(foreach=True)
     return torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
 
 
@@ -138,7 +141,7 @@ def mode_step(mode: str, args, device: torch.device, n_calls: int):
     model = build_model(args, device)
     ddp_kwargs = dict(device_ids=[device.index]) if device.type == "cuda" else {}
     if mode.startswith("spmd"):
-        optim = make_optimizer(model, device, capturable=True)
+        optim = make_optimizer(model, device, capturable=True, kind=args.optimizer)
         step = spmd.compile(
             parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
             gm_transformation=spmd.GraphModuleTransformation(
@@ -156,11 +159,11 @@ def mode_step(mode: str, args, device: torch.device, n_calls: int):
         # DDP (python reducer) and torch.compile (compiled autograd) read the config when built: build inside
         with torch._dynamo.config.patch(compiled_autograd=True, optimize_ddp="python_reducer"):
             ddp = DDP(model, **ddp_kwargs)
-            optim = make_optimizer(ddp, device)
+            optim = make_optimizer(ddp, device, kind=args.optimizer)
             compiled = torch.compile(train_step)
             yield lambda i, idx, targets: compiled(ddp, optim, idx, targets)
     else:
-        optim = make_optimizer(model, device)
+        optim = make_optimizer(model, device, kind=args.optimizer)
         wrapped = {"single_eager": lambda: model,
                    "single_compile": lambda: torch.compile(model),
                    "ddp": lambda: DDP(model, **ddp_kwargs),
@@ -293,7 +296,8 @@ def section_table(rows: list[dict], args, batch: int, world: int, device: torch.
     from rich.table import Table
 
     table = Table(title=f"GPT {args.layers}x{args.dim} ({args.heads} heads), seq {args.seq}, batch {batch}/GPU, "
-                        f"{world} x {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu (gloo)'}",
+                        f"{world} x {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu (gloo)'}, "
+                        f"AdamW {args.optimizer if device.type == 'cuda' else 'foreach'}",
                   caption=f"median of {args.steps} steps after {args.warmup} warm-up calls; parity flagged "
                           f"above {ATOL:g} + {RTOL:g}*|loss|; \\[brackets]: first step only (no communication)")
     for col in ("mode", "ms/step", "tokens/s/GPU", "ratio to best", "peak GiB", "warm-up s", "max |Δloss| vs DDP",
