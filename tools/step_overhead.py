@@ -46,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--modes", default="single_compile,spmd_pipeline,spmd_pipeline_cg")
     p.add_argument("--profile", default="spmd_pipeline", help="mode whose timed calls are profiled ('' for none)")
+    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused", help="AdamW implementation on CUDA")
     args = p.parse_args(argv)
     args.modes = args.modes.split(",")
     unknown = [m for m in args.modes + ([args.profile] if args.profile else []) if m not in MODES]
