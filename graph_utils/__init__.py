@@ -11,11 +11,13 @@ from .nodes import (
     set_fake_val,
     tensor_bytes,
 )
+from .dumps import DumpOptions, record_stage, recording_stages, request_dump
 from .lazy import lazy_graph_module, lazy_graph_modules, make_lazy
-from .views import dump_graphs_to_files, graph_summary, node_records, print_graph_summary, to_networkx
+from .views import dump_graphs_to_files, graph_summary, node_records, to_networkx
 
 __all__ = [
+    "DumpOptions", "record_stage", "recording_stages", "request_dump",
     "COLLECTIVE_OPS", "WAIT_OP", "find_node", "get_output", "is_all_reduce", "is_comm_node",
     "is_wait_node", "lazy_graph_module", "lazy_graph_modules", "make_lazy", "set_fake_val", "tensor_bytes", "dump_graphs_to_files", "graph_summary", "node_records",
-    "print_graph_summary", "to_networkx",
+    "to_networkx",
 ]

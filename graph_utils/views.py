@@ -12,6 +12,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from .meta import BUCKET, GRAD_OF
 from .nodes import is_comm_node, is_wait_node, tensor_bytes
 
 
@@ -78,9 +79,9 @@ def graph_summary(graph: fx.Graph) -> dict[str, Any]:
     comms, waits, optim = [], [], []
     for node in graph.nodes:
         if is_comm_node(node):
-            bucket = node.meta.get("spmd_bucket")
-            if bucket is None and "spmd_grad_of" in node.meta:
-                bucket = [node.meta["spmd_grad_of"]]
+            bucket = node.meta.get(BUCKET)
+            if bucket is None and GRAD_OF in node.meta:
+                bucket = [node.meta[GRAD_OF]]
             reduce_op = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], str) else None
             comms.append({
                 "name": node.name,
@@ -124,21 +125,6 @@ def node_records(graph: fx.Graph) -> list[dict[str, Any]]:
         "args": [a.name for a in n.all_input_nodes],
         "users": [u.name for u in n.users],
     } for n in graph.nodes]
-
-
-def print_graph_summary(graph: fx.Graph, title: str = "graph") -> None:
-    """Print ``graph_summary`` as rich tables (for people, on request)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    summary = graph_summary(graph)
-    table = Table(title=f"{title}: {summary['nodes']} nodes")
-    table.add_column("kind")
-    table.add_column("count", justify="right")
-    for kind, count in summary["by_kind"].items():
-        table.add_row(kind, str(count))
-    table.add_row("comm bytes", f"{summary['comm_bytes']:,}")
-    Console().print(table)
 
 
 def dump_graphs_to_files(graphs: dict[str, fx.GraphModule], folder: str) -> list[str]:

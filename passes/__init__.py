@@ -11,12 +11,13 @@ from .fused_optimizer import (
     split_fused_optimizer,
 )
 from .iter_move import find_all_descendants, iter_move_grads_and_optimizers
-from .manager import PassManager, applied_passes, graph_optimization_pass, pass_info
+from .iteration import IterationGraph, IterMoveError
+from .manager import PassManager, PassOrderError, applied_passes, graph_optimization_pass, pass_info
 from .optimizer_copies import remove_copy_from_optimizer
 from .optimizer_split import split_optimizer_per_bucket
 
 __all__ = [
-    "ForeachAddBlock", "ForeachChain", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
+    "ForeachAddBlock", "ForeachChain", "IterationGraph", "IterMoveError", "PassOrderError", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
     "comm_fusion_with_concat", "find_all_descendants", "get_all_fused_optimizer_blocks",
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
     "remove_copy_from_optimizer", "schedule_comm_wait", "split_fused_optimizer", "split_optimizer_per_bucket",

@@ -15,8 +15,10 @@ from numbers import Real
 import torch
 import torch.fx as fx
 
-from graph_utils import is_all_reduce, is_comm_node, is_wait_node, set_fake_val, tensor_bytes
+from ..graph_utils.meta import BUCKET, GRAD_OF
+from ..graph_utils import is_all_reduce, is_comm_node, is_wait_node, set_fake_val, tensor_bytes
 
+from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 
 aten = torch.ops.aten
@@ -25,7 +27,7 @@ c10d = torch.ops._c10d_functional
 
 def _is_grad_all_reduce(node: fx.Node) -> bool:
     """A gradient all_reduce of the replicate expansion: tagged, with exactly one wait user."""
-    if not is_all_reduce(node) or "spmd_grad_of" not in node.meta:
+    if not is_all_reduce(node) or GRAD_OF not in node.meta:
         return False
     users = list(node.users)
     return len(users) == 1 and is_wait_node(users[0]) and isinstance(node.args[0].meta.get("val"), torch.Tensor)
@@ -124,8 +126,8 @@ def _fuse(graph: fx.Graph, bucket: list[fx.Node]) -> fx.Node:
     for old_wait, comm in zip(waits, bucket):
         graph.erase_node(old_wait)
         graph.erase_node(comm)
-    bucket_params = [comm.meta["spmd_grad_of"] for comm in bucket]
-    fused.meta["spmd_bucket"] = wait.meta["spmd_bucket"] = bucket_params
+    bucket_params = [comm.meta[GRAD_OF] for comm in bucket]
+    fused.meta[BUCKET] = wait.meta[BUCKET] = bucket_params
     return fused
 
 
@@ -133,7 +135,7 @@ def _fuse(graph: fx.Graph, bucket: list[fx.Node]) -> fx.Node:
 def comm_fusion_with_concat(gm, bucket_size_mb: float = 25) -> None:
     """Fuse consecutive gradient all_reduces into buckets of at most ``bucket_size_mb`` MiB.
 
-    Before: each gradient all_reduce (``node.meta["spmd_grad_of"]`` set by the replicate
+    Before: each gradient all_reduce (``node.meta[GRAD_OF]`` set by the replicate
     expansion) has exactly one ``wait_tensor`` user. Buckets are formed by
     ``plan_buckets`` (graph order, which is the order gradients are produced in the
     backward; same group, reduce op and dtype; sizes by real element size).
@@ -144,7 +146,7 @@ def comm_fusion_with_concat(gm, bucket_size_mb: float = 25) -> None:
     cat and all_reduce sit right after the latest gradient of the bucket; the wait,
     split and views right after the all_reduce; users of the old waits that had to
     come later follow. Every gradient all_reduce, fused or not, carries
-    ``meta["spmd_bucket"]``: the parameter indices it reduces, in graph order. The
+    ``meta[BUCKET]``: the parameter indices it reduces, in graph order. The
     graph computes the same values; collectives are issued in the same order on
     every rank.
 
@@ -159,14 +161,9 @@ def comm_fusion_with_concat(gm, bucket_size_mb: float = 25) -> None:
             "Pass e.g. bucket_size_mb=25 (DDP's default)."
         )
     graph = gm.graph
-    if getattr(graph, "moves", None):
-        raise ValueError(
-            "comm_fusion_with_concat: the graph already defers nodes to the next iteration "
-            "(move_to_next_iter_before), and fusing would change the nodes those moves name. "
-            "Apply comm_fusion_with_concat before moving nodes across iterations."
-        )
+    refuse_after_moves(graph, "comm_fusion_with_concat", "fusing")
     for bucket in plan_buckets(graph, bucket_size_mb * 1024 * 1024):
         if len(bucket) == 1:
-            bucket[0].meta["spmd_bucket"] = [bucket[0].meta["spmd_grad_of"]]
+            bucket[0].meta[BUCKET] = [bucket[0].meta[GRAD_OF]]
         else:
             _fuse(graph, bucket)

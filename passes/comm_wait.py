@@ -7,9 +7,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from graph_utils import is_comm_node, is_wait_node
+from ..graph_utils import is_comm_node, is_wait_node
 
 from .comm_fusion import comm_fusion_with_concat
+from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 
 aten = torch.ops.aten
@@ -68,12 +69,7 @@ def schedule_comm_wait(gm) -> None:
         schedule_comm_wait(igm)
     """
     graph = gm.graph
-    if getattr(graph, "moves", None):
-        raise ValueError(
-            "schedule_comm_wait: the graph already defers nodes to the next iteration "
-            "(move_to_next_iter_before), and moving waits would change the nodes those moves name. "
-            "Apply schedule_comm_wait before moving nodes across iterations."
-        )
+    refuse_after_moves(graph, "schedule_comm_wait", "moving waits")
     place_waits_before_first_use(graph)
 
 

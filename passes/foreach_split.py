@@ -25,7 +25,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from graph_utils import set_fake_val
+from ..graph_utils import set_fake_val
 
 aten = torch.ops.aten
 

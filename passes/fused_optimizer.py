@@ -29,7 +29,7 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 
-from graph_utils import set_fake_val
+from ..graph_utils import set_fake_val
 
 aten = torch.ops.aten
 LISTS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps")

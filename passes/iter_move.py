@@ -13,11 +13,13 @@ from typing import Iterable, Union
 import networkx as nx
 import torch.fx as fx
 
-from graph_utils import find_node, is_all_reduce, to_networkx
+from ..graph_utils import find_node, is_all_reduce, to_networkx
+from ..graph_utils.meta import NAME
 
 from .fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
 from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import schedule_comm_wait
+from .iteration import IterMoveError
 from .manager import graph_optimization_pass
 from .optimizer_copies import remove_copy_from_optimizer
 from .optimizer_split import split_optimizer_per_bucket
@@ -51,8 +53,6 @@ def _resolve(graph: fx.Graph, ref: NodeRef, what: str) -> fx.Node:
 
 def _check_no_early_reader(gm, block, downstream: set, dest: fx.Node) -> None:
     """Refuse (before any edit) a target that a read of a to-be-deferred parameter precedes."""
-    from spmd.iter_graph_module import IterMoveError  # spmd imports passes; import lazily
-
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     optim = block.optim.optim_node
     optimizer_nodes = set(find_all_descendants(gm, [optim, block.step.add_node]))
@@ -63,7 +63,7 @@ def _check_no_early_reader(gm, block, downstream: set, dest: fx.Node) -> None:
         if readers:
             first = min(readers, key=order.__getitem__)
             if order[first] < order[dest]:
-                name = param.meta.get("spmd_name", param.name)
+                name = param.meta.get(NAME, param.name)
                 raise IterMoveError(
                     f"iter_move_grads_and_optimizers: parameter {name} would be updated in the next iteration "
                     f"but {first.name} reads it before the target {dest.name}. "

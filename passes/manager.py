@@ -12,17 +12,28 @@ that no pass which must come after it was applied already.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import networkx as nx
+
+from ..graph_utils import record_stage
 
 log = logging.getLogger(__name__)
 
 _APPLIED_ATTR = "_spmd_applied_passes"
+
+
+class PassOrderError(AssertionError):
+    """A pass applied twice, out of its declared order, or without its prerequisites.
+
+    An exception rather than an ``assert`` so ``python -O`` keeps the check; it stays an
+    ``AssertionError`` for callers that catch that.
+    """
 
 
 @dataclass(eq=False)
@@ -78,11 +89,14 @@ def graph_optimization_pass(prerequisites: Sequence[GraphPass] = (), apply_after
         @functools.wraps(fn)
         def run_pass(gm, *args, **kwargs):
             done = applied_passes(gm)
-            assert run_pass not in done, f"Cannot apply {info.name} twice"
+            if run_pass in done:
+                raise PassOrderError(f"Cannot apply {info.name} twice")
             later = [p for p in info.must_precede if p in done]
-            assert not later, f"{_names(later)} must be applied after {info.name}"
+            if later:
+                raise PassOrderError(f"{_names(later)} must be applied after {info.name}")
             missing = [p for p in info.prerequisites if p not in done]
-            assert not missing, f"{_names(missing)} are the prerequisites of {info.name} but are not applied"
+            if missing:
+                raise PassOrderError(f"{_names(missing)} are the prerequisites of {info.name} but are not applied")
             start = time.perf_counter()
             fn(gm, *args, **kwargs)
             graph = getattr(gm, "graph", None)
@@ -134,6 +148,16 @@ class PassManager:
             raise ValueError(f"PassManager: the passes' ordering constraints form a cycle: {names}") from None
         return [self.passes[i] for i in order]
 
-    def __call__(self, gm) -> None:
+    def __call__(self, gm, pass_args: Optional[dict[Callable, dict]] = None,
+                 timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()) -> None:
+        """Apply the passes in order: ``p(gm, **pass_args[p])`` (keyword arguments per bare pass, optional).
+
+        ``timer(name)`` wraps each pass (e.g. to record compile time). After each pass the
+        graph is offered to an active dump recording (``graph_utils.record_stage``).
+        """
+        pass_args = pass_args or {}
         for p in self.order:
-            p(gm)
+            name = pass_info(p).name
+            with timer(name):
+                p(gm, **pass_args.get(p, {}))
+            record_stage(name, gm.graph, gm)

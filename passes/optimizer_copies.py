@@ -18,14 +18,14 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from graph_utils import WAIT_OP, set_fake_val
+from ..graph_utils import WAIT_OP, set_fake_val
+from ..graph_utils.meta import ROLE, Role
 
 from .manager import graph_optimization_pass
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 _FUSED = {aten._fused_adam: aten._fused_adam_, aten._fused_adamw: aten._fused_adamw_, aten._fused_sgd: aten._fused_sgd_}
-_WRITTEN_ROLES = ("param", "state")
 
 Elem = tuple[fx.Node, int, int]  # (functional op, written list k, element i)
 
@@ -164,7 +164,7 @@ def _plan(graph: fx.Graph) -> tuple[list[_Op], dict[Elem, fx.Node], list[fx.Node
     root_of: dict[Elem, fx.Node] = {}
     chains: list[tuple[list[Elem], list[fx.Node]]] = []
     for e, src in elems.items():
-        if src.op != "placeholder" or src.meta.get("spmd_role") not in _WRITTEN_ROLES:
+        if src.op != "placeholder" or src.meta.get(ROLE) not in (Role.PARAM, Role.STATE):
             continue
         path = [e]
         while (nxt := next_elem(path[-1])) is not None:

@@ -22,12 +22,14 @@ from typing import Optional
 
 import torch.fx as fx
 
-from graph_utils import is_wait_node
+from ..graph_utils import is_wait_node
+from ..graph_utils.meta import BUCKET
 
 from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import UNPACK_OPS, place_waits_before_first_use, schedule_comm_wait
 from .foreach_split import ForeachChain, foreach_chains, positions_by_part, split_foreach_chain
 from .fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
+from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 
 log = logging.getLogger(__name__)
@@ -135,12 +137,8 @@ def split_optimizer_per_bucket(gm, max_parts: int = 4) -> None:
     if isinstance(max_parts, bool) or not isinstance(max_parts, int) or max_parts < 2:
         raise ValueError(f"split_optimizer_per_bucket: max_parts must be an int >= 2, got {max_parts!r}")
     graph = gm.graph
-    if getattr(graph, "moves", None):
-        raise ValueError(
-            "split_optimizer_per_bucket: the graph already defers nodes to the next iteration; "
-            "apply split_optimizer_per_bucket before moving nodes across iterations."
-        )
-    collectives = [n for n in graph.nodes if "spmd_bucket" in n.meta and not is_wait_node(n)]
+    refuse_after_moves(graph, "split_optimizer_per_bucket", "splitting the optimizer")
+    collectives = [n for n in graph.nodes if BUCKET in n.meta and not is_wait_node(n)]
     bucket_index = {c: i for i, c in enumerate(collectives)}
     optim_nodes = [n for n in graph.nodes if is_fused_adam(n)]
     split = 0

@@ -1,5 +1,9 @@
 """spmd: compile a whole data-parallel training step into one optimized graph."""
 
+from ._torch_version import warn_if_untested
+
+warn_if_untested()
+
 from .api import CompiledTrainStep, compile
 from .errors import SpmdCompileError
 from .explain import Plan, explain

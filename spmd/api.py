@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .compile_times import phase, recording
 from .errors import SpmdCompileError
+from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .iter_graph_module import IterGraphModule
 from .parallel import DataParallel
 from .step_state import StepState, ensure_optimizer_state, find_modules_and_optimizers
@@ -64,6 +66,19 @@ def _default_transformation():
     from .transformation import GraphModuleTransformation
 
     return GraphModuleTransformation()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _write_dump(stages: dict[str, fx.GraphModule], runner: Any, folder: str) -> None:
+    """Write the recorded stages, plus the setup/main/cleanup graphs of an ``IterGraphModule``."""
+    if isinstance(runner, IterGraphModule):
+        for name, gm in (("setup", runner.setup_gm), ("main", runner.main_gm), ("cleanup", runner.cleanup_gm)):
+            stages[f"{len(stages):02d}_{name}"] = gm
+    paths = dump_graphs_to_files(stages, folder)
+    log.info("spmd: wrote %d graph dump files to %s", len(paths), folder)
 
 
 class CompiledTrainStep:
@@ -124,15 +139,22 @@ class CompiledTrainStep:
     def _compile(self, state: StepState, args: tuple, kwargs: dict) -> CompiledStep:
         start = time.perf_counter()
         times: dict[str, float] = {}
-        with recording(times):
+        with recording(times), recording_stages(self.dump_options()) as dump:
             gm, traced, state, _ = self.trace_and_expand(state, args, kwargs)
             traced_at = time.perf_counter()
             with phase("transform"):
                 runner = self.gm_transformation(gm) if self.gm_transformation else gm
         log.info("spmd: %s traced in %.1f s (%d nodes), transformed in %.1f s", self.__name__, traced_at - start,
                  len(gm.graph.nodes), time.perf_counter() - traced_at)
+        folder = dump.options.folder_for_rank(_rank())
+        if folder:  # the transformation built its own graphs from a copy: gm is still the traced graph
+            _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
         self._last_compiled = CompiledStep(runner, traced.out_spec, gm, compile_times=times)
         return self._last_compiled, state
+
+    def dump_options(self) -> DumpOptions:
+        """The transformation's dump settings, or (for a custom transformation) the environment's."""
+        return getattr(self.gm_transformation, "dump", None) or DumpOptions.resolve()
 
     def prepare_state(self, args: tuple, kwargs: dict) -> StepState:
         """Find the step's modules and optimizers, apply overrides, and check no stray gradients."""
@@ -155,6 +177,7 @@ class CompiledTrainStep:
         entry = self.cache.get(key)
         first_run = entry is None
         if first_run:
+            self.parallel_mode.prepare(state)
             if self.cache:
                 log.warning("spmd.compile: %s is retracing for a new input signature (%d cached)",
                             self.__name__, len(self.cache))

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from graph_utils import set_fake_val
+from .graph_utils import set_fake_val
 
 aten = torch.ops.aten
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from graph_utils import find_node, is_all_reduce, is_wait_node, tensor_bytes
-from passes import PassManager, pass_info
+from .graph_utils import find_node, is_all_reduce, is_wait_node, tensor_bytes
+from .graph_utils.meta import BUCKET, GRAD_OF
+from .passes import PassManager, pass_info
 
 from .api import CompiledTrainStep
 from .iter_graph_module import IterGraphModule
@@ -38,11 +39,11 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
 
 
-def _pass_rows(manager: PassManager) -> list[dict[str, Any]]:
+def _pass_rows(manager: PassManager, pass_args: dict) -> list[dict[str, Any]]:
     rows = []
     for p in manager.order:
         info = pass_info(p)
-        args = dict(p.keywords) if hasattr(p, "keywords") else {}
+        args = dict(p.keywords) if hasattr(p, "keywords") else dict(pass_args.get(p, {}))
         rows.append({"pass": info.name, "args": args,
                      "prerequisites": [pass_info(q).name for q in info.prerequisites],
                      "apply_after": [pass_info(q).name for q in info.apply_after]})
@@ -55,7 +56,7 @@ def _buckets(graph) -> list[Bucket]:
     for comm in find_node(graph, is_all_reduce):
         waits = [u for u in comm.users if is_wait_node(u)]
         distance = order[waits[0]] - order[comm] - 1 if waits else -1
-        members = comm.meta.get("spmd_bucket") or [comm.meta.get("spmd_grad_of")]
+        members = comm.meta.get(BUCKET) or [comm.meta.get(GRAD_OF)]
         out.append(Bucket(comm.name, len(members), tensor_bytes(comm), distance))
     return out
 
@@ -115,9 +116,11 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
     gm, _, state, created = train_step.trace_and_expand(state, args, kwargs)
     try:
         transform = train_step.gm_transformation
-        manager = transform.pass_manager if isinstance(transform, GraphModuleTransformation) else PassManager([])
+        ours = isinstance(transform, GraphModuleTransformation)
+        manager = transform.pass_manager if ours else PassManager([])
+        pass_args = transform.pass_args if ours else {}
         igm = IterGraphModule(gm)
-        manager(igm)
+        manager(igm, pass_args)
         if transform is not None and not isinstance(transform, GraphModuleTransformation):
             result = transform(gm)  # a user transformation: show what it built
             igm = result if isinstance(result, IterGraphModule) else igm
@@ -130,7 +133,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
         trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         buckets=_buckets(igm.graph),
-        passes=_pass_rows(manager),
+        passes=_pass_rows(manager, pass_args),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )
     plan.warnings = _warnings(plan, optimized=bool(plan.passes), single_tensor_adam=_single_tensor_adam(state.optimizers))

@@ -25,13 +25,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from graph_utils import lazy_graph_module
-
-_PERSISTENT_ROLES = ("param", "buffer", "state")
-
-
-class IterMoveError(ValueError):
-    """A cross-iteration move that would change what the step computes."""
+from .graph_utils import lazy_graph_module
+from .graph_utils.meta import NAME, ROLE, Role
+from .passes.iteration import IterMoveError
 
 
 @dataclass
@@ -106,7 +102,7 @@ class IterGraph(fx.Graph):
             for a in n.all_input_nodes:
                 if a in moved or a in carried or a in reused:
                     continue
-                persistent = a.op == "placeholder" and a.meta.get("spmd_role") in _PERSISTENT_ROLES
+                persistent = a.op == "placeholder" and a.meta.get(ROLE) in Role.PERSISTENT
                 (reused if persistent else carried).append(a)
         # Every persistent input the moved nodes read must not be updated by others this iteration.
         for p in reused:
@@ -123,16 +119,13 @@ class IterGraph(fx.Graph):
                 continue
             first = min(readers, key=order.__getitem__)
             if order[first] < order[target_node]:
-                name = dst.meta.get("spmd_name", dst.name)
+                name = dst.meta.get(NAME, dst.name)
                 raise IterMoveError(
                     f"move_to_next_iter_before: {name} is updated by the moved nodes but read by {first.name} "
                     f"before the target {target_node.name}, so the next iteration would read a stale value. "
                     f"The latest legal target node is {first.name}."
                 )
         self.moves.append(Move(nodes, target_node, carried, reused))
-
-    def clone_without_moves(self) -> fx.Graph:
-        return _copy(self)[0]
 
 
 def _copy(src: fx.Graph) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
@@ -155,7 +148,7 @@ def _add_placeholders(g: fx.Graph, like: list[fx.Node], prefix: str) -> list[fx.
         with g.inserting_after(last):
             ph = g.placeholder(f"{prefix}_{i}")
         ph.meta.update({k: v for k, v in src.meta.items() if k in ("val", "tensor_meta")})
-        ph.meta["spmd_role"] = "carried"
+        ph.meta[ROLE] = Role.CARRIED
         made.append(ph)
         last = ph
     return made
@@ -220,7 +213,6 @@ class IterGraphModule(nn.Module):
         self._stage_gms: Optional[tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule]] = None
         self._carry: Optional[tuple] = None
         self._finalized = False
-        self.iteration = 0
         # (label, graph module, first call's args, number of user outputs) -> what runs that
         # graph; set by the transformation for Inductor / CUDA graphs. None: run the FX graph.
         self.stage_compiler: Optional[Callable[[str, fx.GraphModule, tuple, int], Callable]] = None
@@ -284,7 +276,6 @@ class IterGraphModule(nn.Module):
     def forward(self, *args, last_iter: bool = False):
         if not self._finalized:
             self.finalize_setup()
-        self.iteration += 1
         if not self.graph.moves:
             return self._run("step", self._logical, args)
         if self._carry is None:
@@ -299,6 +290,4 @@ class IterGraphModule(nn.Module):
         else:
             res = self._run("main", self.main_gm, args + self._carry)
             out, self._carry = res[: self.num_user_outputs], res[self.num_user_outputs:]
-        if last_iter:
-            self.iteration = 0
         return out

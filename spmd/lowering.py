@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from graph_utils import lazy_graph_module
+from .graph_utils import lazy_graph_module
 
 from .compile_times import phase
 

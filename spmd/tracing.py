@@ -12,15 +12,15 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    are the optimizer's (the usual step), ``spmd.direct_functionalize`` rewrites those
    nodes in place of a second trace; anything else is re-traced under ``functionalize``.
 
-Placeholders carry ``meta["spmd_role"]`` (param, buffer, state, lr, input) and
-``meta["spmd_name"]`` so passes never infer roles from positions.
+Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input; ``graph_utils.meta``) and
+``meta[NAME]`` so passes never infer roles from positions.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -29,7 +29,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from graph_utils import lazy_graph_modules, make_lazy
+from .graph_utils import lazy_graph_modules, make_lazy
+from .graph_utils.meta import NAME, ROLE, Role
 
 from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
@@ -67,8 +68,6 @@ class TracedStep:
 
     gm: torch.fx.GraphModule
     out_spec: pytree.TreeSpec
-    num_user_outputs: int
-    placeholder_roles: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -248,16 +247,16 @@ def trace_train_step(
         if pure is None:
             pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"),
                            tracing_mode="fake")(*flat_inputs)
-    roles = (["param"] * n_params + ["buffer"] * n_buffers + ["state"] * n_state
-             + ["lr"] * len(lr_values) + ["input"] * len(user_tensors))
+    roles = ([Role.PARAM] * n_params + [Role.BUFFER] * n_buffers + [Role.STATE] * n_state
+             + [Role.HYPER] * len(lr_values) + [Role.INPUT] * len(user_tensors))
     names = (list(state.param_names) + list(state.buffer_names) + list(state.state_names)
              + [f"lr_{k}" for k in range(len(lr_values))] + [f"input_{k}" for k in range(len(user_tensors))])
     for node, role, name in zip(pure.graph.find_nodes(op="placeholder"), roles, names):
-        node.meta["spmd_role"] = role
-        node.meta["spmd_name"] = name
+        node.meta[ROLE] = role
+        node.meta[NAME] = name
     pure.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, tuple out
     output = next(n for n in reversed(pure.graph.nodes) if n.op == "output")
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
     out_spec = out_holder["spec"]
-    return TracedStep(gm=pure, out_spec=out_spec, num_user_outputs=out_spec.num_leaves, placeholder_roles=roles)
+    return TracedStep(gm=pure, out_spec=out_spec)

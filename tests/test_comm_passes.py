@@ -12,11 +12,11 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import spmd
-from graph_utils import find_node, is_all_reduce, is_wait_node, set_fake_val
-from passes import applied_passes
-from passes.comm_fusion import comm_fusion_with_concat
-from passes.comm_wait import schedule_comm_wait
-from spmd.models import GPT, MLP, GPTConfig
+from spmd.graph_utils import find_node, is_all_reduce, is_wait_node, set_fake_val
+from spmd.passes import applied_passes
+from spmd.passes.comm_fusion import comm_fusion_with_concat
+from spmd.passes.comm_wait import schedule_comm_wait
+from spmd.tools.models import GPT, MLP, GPTConfig
 from tests.dist import run_distributed, single_process_group
 from tests.test_iter_graph_module import _first_forward_node, _optimizer_nodes
 from tests.parity import assert_params_close, ddp_copy, eager_step

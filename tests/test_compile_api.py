@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import spmd
-from spmd.models import MLP
+from spmd.tools.models import MLP
 
 
 def _eager(model_list, optims, x):

@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 import spmd
-from spmd.models import MLP
+from spmd.tools.models import MLP
 
 
 def _step(model, optim, x):

@@ -10,7 +10,7 @@ import torch
 
 import spmd
 import spmd.tracing
-from spmd.models import GPT, MLP, ConvBN, GPTConfig
+from spmd.tools.models import GPT, MLP, ConvBN, GPTConfig
 
 aten = torch.ops.aten
 # Not bitwise: the re-trace turns views into copies (``t_copy`` is contiguous, ``t`` is not), so

@@ -9,7 +9,7 @@ import torch
 
 import spmd
 from spmd import SpmdCompileError
-from spmd.models import MLP
+from spmd.tools.models import MLP
 
 
 @torch.library.custom_op("spmdtest::no_fake_kernel", mutates_args=())

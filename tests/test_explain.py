@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import spmd
-from spmd.models import MLP
+from spmd.tools.models import MLP
 from tests.dist import single_process_group
 
 

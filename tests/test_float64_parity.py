@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import spmd
-from spmd.models import GPT, GPTConfig
+from spmd.tools.models import GPT, GPTConfig
 from tests.dist import run_distributed
 from tests.parity import ddp_copy, eager_step, lm_train_step
 

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 import spmd
-from graph_utils import find_node, is_all_reduce
-from passes import comm_fusion_with_concat, iter_move_grads_and_optimizers, remove_copy_from_optimizer, schedule_comm_wait
+from spmd.graph_utils import find_node, is_all_reduce
+from spmd.passes import comm_fusion_with_concat, iter_move_grads_and_optimizers, remove_copy_from_optimizer, schedule_comm_wait
 from spmd import IterGraphModule
-from spmd.models import GPT, MLP, GPTConfig
-from spmd.transformation import stage_compiler
+from spmd.tools.models import GPT, MLP, GPTConfig
 from tests.dist import run_distributed
 from tests.parity import assert_params_close, ddp_copy, eager_step, lm_train_step
 
@@ -69,7 +68,8 @@ def _itermove_pipeline(bucket_mb, inductor, cudagraphs):
         remove_copy_from_optimizer(igm)
         iter_move_grads_and_optimizers(igm, find_node(igm.graph, is_all_reduce)[0], _first_compute_node(igm))
         igm.finalize_setup()
-        igm.stage_compiler = stage_compiler(inductor, cudagraphs)
+        igm.stage_compiler = spmd.GraphModuleTransformation(
+            enable_inductor=inductor, enable_cudagraphs=cudagraphs).compile_stage
         return igm
     return transform
 

@@ -8,10 +8,10 @@ import networkx as nx
 import torch
 
 import spmd
-from graph_utils import (
+from spmd.graph_utils import (
     dump_graphs_to_files, find_node, get_output, graph_summary, is_all_reduce, is_wait_node, to_networkx,
 )
-from spmd.models import GPT, GPTConfig
+from spmd.tools.models import GPT, GPTConfig
 from tests.dist import single_process_group
 
 
@@ -70,7 +70,7 @@ def test_placeholders_are_tagged_with_roles():
     roles = [n.meta["spmd_role"] for n in gm.graph.find_nodes(op="placeholder")]
     n_params = len({id(p) for p in model.parameters()})
     assert roles[:n_params] == ["param"] * n_params
-    assert roles.count("lr") == 1 and roles.count("input") == 2
+    assert roles.count("hyper") == 1 and roles.count("input") == 2
     names = [n.meta["spmd_name"] for n in gm.graph.find_nodes(op="placeholder")]
     assert "wte.weight" in names and "lm_head.weight" not in names  # tied: one input
 

@@ -9,12 +9,11 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import spmd
-from graph_utils import find_node, is_all_reduce, is_wait_node
-from passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
+from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
+from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
 from spmd import IterGraphModule, SpmdCompileError
 from spmd.lowering import prepare_for_inductor
-from spmd.models import MLP
-from spmd.transformation import stage_compiler
+from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
 from tests.parity import assert_params_close, ddp_copy, eager_step
 from tests.test_direct_functionalize import _inplace_activation_step
@@ -117,7 +116,7 @@ def test_inductor_keeps_the_collective_and_wait_order_the_passes_chose():
 
     def lowered(gm):
         igm = transform(gm)
-        igm.stage_compiler = stage_compiler(inductor=True, cudagraphs=False)
+        igm.stage_compiler = spmd.GraphModuleTransformation(enable_inductor=True).compile_stage
         return igm
 
     torch.manual_seed(0)
@@ -178,7 +177,7 @@ def _iter_move_parity(rank, world_size):
 
     def moved(gm):
         igm = pipeline(gm)
-        igm.stage_compiler = stage_compiler(inductor=True, cudagraphs=False)
+        igm.stage_compiler = spmd.GraphModuleTransformation(enable_inductor=True).compile_stage
         return igm
 
     step = spmd.compile(gm_transformation=moved)(_step)

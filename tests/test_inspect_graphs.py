@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import spmd
-from graph_utils import find_node, graph_summary, is_all_reduce, is_wait_node
-from spmd.models import MLP
+from spmd.graph_utils import find_node, graph_summary, is_all_reduce, is_wait_node
+from spmd.tools.models import MLP
 from tests.dist import single_process_group
-from tools.inspect_graphs import diff_stages, find_stage, load_dump, main, node_info, pipeline_rows
+from spmd.tools.inspect_graphs import diff_stages, find_stage, load_dump, main, node_info, pipeline_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import spmd
-from graph_utils import find_node, is_all_reduce, to_networkx
+from spmd.graph_utils import find_node, is_all_reduce, to_networkx
 from spmd import IterGraphModule, IterMoveError
-from spmd.models import MLP
+from spmd.tools.models import MLP
 from tests.dist import single_process_group
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import spmd
-from graph_utils import find_node, is_all_reduce
-from passes import (
+from spmd.graph_utils import find_node, is_all_reduce
+from spmd.passes import (
     comm_fusion_with_concat, find_all_descendants, get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers,
     remove_copy_from_optimizer, schedule_comm_wait,
 )
 from spmd import IterGraphModule, IterMoveError
-from spmd.models import MLP
+from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
 from tests.parity import assert_params_close, ddp_copy, eager_step
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import spmd
-from passes.fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
-from passes.optimizer_copies import remove_copy_from_optimizer
+from spmd.passes.fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
+from spmd.passes.optimizer_copies import remove_copy_from_optimizer
 from spmd import IterGraphModule
-from spmd.models import MLP
+from spmd.tools.models import MLP
 from tests.dist import single_process_group
 
 aten = torch.ops.aten

@@ -7,13 +7,13 @@ import torch
 import torch.fx as fx
 
 import spmd
-from graph_utils import find_node, is_all_reduce
-from passes import (
+from spmd.graph_utils import find_node, is_all_reduce
+from spmd.passes import (
     get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
     schedule_comm_wait, split_optimizer_per_bucket,
 )
-from passes.comm_wait import wait_block
-from spmd.models import MLP
+from spmd.passes.comm_wait import wait_block
+from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.parity import assert_params_close, ddp_copy, eager_step
 from tests.test_comm_passes import _fusion, _trace
@@ -181,23 +181,25 @@ def test_default_pipeline_splits_after_wait_scheduling_unless_asked_for_one_opti
     names = _names(default)
     assert names.index("schedule_comm_wait") < names.index("split_optimizer_per_bucket") \
         < names.index("remove_copy_from_optimizer")
-    assert default[names.index("split_optimizer_per_bucket")].keywords == {"max_parts": 4}
     assert "split_optimizer_per_bucket" not in _names(spmd.transformation.default_passes(optimizer_parts=1))
-    order = spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=2).pass_manager.order
-    assert order[_names(order).index("split_optimizer_per_bucket")].keywords == {"max_parts": 2}
+    assert spmd.GraphModuleTransformation(enable_graph_optimization=True).pass_args[
+        spmd.passes.split_optimizer_per_bucket] == {"max_parts": 4}
+    transform = spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=2)
+    assert "split_optimizer_per_bucket" in _names(transform.pass_manager.order)
+    assert transform.pass_args[spmd.passes.split_optimizer_per_bucket] == {"max_parts": 2}
     with pytest.raises(ValueError, match="optimizer_parts must be an int >= 1"):
         spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=0)
 
 
 
 def test_an_optimizer_graph_it_cannot_split_is_left_whole_with_a_warning(monkeypatch, caplog):
-    import passes.optimizer_split as module
+    import spmd.passes.optimizer_split as module
 
     def refuse(gm, block, grads):
         raise ValueError("unrecognized step update")
 
     monkeypatch.setattr(module, "split_fused_optimizer", refuse)
-    with caplog.at_level("WARNING", logger="passes.optimizer_split"):
+    with caplog.at_level("WARNING", logger="spmd.passes.optimizer_split"):
         _, _, igm = _trace("gpt", [_fusion(0.02), schedule_comm_wait, split_optimizer_per_bucket], optim="fused")
     assert len(_optim_nodes(igm.graph)) == 1
     assert "left" in caplog.text and "unrecognized step update" in caplog.text
@@ -216,7 +218,7 @@ def _split_is_bitwise(rank, world_size, kind):
     """float64: the pipeline with the foreach split computes exactly what the unsplit step computes."""
     import copy
 
-    from spmd.models import GPT, GPTConfig
+    from spmd.tools.models import GPT, GPTConfig
     from tests.parity import lm_train_step
 
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from passes import PassManager, applied_passes, graph_optimization_pass
+from spmd.passes import PassManager, applied_passes, graph_optimization_pass
 from spmd import IterGraphModule
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import spmd
-from graph_utils import find_node, is_all_reduce
-from passes import applied_passes, graph_optimization_pass, pass_info, remove_copy_from_optimizer, schedule_comm_wait
-from spmd.models import MLP
+from spmd.graph_utils import find_node, is_all_reduce
+from spmd.passes import applied_passes, graph_optimization_pass, pass_info, remove_copy_from_optimizer, schedule_comm_wait
+from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
 from tests.parity import assert_params_close, ddp_copy, eager_step
 
@@ -103,7 +103,7 @@ def test_dump_dir_env_var_turns_dumps_on_without_code_changes(tmp_path, monkeypa
 def test_dumps_are_off_by_default(tmp_path, monkeypatch):
     monkeypatch.delenv("SPMD_DUMP_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert spmd.GraphModuleTransformation()._dump_folder() is None
-    assert spmd.GraphModuleTransformation(dump_graphs=True, dump_ranks="all")._dump_folder().endswith("rank0")
+    assert spmd.GraphModuleTransformation().dump.folder_for_rank(0) is None
+    assert spmd.GraphModuleTransformation(dump_graphs=True, dump_ranks="all").dump.folder_for_rank(0).endswith("rank0")
     with pytest.raises(ValueError, match="dump_ranks"):
         spmd.GraphModuleTransformation(dump_ranks="some")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import spmd
-from spmd.models import GPT, MLP, ConvBN, GPTConfig
+from spmd.tools.models import GPT, MLP, ConvBN, GPTConfig
 from tests.dist import run_distributed
 from tests.parity import assert_params_close, ddp_copy, eager_step, lm_train_step
 

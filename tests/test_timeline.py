@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import timeline  # noqa: E402
 
-from spmd.trace_analysis import exposed_intervals, load_trace_events  # noqa: E402
+from spmd.tools.trace_analysis import exposed_intervals, load_trace_events  # noqa: E402
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spmd.trace_analysis import exposed_communication
+from spmd.tools.trace_analysis import exposed_communication
 
 
 def _k(name, ts, dur):

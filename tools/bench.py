@@ -54,7 +54,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
-from spmd.models import GPT, GPTConfig
+from spmd.tools.models import GPT, GPTConfig
 
 MODES = ("single_eager", "single_compile", "ddp", "ddp_compile", "ddp_ca", "spmd_replicate", "spmd_inductor_comm",
          "spmd_pipeline", "spmd_pipeline_cg")

@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
-from spmd.models import GPT, GPTConfig
+from spmd.tools.models import GPT, GPTConfig
 
 TOLERANCE = 1e-4
 WARMUP = 3

@@ -32,13 +32,14 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import spmd  # noqa: E402
-from graph_utils import find_node, is_all_reduce  # noqa: E402
-from passes import (  # noqa: E402
+from spmd.graph_utils import find_node, is_all_reduce  # noqa: E402
+from spmd.graph_utils.meta import ROLE, Role  # noqa: E402
+from spmd.passes import (  # noqa: E402
     comm_fusion_with_concat, graph_optimization_pass, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
     schedule_comm_wait,
 )
-from spmd.models import GPT, GPTConfig  # noqa: E402
-from spmd.trace_analysis import exposed_communication, load_trace_events  # noqa: E402
+from spmd.tools.models import GPT, GPTConfig  # noqa: E402
+from spmd.tools.trace_analysis import exposed_communication, load_trace_events  # noqa: E402
 
 MODES = ("replicate", "pipeline", "pipeline_itermove")
 
@@ -52,7 +53,7 @@ def defer_last_bucket(gm) -> None:
     reads a parameter is the latest target no deferred update can make stale.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    params = [n for n in gm.graph.nodes if n.meta.get("spmd_role") == "param"]
+    params = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.PARAM]
     first_forward = min((u for p in params for u in p.users), key=order.__getitem__)
     iter_move_grads_and_optimizers(gm, find_node(gm.graph, is_all_reduce)[-1], first_forward)
 

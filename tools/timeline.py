@@ -40,7 +40,7 @@ from html import escape
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from profile_overlap import MODES, add_run_args, launch, record_trace  # noqa: E402
-from spmd.trace_analysis import exposed_communication, exposed_intervals, load_trace_events  # noqa: E402
+from spmd.tools.trace_analysis import exposed_communication, exposed_intervals, load_trace_events  # noqa: E402
 
 COLORS = {"nccl": "#f28e2b", "compute": "#4e79a7", "exposed": "#d62728", "step": "#555555", "annotation": "#bab0ac"}
 LABEL_W, LANE_H, LANE_GAP, HEADER_H, AXIS_H = 150, 22, 8, 72, 30

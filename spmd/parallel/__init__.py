@@ -1,5 +1,5 @@
 """Parallel modes: how a traced single-rank step is expanded into a distributed one."""
 
-from .replicate import DataParallel
+from .data_parallel import DataParallel
 
 __all__ = ["DataParallel"]
