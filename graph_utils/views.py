@@ -131,7 +131,7 @@ def dump_graphs_to_files(graphs: dict[str, fx.GraphModule], folder: str) -> list
     """Write each GraphModule as readable Python code, graph text and a JSON summary.
 
     The JSON is ``graph_summary`` plus ``node_list`` (``node_records``), so tools can read a
-    dump folder without torch (see ``tools/inspect_graphs.py``).
+    dump folder without torch (see ``spmd inspect``).
 
     Returns the paths written. ``graphs`` maps a file stem (e.g. ``"03_main"``) to a module.
     """

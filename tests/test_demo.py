@@ -1,4 +1,4 @@
-"""The README's main command runs end to end on 2 gloo processes and matches DDP."""
+"""``spmd demo`` trains on 2 gloo processes and matches DDP; it writes graph dumps only when asked."""
 
 from __future__ import annotations
 
@@ -9,15 +9,27 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from spmd.tools import cli, demo
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the demo runs one rank per GPU (tools/gpu_check.sh)")
-def test_demo_trains_on_two_cpu_processes_and_matches_ddp(tmp_path):
-    dump = tmp_path / "dump"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "demo.py"), "--steps", "5",
-                           "--dump-dir", str(dump)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the demo runs NCCL, one rank per GPU")
+def test_demo_trains_on_two_cpu_processes_names_each_mode_and_matches_ddp(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_DUMP_DIR")}
+    proc = subprocess.run([sys.executable, "-m", "spmd", "demo", "--steps", "3", "--batch", "2", "--dump-dir", "dump"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "OK: spmd matches eager DDP" in proc.stdout
-    assert "2 x cpu/gloo" in proc.stdout
-    assert (dump / "00_traced.py").exists() and any(dump.glob("*_main.py"))
+    out = proc.stdout
+    assert "OK: spmd matches eager DDP" in out and "2 x cpu/gloo" in out
+    assert out.index("spmd: 3 steps") < out.index("eager DDP copy: 3 steps")  # the progress names the mode
+    dump = tmp_path / "dump"
+    assert (dump / "00_traced.py").exists() and any(dump.glob("*_main.py")) and "spmd inspect dump" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]  # nothing else written to the working folder
+
+
+def test_demo_dumps_only_when_asked(monkeypatch):
+    p, _ = cli.parsers()
+    monkeypatch.delenv("SPMD_DUMP_DIR", raising=False)
+    assert demo.transformation(p.parse_args(["demo"])).dump.folder_for_rank(0) is None
+    assert demo.transformation(p.parse_args(["demo", "--dump-dir", "d"])).dump.folder_for_rank(0) == "d"
+    monkeypatch.setenv("SPMD_DUMP_DIR", "from_env")  # the environment variable still works without the flag
+    assert demo.transformation(p.parse_args(["demo"])).dump.folder_for_rank(0) == "from_env"

@@ -1,4 +1,4 @@
-"""Replicate parity against DDP on up to 2 GPUs with NCCL (run by tools/gpu_check.sh).
+"""Replicate parity against DDP on up to 2 GPUs with NCCL (run by `spmd bench --suite gpu --parts tests`).
 
 On a one-GPU machine every test runs with a process group of one: the collectives are then no-ops,
 but the CUDA lowering (Inductor, CUDA graphs, the optimizer split) is still checked against DDP.

@@ -1,43 +1,29 @@
-"""tools/inspect_graphs.py on a real dump: pipeline table, stage diff, node view, errors."""
+"""spmd inspect on a real dump, written through ``SPMD_DUMP_DIR`` by custom transformations: the traced graph,
+each pass's snapshot and setup/main/cleanup are dumped; the pipeline table, stage diff, node view and errors."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import spmd
 from spmd.graph_utils import find_node, graph_summary, is_all_reduce, is_wait_node
+from spmd.passes import PassManager, comm_fusion_with_concat, graph_optimization_pass, schedule_comm_wait
+from spmd.tools import cli
+from spmd.tools.inspect_dump import diff_stages, find_stage, load_dump, node_info, pipeline_rows
 from spmd.tools.models import MLP
 from tests.dist import single_process_group
-from spmd.tools.inspect_graphs import diff_stages, find_stage, load_dump, main, node_info, pipeline_rows
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def dump(tmp_path_factory):
-    """One compiled MLP step with fused AdamW and tiny buckets; its dump folder and the live graphs."""
-    folder = tmp_path_factory.mktemp("dump")
-    transform = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.0005,
-                                               dump_graphs=True, dump_dir=str(folder))
-    seen = {}
-
-    def keep(gm):
-        seen["traced"] = graph_summary(gm.graph)  # before any pass edits it
-        seen["igm"] = transform(gm)
-        return seen["igm"]
-
+def _train_one_step(gm_transformation, optim_impl: str = "fused") -> int:
+    """One compiled MLP step with AdamW in a process group of one; the number of parameters."""
     torch.manual_seed(0)
     model = MLP(layers=2, dim=8)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, **{optim_impl: True})
 
-    @spmd.compile(gm_transformation=keep)
+    @spmd.compile(gm_transformation=gm_transformation)
     def train_step(model, optim, batch):
         model(batch).sum().backward()
         optim.step()
@@ -45,8 +31,53 @@ def dump(tmp_path_factory):
 
     with single_process_group():
         train_step(model, optim, torch.randn(4, 8))
-    seen["n_params"] = len(list(model.parameters()))
+    return len(list(model.parameters()))
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    """A dump written through SPMD_DUMP_DIR by a plain function wrapping GraphModuleTransformation()."""
+    folder = tmp_path_factory.mktemp("dump")
+    seen = {}
+
+    def keep(gm):  # a custom transformation: no dump settings of its own
+        seen["traced"] = graph_summary(gm.graph)  # before any pass edits it
+        seen["igm"] = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.0005)(gm)
+        return seen["igm"]
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPMD_DUMP_DIR", str(folder))
+        seen["n_params"] = _train_one_step(keep)
     return folder, seen
+
+
+def test_dump_dir_env_var_dumps_a_function_wrapping_graph_module_transformation(dump):
+    folder, seen = dump
+    stems = [s.stem for s in load_dump(str(folder))]
+    passes = ["comm_fusion_with_concat", "schedule_comm_wait", "split_optimizer_per_bucket",
+              "remove_copy_from_optimizer"]
+    assert stems == ["00_traced"] + [f"{i:02d}_{p}" for i, p in enumerate(passes, 1)] + [
+        "05_setup", "06_main", "07_cleanup"]
+    assert _json(folder, "00_traced")["nodes"] == seen["traced"]["nodes"]  # the graph as traced, not as edited
+
+
+def test_dump_dir_env_var_dumps_a_function_running_its_own_pass_manager(tmp_path, monkeypatch):
+    @graph_optimization_pass()
+    def count_nodes(gm):
+        count_nodes.seen = len(gm.graph.nodes)
+
+    def my_transformation(gm):
+        igm = spmd.IterGraphModule(gm)
+        PassManager([schedule_comm_wait, comm_fusion_with_concat, count_nodes])(igm)
+        igm.finalize_setup()
+        return igm
+
+    monkeypatch.setenv("SPMD_DUMP_DIR", str(tmp_path))
+    _train_one_step(my_transformation, optim_impl="foreach")
+    stems = sorted(p.stem.split(".")[0] for p in tmp_path.glob("*.py"))
+    assert stems == ["00_traced", "01_comm_fusion_with_concat", "02_schedule_comm_wait", "03_count_nodes",
+                     "04_setup", "05_main", "06_cleanup"]
+    assert _json(tmp_path, "03_count_nodes")["nodes"] == count_nodes.seen  # the snapshot is the graph the pass saw
 
 
 def _json(folder, stem):
@@ -115,19 +146,18 @@ def test_wait_distances_in_the_json_match_the_graph(dump):
     assert sum(op["params"] for op in ops) == seen["n_params"]  # split per trailing bucket
 
 
-def test_cli_prints_table_diff_node_and_exits_2_on_bad_input(dump, tmp_path):
+def test_cli_prints_table_diff_node_and_exits_2_on_bad_input(dump, tmp_path, capsys, monkeypatch):
     folder, _ = dump
-
-    def run(*args):
-        return subprocess.run([sys.executable, "tools/inspect_graphs.py", *args], cwd=ROOT, capture_output=True,
-                              text=True, env={**os.environ, "COLUMNS": "200"})
-
-    out = run(str(folder))
-    assert out.returncode == 0 and "00_traced" in out.stdout and "07_cleanup" in out.stdout
-    assert run(str(folder), "--diff", "0", "1").returncode == 0
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "00_traced" in out and "07_cleanup" in out
+    assert cli.main(["inspect", str(folder), "--diff", "0", "1"]) == 0
+    assert "00_traced → 01_comm_fusion_with_concat" in capsys.readouterr().out
     for args, words in [((str(tmp_path / "missing"),), "no dump folder"),
                         ((str(folder), "--diff", "0", "nosuchstage"), "no stage"),
-                        ((str(folder), "--node", "nosuchnode"), "no node")]:
-        bad = run(*args)
-        assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr
-    assert main([str(folder), "--node", "nosuchnode"]) == 2
+                        ((str(folder), "--node", "nosuchnode"), "no node"),
+                        ((str(folder), "--stage", "main"), "only applies with --node")]:
+        assert cli.main(["inspect", *args]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err

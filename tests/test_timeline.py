@@ -1,22 +1,17 @@
-"""tools/timeline.py: a synthetic two-stream trace with known overlap (lanes, kernels, exposed time, figures),
+"""spmd timeline: a synthetic two-stream trace with known overlap (lanes, kernels, exposed time, figures),
 step annotations, CPU-only traces, and ``--record`` of a real 2-process gloo run."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 import xml.etree.ElementTree as ET
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-
-import timeline  # noqa: E402
-
-from spmd.tools.trace_analysis import exposed_intervals, load_trace_events  # noqa: E402
+from spmd.tools import cli, timeline
+from spmd.tools.trace_analysis import exposed_intervals, load_trace_events
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -75,19 +70,21 @@ def test_subpixel_kernels_merge_but_keep_their_count():
     assert sum(int(r.get("data-n")) for r in kernels) == 501
 
 
-def test_header_and_printed_figures(tmp_path, capsys):
+def test_header_and_printed_figures(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": _trace()}))
-    assert timeline.main([str(path), "--out", str(tmp_path / "t.html")]) == 0
+    assert cli.main(["timeline", str(path), "--out", str(tmp_path / "pics")]) == 0
     printed = capsys.readouterr().out
-    svg = (tmp_path / "t.svg").read_text()
-    assert svg in (tmp_path / "t.html").read_text()
+    svg = (tmp_path / "pics" / "trace.svg").read_text()
+    assert svg in (tmp_path / "pics" / "trace.html").read_text()
     header = ET.fromstring(svg).find(f".//{SVG}text[@class='header']").text
     # steps 1, step 0.4 ms, comm 0.14 ms, exposed 0.09 ms, overlapped 100 * 50 / 140 %
     want = {"steps": 1, "step": 0.4, "comm": 0.14, "exposed": 0.09, "overlapped": 100 * 50 / 140}
-    nums = [float(v) for v in re.findall(r"\d+(?:\.\d+)?", printed.split("\n", 1)[1].split("wrote")[0])]
-    assert nums[-5:] == pytest.approx([want["steps"], want["step"], want["comm"], want["exposed"],
-                                       want["overlapped"]], abs=0.05)
+    row = next(line for line in printed.splitlines() if "trace.json" in line and "│" in line)
+    nums = [float(v) for v in re.findall(r"\d+(?:\.\d+)?", row.split("trace.json", 1)[1])]
+    assert nums == pytest.approx([want["steps"], want["step"], want["comm"], want["exposed"], want["overlapped"]],
+                                 abs=0.05)
     assert float(re.search(r"exposed communication ([\d.]+) ms", header).group(1)) == pytest.approx(0.09)
     assert float(re.search(r"([\d.]+)% of communication overlapped", header).group(1)) == pytest.approx(
         want["overlapped"], abs=0.05)
@@ -132,20 +129,30 @@ def test_trace_with_neither_kernels_nor_steps_is_refused_with_a_message():
 @pytest.mark.parametrize("argv", [[], ["trace.json", "--record"]], ids=["neither", "both"])
 def test_trace_and_record_are_exclusive(argv, capsys):
     with pytest.raises(SystemExit) as exc:
-        timeline.main(argv)
+        cli.main(["timeline", *argv])
     assert exc.value.code == 2 and "pass a Chrome trace to draw, or --record" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="--record uses NCCL on GPUs; tools/gpu_check.sh runs it there")
-def test_record_itermove_on_cpu_profiles_setup_main_cleanup(tmp_path, capsys):
-    out = tmp_path / "tl.html"
-    assert timeline.main(["--record", "--steps", "3", "--mode", "pipeline_itermove", "--nproc", "2", "--layers", "2",
-                          "--dim", "64", "--seq", "32", "--batch", "2", "--vocab", "256", "--out", str(out)]) == 0
-    traces = [tmp_path / f"tl_trace_rank{r}.json" for r in range(2)]
-    printed = capsys.readouterr().out
+def test_annotations_of_other_modes_count_as_steps_when_spmd_has_none():
+    calls = [{"ph": "X", "cat": "user_annotation", "name": timeline.RECORDED_STEP, "ts": 1000 * i, "dur": 900}
+             for i in range(1, 4)]
+    assert [name for name, _, _ in timeline.step_annotations(calls)] == [timeline.RECORDED_STEP] * 3
+    inner = [{"ph": "X", "cat": "user_annotation", "name": "spmd.step", "ts": 1000 * i + 10, "dur": 800}
+             for i in range(1, 4)]
+    assert [name for name, _, _ in timeline.step_annotations(calls + inner)] == ["spmd.step"] * 3  # spmd's win
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--record uses NCCL on GPUs (spmd bench --suite gpu)")
+def test_record_itermove_on_cpu_profiles_setup_main_cleanup(tmp_path, capfd):
+    out = tmp_path / "tl"
+    assert cli.main(["timeline", "--record", "--steps", "3", "--modes", "spmd_pipeline_itermove", "--nproc", "2",
+                     "--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+                     "--no-inductor", "--no-autocast", "--out", str(out)]) == 0
+    traces = [out / f"spmd_pipeline_itermove_trace_rank{r}.json" for r in range(2)]
+    printed = capfd.readouterr().out  # rank 0 is a spawned process: its output reaches the file descriptor
     assert all(str(t) in printed for t in traces)  # paths to open in Perfetto
-    svg = (tmp_path / "tl.svg").read_text()
-    assert svg in out.read_text()
+    svg = (out / "spmd_pipeline_itermove.svg").read_text()
+    assert svg in (out / "spmd_pipeline_itermove.html").read_text()
     for t in traces:  # the window holds the three compiled calls, nothing of the compile or warm-up
         events = load_trace_events(str(t))
         steps = timeline.step_annotations(events)
@@ -155,6 +162,8 @@ def test_record_itermove_on_cpu_profiles_setup_main_cleanup(tmp_path, capsys):
         assert sum(b - a for _, a, b in steps) > 0.5 * window  # a compile inside would take ~98% of it
     figs = timeline.timeline_figures(load_trace_events(str(traces[0])))
     assert figs["steps"] == 3 and figs["step_ms"] > 0 and figs["comm_ms"] is None  # CPU: no GPU kernels
+    saved = json.loads((out / "timeline.json").read_text())
+    assert saved["modes"]["spmd_pipeline_itermove"] == figs and saved["world_size"] == 2
     root = ET.fromstring(svg)
     assert root.find(f".//{SVG}text[@class='header']").get("data-steps") == "3"
     assert [ln.get("data-name") for ln in root.iter(SVG + "line") if ln.get("class") == "step"] == [

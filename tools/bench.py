@@ -1,108 +1,110 @@
-"""Benchmark one GPT training step in several data-parallel modes, in one run.
+"""``spmd bench``: time one GPT training step in several data-parallel modes, side by side in one run.
 
-    python tools/bench.py --batch 8,2            # GPT 124M on every local GPU, all modes, batch 8 then 2
-    python tools/bench.py --modes ddp,ddp_ca,spmd_pipeline_cg --steps 50 --json out.json
-    python tools/bench.py --layers 2 --dim 64 --heads 2 --seq 32 --vocab 256 --batch 2   # no GPU: 2 CPU ranks
+    spmd bench --batch 8,2                        # GPT 124M on every local GPU, every mode, batch 8 then 2
+    spmd bench --modes ddp,ddp_ca,spmd_pipeline_cg --steps 50 --repeat 5 --json out.json
+    spmd bench --nproc 1 --batch 2 --profile spmd_pipeline   # where spmd's per-call CPU time goes
+    spmd bench --measure compile                  # first call from cold caches, by compile phase
+    spmd bench --suite gpu --parts tests --out gpu_out   # GPU parity tests, then the measurements
+    spmd bench --layers 1 --dim 64 --heads 2 --seq 32 --vocab 256 --batch 2   # no GPU: 2 CPU ranks
 
-No torchrun: it spawns one process per GPU (NCCL, NVLink multicast off) or, without a GPU,
-2 gloo CPU processes (``--nproc`` changes either). For each batch size (sequences per GPU)
-every mode starts from the same seed-0 GPT, trains on the same per-rank batches for exactly
-``--warmup`` + ``--steps`` calls (bf16 autocast around the forward, AdamW lr 1e-4), and rank 0
-prints a table per batch size and writes every number to ``--json``.
+One process per GPU (NCCL), or 2 gloo CPU processes without a GPU; under torchrun, the ranks it
+started. For each batch size (sequences per GPU) every mode (``bench_modes``) starts from the
+same seed-0 GPT and trains on the same per-rank batches; rank 0 prints a table per batch size and
+writes every number to ``--json``.
 
-Modes: ``single_eager``, ``single_compile`` (one GPU per rank, no communication; rank 0's
-numbers), ``ddp``, ``ddp_compile`` (torch.compile(DDP)), ``ddp_ca`` (the whole step under
-torch.compile with compiled autograd and the python reducer), ``spmd_replicate`` (spmd, no
-passes), ``spmd_inductor_comm`` (spmd, no passes of ours: Inductor's own overlap scheduler and
-bucketer place the all-reduces), ``spmd_pipeline`` (our passes), ``spmd_pipeline_cg`` (our passes + CUDA graphs; CUDA only).
-All spmd modes lower through Inductor.
+Trustworthy on a noisy host: each mode is built and warmed up once, then timed in ``--repeat``
+rounds; round 0 follows its warm-up, the later rounds interleave the modes (in a rotated order),
+so a slow window of the host hits one round of some modes, not one mode. A round times
+``--steps`` calls with the device synchronized before each (``cpu ms``: the Python call alone, what
+the CPU needs to issue a step) and then ``--steps`` calls back to back (``ms/step``: one CUDA event
+before each, one synchronize at the end, so CPU launch cost shows). Per mode the table gives the
+median of the per-round medians and their min-max; the JSON keeps every step.
 
-Columns: ms/step is the median of the timed steps (one CUDA event before each step, one
-synchronize at the end, so CPU launch overhead shows); tokens/s/GPU = batch * seq / median;
-ratio to best = median / the section's fastest median; peak GiB = torch.cuda.max_memory_allocated
-over the mode minus what was allocated before it built its model (so nothing an earlier mode left
-behind counts); warm-up s = wall time of the warm-up calls minus warmup * median (compilation).
-max |Δloss| vs DDP: largest step-by-step loss difference to ``ddp`` over all steps and ranks;
-flagged when a step differs by more than ATOL + RTOL * |ddp loss| (bf16 autocast: the two
-modes round differently). Single-GPU modes train without averaging gradients, so only their
-first loss is comparable: it is shown in brackets and never flagged.
+Columns: tokens/s/GPU = batch * seq / median; ratio = median / the fastest median; peak GiB =
+torch.cuda.max_memory_allocated over the mode's build, warm-up and first round, above what was
+allocated before it (so other modes' memory does not count); first call s = the first call
+(compilation for the compiled modes); warm-up s = wall time of the warm-up calls minus warmup *
+median. max |Δloss| vs DDP: the largest step-by-step loss difference to ``ddp`` over all calls
+and ranks, flagged above ATOL + RTOL * |ddp loss| (bf16 autocast rounds differently per mode).
+Single-replica modes train without averaging gradients: only their first loss compares (in
+brackets, never flagged). Modes stay alive until their last round, so their memory adds up:
+for a large model pass fewer ``--modes`` (with ``--repeat 1`` each mode is freed after its round).
+
+``--measure compile`` instead builds each mode from cold caches (fresh Inductor and Triton cache
+folders, FX graph cache off) and reports its first call and warm-up next to single-GPU
+``torch.compile``'s, spmd's compile phases (``CompiledTrainStep.compile_times``) and torch's own
+``dynamo_timed`` timers. ``--profile MODE`` prints a cProfile of MODE's calls (after the rounds) or
+of its first call (``--measure compile``).
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast
-
 import argparse
-import contextlib
+import cProfile
 import datetime
 import gc
+import io
 import json
+import os
 import platform
-import socket
+import pstats
 import statistics
 import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, without pip install
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import spmd
-from spmd.tools.models import GPT, GPTConfig
+from . import bench_compile, suite
+from .bench_modes import MODES, Setup, add_model_arguments, modes_help, parse_modes
+from .launch import launch
 
-MODES = ("single_eager", "single_compile", "ddp", "ddp_compile", "ddp_ca", "spmd_replicate", "spmd_inductor_comm",
-         "spmd_pipeline", "spmd_pipeline_cg")
-SINGLE = ("single_eager", "single_compile")
 ATOL, RTOL = 2e-2, 1e-2  # parity tolerance vs DDP under bf16 autocast: |Δ| <= ATOL + RTOL * |ddp loss|
 N_BATCHES = 4  # distinct (idx, targets) pairs per rank, cycled
+NOISY = 0.10  # flag a mode whose per-round medians spread more than this fraction of their median
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--dim", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--batch", default="8,2", help="sequences per GPU, comma list: one table per value (default 8,2)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list (default: all)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per mode (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed first calls per mode (default 5)")
-    p.add_argument("--nproc", type=int, default=None, help="processes (default: one per GPU, or 2 on CPU)")
-    p.add_argument("--json", default="bench_results.json")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="spmd gradient bucket size (default 25)")
-    p.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
-                   help="AdamW implementation on CUDA for every mode (default fused; CPU runs use foreach)")
-    p.add_argument("--optimizer-parts", type=int, default=4,
-                   help="spmd pipeline: optimizer ops, one per trailing bucket (default 4; 1: one op)")
-    args = p.parse_args(argv)
-    args.batch = [int(b) for b in args.batch.split(",")]
-    args.modes = args.modes.split(",")
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        p.error(f"unknown modes {unknown}; choose from {','.join(MODES)}")
-    if args.steps < 1 or args.warmup < 1 or min(args.batch) < 1:
-        p.error("--steps, --warmup and every --batch must be >= 1")
-    return args
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description, p.epilog = __doc__, modes_help()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_model_arguments(p, "sequences per GPU, comma list: one table per value (default 8,2)", "8,2")
+    r = p.add_argument_group("measurement")
+    r.add_argument("--measure", choices=("step", "compile"), default="step",
+                   help="step: step and CPU time per mode in rounds (default); compile: first call from cold caches")
+    r.add_argument("--modes", default=None,
+                   help="comma list (default: every mode for step; single_compile,spmd_pipeline for compile)")
+    r.add_argument("--steps", type=int, default=20, help="timed steps per round and mode (default 20)")
+    r.add_argument("--warmup", type=int, default=5, help="untimed first calls per mode (default 5)")
+    r.add_argument("--repeat", type=int, default=3, help="timed rounds, modes interleaved (default 3)")
+    r.add_argument("--json", default="bench_results.json", help="where rank 0 writes every number")
+    r.add_argument("--profile", default=None, metavar="MODE", help="print a cProfile of MODE's calls")
+    r.add_argument("--top", type=int, default=30, help="functions in the --profile listing (default 30)")
+    s = p.add_argument_group("GPU suite (what a GPU machine runs: parity tests, then the measurements)")
+    s.add_argument("--suite", choices=("gpu",), default=None,
+                   help="run the GPU suite's --parts, each in its own processes, logs and JSON under --out")
+    s.add_argument("--parts", default=",".join(suite.PARTS),
+                   help=f"comma list of {', '.join(f'{k} ({v})' for k, v in suite.PARTS.items())}; "
+                        "each fits a 10-minute call for one --batch value")
+    s.add_argument("--out", default="bench_out", help="suite results folder (default bench_out)")
 
 
-# ----------------------------------------------------------------------------- building a mode
+def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    args.batch = [int(b) for b in str(args.batch).split(",")]
+    default = "single_compile,spmd_pipeline" if args.measure == "compile" else ",".join(MODES)
+    args.modes = parse_modes(p, args.modes or default)
+    if args.profile and args.profile not in args.modes:
+        p.error(f"--profile {args.profile}: not one of --modes ({','.join(args.modes)})")
+    if min(args.steps, args.warmup, args.repeat, *args.batch) < 1:
+        p.error("--steps, --warmup, --repeat and every --batch must be >= 1")
+    if args.suite:
+        return suite.run(args, p)
+    if args.measure == "compile":
+        return launch(bench_compile.compile_rank, args, nproc=args.nproc)
+    return launch(bench_rank, args, nproc=args.nproc)
 
 
-def train_step(model, optim, idx, targets):
-    """The step every mode runs (eagerly, under torch.compile, or under spmd.compile)."""
-    with torch.autocast(idx.device.type, dtype=torch.bfloat16):
-        loss = model(idx, targets)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss.detach()
+# ----------------------------------------------------------------------------- one mode on one rank
 
 
 def make_batches(args, batch: int, rank: int, device: torch.device) -> list:
@@ -113,156 +115,172 @@ def make_batches(args, batch: int, rank: int, device: torch.device) -> list:
              torch.randint(0, args.vocab, shape, generator=gen).to(device)) for _ in range(N_BATCHES)]
 
 
-def build_model(args, device: torch.device) -> GPT:
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.dim)
-    return GPT(cfg).to(device)
+class ModeRun:
+    """One mode on this rank: its step function, its calls so far, and what was measured."""
 
+    def __init__(self, name: str, setup: Setup, batches: list, advance):
+        self.name, self.setup, self.batches, self.advance = name, setup, batches, advance
+        self.sync = torch.cuda.synchronize if setup.cuda else (lambda: None)
+        self.step = None
+        self.losses: list[torch.Tensor] = []
+        self.record: dict = dict(status="ok", step_ms=[], cpu_ms=[], round_medians_ms=[], round_cpu_ms=[],
+                                 timed_wall_s=0.0)
 
-def make_optimizer(model, device: torch.device, capturable: bool = False, kind: str = "fused") -> torch.optim.Optimizer:
-    """AdamW lr 1e-4: ``kind`` (fused or foreach) on CUDA, foreach on CPU."""
-    impl = {kind: True, "capturable": capturable} if device.type == "cuda" else dict(foreach=True)
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, **impl)
+    @property
+    def alive(self) -> bool:
+        return self.step is not None
 
+    def call(self, last_train_step: bool = False) -> None:
+        idx, targets = self.batches[len(self.losses) % len(self.batches)]
+        loss = self.step(idx, targets, last_train_step=last_train_step)
+        self.losses.append(loss.detach().clone())  # clone: a CUDA graph overwrites its output next replay
+        self.advance(1)
 
-def skip_reason(mode: str, device: torch.device):
-    """Why ``mode`` cannot run here, or None."""
-    if mode == "spmd_pipeline_cg" and device.type != "cuda":
-        return "CUDA graphs need a CUDA device"
-    if mode == "spmd_inductor_comm" and device.type != "cuda":
-        return "Inductor's overlap scheduler estimates GPU runtimes (needs CUDA and triton)"
-    return None
+    def build_and_warm_up(self, warmup: int) -> None:
+        cuda = self.setup.cuda
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.baseline = torch.cuda.memory_allocated() if cuda else 0
+        self.warmup = warmup
+        self.step = MODES[self.name].build(self.setup)
+        self.sync()
+        start = time.perf_counter()
+        self.call()
+        self.sync()
+        self.record["first_call_s"] = time.perf_counter() - start
+        for _ in range(1, warmup):
+            self.call()
+        self.sync()
+        self.record["warmup_wall_s"] = time.perf_counter() - start
 
-
-@contextlib.contextmanager
-def mode_step(mode: str, args, device: torch.device, n_calls: int):
-    """Yield ``step(i, idx, targets) -> loss`` for ``mode``, from a fresh seed-0 model and optimizer."""
-    model = build_model(args, device)
-    ddp_kwargs = dict(device_ids=[device.index]) if device.type == "cuda" else {}
-    if mode.startswith("spmd"):
-        optim = make_optimizer(model, device, capturable=True, kind=args.optimizer)
-        step = spmd.compile(
-            parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
-            gm_transformation=spmd.GraphModuleTransformation(
-                enable_graph_optimization=mode in ("spmd_pipeline", "spmd_pipeline_cg"), bucket_size_mb=args.bucket_mb,
-                optimizer_parts=args.optimizer_parts,
-                enable_inductor=True, enable_cudagraphs=mode == "spmd_pipeline_cg",
-                inductor_comm_passes=mode == "spmd_inductor_comm"))(train_step)
-
-        def call(i, idx, targets):
-            return step(model, optim, idx, targets, last_train_step=(i == n_calls - 1))
-
-        call.compile_times = lambda: step.compile_times  # seconds per compile phase, for the JSON
-        yield call
-    elif mode == "ddp_ca":
-        # DDP (python reducer) and torch.compile (compiled autograd) read the config when built: build inside
-        with torch._dynamo.config.patch(compiled_autograd=True, optimize_ddp="python_reducer"):
-            ddp = DDP(model, **ddp_kwargs)
-            optim = make_optimizer(ddp, device, kind=args.optimizer)
-            compiled = torch.compile(train_step)
-            yield lambda i, idx, targets: compiled(ddp, optim, idx, targets)
-    else:
-        optim = make_optimizer(model, device, kind=args.optimizer)
-        wrapped = {"single_eager": lambda: model,
-                   "single_compile": lambda: torch.compile(model),
-                   "ddp": lambda: DDP(model, **ddp_kwargs),
-                   "ddp_compile": lambda: torch.compile(DDP(model, **ddp_kwargs))}[mode]()
-        yield lambda i, idx, targets: train_step(wrapped, optim, idx, targets)
-
-
-# ----------------------------------------------------------------------------- timing a mode
-
-
-def time_mode(step, batches, args, device: torch.device, advance, baseline: int = 0) -> dict:
-    """Run ``--warmup`` + ``--steps`` calls of ``step``; return this rank's raw numbers.
-
-    ``baseline``: bytes allocated before the mode built its model (the batches, anything an
-    earlier mode left behind); the mode's peak is counted above it.
-    """
-    cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    losses = []
-
-    def call(i):
-        idx, targets = batches[i % len(batches)]
-        losses.append(step(i, idx, targets).clone())  # clone: a CUDA graph overwrites its output next replay
-
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    sync()
-    start = time.perf_counter()
-    call(0)
-    sync()
-    first_call_s = time.perf_counter() - start
-    advance(1)
-    for i in range(1, args.warmup):
-        call(i)
-        advance(1)
-    sync()
-    warmup_wall_s = time.perf_counter() - start
-
-    n = args.warmup + args.steps
-    timed_start = time.perf_counter()
-    if cuda:  # an event before every step and one after the last; no synchronization inside the loop
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-        for k, i in enumerate(range(args.warmup, n)):
-            marks[k].record()
-            call(i)
-        marks[-1].record()
-        sync()
-        step_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-    else:
-        marks = []
-        for i in range(args.warmup, n):
+    def time_round(self, steps: int) -> None:
+        """``steps`` calls each after a synchronize (CPU ms per call), then ``steps`` back to back (ms/step)."""
+        cpu_ms = []
+        for _ in range(steps):
+            self.sync()
+            start = time.perf_counter()
+            self.call()
+            cpu_ms.append(1000 * (time.perf_counter() - start))
+        self.sync()
+        start = time.perf_counter()
+        if self.setup.cuda:  # an event before every step and one after the last; no synchronization inside
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+            for k in range(steps):
+                marks[k].record()
+                self.call()
+            marks[-1].record()
+            self.sync()
+            step_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        else:
+            marks = []
+            for _ in range(steps):
+                marks.append(time.perf_counter())
+                self.call()
             marks.append(time.perf_counter())
-            call(i)
-        marks.append(time.perf_counter())
-        step_ms = [1000 * (b - a) for a, b in zip(marks, marks[1:])]
-    timed_wall_s = time.perf_counter() - timed_start  # cross-check: about sum(step_ms)
-    advance(args.steps)
-    median_ms = statistics.median(step_ms)
-    return dict(status="ok", median_ms=median_ms, step_ms=step_ms, first_call_s=first_call_s,
-                warmup_s=max(0.0, warmup_wall_s - args.warmup * median_ms / 1000), warmup_wall_s=warmup_wall_s,
-                timed_wall_s=timed_wall_s,
-                peak_gib=(torch.cuda.max_memory_allocated() - baseline) / 2**30 if cuda else None,
-                baseline_gib=baseline / 2**30,
-                losses=torch.stack(losses).float().cpu().tolist())
+            step_ms = [1000 * (b - a) for a, b in zip(marks, marks[1:])]
+        r = self.record
+        r["timed_wall_s"] += time.perf_counter() - start  # cross-check: about the sum of this round's step_ms
+        r["step_ms"] += step_ms
+        r["cpu_ms"] += cpu_ms
+        r["round_medians_ms"].append(statistics.median(step_ms))
+        r["round_cpu_ms"].append(statistics.median(cpu_ms))
+        if len(r["round_medians_ms"]) == 1:  # round 0 follows the warm-up: the mode's peak and compile time
+            r["peak_gib"] = (torch.cuda.max_memory_allocated() - self.baseline) / 2**30 if self.setup.cuda else None
+            r["baseline_gib"] = self.baseline / 2**30
+            r["warmup_s"] = max(0.0, r["warmup_wall_s"] - self.warmup * r["round_medians_ms"][0] / 1000)
+
+    def profile(self, steps: int, top: int) -> str:
+        """A cProfile of ``steps`` more calls (own time per function), as text."""
+        self.sync()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            self.call()
+        self.sync()
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+        return out.getvalue()
+
+    def finish(self) -> None:
+        """The last call (``last_train_step=True``: spmd flushes deferred work), the summary; then free the mode."""
+        self.call(last_train_step=True)
+        self.sync()
+        r = self.record
+        r["median_ms"] = statistics.median(r["round_medians_ms"])
+        r["spread_ms"] = dict(min=min(r["round_medians_ms"]), median=r["median_ms"], max=max(r["round_medians_ms"]))
+        r["cpu_ms_per_call"] = statistics.median(r["round_cpu_ms"])
+        r["losses"] = torch.stack(self.losses).float().cpu().tolist()
+        if hasattr(self.step, "compile_times"):
+            r["compile_times"] = self.step.compile_times()
+        self.step, self.losses = None, []
+
+    def attempt(self, what, *args) -> None:
+        """Run ``what(*args)``; an exception becomes this mode's error record (the run goes on without it)."""
+        try:
+            what(*args)
+        except Exception as err:  # noqa: BLE001 - report it and go on with the other modes
+            first_line = (str(err).strip().splitlines() or [""])[0]
+            self.record = dict(status="error", reason=f"{type(err).__name__}: {first_line}"[:300],
+                               traceback=traceback.format_exc())
+            self.step, self.losses = None, []
 
 
-def run_mode(mode: str, batches, args, device: torch.device, advance) -> dict:
-    """Time one mode on this rank; an exception becomes an error record (the run goes on)."""
-    reason = skip_reason(mode, device)
-    if reason:
-        advance(args.warmup + args.steps)
-        return dict(status="skipped", reason=reason)
-    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    try:
-        with mode_step(mode, args, device, args.warmup + args.steps) as step:
-            result = time_mode(step, batches, args, device, advance, baseline)
-            if hasattr(step, "compile_times"):
-                result["compile_times"] = step.compile_times()
-            return result
-    except Exception as err:  # noqa: BLE001 - report it and go on with the next mode
-        first_line = (str(err).strip().splitlines() or [""])[0]
-        return dict(status="error", reason=f"{type(err).__name__}: {first_line}"[:300],
-                    traceback=traceback.format_exc())
+def agree_on_failures(runs: list[ModeRun]) -> None:
+    """A mode that failed on any rank is dropped on every rank (the ranks must run the same collectives)."""
+    failed = {r.name for r in runs if r.record["status"] == "error"}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failed)
+    for r in runs:
+        if r.record["status"] == "ok" and r.name in set().union(*everyone):
+            r.record = dict(status="error", reason="failed on another rank (see its traceback in that rank's log)")
+            r.step, r.losses = None, []
+
+
+def measure_batch(setup: Setup, batch: int, rank: int, progress) -> tuple[list[dict], str]:
+    """Every mode at one batch size on this rank: (records in ``--modes`` order, --profile text or '')."""
+    args = setup.args
+    batches = make_batches(args, batch, rank, setup.device)
+    runs = [ModeRun(m, setup, batches, progress.advance) for m in args.modes]
+    for r in runs:
+        reason = MODES[r.name].unavailable(setup)
+        if reason:
+            r.record = dict(status="skipped", reason=reason)
+    live = [r for r in runs if r.record["status"] == "ok"]
+    profile_text = ""
+    for k in range(args.repeat):
+        order = live[k % len(live):] + live[:k % len(live)] if live else []  # rotated: no mode always first
+        for r in order:
+            progress.describe(f"batch {batch} · round {k + 1}/{args.repeat} · {r.name}")
+            dist.barrier()  # line the ranks up before each timed window
+            if k == 0:
+                r.attempt(r.build_and_warm_up, args.warmup)
+            if r.alive:
+                r.attempt(r.time_round, args.steps)
+            if r.alive and k == args.repeat - 1:
+                if r.name == args.profile:
+                    profile_text = r.profile(args.steps, args.top)
+                r.attempt(r.finish)
+            if args.repeat == 1:
+                release_memory(setup.device)
+        agree_on_failures(runs)
+        live = [r for r in live if r.alive]
+    release_memory(setup.device)
+    return [r.record for r in runs], profile_text
 
 
 def release_memory(device: torch.device) -> None:
-    """Drop what the last mode left behind (compiled code, cached blocks) and line the ranks up."""
-    torch._dynamo.reset()
+    """Drop what finished modes left behind (cached blocks, collected garbage)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    dist.barrier()
 
 
 # ----------------------------------------------------------------------------- reporting
 
 
 def summarize(mode: str, per_rank: list[dict], args, batch: int) -> dict:
-    """Merge every rank's record for one mode: rank 0's timings, errors and losses of all ranks."""
+    """Merge every rank's record for one mode: rank 0's timings, every rank's median and losses."""
     bad = next((r for r in per_rank if r["status"] != "ok"), None)
     if bad is not None:
         return dict(mode=mode, **bad)
@@ -274,19 +292,19 @@ def summarize(mode: str, per_rank: list[dict], args, batch: int) -> dict:
 
 
 def add_parity_and_ratio(rows: list[dict]) -> None:
-    """Fill ``max_abs_dloss_vs_ddp``/``parity_ok`` (vs ddp, all ranks) and ``ratio_to_best`` in place."""
+    """Fill ``ratio_to_best`` and, against ``ddp`` (every call, every rank), ``max_abs_dloss_vs_ddp``/``parity_ok``."""
     ok = [r for r in rows if r["status"] == "ok"]
     best = min((r["median_ms"] for r in ok), default=None)
     ddp = next((r for r in ok if r["mode"] == "ddp"), None)
     for r in ok:
         r["ratio_to_best"] = r["median_ms"] / best
-        if ddp is None:
+        if ddp is None or r is ddp:
             continue
-        pairs = [(a, b) for la, lb in zip(r["losses_per_rank"], ddp["losses_per_rank"]) for a, b in zip(la, lb)]
-        if r["mode"] in SINGLE:  # trains without averaging: only the first step is comparable
+        if MODES[r["mode"]].single:  # trains without averaging: only the first step is comparable
             r["first_step_dloss_vs_ddp"] = max(abs(la[0] - lb[0])
                                                for la, lb in zip(r["losses_per_rank"], ddp["losses_per_rank"]))
             continue
+        pairs = [(a, b) for la, lb in zip(r["losses_per_rank"], ddp["losses_per_rank"]) for a, b in zip(la, lb)]
         r["max_abs_dloss_vs_ddp"] = max(abs(a - b) for a, b in pairs)
         r["parity_ok"] = all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in pairs)
 
@@ -297,16 +315,17 @@ def section_table(rows: list[dict], args, batch: int, world: int, device: torch.
 
     table = Table(title=f"GPT {args.layers}x{args.dim} ({args.heads} heads), seq {args.seq}, batch {batch}/GPU, "
                         f"{world} x {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu (gloo)'}, "
-                        f"AdamW {args.optimizer if device.type == 'cuda' else 'foreach'}",
-                  caption=f"median of {args.steps} steps after {args.warmup} warm-up calls; parity flagged "
-                          f"above {ATOL:g} + {RTOL:g}*|loss|; \\[brackets]: first step only (no communication)")
-    for col in ("mode", "ms/step", "tokens/s/GPU", "ratio to best", "peak GiB", "warm-up s", "max |Δloss| vs DDP",
-                "note"):
+                        f"AdamW {args.optimizer}",
+                  caption=f"{args.repeat} rounds of {args.steps} steps after {args.warmup} warm-up calls: median and "
+                          f"min-max of the per-round medians; parity flagged above {ATOL:g} + {RTOL:g}*|loss|; "
+                          "\\[brackets]: first step only (no communication)")
+    for col in ("mode", "ms/step", "min-max", "cpu ms/call", "tokens/s/GPU", "ratio", "peak GiB", "1st call s",
+                "warm-up s", "max |Δloss| vs DDP", "note"):
         table.add_column(col, justify="left" if col in ("mode", "note") else "right")
     for r in rows:
         if r["status"] != "ok":
             color = "red" if r["status"] == "error" else "yellow"
-            table.add_row(r["mode"], *["—"] * 6, f"[{color}]{r['status']}: {escape(r['reason'])}[/]")
+            table.add_row(r["mode"], *["—"] * 9, f"[{color}]{r['status']}: {escape(r['reason'])}[/]")
             continue
         if "max_abs_dloss_vs_ddp" in r:
             parity = f"{r['max_abs_dloss_vs_ddp']:.2e}"
@@ -314,12 +333,17 @@ def section_table(rows: list[dict], args, batch: int, world: int, device: torch.
         elif "first_step_dloss_vs_ddp" in r:
             parity = f"[dim]\\[{r['first_step_dloss_vs_ddp']:.2e}][/]"
         else:
-            parity = "—"
+            parity = "reference" if r["mode"] == "ddp" else "—"
+        spread = r["spread_ms"]
+        notes = [] if r.get("parity_ok", True) else ["[red]loss differs from DDP[/]"]
+        if spread["max"] - spread["min"] > NOISY * spread["median"]:
+            notes.append(f"[yellow]noisy: rounds differ by {100 * (spread['max'] / spread['min'] - 1):.0f}%[/]")
         ratio = f"{r['ratio_to_best']:.2f}"
-        table.add_row(r["mode"], f"{r['median_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
+        table.add_row(r["mode"], f"{r['median_ms']:.2f}", f"{spread['min']:.2f}-{spread['max']:.2f}",
+                      f"{r['cpu_ms_per_call']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                       f"[bold green]{ratio}[/]" if r["ratio_to_best"] == 1 else ratio,
-                      "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", f"{r['warmup_s']:.1f}", parity,
-                      "" if r.get("parity_ok", True) else "[red]loss differs from DDP[/]")
+                      "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", f"{r['first_call_s']:.1f}",
+                      f"{r['warmup_s']:.1f}", parity, "; ".join(notes))
     return table
 
 
@@ -332,97 +356,73 @@ def machine_info(world: int, device: torch.device) -> dict:
                 argv=sys.argv)
 
 
-# ----------------------------------------------------------------------------- processes
+class Progress:
+    """Rank 0's progress bar (one tick per call); a no-op on the other ranks."""
+
+    def __init__(self, rank: int, total: int, console):
+        self.bar = None
+        if rank == 0:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
+
+            # auto_refresh off: no refresh thread competing with the timed steps; we redraw between calls
+            self.bar = Bar(TextColumn("{task.description:48s}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), console=console, auto_refresh=False)
+            self.task = self.bar.add_task("", total=total)
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.stop()
+
+    def advance(self, n: int) -> None:
+        if self.bar:
+            self.bar.update(self.task, advance=n, refresh=True)
+
+    def describe(self, text: str) -> None:
+        if self.bar:
+            self.bar.update(self.task, description=text, refresh=True)
 
 
-def bench(rank: int, world: int, device: torch.device, args) -> None:
-    """Every batch size x every mode on this rank; rank 0 prints tables and writes the JSON."""
-    progress, console = None, None
-    if rank == 0:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def console_for_logs():
+    from rich.console import Console
 
-        console = Console(width=None if sys.stdout.isatty() else 160)  # logs: wide enough for the table
-        # auto_refresh off: no refresh thread competing with the timed steps; we redraw between calls
-        progress = Progress(TextColumn("{task.description:32s}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, auto_refresh=False)
-        progress.start()
-        task = progress.add_task("", total=len(args.batch) * len(args.modes) * (args.warmup + args.steps))
+    return Console(width=None if sys.stdout.isatty() else 200)  # logs: wide enough for the table
 
-    def advance(n):
-        if progress is not None:
-            progress.update(task, advance=n, refresh=True)
 
+def bench_rank(rank: int, world: int, device: torch.device, args) -> int:
+    """Every batch size x every mode on this rank; rank 0 prints the tables and writes the JSON."""
+    setup = Setup(args, device)
+    console = console_for_logs() if rank == 0 else None
     result = dict(machine=machine_info(world, device), args=vars(args), tolerance=dict(atol=ATOL, rtol=RTOL),
                   sections=[])
-    try:
-        for batch in args.batch:
-            batches = make_batches(args, batch, rank, device)
-            rows = []
-            result["sections"].append(dict(batch=batch, tokens_per_step_per_gpu=batch * args.seq, modes=rows))
-            for mode in args.modes:
-                if progress is not None:
-                    progress.update(task, description=f"batch {batch}: {mode}", refresh=True)
-                record = run_mode(mode, batches, args, device, advance)
-                per_rank = [None] * world if rank == 0 else None
-                dist.gather_object(record, per_rank, dst=0)
-                if rank == 0:
-                    rows.append(summarize(mode, per_rank, args, batch))
-                    if record["status"] == "error":
-                        console.print(f"[red]{mode} failed on rank 0:[/]")
-                        console.print(record["traceback"], markup=False, highlight=False)
-                    add_parity_and_ratio(rows)
-                    with open(args.json, "w") as f:  # after every mode: a later crash keeps what was measured
-                        json.dump(result, f, indent=1)
-                del record
-                release_memory(device)
-            if rank == 0:
-                console.print(section_table(rows, args, batch, world, device))
-    finally:
-        if progress is not None:
-            progress.stop()
+    runnable = [m for m in args.modes if MODES[m].unavailable(setup) is None]
+    calls = len(runnable) * (args.warmup + 2 * args.repeat * args.steps + 1) + (args.steps if args.profile else 0)
+    for batch in args.batch:
+        with Progress(rank, calls, console) as progress:
+            records, profile_text = measure_batch(setup, batch, rank, progress)
+        per_mode = [[None] * world if rank == 0 else None for _ in records]
+        for record, gathered in zip(records, per_mode):
+            dist.gather_object(record, gathered, dst=0)
+        if rank != 0:
+            continue
+        rows = [summarize(m, g, args, batch) for m, g in zip(args.modes, per_mode)]
+        add_parity_and_ratio(rows)
+        result["sections"].append(dict(batch=batch, tokens_per_step_per_gpu=batch * args.seq, modes=rows))
+        with open(args.json, "w") as f:  # after every batch size: a later crash keeps what was measured
+            json.dump(result, f, indent=1)
+        for r in rows:
+            if r["status"] == "error" and "traceback" in r:
+                console.print(f"[red]{r['mode']} failed on rank 0:[/]")
+                console.print(r["traceback"], markup=False, highlight=False)
+        console.print(section_table(rows, args, batch, world, device))
+        if profile_text:
+            console.print(f"[bold]{args.profile}[/], batch {batch}: the {args.top} functions with the most own "
+                          f"time over {args.steps} steps (cProfile, rank 0)")
+            print(profile_text)
     if rank == 0:
         console.print(f"wrote {os.path.abspath(args.json)}")
-
-
-def worker(rank: int, world: int, args) -> None:
-    cuda = torch.cuda.is_available()
-    if cuda:
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    bench(rank, world, device, args)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Skip interpreter finalization: C++ static destructors at exit sometimes abort after a
-    # successful run (as in tests/dist.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nproc = args.nproc or n_gpus or 2
-    if n_gpus and nproc > n_gpus:
-        print(f"tools/bench.py: --nproc {nproc} but only {n_gpus} GPUs (one process per GPU)", file=sys.stderr)
-        return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        mp.spawn(worker, args=(nproc, args), nprocs=nproc, join=True)
-    except mp.ProcessExitedException as err:
-        print(f"tools/bench.py: {err}", file=sys.stderr)
-        return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,58 +1,55 @@
-"""Train a small GPT with ``spmd.compile`` on every local GPU (or 2 CPU processes) and check it against DDP.
+"""``spmd demo``: train a small GPT with ``spmd.compile`` on every local GPU (or 2 CPU processes) next to DDP.
 
-    python tools/demo.py                 # spawns one process per GPU (NCCL), or 2 CPU processes (gloo)
-    torchrun --nproc-per-node=N tools/demo.py   # the same, launched by torchrun
-    python tools/demo.py --dump-dir /tmp/spmd_graphs   # also write the compiled graphs
+    spmd demo                                  # one process per GPU (NCCL), or 2 CPU processes (gloo)
+    torchrun --nproc-per-node=N -m spmd demo   # the same, launched by torchrun
+    spmd demo --dump-dir /tmp/spmd_graphs      # also write the compiled graphs (see spmd inspect)
 
 Each rank trains on its own synthetic batches (random tokens; the target of each token is
-a fixed function of it, so the loss goes down). The same run trains an eager DDP copy of
-the model (same init, same data, same AdamW settings); rank 0 prints the losses, the
+a fixed function of it, so the loss goes down). The same run then trains an eager DDP copy
+of the model (same init, same data, same AdamW settings); rank 0 prints the losses, the
 largest loss difference, step times and peak memory. The exit status is non-zero when the
 spmd and DDP losses differ by more than 1e-4 at any step.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ["NCCL_NVLS_ENABLE"] = "0"  # GPU machines require NVLink multicast off
-
 import argparse
 import copy
+import os
 import resource
-import socket
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, without pip install
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
-from spmd.tools.models import GPT, GPTConfig
+
+from .launch import launch
+from .models import GPT, GPTConfig
 
 TOLERANCE = 1e-4
 WARMUP = 3
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--steps", type=int, default=30, help="training steps per mode (default 30)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to spawn (default: all GPUs, or 2 on CPU); ignored under torchrun")
-    p.add_argument("--dump-dir", default="spmd_dump",
-                   help="where spmd writes its graphs (traced, after each pass, setup/main/cleanup) for rank 0 "
-                        "(default ./spmd_dump; inspect with tools/inspect_graphs.py)")
+    p.add_argument("--dump-dir", default=None,
+                   help="write spmd's graphs (traced, after each pass, setup/main/cleanup) of rank 0 to this folder "
+                        "(default: none, unless $SPMD_DUMP_DIR is set); read them with spmd inspect DIR")
     p.add_argument("--no-passes", action="store_true", help="compile without the comm/optimizer pass pipeline")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if args.steps < 1 or args.batch < 1:
         p.error("--steps and --batch must be >= 1")
-    return args
+    return launch(train, args, nproc=args.nproc)
 
 
 def make_batches(cfg: GPTConfig, steps: int, batch: int, rank: int, device: torch.device):
@@ -67,7 +64,7 @@ def make_batches(cfg: GPTConfig, steps: int, batch: int, rank: int, device: torc
 
 
 def make_optimizer(model: torch.nn.Module, on_gpu: bool) -> torch.optim.Optimizer:
-    impl = dict(fused=True, capturable=True) if on_gpu else dict(foreach=True)
+    impl = dict(fused=True, capturable=True) if on_gpu else dict(fused=True)
     return torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, **impl)
 
 
@@ -78,12 +75,19 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def run_mode(name, step_fn, batches, device, progress, task):
-    """Run ``step_fn(i, idx, targets) -> loss`` on every batch; return losses, step times (s), peak MB."""
+    """Run ``step_fn(i, idx, targets) -> loss`` on every batch; return losses, step times (s), peak MB.
+
+    The progress line names the mode while it runs (its first step included: spmd traces then).
+    """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     losses, times = [], []
+    if progress is not None:
+        progress.console.print(f"[bold]{name}[/]: {len(batches)} steps")
+        progress.update(task, description=f"{name}: first step" + (" (traces and compiles)" if name == "spmd" else ""),
+                        refresh=True)
     for i, (idx, targets) in enumerate(batches):
         sync()
         start = time.perf_counter()
@@ -92,24 +96,15 @@ def run_mode(name, step_fn, batches, device, progress, task):
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
         if progress is not None:
-            progress.update(task, advance=1, description=f"{name:9s} loss {losses[-1]:.4f}")
+            progress.update(task, advance=1, description=f"{name}: step {i + 1}, loss {losses[-1]:.4f}")
     return losses, times, peak_memory_mb(device)
 
 
-def worker(rank: int, world_size: int, local_rank: int, args: argparse.Namespace) -> int:
-    on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        return train(rank, world_size, device, args)
-    finally:
-        dist.destroy_process_group()
+def transformation(args: argparse.Namespace) -> spmd.GraphModuleTransformation:
+    """The demo's transformation: the pass pipeline unless --no-passes; graph dumps only when asked."""
+    return spmd.GraphModuleTransformation(
+        enable_graph_optimization=not args.no_passes, bucket_size_mb=0.05,  # several buckets for a small model
+        dump_graphs=True if args.dump_dir else None, dump_dir=args.dump_dir)  # None: only if $SPMD_DUMP_DIR is set
 
 
 def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> int:
@@ -122,9 +117,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     batches = make_batches(cfg, args.steps, args.batch, rank, device)
     n_params = sum(p.numel() for p in model.parameters())
 
-    gm_transformation = spmd.GraphModuleTransformation(
-        enable_graph_optimization=not args.no_passes, bucket_size_mb=0.05,  # several buckets for a small model
-        dump_graphs=True, dump_dir=args.dump_dir)
+    gm_transformation = transformation(args)
 
     @spmd.compile(gm_transformation=gm_transformation,
                   parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
@@ -143,12 +136,13 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         Console().print(
             f"[bold]spmd demo[/]: GPT ({n_params / 1e3:.0f}K params, {cfg.n_layer} layers, n_embd {cfg.n_embd}), "
             f"{world_size} x {'cuda/NCCL' if on_gpu else 'cpu/gloo'}, batch {args.batch}x{cfg.block_size} per rank, "
-            f"{args.steps} steps, AdamW {'fused, capturable' if on_gpu else 'foreach'}"
+            f"{args.steps} steps, AdamW {'fused, capturable' if on_gpu else 'fused'}"
         )
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        progress = Progress(TextColumn("{task.description:44s}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn())
         progress.start()
     task = progress.add_task("spmd", total=2 * args.steps) if progress is not None else None
+    dump_dir = gm_transformation.dump.folder_for_rank(0)
 
     try:
         optim = make_optimizer(model, on_gpu)
@@ -171,7 +165,7 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
             ddp_optim.zero_grad()
             return loss.detach()
 
-        ddp_res = run_mode("eager DDP", ddp_step, batches, device, progress, task)
+        ddp_res = run_mode("eager DDP copy", ddp_step, batches, device, progress, task)
     finally:
         if progress is not None:
             progress.stop()
@@ -215,8 +209,9 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
         console.print(table)
         console.print(f"spmd step graph: {len(graph_nodes)} ops, {n_allreduce} gradient all_reduces "
                       f"({'one per parameter' if args.no_passes else 'fused into buckets'})")
-        console.print(f"spmd graphs (rank 0) written to {os.path.abspath(args.dump_dir)}/: traced, after each "
-                      f"pass, setup/main/cleanup. Look: python tools/inspect_graphs.py {args.dump_dir}")
+        if dump_dir:
+            console.print(f"spmd graphs (rank 0) written to {os.path.abspath(dump_dir)}/: traced, after each "
+                          f"pass, setup/main/cleanup. Look: spmd inspect {dump_dir}")
         if ok:
             console.print(f"[green]OK[/]: spmd matches eager DDP (max |loss diff| {max_diff:.2e} <= {TOLERANCE:g})")
         else:
@@ -227,42 +222,3 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
 def median_ms(times: list[float]) -> float:
     kept = times[WARMUP:] or times  # fewer steps than warm-up: use all
     return 1000 * statistics.median(kept)
-
-
-def _spawned(local_rank: int, world_size: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size))
-    rc = worker(local_rank, world_size, local_rank, args)
-    if rc:
-        sys.exit(rc)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):  # started by torchrun
-        if args.nproc is not None:
-            print("tools/demo.py: under torchrun, --nproc is ignored (torchrun sets the world size)", file=sys.stderr)
-        return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), args)
-
-    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nproc = args.nproc or (n_gpus if n_gpus else 2)
-    if n_gpus and nproc > n_gpus:
-        print(f"tools/demo.py: --nproc {nproc} but only {n_gpus} GPUs (one process per GPU)", file=sys.stderr)
-        return 2
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    try:
-        mp.spawn(_spawned, args=(nproc, args), nprocs=nproc, join=True)
-    except mp.ProcessExitedException as err:
-        print(f"tools/demo.py: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,50 +1,56 @@
-"""Draw a torch.profiler Chrome trace as a per-stream GPU timeline (SVG + HTML), with exposed comm in red.
+"""``spmd timeline``: draw a torch.profiler trace as a per-stream GPU timeline (SVG + HTML), exposed comm in red.
 
-    python tools/timeline.py TRACE.json [--steps N] [--out timeline.html] [--width PX] [--window START:END]
-    python tools/timeline.py --record [--steps 3] [--mode pipeline|replicate|pipeline_itermove]
-                             [--layers 12 --dim 768 --seq 512 --batch 4 ...] [--out timeline.html]
+    spmd timeline TRACE.json [--steps N] [--out DIR] [--width PX] [--window START:END]
+    spmd timeline --record [--modes spmd_replicate,spmd_pipeline] [--steps 3] [--layers 12 --seq 1024 --batch 8 ...]
 
 One lane per CUDA stream ("NCCL stream N" when its kernels are NCCL, else "compute stream N"),
 kernels as rectangles (NCCL orange, compute blue), an extra lane with the exposed communication
 (NCCL time no compute kernel covers) in red, step boundaries from the ``spmd.*``
 ``record_function`` annotations as dashed vertical lines, and a time axis in ms. The header and
 the printed table give exposed communication ms per step, % of communication overlapped and step
-time, computed by ``spmd.trace_analysis.exposed_communication``. Steps are the ``spmd.*``
+time, computed by ``trace_analysis.exposed_communication``. Steps are the ``spmd.*``
 annotations found (each ``spmd.step``, ``spmd.setup``, ``spmd.main`` or ``spmd.cleanup`` is one
-step, and its line is labelled with it), or ``--steps``. Kernels on one lane closer than one
+step, and its line is labelled with it), else the ``bench.step`` annotations ``--record`` puts
+around each call, or ``--steps``. Kernels on one lane closer than one
 pixel are drawn as one span (its tooltip says how many kernels) unless exposed communication
 starts in the gap, so a whole profiled window stays a small file; ``--window`` zooms in (ms from
 the trace start).
 
-Writes ``OUT`` and its sibling (``x.html`` and ``x.svg``); the trace itself is only read, and
-still opens as is in Perfetto (https://ui.perfetto.dev) for kernel-level detail. A trace without
-GPU kernels (a CPU-only profile) has no communication figures: the picture then shows the step
-annotations alone and the figures read n/a.
+Writes ``DIR/<trace stem>.svg`` and ``.html``; the trace itself is only read, and still opens as
+is in Perfetto (https://ui.perfetto.dev) for kernel-level detail. A trace without GPU kernels (a
+CPU-only profile) has no communication figures: the picture then shows the step annotations
+alone and the figures read n/a.
 
-``--record`` first profiles ``--steps`` (default 3) compiled steps of ``--mode`` itself, as
-tools/profile_overlap.py runs them (one process per GPU with NCCL; 2 gloo CPU processes without
-GPUs): compiling and one setup/main/cleanup cycle of warm-up stay outside the profiler; the
-profiled window runs from a first call (setup) to a call with ``last_train_step=True`` (cleanup).
-The Chrome traces are kept next to ``OUT`` (``<OUT stem>_trace_rank<r>.json``) and rank 0's is drawn.
+``--record`` first profiles ``--steps`` (default 3) steps of each of ``--modes`` (the modes of
+``spmd bench``, built the same way; one process per GPU with NCCL, 2 gloo CPU processes without
+GPUs, or the ranks torchrun started): compiling and a warm-up cycle (at least 3 calls, the last
+with ``last_train_step=True``) stay outside the profiler, so the profiled window of an spmd mode
+runs from a first call (setup) to a call with ``last_train_step=True`` (cleanup). Per mode it keeps
+every rank's Chrome trace (``DIR/<mode>_trace_rank<r>.json``), draws rank 0's
+(``DIR/<mode>.svg``/``.html``), and writes the figures of all modes to ``DIR/timeline.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import math
-from bisect import bisect_left
 import os
-import sys
+from bisect import bisect_left
 from html import escape
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-from profile_overlap import MODES, add_run_args, launch, record_trace  # noqa: E402
-from spmd.tools.trace_analysis import exposed_communication, exposed_intervals, load_trace_events  # noqa: E402
+from .bench_modes import MODES, Setup, add_model_arguments, modes_help, parse_modes
+from .launch import launch
+from .trace_analysis import exposed_communication, exposed_intervals, load_trace_events
 
 COLORS = {"nccl": "#f28e2b", "compute": "#4e79a7", "exposed": "#d62728", "step": "#555555", "annotation": "#bab0ac"}
 LABEL_W, LANE_H, LANE_GAP, HEADER_H, AXIS_H = 150, 22, 8, 72, 30
 _STEP_NAMES = ("spmd.step", "spmd.setup", "spmd.main", "spmd.cleanup")
+RECORDED_STEP = "bench.step"  # --record wraps every profiled call in it: the steps of modes other than spmd's
 
 
 def _kernels(events: list[dict]) -> list[dict]:
@@ -56,15 +62,18 @@ def _is_nccl(ev: dict) -> bool:
 
 
 def step_annotations(events: list[dict]) -> list[tuple[str, float, float]]:
-    """(name, start, end µs) of the ``spmd.*`` step annotations, on the GPU timeline when the trace has it.
+    """(name, start, end µs) of the step annotations, on the GPU timeline when the trace has it.
 
-    Each ``spmd.step`` / ``spmd.setup`` / ``spmd.main`` / ``spmd.cleanup`` call is one step.
+    Each ``spmd.step`` / ``spmd.setup`` / ``spmd.main`` / ``spmd.cleanup`` call is one step; a
+    trace without them (a mode other than spmd's, recorded by ``--record``) has its calls
+    annotated ``bench.step``.
     """
-    for cat in ("gpu_user_annotation", "user_annotation"):
-        spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]) for e in events
-                       if e.get("ph") == "X" and e.get("cat") == cat and e.get("name") in _STEP_NAMES)
-        if spans:
-            return [(name, a, b) for a, b, name in spans]
+    for names in (_STEP_NAMES, (RECORDED_STEP,)):
+        for cat in ("gpu_user_annotation", "user_annotation"):
+            spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]) for e in events
+                           if e.get("ph") == "X" and e.get("cat") == cat and e.get("name") in names)
+            if spans:
+                return [(name, a, b) for a, b, name in spans]
     return []
 
 
@@ -156,8 +165,8 @@ def render_svg(events: list[dict], steps: int | None = None, width: int = 2400, 
     all_steps = step_annotations(events)
     if not kernels and not all_steps:
         raise SystemExit("timeline: nothing to draw: the trace has no GPU kernels (ph 'X', cat 'kernel') and no "
-                         "spmd.* step annotations. Profile a compiled step (ProfilerActivity.CUDA on a GPU), "
-                         "e.g. with tools/timeline.py --record.")
+                         "step annotations. Profile a compiled step (ProfilerActivity.CUDA on a GPU), "
+                         "e.g. with spmd timeline --record.")
     figs = timeline_figures(events, steps)
     exposed = exposed_intervals(events)
     origin = min([float(k["ts"]) for k in kernels] + [a for _, a, _ in all_steps])
@@ -229,7 +238,7 @@ def render_svg(events: list[dict], steps: int | None = None, width: int = 2400, 
                    f'<text x="{sx + 4:.2f}" y="{HEADER_H - 8}" font-size="11">{label}</text>')
     legend_x = width - 430
     legend = (("NCCL kernel", "nccl"), ("compute kernel", "compute"), ("exposed comm", "exposed")) if gpu else (
-        ("spmd.* step annotation", "annotation"),)
+        ("step annotation", "annotation"),)
     for j, (name, key) in enumerate(legend):
         lx = legend_x + j * 140
         out.append(f'<rect x="{lx}" y="9" width="14" height="14" fill="{COLORS[key]}"/>'
@@ -245,82 +254,126 @@ def render_html(svg: str, title: str) -> str:
             "For kernel-level detail open the original trace in https://ui.perfetto.dev.</p>\n</body></html>\n")
 
 
-def print_figures(figs: dict[str, float | None], path: str) -> None:
-    from rich.console import Console
+def figures_table(rows: list[tuple[str, dict[str, float | None]]]):
     from rich.table import Table
 
-    table = Table(title=f"timeline: {os.path.basename(path)}")
-    for col in ("steps", "step ms", "comm ms/step", "exposed comm ms/step", "% comm overlapped"):
-        table.add_column(col, justify="right")
-    table.add_row(str(figs["steps"]), _f(figs["step_ms"], ".3f"), _f(figs["comm_ms"], ".3f"),
-                  _f(figs["exposed_comm_ms"], ".3f"), _f(figs["overlapped_pct"], ".1f"))
-    Console().print(table)
-    if figs["comm_ms"] is None:
-        print(f"{path} has no GPU kernels (a CPU-only profile): communication and overlap are not measurable "
-              "from it, so those figures are n/a; the picture shows the spmd.* step annotations only.")
+    table = Table(title="timeline: exposed communication per step")
+    for col in ("trace", "steps", "step ms", "comm ms/step", "exposed comm ms/step", "% comm overlapped"):
+        table.add_column(col, justify="left" if col == "trace" else "right")
+    for label, figs in rows:
+        table.add_row(label, str(figs["steps"]), _f(figs["step_ms"], ".3f"), _f(figs["comm_ms"], ".3f"),
+                      _f(figs["exposed_comm_ms"], ".3f"), _f(figs["overlapped_pct"], ".1f"))
+    return table
 
 
-def draw(trace: str, steps: int | None, out: str, width: int = 2400,
+def draw(trace: str, steps: int | None, out_dir: str, name: str, width: int = 2400,
          window: tuple[float, float] | None = None) -> dict[str, float | None]:
-    """Render ``trace`` to ``out``'s .svg and .html, print its figures and return them."""
+    """Render ``trace`` to ``out_dir/name.svg`` and ``.html``; return its figures."""
     events = load_trace_events(trace)
     title = f"{'GPU' if _kernels(events) else 'CPU'} timeline: {os.path.basename(trace)}"
     if window:
         title += f" ({window[0]:g}-{window[1]:g} ms)"
     svg = render_svg(events, steps, width, title, window)
-    stem = os.path.splitext(out)[0]
+    stem = os.path.join(out_dir, name)
     with open(stem + ".svg", "w") as f:
         f.write(svg)
     with open(stem + ".html", "w") as f:
         f.write(render_html(svg, title))
     figs = timeline_figures(events, steps)
-    print_figures(figs, trace)
-    print(f"wrote {stem}.svg and {stem}.html")
+    found = len(step_annotations(events))
+    if steps and found and found != steps:
+        print(f"warning: {trace}: {steps} steps recorded but the trace holds {found} step annotations")
     return figs
 
 
-def record(args: argparse.Namespace) -> list[str]:
-    """Profile ``args.steps`` compiled steps of ``args.mode`` on every rank; the trace paths, rank 0 first."""
-    template = os.path.splitext(args.out)[0] + "_trace_rank{rank}.json"
-    nproc = launch(record_trace, args, template, nproc=args.nproc)
-    return [template.format(rank=r) for r in range(nproc)]
+def record_rank(rank: int, world: int, device: torch.device, args) -> int:
+    """Profile ``--steps`` steps of each mode on this rank; rank 0 draws them and prints the figures."""
+    from .bench import make_batches
+
+    setup = Setup(args, device)
+    batches = make_batches(args, args.batch, rank, device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if setup.cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync = torch.cuda.synchronize if setup.cuda else (lambda: None)
+    traces = {}
+    for mode in args.modes:
+        reason = MODES[mode].unavailable(setup)
+        if reason:
+            if rank == 0:
+                print(f"{mode}: skipped ({reason})")
+            continue
+        step = MODES[mode].build(setup)
+        warmup = max(args.warmup, 3)  # setup, main, cleanup: every graph compiled before the profiler starts
+        for i in range(warmup):
+            step(*batches[i % len(batches)], last_train_step=i == warmup - 1)
+        sync()
+        dist.barrier()
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(args.steps):
+                with torch.profiler.record_function(RECORDED_STEP):
+                    step(*batches[i % len(batches)], last_train_step=i == args.steps - 1)
+            sync()
+        traces[mode] = os.path.join(args.out, f"{mode}_trace_rank{rank}.json")
+        prof.export_chrome_trace(traces[mode])
+        del step, prof
+        gc.collect()
+        if setup.cuda:
+            torch.cuda.empty_cache()
+        dist.barrier()
+    if rank == 0 and traces:
+        from rich.console import Console
+
+        rows = [(mode, draw(path, args.steps, args.out, mode, args.width)) for mode, path in traces.items()]
+        Console(width=200).print(figures_table(rows))
+        with open(os.path.join(args.out, "timeline.json"), "w") as f:
+            json.dump(dict(args=vars(args), world_size=world, modes={m: figs for m, figs in rows}, traces=traces),
+                      f, indent=1)
+        print("Chrome traces (open in https://ui.perfetto.dev):\n  " + "\n  ".join(
+            os.path.join(args.out, f"{m}_trace_rank{r}.json") for m in traces for r in range(world)))
+        print(f"wrote {', '.join(os.path.join(args.out, m + '.svg') for m in traces)} (and .html)")
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="The Chrome trace is left untouched; it already opens in Perfetto (ui.perfetto.dev).")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description, p.epilog = __doc__, modes_help()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("trace", nargs="?", help="Chrome trace JSON written by torch.profiler (export_chrome_trace)")
     p.add_argument("--steps", type=int, default=None,
-                   help="steps in the trace (default: the number of spmd.* step annotations, else 1); "
+                   help="steps in the trace (default: the number of step annotations, else 1); "
                         "with --record, the steps to profile (default 3)")
-    p.add_argument("--out", default="timeline.html", help="x.html or x.svg; both files are written")
+    p.add_argument("--out", default="timeline", help="folder for the pictures (and traces) (default ./timeline)")
     p.add_argument("--width", type=int, default=2400, help="SVG width in pixels")
     p.add_argument("--window", default=None, metavar="START:END",
                    help="draw only this window, in ms from the start of the trace (figures stay whole-trace)")
-    rec = p.add_argument_group("--record: profile compiled steps first (as tools/profile_overlap.py)")
-    rec.add_argument("--record", action="store_true",
-                     help="record the trace instead of reading TRACE; traces are kept as <OUT stem>_trace_rank<r>.json")
-    rec.add_argument("--mode", choices=MODES, default="pipeline",
-                     help="pipeline_itermove defers the last bucket, so steps run as setup/main/cleanup")
-    add_run_args(rec)
-    args = p.parse_args(argv)
+    rec = p.add_argument_group("--record: profile steps of spmd bench's modes first, then draw them")
+    rec.add_argument("--record", action="store_true", help="record traces instead of reading TRACE")
+    rec.add_argument("--modes", default="spmd_pipeline",
+                     help="comma list (default spmd_pipeline; spmd_pipeline_itermove runs as setup/main/cleanup)")
+    rec.add_argument("--warmup", type=int, default=3, help="calls before the profiled ones (at least 3)")
+    add_model_arguments(p, "sequences per GPU (default 8)", "8")
+
+
+def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if bool(args.trace) == args.record:
         p.error(f"got {'both TRACE.json and' if args.record else 'neither TRACE.json nor'} --record; pass a Chrome "
                 "trace to draw, or --record to profile compiled steps and draw their trace")
     window = tuple(float(v) for v in args.window.split(":")) if args.window else None
-    trace, steps = args.trace, args.steps
+    os.makedirs(args.out, exist_ok=True)
     if args.record:
+        if window:
+            p.error("--window applies to drawing a TRACE; draw a recorded trace again with it")
+        args.modes = parse_modes(p, args.modes)
+        args.batch = int(args.batch)
         args.steps = args.steps or 3
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        paths = record(args)
-        print("Chrome traces (open in https://ui.perfetto.dev):\n  " + "\n  ".join(paths))
-        trace, steps = paths[0], None  # steps: the annotations the recorded trace holds
-    figs = draw(trace, steps, args.out, args.width, window)
-    if args.record and figs["steps"] != args.steps:
-        print(f"warning: recorded {args.steps} steps but the trace holds {figs['steps']} spmd.* step annotations")
+        return launch(record_rank, args, nproc=args.nproc)
+    from rich.console import Console
+
+    name = os.path.splitext(os.path.basename(args.trace))[0]
+    figs = draw(args.trace, args.steps, args.out, name, args.width, window)
+    Console().print(figures_table([(os.path.basename(args.trace), figs)]))
+    if figs["comm_ms"] is None:
+        print(f"{args.trace} has no GPU kernels (a CPU-only profile): communication and overlap are not measurable "
+              "from it, so those figures are n/a; the picture shows the step annotations only.")
+    print(f"wrote {os.path.join(args.out, name)}.svg and .html")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,14 +1,14 @@
-"""Inspect a graph dump folder: the pass pipeline, the diff between two stages, one node.
+"""``spmd inspect DIR``: read a graph dump folder: the pass pipeline, the diff between two stages, one node.
 
-    python tools/inspect_graphs.py DUMP_DIR                      # pipeline table
-    python tools/inspect_graphs.py DUMP_DIR --diff 00 comm_fusion_with_concat
-    python tools/inspect_graphs.py DUMP_DIR --node all_reduce_default_4 [--stage main]
+    spmd inspect DUMP_DIR                                   # pipeline table
+    spmd inspect DUMP_DIR --diff 00 comm_fusion_with_concat
+    spmd inspect DUMP_DIR --node all_reduce_default_4 [--stage main]
 
 A dump is what ``GraphModuleTransformation(dump_graphs=True, dump_dir=...)`` (or
-``SPMD_DUMP_DIR``) writes: per stage ``NN_stage.py``, ``.graph.txt`` and ``.json``. This
-tool only reads those files (no torch import), so it works on a folder copied from a
-cluster. Stages are named by file stem (``01_comm_fusion_with_concat``), stage name
-(``comm_fusion_with_concat``) or index (``1``). Errors exit with code 2.
+``SPMD_DUMP_DIR``, or ``spmd demo --dump-dir``) writes: per stage ``NN_stage.py``,
+``.graph.txt`` and ``.json``. This reads only the JSON files (their ``node_list``), so it works on
+a folder copied from a cluster. Stages are named by file stem (``01_comm_fusion_with_concat``),
+stage name (``comm_fusion_with_concat``) or index (``1``). Errors exit with code 2.
 """
 
 from __future__ import annotations
@@ -22,11 +22,6 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# One node line of str(fx.Graph): "%name : [num_users=N] = op[target=T](args = (...), kwargs = {...})"
-_NODE_LINE = re.compile(r"^\s*%(\w+) : \[num_users=\d+\] = (\w+)\[target=(.*?)\](?:\(args = (.*)\))?\s*$")
-_KINDS = {"collective": "_c10d_functional.", "wait": "wait_tensor"}
-
-
 class InspectError(Exception):
     """A problem with the user's input (folder, stage or node name): printed, exit code 2."""
 
@@ -34,7 +29,7 @@ class InspectError(Exception):
 @dataclass
 class Stage:
     stem: str                      # "01_comm_fusion_with_concat"
-    summary: dict[str, Any]        # the .json (graph_summary, plus node_list in new dumps)
+    summary: dict[str, Any]        # the .json: graph_summary plus node_list
     nodes: list[dict[str, Any]] = field(default_factory=list)  # name, op, target, args, users in graph order
 
     @property
@@ -45,32 +40,14 @@ class Stage:
         return next((n for n in self.nodes if n["name"] == name), None)
 
 
-def _parse_graph_txt(text: str) -> list[dict[str, Any]]:
-    """Node records from ``str(fx.Graph)`` (for dumps written before the JSON had ``node_list``)."""
-    nodes = []
-    for line in text.splitlines():
-        m = _NODE_LINE.match(line)
-        if not m:
-            continue
-        name, op, target, args = m.groups()
-        inputs = list(dict.fromkeys(re.findall(r"%(\w+)", args or "")))
-        nodes.append({"name": name, "op": op, "target": target, "args": inputs, "users": []})
-    by_name = {n["name"]: n for n in nodes}
-    for n in nodes:
-        for a in n["args"]:
-            if a in by_name:
-                by_name[a]["users"].append(n["name"])
-    return nodes
-
-
 def load_dump(folder: str) -> list[Stage]:
     """Every stage of a dump folder, in file order (the order the pipeline produced them)."""
     if not os.path.isdir(folder):
-        raise InspectError(f"inspect_graphs: no dump folder {folder!r}. Pass the dump_dir given to "
+        raise InspectError(f"spmd inspect: no dump folder {folder!r}. Pass the dump_dir given to "
                            "GraphModuleTransformation (or $SPMD_DUMP_DIR); with dump_ranks='all' pick a rankN/ folder.")
     stems = sorted(f[: -len(".json")] for f in os.listdir(folder) if f.endswith(".json"))
     if not stems:
-        raise InspectError(f"inspect_graphs: {folder!r} holds no NN_stage.json files. Is it a graph dump folder "
+        raise InspectError(f"spmd inspect: {folder!r} holds no NN_stage.json files. Is it a graph dump folder "
                            "(dump_graphs=True)? With dump_ranks='all' pick a rankN/ subfolder.")
     stages = []
     for stem in stems:
@@ -79,12 +56,11 @@ def load_dump(folder: str) -> list[Stage]:
             with open(path + ".json") as f:
                 summary = json.load(f)
         except (OSError, ValueError) as e:
-            raise InspectError(f"inspect_graphs: cannot read {path}.json ({e}). Re-dump the graphs.") from None
-        nodes = summary.get("node_list")
-        if nodes is None and os.path.exists(path + ".graph.txt"):
-            with open(path + ".graph.txt") as f:
-                nodes = _parse_graph_txt(f.read())
-        stages.append(Stage(stem, summary, nodes or []))
+            raise InspectError(f"spmd inspect: cannot read {path}.json ({e}). Re-dump the graphs.") from None
+        if "node_list" not in summary:
+            raise InspectError(f"spmd inspect: {path}.json has no node_list (not a graph dump written by spmd). "
+                               "Re-dump the graphs.")
+        stages.append(Stage(stem, summary, summary["node_list"]))
     return stages
 
 
@@ -97,15 +73,15 @@ def find_stage(stages: list[Stage], key: str) -> Stage:
         if len(hits) == 1:
             return hits[0]
         if len(hits) > 1:
-            raise InspectError(f"inspect_graphs: stage {key!r} is ambiguous ({', '.join(s.stem for s in hits)}). "
+            raise InspectError(f"spmd inspect: stage {key!r} is ambiguous ({', '.join(s.stem for s in hits)}). "
                                "Pass the full file stem.")
-    raise InspectError(f"inspect_graphs: no stage {key!r}. Stages: {', '.join(s.stem for s in stages)}.")
+    raise InspectError(f"spmd inspect: no stage {key!r}. Stages: {', '.join(s.stem for s in stages)}.")
 
 
 def exposed_waits(summary: dict[str, Any]) -> int:
     """Waits at distance 0 or 1 from their collective: they overlap (almost) nothing.
 
-    An estimate from graph order only, not a measurement (see tools/profile_overlap.py).
+    An estimate from graph order only, not a measurement (``spmd timeline --record`` measures it).
     """
     return sum(1 for w in summary.get("waits", []) if w.get("distance") is not None and w["distance"] <= 1)
 
@@ -197,7 +173,7 @@ def node_info(stages: list[Stage], name: str, stage: Optional[str] = None) -> di
                     "users": [brief(u) for u in node["users"]], "collective": comm, "wait": wait,
                     "in_stages": [t.stem for t in stages if t.node(name) is not None]}
     where = f"stage {candidates[0].stem}" if stage else "any stage"
-    raise InspectError(f"inspect_graphs: no node {name!r} in {where}. Node names are the %names in the "
+    raise InspectError(f"spmd inspect: no node {name!r} in {where}. Node names are the %names in the "
                        ".graph.txt files; try --diff to see where nodes appear.")
 
 
@@ -219,7 +195,7 @@ def _print_pipeline(console, stages: list[Stage]) -> None:
     console.print(table)
     console.print("[dim]+/-: nodes added/removed vs the previous stage. exposed*: estimated exposed comm = "
                   "waits at distance ≤1 from their collective (they overlap nothing), of all waits; graph order "
-                  "only, measure with tools/profile_overlap.py.[/dim]")
+                  "only, measure with spmd timeline --record.[/dim]")
 
 
 def _print_diff(console, a: Stage, b: Stage) -> None:
@@ -254,13 +230,16 @@ def _print_node(console, info: dict[str, Any]) -> None:
     console.print(f"  present in: {', '.join(info['in_stages'])}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dump_dir")
-    parser.add_argument("--diff", nargs=2, metavar=("A", "B"), help="stages to compare (stem, name or index)")
-    parser.add_argument("--node", help="a node name (the %%name in .graph.txt)")
-    parser.add_argument("--stage", help="with --node: the stage to look in (default: the last holding the node)")
-    args = parser.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("dump_dir", help="a graph dump folder (with dump_ranks='all': one of its rankN/ folders)")
+    p.add_argument("--diff", nargs=2, metavar=("A", "B"), help="stages to compare (stem, name or index)")
+    p.add_argument("--node", help="a node name (the %%name in .graph.txt)")
+    p.add_argument("--stage", help="with --node: the stage to look in (default: the last holding the node)")
+
+
+def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     from rich.console import Console
 
     console = Console()
@@ -272,13 +251,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             _print_diff(console, find_stage(stages, args.diff[0]), find_stage(stages, args.diff[1]))
         else:
             if args.stage:
-                raise InspectError("inspect_graphs: --stage only applies with --node. Add --node NAME.")
+                raise InspectError("spmd inspect: --stage only applies with --node. Add --node NAME.")
             _print_pipeline(console, stages)
     except InspectError as e:
         print(e, file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The training modes ``spmd bench`` and ``spmd timeline --record`` run: a registry, name -> builder.
+
+Every mode trains the same seed-0 GPT on the same per-rank batches with AdamW lr 1e-4 and bf16
+autocast around the forward (``--no-autocast`` turns it off). A builder takes the ``Setup``
+(flags, device) and returns a step function ``step(idx, targets, last_train_step=False) -> loss``
+that owns everything it trains (model, optimizer, compiled code), so modes can stay alive side
+by side and be timed in interleaved rounds. ``last_train_step`` is True on a mode's last call
+(spmd flushes work deferred to the next iteration); other modes ignore it.
+
+Add a mode with ``@register(name)`` on a builder whose docstring's first line says what it is;
+``unavailable(setup)`` returns why the mode cannot run here (or None), and ``single=True`` marks
+modes that train one replica per rank without communication (only their first loss is
+comparable with DDP's).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import spmd
+from spmd.graph_utils import find_node, is_all_reduce
+from spmd.graph_utils.meta import ROLE, Role
+from spmd.passes import (
+    comm_fusion_with_concat, graph_optimization_pass, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
+    schedule_comm_wait,
+)
+
+from .models import GPT, GPTConfig
+
+Step = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every mode is built from: the parsed flags (model shape, optimizer, spmd settings) and the device."""
+
+    args: argparse.Namespace
+    device: torch.device
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def model(self) -> GPT:
+        """A fresh seed-0 GPT on the device: the same weights in every mode and on every rank."""
+        a = self.args
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.dim)
+        return GPT(cfg).to(self.device)
+
+    def optimizer(self, params, capturable: bool = False, impl: Optional[str] = None) -> torch.optim.Optimizer:
+        """AdamW lr 1e-4, ``--optimizer`` (fused or foreach) unless ``impl`` says."""
+        impl = impl or self.args.optimizer
+        return torch.optim.AdamW(params, lr=1e-4, **{impl: True}, **(dict(capturable=True) if capturable else {}))
+
+    def ddp(self, model: torch.nn.Module) -> DDP:
+        return DDP(model, device_ids=[self.device.index] if self.cuda else None)
+
+
+def train_step(model, optim, idx, targets, autocast: bool = True):
+    """The step every mode runs (eagerly, under torch.compile, or under spmd.compile)."""
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(idx, targets)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    build: Callable[[Setup], Step]
+    doc: str
+    single: bool = False
+    unavailable: Callable[[Setup], Optional[str]] = lambda setup: None
+
+
+MODES: dict[str, Mode] = {}
+
+
+def register(name: str, *, single: bool = False, unavailable: Optional[Callable[[Setup], Optional[str]]] = None):
+    """Add the decorated builder ``build(setup) -> step`` as mode ``name``."""
+    def deco(build: Callable[[Setup], Step]) -> Callable[[Setup], Step]:
+        doc = (build.__doc__ or name).strip().splitlines()[0]
+        MODES[name] = Mode(name, build, doc, single, unavailable or (lambda setup: None))
+        return build
+    return deco
+
+
+def _needs_cuda(what: str):
+    return lambda setup: None if setup.cuda else f"{what} need a CUDA device"
+
+
+def _needs_inductor(what: str):
+    def reason(setup: Setup) -> Optional[str]:
+        if not setup.cuda:
+            return f"{what} needs CUDA and triton"
+        return "--no-inductor is set" if setup.args.no_inductor else None
+    return reason
+
+
+def _eager(setup: Setup, wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> Step:
+    model = setup.model()
+    optim = setup.optimizer(model.parameters())
+    wrapped = wrap(model)
+    autocast = not setup.args.no_autocast
+    return lambda idx, targets, last_train_step=False: train_step(wrapped, optim, idx, targets, autocast)
+
+
+@register("single_eager", single=True)
+def single_eager(setup: Setup) -> Step:
+    """One replica per rank, eager, no communication."""
+    return _eager(setup, lambda m: m)
+
+
+@register("single_compile", single=True)
+def single_compile(setup: Setup) -> Step:
+    """One replica per rank under torch.compile(model), no communication."""
+    return _eager(setup, torch.compile)
+
+
+@register("ddp")
+def ddp(setup: Setup) -> Step:
+    """Eager DistributedDataParallel: the parity reference."""
+    return _eager(setup, setup.ddp)
+
+
+@register("ddp_compile")
+def ddp_compile(setup: Setup) -> Step:
+    """torch.compile(DDP(model))."""
+    return _eager(setup, lambda m: torch.compile(setup.ddp(m)))
+
+
+@register("ddp_ca")
+def ddp_ca(setup: Setup) -> Step:
+    """The whole step under torch.compile with compiled autograd and DDP's python reducer."""
+    def patch():  # DDP, torch.compile and every call read these settings
+        return torch._dynamo.config.patch(compiled_autograd=True, optimize_ddp="python_reducer")
+
+    with patch():
+        model = setup.ddp(setup.model())
+        optim = setup.optimizer(model.parameters())
+        compiled = torch.compile(train_step)
+    autocast = not setup.args.no_autocast
+
+    def step(idx, targets, last_train_step=False):
+        with patch():
+            return compiled(model, optim, idx, targets, autocast)
+    return step
+
+
+def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
+          optimizer_impl: Optional[str] = None) -> Step:
+    a = setup.args
+    model = setup.model()
+    optim = setup.optimizer(model.parameters(), capturable=setup.cuda, impl=optimizer_impl)
+    transformation = spmd.GraphModuleTransformation(
+        enable_graph_optimization=optimize, bucket_size_mb=a.bucket_mb, optimizer_parts=a.optimizer_parts,
+        enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
+        passes=passes)
+    compiled = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
+                            gm_transformation=transformation)(train_step)
+    autocast = not a.no_autocast
+
+    def step(idx, targets, last_train_step=False):
+        return compiled(model, optim, idx, targets, autocast, last_train_step=last_train_step)
+    step.compile_times = lambda: compiled.compile_times  # seconds per compile phase, for the JSON
+    return step
+
+
+@register("spmd_replicate")
+def spmd_replicate(setup: Setup) -> Step:
+    """spmd replicate without our passes (one all-reduce per gradient), lowered through Inductor."""
+    return _spmd(setup, optimize=False)
+
+
+@register("spmd_inductor_comm", unavailable=_needs_inductor("Inductor's overlap scheduler estimates GPU runtimes: it"))
+def spmd_inductor_comm(setup: Setup) -> Step:
+    """spmd without our passes; Inductor's own overlap scheduler and bucketer place the all-reduces."""
+    return _spmd(setup, optimize=False, inductor_comm=True)
+
+
+@register("spmd_pipeline")
+def spmd_pipeline(setup: Setup) -> Step:
+    """spmd with our pass pipeline (buckets, wait scheduling, optimizer split), lowered through Inductor."""
+    return _spmd(setup, optimize=True)
+
+
+@register("spmd_pipeline_cg", unavailable=_needs_cuda("CUDA graphs"))
+def spmd_pipeline_cg(setup: Setup) -> Step:
+    """spmd_pipeline replayed as CUDA graphs."""
+    return _spmd(setup, optimize=True, cudagraphs=True)
+
+
+@graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],
+                         apply_after=[comm_fusion_with_concat, schedule_comm_wait])
+def defer_last_bucket(gm) -> None:
+    """``iter_move_grads_and_optimizers`` of the last gradient bucket to before the first forward node.
+
+    The last bucket holds the first layers' (and the embedding's) gradients; the first node that
+    reads a parameter is the latest target no deferred update can make stale.
+    """
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    params = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.PARAM]
+    first_forward = min((u for p in params for u in p.users), key=order.__getitem__)
+    iter_move_grads_and_optimizers(gm, find_node(gm.graph, is_all_reduce)[-1], first_forward)
+
+
+@register("spmd_pipeline_itermove")
+def spmd_pipeline_itermove(setup: Setup) -> Step:
+    """spmd_pipeline with the last bucket's optimizer update deferred into the next step (fused AdamW)."""
+    return _spmd(setup, optimize=True, passes=[defer_last_bucket], optimizer_impl="fused")  # the move needs it
+
+
+def add_model_arguments(p: argparse.ArgumentParser, batch_help: str, batch_default: str) -> None:
+    """The flags every mode is built from, shared by ``spmd bench`` and ``spmd timeline --record``."""
+    g = p.add_argument_group("model and training (GPT 124M by default)")
+    for flag, default in (("--layers", 12), ("--dim", 768), ("--heads", 12), ("--seq", 1024), ("--vocab", 50304)):
+        g.add_argument(flag, type=int, default=default, help=f"(default {default})")
+    g.add_argument("--batch", default=batch_default, help=batch_help)
+    g.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                   help="AdamW implementation for every mode (default fused)")
+    g.add_argument("--no-autocast", action="store_true", help="train in fp32 (default: bf16 autocast around forward)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="processes to spawn (default: one per GPU, or 2 on CPU); ignored under torchrun")
+    s = p.add_argument_group("spmd modes")
+    s.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25)")
+    s.add_argument("--optimizer-parts", type=int, default=4,
+                   help="pipeline: optimizer ops, one per trailing bucket (default 4; 1: one op)")
+    s.add_argument("--no-inductor", action="store_true",
+                   help="run the step graphs op by op instead of through Inductor (tracing and passes only)")
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """``add_model_arguments``' flags as a command line (without --batch and --nproc), to run another command."""
+    out = []
+    for name in ("layers", "dim", "heads", "seq", "vocab", "optimizer", "bucket_mb", "optimizer_parts"):
+        out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return out + [f"--{f.replace('_', '-')}" for f in ("no_autocast", "no_inductor") if getattr(args, f)]
+
+
+def parse_modes(p: argparse.ArgumentParser, text: str) -> list[str]:
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        p.error(f"unknown modes {unknown}; choose from {','.join(MODES)}")
+    return modes
+
+
+def modes_help() -> str:
+    return "modes:\n" + "\n".join(f"  {m.name:24s} {m.doc}" for m in MODES.values())
