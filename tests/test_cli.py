@@ -1,14 +1,15 @@
 """The installed ``spmd`` command: its entry point, every subcommand's --help, the launcher, and the floors.
 
-Subcommands' help runs in this process through the installed entry point (one process start
-each would cost the suite seconds); ``spmd --help`` and ``python -m spmd --help`` run as the
-user runs them.
+``spmd --help`` runs the installed script; ``python -m spmd`` and the subcommands' help run in
+this process (through ``spmd/__main__.py`` and the installed entry point), since each process
+start costs the suite seconds.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import runpy
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -32,17 +33,26 @@ def _entry_point():
     return ep
 
 
-def test_spmd_and_python_m_spmd_print_help_naming_every_subcommand():
+def _names_every_subcommand(help_text: str) -> None:
+    assert help_text.startswith("usage: spmd")
+    for name in SUBCOMMANDS:
+        assert f"spmd {name}" in help_text
+
+
+def test_installed_spmd_script_prints_help():
     script = Path(sys.executable).with_name("spmd")
-    assert script.exists(), f"no spmd script next to {sys.executable}: pip install -e . puts it there"
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd in ([str(script), "--help"], [sys.executable, "-m", "spmd", "--help"])]
-    for proc in procs:
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
-        assert out.startswith("usage: spmd")
-        for name in SUBCOMMANDS:
-            assert f"spmd {name}" in out
+    assert script.exists(), f"no spmd script next to {sys.executable}: pip install puts it there"
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    _names_every_subcommand(proc.stdout)
+
+
+def test_python_m_spmd_prints_help(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["spmd", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("spmd", run_name="__main__")  # what python -m spmd runs
+    assert exc.value.code == 0
+    _names_every_subcommand(capsys.readouterr().out)
 
 
 def test_entry_point_is_cli_main():
@@ -99,7 +109,8 @@ def _imports_tools(path: Path) -> list[str]:
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         if isinstance(node, ast.ImportFrom):
             names = ["." * node.level + (node.module or "")]
-        found += [n for n in names if n.startswith("spmd.tools") or n.lstrip(".").split(".")[0] == "tools" != n]
+        found += [n for n in names if n.split(".")[:2] == ["spmd", "tools"]
+                  or n.startswith(".") and n.lstrip(".").split(".")[0] == "tools"]
     return found
 
 

@@ -41,12 +41,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import gc
 import io
 import json
 import os
-import platform
 import pstats
 import statistics
 import sys
@@ -58,11 +56,10 @@ import torch.distributed as dist
 
 from . import bench_compile, suite
 from .bench_modes import MODES, Setup, add_model_arguments, modes_help, parse_modes
+from .bench_report import ATOL, RTOL, add_parity_and_ratio, console_for_logs, machine_info, section_table, summarize
 from .launch import launch
 
-ATOL, RTOL = 2e-2, 1e-2  # parity tolerance vs DDP under bf16 autocast: |Δ| <= ATOL + RTOL * |ddp loss|
 N_BATCHES = 4  # distinct (idx, targets) pairs per rank, cycled
-NOISY = 0.10  # flag a mode whose per-round medians spread more than this fraction of their median
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,6 +94,12 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         p.error(f"--profile {args.profile}: not one of --modes ({','.join(args.modes)})")
     if min(args.steps, args.warmup, args.repeat, *args.batch) < 1:
         p.error("--steps, --warmup, --repeat and every --batch must be >= 1")
+    try:
+        import numpy  # noqa: F401 - torch.distributed's *_object collectives, which gather the ranks' records
+    except ImportError:
+        print("spmd bench: needs numpy, which torch.distributed uses to gather the ranks' results. Install the "
+              "tools extra: pip install 'spmd[tools]' (or pip install numpy).", file=sys.stderr)
+        return 2
     if args.suite:
         return suite.run(args, p)
     if args.measure == "compile":
@@ -122,6 +125,7 @@ class ModeRun:
         self.name, self.setup, self.batches, self.advance = name, setup, batches, advance
         self.sync = torch.cuda.synchronize if setup.cuda else (lambda: None)
         self.step = None
+        self.profile_text = ""
         self.losses: list[torch.Tensor] = []
         self.record: dict = dict(status="ok", step_ms=[], cpu_ms=[], round_medians_ms=[], round_cpu_ms=[],
                                  timed_wall_s=0.0)
@@ -189,8 +193,8 @@ class ModeRun:
             r["baseline_gib"] = self.baseline / 2**30
             r["warmup_s"] = max(0.0, r["warmup_wall_s"] - self.warmup * r["round_medians_ms"][0] / 1000)
 
-    def profile(self, steps: int, top: int) -> str:
-        """A cProfile of ``steps`` more calls (own time per function), as text."""
+    def profile(self, steps: int, top: int) -> None:
+        """A cProfile of ``steps`` more calls: ``profile_text``, the ``top`` functions by own time."""
         self.sync()
         profiler = cProfile.Profile()
         profiler.enable()
@@ -200,7 +204,7 @@ class ModeRun:
         profiler.disable()
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-        return out.getvalue()
+        self.profile_text = out.getvalue()
 
     def finish(self) -> None:
         """The last call (``last_train_step=True``: spmd flushes deferred work), the summary; then free the mode."""
@@ -247,7 +251,6 @@ def measure_batch(setup: Setup, batch: int, rank: int, progress) -> tuple[list[d
         if reason:
             r.record = dict(status="skipped", reason=reason)
     live = [r for r in runs if r.record["status"] == "ok"]
-    profile_text = ""
     for k in range(args.repeat):
         order = live[k % len(live):] + live[:k % len(live)] if live else []  # rotated: no mode always first
         for r in order:
@@ -259,101 +262,22 @@ def measure_batch(setup: Setup, batch: int, rank: int, progress) -> tuple[list[d
                 r.attempt(r.time_round, args.steps)
             if r.alive and k == args.repeat - 1:
                 if r.name == args.profile:
-                    profile_text = r.profile(args.steps, args.top)
+                    r.attempt(r.profile, args.steps, args.top)
                 r.attempt(r.finish)
             if args.repeat == 1:
                 release_memory(setup.device)
         agree_on_failures(runs)
         live = [r for r in live if r.alive]
     release_memory(setup.device)
-    return [r.record for r in runs], profile_text
+    return [r.record for r in runs], next((r.profile_text for r in runs if r.profile_text), "")
 
 
 def release_memory(device: torch.device) -> None:
-    """Drop what finished modes left behind (cached blocks, collected garbage)."""
+    """Drop what finished modes left behind (compiled code, cached blocks); only while no mode is alive."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-# ----------------------------------------------------------------------------- reporting
-
-
-def summarize(mode: str, per_rank: list[dict], args, batch: int) -> dict:
-    """Merge every rank's record for one mode: rank 0's timings, every rank's median and losses."""
-    bad = next((r for r in per_rank if r["status"] != "ok"), None)
-    if bad is not None:
-        return dict(mode=mode, **bad)
-    out = dict(mode=mode, **per_rank[0])
-    out["tokens_per_s_per_gpu"] = batch * args.seq / (out["median_ms"] / 1000)
-    out["median_ms_per_rank"] = [r["median_ms"] for r in per_rank]
-    out["losses_per_rank"] = [r["losses"] for r in per_rank]
-    return out
-
-
-def add_parity_and_ratio(rows: list[dict]) -> None:
-    """Fill ``ratio_to_best`` and, against ``ddp`` (every call, every rank), ``max_abs_dloss_vs_ddp``/``parity_ok``."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    best = min((r["median_ms"] for r in ok), default=None)
-    ddp = next((r for r in ok if r["mode"] == "ddp"), None)
-    for r in ok:
-        r["ratio_to_best"] = r["median_ms"] / best
-        if ddp is None or r is ddp:
-            continue
-        if MODES[r["mode"]].single:  # trains without averaging: only the first step is comparable
-            r["first_step_dloss_vs_ddp"] = max(abs(la[0] - lb[0])
-                                               for la, lb in zip(r["losses_per_rank"], ddp["losses_per_rank"]))
-            continue
-        pairs = [(a, b) for la, lb in zip(r["losses_per_rank"], ddp["losses_per_rank"]) for a, b in zip(la, lb)]
-        r["max_abs_dloss_vs_ddp"] = max(abs(a - b) for a, b in pairs)
-        r["parity_ok"] = all(abs(a - b) <= ATOL + RTOL * abs(b) for a, b in pairs)
-
-
-def section_table(rows: list[dict], args, batch: int, world: int, device: torch.device):
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"GPT {args.layers}x{args.dim} ({args.heads} heads), seq {args.seq}, batch {batch}/GPU, "
-                        f"{world} x {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu (gloo)'}, "
-                        f"AdamW {args.optimizer}",
-                  caption=f"{args.repeat} rounds of {args.steps} steps after {args.warmup} warm-up calls: median and "
-                          f"min-max of the per-round medians; parity flagged above {ATOL:g} + {RTOL:g}*|loss|; "
-                          "\\[brackets]: first step only (no communication)")
-    for col in ("mode", "ms/step", "min-max", "cpu ms/call", "tokens/s/GPU", "ratio", "peak GiB", "1st call s",
-                "warm-up s", "max |Δloss| vs DDP", "note"):
-        table.add_column(col, justify="left" if col in ("mode", "note") else "right")
-    for r in rows:
-        if r["status"] != "ok":
-            color = "red" if r["status"] == "error" else "yellow"
-            table.add_row(r["mode"], *["—"] * 9, f"[{color}]{r['status']}: {escape(r['reason'])}[/]")
-            continue
-        if "max_abs_dloss_vs_ddp" in r:
-            parity = f"{r['max_abs_dloss_vs_ddp']:.2e}"
-            parity = parity if r["parity_ok"] else f"[red]{parity}[/]"
-        elif "first_step_dloss_vs_ddp" in r:
-            parity = f"[dim]\\[{r['first_step_dloss_vs_ddp']:.2e}][/]"
-        else:
-            parity = "reference" if r["mode"] == "ddp" else "—"
-        spread = r["spread_ms"]
-        notes = [] if r.get("parity_ok", True) else ["[red]loss differs from DDP[/]"]
-        if spread["max"] - spread["min"] > NOISY * spread["median"]:
-            notes.append(f"[yellow]noisy: rounds differ by {100 * (spread['max'] / spread['min'] - 1):.0f}%[/]")
-        ratio = f"{r['ratio_to_best']:.2f}"
-        table.add_row(r["mode"], f"{r['median_ms']:.2f}", f"{spread['min']:.2f}-{spread['max']:.2f}",
-                      f"{r['cpu_ms_per_call']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
-                      f"[bold green]{ratio}[/]" if r["ratio_to_best"] == 1 else ratio,
-                      "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", f"{r['first_call_s']:.1f}",
-                      f"{r['warmup_s']:.1f}", parity, "; ".join(notes))
-    return table
-
-
-def machine_info(world: int, device: torch.device) -> dict:
-    cuda = device.type == "cuda"
-    return dict(gpu=torch.cuda.get_device_name(0) if cuda else None, world_size=world,
-                backend="nccl" if cuda else "gloo", torch=torch.__version__, cuda=torch.version.cuda,
-                nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None, host=platform.node(),
-                python=platform.python_version(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                argv=sys.argv)
 
 
 class Progress:
@@ -385,12 +309,6 @@ class Progress:
     def describe(self, text: str) -> None:
         if self.bar:
             self.bar.update(self.task, description=text, refresh=True)
-
-
-def console_for_logs():
-    from rich.console import Console
-
-    return Console(width=None if sys.stdout.isatty() else 200)  # logs: wide enough for the table
 
 
 def bench_rank(rank: int, world: int, device: torch.device, args) -> int:

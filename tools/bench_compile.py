@@ -24,6 +24,7 @@ import time
 import torch
 
 from .bench_modes import MODES, Setup
+from .bench_report import console_for_logs, machine_info
 
 
 def torch_timings() -> dict[str, float]:
@@ -92,7 +93,7 @@ def first_calls(mode: str, setup: Setup, batches: list, profile: bool) -> dict:
 
 def compile_rank(rank: int, world: int, device: torch.device, args) -> int:
     """Every mode's first calls at the first ``--batch`` on this rank; rank 0 prints the tables and the JSON."""
-    from .bench import console_for_logs, make_batches, machine_info
+    from .bench import make_batches
 
     setup = Setup(args, device)
     batches = make_batches(args, args.batch[0], rank, device)

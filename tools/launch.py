@@ -5,8 +5,9 @@ default process group initialized around it:
 
 * under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` in the environment) in this process, on
   ``cuda:$LOCAL_RANK`` with NCCL when CUDA is available, else on the CPU with gloo;
-* otherwise in ``nproc`` spawned processes: one per GPU with NCCL (default: every local
-  GPU), or, without a GPU, 2 gloo CPU processes sharing the cores.
+* otherwise in ``nproc`` new processes: one per GPU with NCCL (default: every local GPU),
+  spawned (CUDA cannot be used in a forked child), or, without a GPU, 2 gloo CPU processes
+  sharing the cores, forked from this one (no second import of torch in each).
 
 NVLink multicast stays off (``NCCL_NVLS_ENABLE=0`` and the symmetric-memory switches), as the
 GPU machines this project runs on require. ``fn`` must be a module-level function (spawned
@@ -58,7 +59,8 @@ def launch(fn: RankFn, *args, nproc: Optional[int] = None) -> int:
         s.bind(("127.0.0.1", 0))
         init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     try:
-        mp.spawn(_spawned, args=(nproc, fn, args, init), nprocs=nproc, join=True)
+        mp.start_processes(_spawned, args=(nproc, fn, args, init), nprocs=nproc, join=True,
+                           start_method="spawn" if n_gpus else "fork")
     except mp.ProcessExitedException as err:
         return err.exit_code if err.exit_code and err.exit_code > 0 else 1
     except mp.ProcessRaisedException as err:

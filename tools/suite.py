@@ -32,6 +32,7 @@ import sys
 import torch
 
 from .bench_modes import model_flags
+from .launch import under_torchrun
 
 PARTS = {"tests": "GPU parity tests", "bench": "every mode side by side", "timeline": "exposed communication",
          "compile": "first call from cold caches"}
@@ -68,6 +69,10 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     unknown = [x for x in args.parts if x not in PARTS]
     if unknown or not args.parts:
         p.error(f"--parts: unknown {unknown}; choose from {','.join(PARTS)}")
+    if under_torchrun():
+        print("spmd bench --suite gpu: run it as a plain command, not under torchrun: each part starts its own "
+              "processes.", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("spmd bench --suite gpu: no CUDA GPU here. Run it on a GPU machine; on a CPU, `spmd bench` with "
               "a small --layers/--dim runs the modes on 2 gloo processes.", file=sys.stderr)
