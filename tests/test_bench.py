@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spmd.tools import bench_compile, cli, suite
-from spmd.tools.bench_modes import MODES as REGISTRY
+from spmd.tools import bench, bench_compile, bench_report, cli, suite
+from spmd.tools.bench_modes import MODES as REGISTRY, Setup
 
 MODES = ["single_eager", "ddp", "spmd_pipeline", "spmd_pipeline_cg"]
 STEPS, WARMUP, REPEAT, BATCH, SEQ = 3, 2, 2, 2, 16
@@ -149,3 +149,33 @@ def test_gpu_suite_runs_each_part_as_its_own_command():
 def test_gpu_suite_without_cuda_says_so(capsys):
     assert cli.main(["bench", "--suite", "gpu", "--parts", "bench"]) == 2
     assert "no CUDA GPU here" in capsys.readouterr().err
+
+
+def _row(mode, median, losses):
+    return dict(mode=mode, status="ok", median_ms=median, losses_per_rank=losses)
+
+
+def test_parity_flags_a_mode_whose_losses_leave_the_tolerance():
+    ddp = _row("ddp", 10.0, [[5.0, 4.0], [5.0, 4.0]])
+    close = _row("spmd_pipeline", 8.0, [[5.0, 4.01], [5.0, 4.0]])
+    off = _row("spmd_replicate", 20.0, [[5.0, 4.0], [5.0, 3.5]])  # 0.5 > 0.02 + 0.01 * 4
+    skipped = dict(mode="spmd_pipeline_cg", status="skipped", reason="CUDA graphs need a CUDA device")
+    bench_report.add_parity_and_ratio([ddp, close, off, skipped])
+    assert close["parity_ok"] and close["max_abs_dloss_vs_ddp"] == pytest.approx(0.01)
+    assert not off["parity_ok"] and off["max_abs_dloss_vs_ddp"] == pytest.approx(0.5)
+    assert [r["ratio_to_best"] for r in (ddp, close, off)] == [1.25, 1.0, 2.5]
+    assert "ratio_to_best" not in skipped
+
+
+def test_a_failing_mode_becomes_an_error_record_and_is_dropped():
+    p, _ = cli.parsers()
+    run = bench.ModeRun("ddp", Setup(p.parse_args(["bench", *TINY]), torch.device("cpu")), [], lambda n: None)
+
+    def broken():
+        raise RuntimeError("out of memory\nsecond line")
+
+    run.step = lambda *a, **k: None
+    run.attempt(broken)
+    assert not run.alive
+    assert run.record["status"] == "error" and run.record["reason"] == "RuntimeError: out of memory"
+    assert "broken" in run.record["traceback"]
