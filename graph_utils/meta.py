@@ -14,6 +14,8 @@ spelled in one place.
   unit it gathers or reduces (units in post-order, the root last).
 * ``PHASE``: on a collective, where the step issues it: ``"forward"``, ``"backward"``
   or ``"optimizer"`` (set by the sharded modes' expansion; ``explain`` infers the rest).
+* ``KEEP``: True on a forward gather whose unit keeps its parameters gathered until the
+  backward (it does not reshard after forward: the root, shard_grad_op's units).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ GRAD_OF = "spmd_grad_of"
 BUCKET = "spmd_bucket"
 UNIT = "spmd_unit"
 PHASE = "spmd_phase"
+KEEP = "spmd_keep"
 
 
 class Role:

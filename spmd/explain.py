@@ -117,7 +117,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
     try:
         transform = train_step.gm_transformation
         ours = isinstance(transform, GraphModuleTransformation)
-        manager = transform.pass_manager if ours else PassManager([])
+        manager = transform.pass_manager_for(gm.graph) if ours else PassManager([])
         pass_args = transform.pass_args if ours else {}
         igm = IterGraphModule(gm)
         manager(igm, pass_args)

@@ -36,10 +36,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import SpmdCompileError
 from ..graph_utils import is_comm_node, is_wait_node
-from ..graph_utils.meta import PHASE, UNIT
+from ..graph_utils.meta import KEEP, PHASE, UNIT
 from ..step_state import StepState
 from .policies import as_policy
-from .shard_comm import UNIT_TAG, GatherUnit, ParamLayout, UnitGroups, gather_unit, layout_of, unit_groups
+from .shard_comm import (
+    UNIT_TAG, GatherUnit, ParamLayout, UnitGroups, gather_unit, in_backward, layout_of, unit_groups,
+)
 from .units import ShardPlan, Unit, shard, shard_plan
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,12 @@ class _GatherGroup:
     leaves: list[torch.Tensor]        # the DTensor stand-ins
     layouts: list[ParamLayout]
     groups: UnitGroups
+    kept: list[torch.Tensor] = field(default_factory=list)  # the last forward's gathered parameters
+
+    def point_modules_at(self, tensors: list[torch.Tensor]) -> None:
+        for holders, t in zip(self.holders, tensors):
+            for mod, attr in holders:
+                mod._parameters[attr] = t
 
 
 @dataclass
@@ -122,17 +130,33 @@ class _Recipe:
     offset: int         # storage offset relative to that parameter's gathered base
 
 
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
 @dataclass
 class _Resharding:
-    """Saved-tensor hooks that let a unit's gathered parameters die after its forward."""
+    """Saved-tensor hooks that let a resharding unit's gathered parameters die after its forward.
+
+    A tensor autograd saves that lies in such a unit's gathered storage is stored as a
+    ``_Recipe``; unpacking it in the backward reads the same place of the unit's
+    parameters gathered again, once per unit and backward pass (``regather``).
+    """
 
     storages: dict[StorageWeakRef, tuple[_GatherGroup, int, torch.Tensor]] = field(default_factory=dict)
     regathered: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
 
     def register(self, group: _GatherGroup, fulls: list[torch.Tensor]) -> None:
         for k, full in enumerate(fulls):
-            base = full._base if full._base is not None else full
-            self.storages[StorageWeakRef(full.untyped_storage())] = (group, k, base)
+            self.storages[StorageWeakRef(full.untyped_storage())] = (group, k, _base(full))
+
+    def regather(self, group: _GatherGroup) -> list[torch.Tensor]:
+        """The group's parameters gathered in this backward pass (gathered on first request)."""
+        key = (id(group), torch._C._current_graph_task_id())
+        if key not in self.regathered:
+            self.regathered[key] = gather_unit([leaf._local_tensor for leaf in group.leaves], group.layouts,
+                                               group.groups, group.unit.index, "backward")
+        return self.regathered[key]
 
     def pack(self, t: torch.Tensor) -> Any:
         if is_traceable_wrapper_subclass(t) or not self.storages:
@@ -146,13 +170,7 @@ class _Resharding:
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Recipe):
             return packed
-        group = packed.group
-        key = (id(group), torch._C._current_graph_task_id())
-        if key not in self.regathered:  # once per unit and backward pass
-            fulls = gather_unit([leaf._local_tensor for leaf in group.leaves], group.layouts, group.groups,
-                                group.unit.index, "backward")
-            self.regathered[key] = [f._base if f._base is not None else f for f in fulls]
-        base = self.regathered[key][packed.position]
+        base = _base(self.regather(packed.group)[packed.position])
         return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
 
 
@@ -165,25 +183,48 @@ def _cast_floats(tree: Any, dtype: Optional[torch.dtype]) -> Any:
 
 
 def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _Resharding) -> list:
-    """Register the unit's forward pre-hook (gather, cast inputs) and forward hook (back to DTensors)."""
+    """Register the unit's hooks: gather before forward, point modules back at the DTensors after it,
+    and point them at gathered parameters again for the unit's backward (activation checkpointing
+    recomputes the forward there), as FSDP2's pre-backward hook does."""
     cast_inputs = mp_policy.param_dtype if mp_policy is not None and mp_policy.cast_forward_inputs else None
     output_dtype = mp_policy.output_dtype if mp_policy is not None else None
+    in_backward_of: set[int] = set()  # backward passes that have pointed this unit's modules at gathered tensors
 
     def pre_forward(module, args, kwargs):
         for group in groups:
-            fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, *group.leaves)
+            fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, not unit.reshard_after_forward,
+                                     *group.leaves)
+            group.kept = list(fulls)
             if unit.reshard_after_forward:
-                resharding.register(group, list(fulls))
-            for holders, full in zip(group.holders, fulls):
-                for mod, attr in holders:
-                    mod._parameters[attr] = full
+                resharding.register(group, group.kept)
+            group.point_modules_at(group.kept)
         return _cast_floats((args, kwargs), cast_inputs)
 
-    def post_forward(module, args, output):
+    def restore():
         for group in groups:
-            for holders, leaf in zip(group.holders, group.leaves):
-                for mod, attr in holders:
-                    mod._parameters[attr] = leaf
+            group.point_modules_at(group.leaves)
+
+    def pre_backward(grad):
+        task = torch._C._current_graph_task_id()
+        if task in in_backward_of:
+            return None
+        in_backward_of.add(task)
+        for group in groups:
+            if unit.reshard_after_forward:  # requires_grad as in the forward, so a recompute saves the same tensors
+                fulls = [f.detach().requires_grad_(leaf.requires_grad)
+                         for f, leaf in zip(resharding.regather(group), group.leaves)]
+            else:
+                fulls = group.kept
+            group.point_modules_at(fulls)
+        torch.autograd.Variable._execution_engine.queue_callback(restore)
+        return None
+
+    def post_forward(module, args, output):
+        restore()
+        if torch.is_grad_enabled() and not in_backward():
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(pre_backward)
         return _cast_floats(output, output_dtype)
 
     return [unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True),
@@ -241,18 +282,20 @@ def trace_context(dp, state: StepState, params: list[torch.Tensor]) -> Iterator[
 
 
 def expand(dp, gm: fx.GraphModule) -> fx.GraphModule:
-    """Move each ``spmd::unit_tag`` onto its collective (``meta[UNIT]``, ``meta[PHASE]``) and drop the tags.
+    """Move each ``spmd::unit_tag`` onto its collective (``meta[UNIT]``, ``meta[PHASE]``, ``meta[KEEP]``), drop the tags.
 
     The collectives were traced in place (``trace_context``); this only labels them, and
     their waits, so passes and ``spmd.explain`` can tell units and phases apart.
     """
     graph = gm.graph
     for tag in [n for n in graph.nodes if n.op == "call_function" and n.target is UNIT_TAG]:
-        _, unit, phase = tag.args
+        _, unit, phase, keep = tag.args
         for comm in [u for u in tag.users if is_comm_node(u)]:
             for node in (comm, *[w for w in comm.users if is_wait_node(w)]):
                 node.meta[UNIT] = unit
                 node.meta[PHASE] = phase
+                if keep:
+                    node.meta[KEEP] = True
         tag.replace_all_uses_with(tag.args[0])
         graph.erase_node(tag)
     graph.lint()

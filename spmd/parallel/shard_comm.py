@@ -35,13 +35,14 @@ c10d = torch.ops._c10d_functional
 
 
 @torch.library.custom_op("spmd::unit_tag", mutates_args=())
-def unit_tag(x: torch.Tensor, unit: int, phase: str) -> torch.Tensor:
-    """Identity marker on a sharded mode's collective input: its unit and phase (removed by ``expand``)."""
+def unit_tag(x: torch.Tensor, unit: int, phase: str, keep: bool) -> torch.Tensor:
+    """Identity marker on a sharded mode's collective input: its unit, phase, and whether a gather's
+    parameters are kept until the backward (removed by ``expand``)."""
     return x.clone()
 
 
 @unit_tag.register_fake
-def _(x, unit, phase):
+def _(x, unit, phase, keep):
     return torch.empty_like(x)
 
 
@@ -113,8 +114,11 @@ def _div(t: torch.Tensor, factor: Optional[float]) -> torch.Tensor:
 
 
 def gather_unit(locals_: list[torch.Tensor], layouts: list[ParamLayout], groups: UnitGroups, unit: int,
-                phase: str) -> list[torch.Tensor]:
-    """The full parameters from their local shards: one all_gather over the shard group."""
+                phase: str, keep: bool = False) -> list[torch.Tensor]:
+    """The full parameters from their local shards: one all_gather over the shard group.
+
+    ``keep``: the unit keeps them until the backward (it does not reshard after forward).
+    """
     shards = groups.shard_size
     flats = []
     for t, lay in zip(locals_, layouts):
@@ -123,7 +127,7 @@ def gather_unit(locals_: list[torch.Tensor], layouts: list[ParamLayout], groups:
         if lay.local_rows < lay.padded_rows:
             t = torch.cat([t, t.new_zeros((lay.padded_rows - lay.local_rows, *lay.shape[1:]))])
         flats.append(t.reshape(-1))
-    flat = unit_tag(torch.cat(flats), unit, phase)
+    flat = unit_tag(torch.cat(flats), unit, phase, keep)
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, shards, groups.shard_group))
     columns = gathered.view(shards, -1).split([lay.padded_rows * lay.row_numel for lay in layouts], dim=1)
     return [col.reshape(shards * lay.padded_rows, *lay.shape[1:]).narrow(0, 0, lay.shape[0])
@@ -144,16 +148,18 @@ def reduce_scatter_unit(grads: list[torch.Tensor], layouts: list[ParamLayout], g
             g = torch.cat([g, g.new_zeros((full_rows - g.size(0), *lay.shape[1:]))])
         rows.append(g.reshape(shards, -1))
     flat = _div(torch.cat(rows, dim=1).reshape(-1), pre)
-    out = c10d.wait_tensor(c10d.reduce_scatter_tensor(unit_tag(flat, unit, "backward"), op, shards,
+    out = c10d.wait_tensor(c10d.reduce_scatter_tensor(unit_tag(flat, unit, "backward", False), op, shards,
                                                       groups.shard_group))
     if groups.replicate_group is not None:
-        out = c10d.wait_tensor(c10d.all_reduce(unit_tag(out, unit, "backward"), op, groups.replicate_group))
+        out = c10d.wait_tensor(c10d.all_reduce(unit_tag(out, unit, "backward", False), op, groups.replicate_group))
     out = _div(out, post)
     pieces = out.split([lay.padded_rows * lay.row_numel for lay in layouts])
     result = []
     for piece, lay in zip(pieces, layouts):
         local = piece.to(lay.orig_dtype).view(lay.padded_rows, *lay.shape[1:]).narrow(0, 0, lay.local_rows)
-        result.append(DTensor(local, lay.spec, requires_grad=False))
+        # a storage of its own: the optimizer's fused ops declare their gradients written, and writes
+        # into views of one buffer would make the step re-trace under functionalization
+        result.append(DTensor(local.clone(), lay.spec, requires_grad=False))
     return result
 
 
@@ -171,11 +177,12 @@ class GatherUnit(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layouts, groups, unit, *params):
+    def forward(ctx, layouts, groups, unit, keep, *params):
         ctx.layouts, ctx.groups, ctx.unit = layouts, groups, unit
         ctx.set_materialize_grads(False)
         phase = "backward" if in_backward() else "forward"
-        fulls = gather_unit([p._local_tensor for p in params], layouts, groups, unit, phase)
+        fulls = gather_unit([p._local_tensor for p in params], layouts, groups, unit, phase,
+                            keep and phase == "forward")
         ctx.mark_non_differentiable(*[f for f, p in zip(fulls, params) if not p.requires_grad])
         ctx.trained = [p.requires_grad for p in params]
         return tuple(fulls)
@@ -192,7 +199,7 @@ class GatherUnit(torch.autograd.Function):
                                           ctx.groups, ctx.unit)
             for i, r in zip(indices, reduced):
                 out[i] = r
-        return (None, None, None, *out)
+        return (None, None, None, None, *out)
 
 
 def unit_groups(mesh) -> UnitGroups:
