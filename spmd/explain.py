@@ -68,7 +68,7 @@ _OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coa
              "broadcast": "broadcast"}
 
 
-def _collectives(graph) -> list[dict[str, Any]]:
+def collective_rows(graph) -> list[dict[str, Any]]:
     """Every collective in graph order: op, phase, bytes, and the unit or gradient bucket it serves.
 
     A sharded mode labels its collectives' phase; a gradient all_reduce (``GRAD_OF``/``BUCKET``)
@@ -169,7 +169,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
         trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         buckets=_buckets(igm.graph),
-        collectives=_collectives(igm.graph),
+        collectives=collective_rows(igm.graph),
         passes=_pass_rows(manager, pass_args),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )

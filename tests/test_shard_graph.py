@@ -10,7 +10,6 @@ unsharded-memory guard), plus ``spmd.explain``'s list of collectives.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import spmd
 from spmd.graph_utils.meta import KEEP, PHASE, UNIT
@@ -27,9 +26,9 @@ from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimi
 ROOT, BLOCK0, BLOCK1 = 2, 0, 1  # units in post-order
 
 
-def _expanded(style="fully_shard", body=plain_step, n_layer=2, **options):
+def _expanded(style="fully_shard", body=plain_step, **options):
     """The traced, expanded step graph of a sharded GPT (AdamW, two param groups), as an IterGraphModule."""
-    model = gpt(n_layer=n_layer)
+    model = gpt()
     mode = spmd.DataParallel(style, wrap_policy=block_policy(), **options)
     spmd.shard(model, mode)
     optim = optimizer(model, "adamw")
@@ -52,7 +51,8 @@ def _order(graph):
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def test_expansion_gathers_again_in_backward_and_frees_forward_gathers(group):
+def test_expansion_and_sharded_passes(group):
+    """What the expansion emits; then prefetch, reduce-scatter waits, per-unit updates and the memory guard."""
     igm = _expanded()
     graph, order = igm.graph, _order(igm.graph)
     forward, backward = unit_gathers(graph, "forward"), unit_gathers(graph, "backward")
@@ -63,24 +63,12 @@ def test_expansion_gathers_again_in_backward_and_frees_forward_gathers(group):
     for g in forward[1:]:  # a resharding unit's forward parameters die before its backward gather
         twin = next(b for b in backward if b.meta[UNIT] == g.meta[UNIT])
         assert unsharded_interval(g, order)[1] < order[twin]
-    # without passes every wait follows its collective at once
-    assert all(order[wait_of(c)] == order[c] + 1 for c in forward + backward)
+    assert all(order[wait_of(c)] == order[c] + 1 for c in forward + backward), "traced: each wait right after"
 
-
-def test_shard_grad_op_keeps_gathered_parameters_for_backward(group):
-    graph = _expanded("shard_grad_op").graph
-    assert not unit_gathers(graph, "backward")
-    assert all(g.meta.get(KEEP) for g in unit_gathers(graph, "forward"))
-    assert unsharded_peak(graph)[0] == 0, "kept parameters are the setting, not a schedule to limit"
-
-
-def test_prefetch_reduce_scatter_waits_and_per_unit_optimizer(group):
-    igm = _expanded()
     prefetch_unit_gathers(igm, depth=1)
     schedule_reduce_scatter_waits(igm)
     split_optimizer_per_unit(igm)
-    guard_unsharded_memory(igm, max_unsharded=2)
-    graph, order = igm.graph, _order(igm.graph)
+    order = _order(graph)
     for phase in ("forward", "backward"):  # each gather right after the previous one's wait, before its use
         gathers = unit_gathers(graph, phase)
         for prev, nxt in zip(gathers, gathers[1:]):
@@ -97,7 +85,13 @@ def test_prefetch_reduce_scatter_waits_and_per_unit_optimizer(group):
         assert mine, f"no update of unit {comm.meta[UNIT]} alone"
         for u in mine:  # right after this unit's reduction, before the next unit's reduction completes
             assert order[wait_of(comm)] < order[u] and (nxt is None or order[u] < order[wait_of(nxt)])
-    assert unsharded_peak(graph)[0] == 2
+
+    assert unsharded_peak(graph)[0] == 2, "prefetch depth 1: the unit computing and the next one"
+    nodes_before = [n.name for n in graph.nodes]
+    with pytest.raises(UnshardedMemoryError, match="2 units hold gathered parameters at once"):
+        guard_unsharded_memory(igm, max_unsharded=1)
+    assert [n.name for n in graph.nodes] == nodes_before
+    guard_unsharded_memory(igm, max_unsharded=2)
 
 
 def _grad_waits(update):
@@ -106,26 +100,11 @@ def _grad_waits(update):
     return {unit_gradient_source(g) for g in update.args[1]}
 
 
-def test_memory_guard_refuses_a_deeper_prefetch(group):
-    igm = _expanded(n_layer=3)
-    prefetch_unit_gathers(igm, depth=2)
-    assert unsharded_peak(igm.graph)[0] == 3
-    nodes_before = [n.name for n in igm.graph.nodes]
-    with pytest.raises(UnshardedMemoryError, match="3 units hold gathered parameters at once"):
-        guard_unsharded_memory(igm, max_unsharded=2)
-    assert [n.name for n in igm.graph.nodes] == nodes_before
-    guard_unsharded_memory(igm, max_unsharded=3)  # allowed with a larger limit
-
-
-def test_clipping_keeps_updates_after_the_global_norm(group):
-    igm = _expanded(body=clipped_step)
-    schedule_reduce_scatter_waits(igm)
-    split_optimizer_per_unit(igm)
-    graph, order = igm.graph, _order(igm.graph)
-    norm = [n for n in graph.nodes if n.target is torch.ops.aten.linalg_vector_norm.default]
-    updates = [n for n in graph.nodes if is_fused_adam(n)]
-    assert len(updates) == 2, "every gradient is scaled by the global norm: no update can start earlier"
-    assert norm and all(order[u] > order[norm[-1]] for u in updates)
+def test_shard_grad_op_keeps_gathered_parameters_for_backward(group):
+    graph = _expanded("shard_grad_op").graph
+    assert not unit_gathers(graph, "backward")
+    assert all(g.meta.get(KEEP) for g in unit_gathers(graph, "forward"))
+    assert unsharded_peak(graph)[0] == 0, "kept parameters are the setting, not a schedule to limit"
 
 
 def test_explain_lists_every_collective_with_phase_and_unit(group):

@@ -12,9 +12,12 @@ import functools
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import checkpoint
 
 import spmd
+from spmd.explain import collective_rows
+from spmd.passes.fused_optimizer import is_fused_adam
 from tests.dist import run_distributed
 from tests.shard_helpers import (
     accumulating_step, assert_same_layout, batches, block_policy, clipped_step, fsdp2_twin, gpt, max_param_diff,
@@ -25,11 +28,12 @@ TOL = 1e-10
 
 
 def _run_against_fsdp2(rank, style, reshard, kind, body, steps=3, mesh=None, ac=False, autocast=False,
-                       dtype=torch.float64, tol=TOL, passes=True):
-    """Train the spmd model and its FSDP2 twin side by side; return the largest loss and parameter differences."""
+                       dtype=torch.float64, tol=TOL, passes=True, mp_policy=None):
+    """Train the spmd model and its FSDP2 twin side by side; check losses, parameters and state layouts."""
     model = gpt(dtype)
-    ref = fsdp2_twin(model, mesh=mesh, reshard_after_forward=reshard)
-    mode = spmd.DataParallel(style, wrap_policy=block_policy(), reshard_after_forward=reshard, mesh=mesh)
+    ref = fsdp2_twin(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    mode = spmd.DataParallel(style, wrap_policy=block_policy(), reshard_after_forward=reshard, mesh=mesh,
+                             mp_policy=mp_policy)
     spmd.shard(model, mode)
     if ac:  # activation checkpointing inside each unit
         for m in (model, ref):
@@ -51,7 +55,8 @@ def _run_against_fsdp2(rank, style, reshard, kind, body, steps=3, mesh=None, ac=
     assert_same_layout(optim_state_layout(optim), optim_state_layout(ref_optim), "optim.state_dict()")
     assert len(step.cache) == 1
     if rank == 0:
-        print(f"{style} reshard={reshard} {kind} {body.__name__} ac={ac} autocast={autocast} passes={passes}: "
+        print(f"{style} reshard={reshard} {kind} {body.__name__} ac={ac} autocast={autocast} passes={passes} "
+              f"mp={mp_policy is not None}: "
               f"max |loss diff| {worst:.3g}, max |param diff| {params:.3g}")
     return step
 
@@ -69,15 +74,25 @@ def _autocast(body):
 
 
 def _cases(rank, world_size):
-    _run_against_fsdp2(rank, "fully_shard", None, "adamw", clipped_step, ac=True)
+    step = _run_against_fsdp2(rank, "fully_shard", None, "adamw", clipped_step, ac=True)
+    graph = next(iter(step.cache.values())).runner.graph
+    rows = collective_rows(graph)
+    assert [(r["op"], r["phase"]) for r in rows][-1] == ("all_reduce", "optimizer"), "clip_grad_norm_'s sum"
+    norm = next(n for n in graph.nodes if n.name == rows[-1]["name"])
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    updates = [n for n in graph.nodes if is_fused_adam(n)]
+    assert len(updates) == 2 and all(order[u] > order[norm] for u in updates), "clipped: updates wait for the norm"
     _run_against_fsdp2(rank, "fully_shard", False, "sgd", accumulating_step, passes=False)
-    # autocast (bf16 compute on CPU) with float32 parameters: the same ops as eager, so the same values
+    # bf16 compute on CPU with float32 parameters, through autocast or FSDP2's MixedPrecisionPolicy
+    # (gathered in bf16, reduced in float32): the same ops as eager, so the same values
     _run_against_fsdp2(rank, "shard_grad_op", None, "adamw", plain_step, autocast=True, dtype=torch.float32,
                        tol=1e-6)
+    _run_against_fsdp2(rank, "fully_shard", None, "adamw", plain_step, dtype=torch.float32, tol=1e-6,
+                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
 
 
 def test_fully_shard_and_shard_grad_op_match_fsdp2():
-    """AdamW + clipping + activation checkpointing; SGD + gradient accumulation; autocast."""
+    """AdamW + clipping + activation checkpointing; SGD + gradient accumulation; autocast; bf16 mp_policy."""
     run_distributed(_cases)
 
 
