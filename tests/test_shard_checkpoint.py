@@ -14,8 +14,8 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_model_state_dict,
-    set_optimizer_state_dict, set_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import spmd
-from spmd.graph_utils.meta import KEEP, PHASE, UNIT
+from spmd.graph_utils.meta import KEEP, UNIT
 from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval, wait_of
 from spmd.iter_graph_module import IterGraphModule
 from spmd.passes import (

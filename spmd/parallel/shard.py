@@ -13,7 +13,10 @@ FSDP2 makes it behave, so the traced graph holds every collective at its place:
 * for a unit that reshards after forward, a saved-tensor hook stores, instead of a
   tensor autograd saves that lives in the unit's gathered storage, where it lies in
   that storage; backward gathers the unit again (once per backward pass) and reads it
-  from the new storage. The forward's gathered parameters die after the forward.
+  from the new storage. The forward's gathered parameters die after the forward;
+* a hook on the unit's outputs points its modules at gathered parameters again when
+  the unit's backward starts (FSDP2's pre-backward), for a forward that activation
+  checkpointing recomputes there; the end of the backward points them back.
 
 ``expand`` then only reads the tags: each collective gets its unit and phase in
 ``node.meta`` (``graph_utils.meta.UNIT``, ``PHASE``).
