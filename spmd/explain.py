@@ -69,7 +69,7 @@ _OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coa
 
 
 def collective_rows(graph) -> list[dict[str, Any]]:
-    """Every collective in graph order: op, phase, bytes, and the unit or gradient bucket it serves.
+    """Every collective in graph order: op, phase, bytes (of its result), and the unit or gradient bucket it serves.
 
     A sharded mode labels its collectives' phase; a gradient all_reduce (``GRAD_OF``/``BUCKET``)
     is "backward". Any other collective (e.g. ``clip_grad_norm_``'s) is "forward" before the
@@ -186,12 +186,13 @@ def print_plan_tables(plan: Plan) -> None:
     console = Console()
     console.print(f"[bold]parameters[/]: {plan.params:,} ({plan.trainable_params:,} trained), "
                   f"{plan.param_bytes / 2**20:.2f} MiB")
-    table = Table(title="gradient collectives (graph order)")
-    for col in ("collective", "gradients", "MiB", "nodes until wait"):
-        table.add_column(col, justify="right")
-    for b in plan.buckets:
-        table.add_row(b.name, str(b.gradients), f"{b.bytes / 2**20:.3f}", str(b.wait_distance))
-    console.print(table)
+    if plan.buckets:
+        table = Table(title="gradient collectives (graph order)")
+        for col in ("collective", "gradients", "MiB", "nodes until wait"):
+            table.add_column(col, justify="right")
+        for b in plan.buckets:
+            table.add_row(b.name, str(b.gradients), f"{b.bytes / 2**20:.3f}", str(b.wait_distance))
+        console.print(table)
     table = Table(title="collectives of the step (graph order)")
     for col in ("#", "op", "phase", "MiB", "unit / bucket"):
         table.add_column(col, justify="right")

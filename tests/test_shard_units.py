@@ -25,6 +25,7 @@ from spmd.tools.models import GPT, Block, GPTConfig
 from tests.dist import single_process_group
 
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16)
+pytestmark = pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")  # FSDP1 on one rank
 
 
 def _nested_sequential():
