@@ -10,6 +10,12 @@ spelled in one place.
   whose gradient it reduces.
 * ``BUCKET``: on a (fused) gradient collective and its wait, the parameter indices it
   reduces, in graph order.
+* ``UNIT``: on a collective of a sharded mode and its wait, the index of the sharding
+  unit it gathers or reduces (units in post-order, the root last).
+* ``PHASE``: on a collective, where the step issues it: ``"forward"``, ``"backward"``
+  or ``"optimizer"`` (set by the sharded modes' expansion; ``explain`` infers the rest).
+* ``KEEP``: True on a forward gather whose unit keeps its parameters gathered until the
+  backward (it does not reshard after forward: the root, shard_grad_op's units).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ ROLE = "spmd_role"
 NAME = "spmd_name"
 GRAD_OF = "spmd_grad_of"
 BUCKET = "spmd_bucket"
+UNIT = "spmd_unit"
+PHASE = "spmd_phase"
+KEEP = "spmd_keep"
 
 
 class Role:

@@ -15,10 +15,16 @@ from .iteration import IterationGraph, IterMoveError
 from .manager import PassManager, PassOrderError, applied_passes, graph_optimization_pass, pass_info
 from .optimizer_copies import remove_copy_from_optimizer
 from .optimizer_split import split_optimizer_per_bucket
+from .shard_memory import UnshardedMemoryError, guard_unsharded_memory, unsharded_peak
+from .shard_optimizer import split_optimizer_per_unit
+from .shard_prefetch import prefetch_unit_gathers
+from .shard_reduce_scatter import schedule_reduce_scatter_waits
 
 __all__ = [
     "ForeachAddBlock", "ForeachChain", "IterationGraph", "IterMoveError", "PassOrderError", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
     "comm_fusion_with_concat", "find_all_descendants", "get_all_fused_optimizer_blocks",
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
     "remove_copy_from_optimizer", "schedule_comm_wait", "split_fused_optimizer", "split_optimizer_per_bucket",
+    "UnshardedMemoryError", "guard_unsharded_memory", "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
+    "split_optimizer_per_unit", "unsharded_peak",
 ]

@@ -8,10 +8,10 @@ from .api import CompiledTrainStep, compile
 from .errors import SpmdCompileError
 from .explain import Plan, explain
 from .iter_graph_module import IterGraph, IterGraphModule, IterMoveError
-from .parallel import DataParallel
+from .parallel import DataParallel, shard
 from .transformation import GraphModuleTransformation
 
 __all__ = [
     "CompiledTrainStep", "DataParallel", "GraphModuleTransformation", "IterGraph", "IterGraphModule",
-    "IterMoveError", "Plan", "SpmdCompileError", "compile", "explain",
+    "IterMoveError", "Plan", "SpmdCompileError", "compile", "explain", "shard",
 ]

@@ -120,7 +120,8 @@ class CompiledTrainStep:
             if created:  # state was just created: lay it out again
                 state = StepState(state.modules, state.optimizers)
             with phase("trace"):
-                traced = trace_train_step(self.fn, state, args, kwargs)
+                traced = trace_train_step(self.fn, state, args, kwargs,
+                                          lambda params: self.parallel_mode.trace_context(state, params))
         except BaseException:
             for o in created:
                 o.state.clear()
@@ -177,7 +178,7 @@ class CompiledTrainStep:
         entry = self.cache.get(key)
         first_run = entry is None
         if first_run:
-            self.parallel_mode.prepare(state)
+            state = self.parallel_mode.prepare(state) or state  # a mode may replace parameters (lazy sharding)
             if self.cache:
                 log.warning("spmd.compile: %s is retracing for a new input signature (%d cached)",
                             self.__name__, len(self.cache))

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .graph_utils import find_node, is_all_reduce, is_wait_node, tensor_bytes
-from .graph_utils.meta import BUCKET, GRAD_OF
+from .graph_utils import find_node, is_all_reduce, is_comm_node, is_wait_node, tensor_bytes
+from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, UNIT
 from .passes import PassManager, pass_info
 
 from .api import CompiledTrainStep
@@ -34,6 +34,7 @@ class Plan:
     trainable_params: int
     param_bytes: int
     buckets: list[Bucket] = field(default_factory=list)
+    collectives: list[dict[str, Any]] = field(default_factory=list)
     passes: list[dict[str, Any]] = field(default_factory=list)
     moves: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -59,6 +60,41 @@ def _buckets(graph) -> list[Bucket]:
         members = comm.meta.get(BUCKET) or [comm.meta.get(GRAD_OF)]
         out.append(Bucket(comm.name, len(members), tensor_bytes(comm), distance))
     return out
+
+
+_OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+             "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+             "broadcast": "broadcast"}
+
+
+def collective_rows(graph) -> list[dict[str, Any]]:
+    """Every collective in graph order: op, phase, bytes (of its result), and the unit or gradient bucket it serves.
+
+    A sharded mode labels its collectives' phase; a gradient all_reduce (``GRAD_OF``/``BUCKET``)
+    is "backward". Any other collective (e.g. ``clip_grad_norm_``'s) is "forward" before the
+    first labelled backward collective, "optimizer" after the last one, else "backward".
+    """
+    comms = [n for n in graph.nodes if is_comm_node(n)]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def labelled(n):
+        return n.meta.get(PHASE) or ("backward" if GRAD_OF in n.meta or BUCKET in n.meta else None)
+
+    backward = [order[n] for n in comms if labelled(n) == "backward"]
+    rows = []
+    for n in comms:
+        phase = labelled(n)
+        if phase is None:
+            phase = ("forward" if not backward or order[n] < backward[0]
+                     else "optimizer" if order[n] > backward[-1] else "backward")
+        vals = n.meta.get("val")
+        nbytes = (sum(v.numel() * v.element_size() for v in vals) if isinstance(vals, (list, tuple))
+                  else tensor_bytes(n))
+        bucket = n.meta.get(BUCKET) or ([n.meta[GRAD_OF]] if GRAD_OF in n.meta else None)
+        rows.append({"op": _OP_NAMES.get(n.target.overloadpacket.__name__, n.target.overloadpacket.__name__),
+                     "phase": phase, "bytes": nbytes, "unit": n.meta.get(UNIT), "bucket": bucket, "name": n.name})
+    return rows
 
 
 def _single_tensor_adam(optimizers) -> bool:
@@ -100,7 +136,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
     """Trace ``train_step`` on these arguments and report the plan, without running a step.
 
     Returns (and prints with rich) parameters and bytes, gradient buckets and their sizes,
-    the pass pipeline in order with its constraints, cross-iteration moves, and warnings
+    every collective of the step (``Plan.collectives``: op, phase, bytes, unit or bucket), the pass pipeline in order with its constraints, cross-iteration moves, and warnings
     for what will run slowly. Parameters and optimizer state are left as they were
     (optimizer state created for the trace is removed again).
 
@@ -117,7 +153,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
     try:
         transform = train_step.gm_transformation
         ours = isinstance(transform, GraphModuleTransformation)
-        manager = transform.pass_manager if ours else PassManager([])
+        manager = transform.pass_manager_for(gm.graph) if ours else PassManager([])
         pass_args = transform.pass_args if ours else {}
         igm = IterGraphModule(gm)
         manager(igm, pass_args)
@@ -133,6 +169,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
         trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         buckets=_buckets(igm.graph),
+        collectives=collective_rows(igm.graph),
         passes=_pass_rows(manager, pass_args),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )
@@ -149,11 +186,20 @@ def print_plan_tables(plan: Plan) -> None:
     console = Console()
     console.print(f"[bold]parameters[/]: {plan.params:,} ({plan.trainable_params:,} trained), "
                   f"{plan.param_bytes / 2**20:.2f} MiB")
-    table = Table(title="gradient collectives (graph order)")
-    for col in ("collective", "gradients", "MiB", "nodes until wait"):
+    if plan.buckets:
+        table = Table(title="gradient collectives (graph order)")
+        for col in ("collective", "gradients", "MiB", "nodes until wait"):
+            table.add_column(col, justify="right")
+        for b in plan.buckets:
+            table.add_row(b.name, str(b.gradients), f"{b.bytes / 2**20:.3f}", str(b.wait_distance))
+        console.print(table)
+    table = Table(title="collectives of the step (graph order)")
+    for col in ("#", "op", "phase", "MiB", "unit / bucket"):
         table.add_column(col, justify="right")
-    for b in plan.buckets:
-        table.add_row(b.name, str(b.gradients), f"{b.bytes / 2**20:.3f}", str(b.wait_distance))
+    for i, c in enumerate(plan.collectives):
+        owner = f"unit {c['unit']}" if c["unit"] is not None else (f"{len(c['bucket'])} gradients" if c["bucket"]
+                                                                    else "-")
+        table.add_row(str(i), c["op"], c["phase"], f"{c['bytes'] / 2**20:.3f}", owner)
     console.print(table)
     table = Table(title="pass pipeline (in order)")
     for col in ("pass", "args", "prerequisites", "apply after"):

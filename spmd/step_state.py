@@ -5,6 +5,10 @@ arguments and lays their tensors out in one fixed order (parameters, buffers,
 optimizer state), which is the order of the compiled graph's leading inputs. The
 real tensors are passed to the graph on every call, so updates land in place and
 edits the user makes between steps are always seen.
+
+A ``DTensor`` (a sharded parameter or its optimizer state) enters the graph as its
+local tensor; tracing wraps the traced local tensor back into a ``DTensor`` with the
+same spec (``as_dtensors``), so the step sees what it sees in eager mode.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from .errors import SpmdCompileError
 
@@ -21,6 +26,15 @@ from .errors import SpmdCompileError
 # optimizer; a change retraces. ``lr`` is a graph input instead (schedulers change it).
 _GROUP_KEYS_IN_SIGNATURE = ("betas", "momentum", "dampening", "nesterov", "weight_decay", "eps",
                             "amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a graph input holds for ``t``: its local tensor if ``t`` is a DTensor, else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _spec(t: torch.Tensor):
+    return t._spec if isinstance(t, DTensor) else None
 
 
 def find_modules_and_optimizers(args: tuple, kwargs: dict) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
@@ -140,6 +154,7 @@ class StepState:
             self.group_param_indices.append(groups)
 
         self.param_trained = [p.requires_grad for p in self.params]
+        self.param_specs = [_spec(p) for p in self.params]
         # optimizer state tensors, param by param, keys sorted
         self.state_tensors: list[torch.Tensor] = []
         self.state_names: list[str] = []
@@ -159,6 +174,7 @@ class StepState:
                 else:
                     layout.append((key, ("const", value)))
             self._state_layout.append(layout)
+        self.state_specs = [_spec(t) for t in self.state_tensors]
 
     # -- layout helpers used by tracing ----------------------------------------
     def module_param_names(self) -> Iterator[tuple[nn.Module, list[tuple[str, int]]]]:
@@ -166,6 +182,16 @@ class StepState:
 
     def module_buffer_names(self, mod: nn.Module) -> list[tuple[str, int]]:
         return self._module_buffers[id(mod)]
+
+    def as_dtensors(self, traced: list[torch.Tensor], specs: list, requires_grad: list[bool] | None = None
+                    ) -> list[torch.Tensor]:
+        """``traced`` local tensors wrapped as DTensors where ``specs`` has a spec (leaves: ``requires_grad``)."""
+        out = []
+        for i, (t, spec) in enumerate(zip(traced, specs)):
+            if spec is not None:
+                t = DTensor(t, spec, requires_grad=bool(requires_grad and requires_grad[i]))
+            out.append(t)
+        return out
 
     def rebuild_optimizer_states(self, state_tensors: list, params: list) -> list[dict]:
         """Per-parameter state dicts whose tensors are ``state_tensors`` (traced ones)."""
@@ -196,15 +222,18 @@ class StepState:
 
     # -- per call ----------------------------------------------------------------
     def flat_tensors(self) -> list[torch.Tensor]:
-        """The real tensors, in graph order, as the compiled graph's leading inputs."""
-        return [*self.params, *self.buffers, *self.state_tensors]
+        """The real tensors (local tensors of DTensors), in graph order, as the compiled graph's leading inputs."""
+        return [local_tensor(t) for t in (*self.params, *self.buffers, *self.state_tensors)]
 
     def lr_tensors(self) -> list[torch.Tensor]:
         return [torch.tensor(float(v), device=d) for v, d in self.lr_values_and_devices()]
 
     def signature(self) -> tuple:
         """Everything about the state that the traced graph specialises on."""
-        tensors = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in self.flat_tensors())
+        tensors = tuple((tuple(local_tensor(t).shape), t.dtype, t.device, t.requires_grad,
+                         None if spec is None else (tuple(spec.shape), spec.placements, spec.mesh))
+                        for t, spec in zip((*self.params, *self.buffers, *self.state_tensors),
+                                           (*self.param_specs, *[None] * len(self.buffers), *self.state_specs)))
         groups = tuple(
             tuple((k, repr(g.get(k))) for k in _GROUP_KEYS_IN_SIGNATURE if k in g)
             for o in self.optimizers for g in o.param_groups

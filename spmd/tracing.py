@@ -164,10 +164,24 @@ class _FunctionalFusedOptim(torch.fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
+def tag_gradients(state: StepState, params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """Tag each trained parameter's gradient with ``spmd::tag_grad`` (what replicate expands)."""
+    for i, p in enumerate(params):
+        if state.param_trained[i]:
+            p.register_hook(lambda g, i=i: tag_grad(g, i))
+    return contextlib.nullcontext()
+
+
 def trace_train_step(
-    fn: Callable, state: StepState, args: tuple, kwargs: dict
+    fn: Callable, state: StepState, args: tuple, kwargs: dict,
+    mode_context: Callable[[list[torch.Tensor]], contextlib.AbstractContextManager] | None = None,
 ) -> TracedStep:
-    """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph."""
+    """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph.
+
+    ``mode_context(params)``, given the traced parameters (DTensors where the real ones
+    are), is entered around ``fn``: the parallel mode's hooks (default: ``tag_gradients``).
+    """
+    mode_context = mode_context or (lambda params: tag_gradients(state, params))
     register_missing_fused_optimizer_metas()
     flat_user, user_spec = pytree.tree_flatten((args, kwargs))
     tensor_slots = [i for i, v in enumerate(flat_user) if isinstance(v, torch.Tensor)]
@@ -178,9 +192,8 @@ def trace_train_step(
     out_holder: dict[str, Any] = {}
 
     def whole_step(params, buffers, state_tensors, lrs, inputs):
-        for i, p in enumerate(params):
-            if state.param_trained[i]:
-                p.register_hook(lambda g, i=i: tag_grad(g, i))
+        params = state.as_dtensors(params, state.param_specs, state.param_trained)
+        state_tensors = state.as_dtensors(state_tensors, state.state_specs)
         states = state.rebuild_optimizer_states(state_tensors, params)
         flat = list(flat_user)
         for slot, t in zip(tensor_slots, inputs):
@@ -192,6 +205,7 @@ def trace_train_step(
                 mapping.update({n: buffers[i] for n, i in state.module_buffer_names(mod)})
                 stack.enter_context(_reparametrize_module(mod, mapping))
             stack.enter_context(_rematerialize_optimizers(state, params, states, lrs))
+            stack.enter_context(mode_context(params))
             out = fn(*call_args, **call_kwargs)
             leftover = [state.param_names[i] for i, p in enumerate(params) if p.grad is not None]
         if leftover:
@@ -212,7 +226,10 @@ def trace_train_step(
         return [v.detach() if isinstance(v, torch.Tensor) else v for v in flat_out]
 
     lr_values = state.lr_tensors()
-    inputs = (list(state.params), list(state.buffers), list(state.state_tensors), lr_values, user_tensors)
+    n_flat = n_params + n_buffers + n_state
+    flat_state = state.flat_tensors()  # local tensors of DTensors
+    inputs = (flat_state[:n_params], flat_state[n_params:n_params + n_buffers], flat_state[n_params + n_buffers:n_flat],
+              lr_values, user_tensors)
     known = {id(o) for o in state.optimizers}
 
     def refuse_unknown_optimizer(optim, args, kwargs):

@@ -10,12 +10,13 @@ import torch.fx as fx
 from .compile_times import phase
 from .cudagraphs import CudaGraphRunner
 from .graph_utils import DumpOptions, request_dump
-from .graph_utils.meta import ROLE, Role
+from .graph_utils.meta import ROLE, UNIT, Role
 from .iter_graph_module import IterGraphModule
 from .lowering import compile_with_inductor
 from .passes import (
-    PassManager, applied_passes, comm_fusion_with_concat, pass_info, remove_copy_from_optimizer,
-    schedule_comm_wait, split_optimizer_per_bucket,
+    PassManager, applied_passes, comm_fusion_with_concat, guard_unsharded_memory, pass_info,
+    prefetch_unit_gathers, remove_copy_from_optimizer, schedule_comm_wait, schedule_reduce_scatter_waits,
+    split_optimizer_per_bucket, split_optimizer_per_unit,
 )
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,18 @@ def default_passes(optimizer_parts: int = 4) -> list[Callable]:
     return [comm_fusion_with_concat, schedule_comm_wait, *split, remove_copy_from_optimizer]
 
 
+def sharded_passes() -> list[Callable]:
+    """The pipeline for a sharded mode's graph: gathers prefetched, reduce-scatter waits placed, one optimizer
+    update per unit right after its reduction, the unsharded-memory check, optimizer copy removal."""
+    return [prefetch_unit_gathers, schedule_reduce_scatter_waits, split_optimizer_per_unit, guard_unsharded_memory,
+            remove_copy_from_optimizer]
+
+
+def is_sharded_graph(graph: fx.Graph) -> bool:
+    """True for a graph a sharded mode expanded (its collectives carry ``meta[UNIT]``)."""
+    return any(UNIT in n.meta for n in graph.nodes)
+
+
 class GraphModuleTransformation:
     """Wrap the step graph in an ``IterGraphModule``, optimize it, and choose how its graphs run.
 
@@ -36,6 +49,9 @@ class GraphModuleTransformation:
     optimizer ops for ``split_optimizer_per_bucket``; 1: no split), plus any ``passes`` the user
     gives (declared with ``@graph_optimization_pass``, bare or as ``functools.partial``),
     ordered together by ``PassManager``. ``passes`` alone (without the flag) runs only the user's.
+    For a sharded mode's graph (``is_sharded_graph``) the flag runs ``sharded_passes`` instead,
+    gathering ``prefetch_units`` units ahead and allowing 1 + ``prefetch_units`` units
+    gathered at once (``guard_unsharded_memory``).
 
     ``enable_inductor=True`` compiles each graph the step runs (the whole step, or its
     setup/main/cleanup parts after a cross-iteration move) with TorchInductor on first
@@ -55,30 +71,40 @@ class GraphModuleTransformation:
     def __init__(self, enable_graph_optimization: bool = False, enable_inductor: bool = False,
                  dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None, bucket_size_mb: float = 25.0,
                  passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False,
-                 inductor_comm_passes: bool = False, optimizer_parts: int = 4):
+                 inductor_comm_passes: bool = False, optimizer_parts: int = 4, prefetch_units: int = 1):
         if inductor_comm_passes and not enable_inductor:
             raise ValueError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
         if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
             raise ValueError(f"optimizer_parts must be an int >= 1 (1: one optimizer op), got {optimizer_parts!r}")
+        if isinstance(prefetch_units, bool) or not isinstance(prefetch_units, int) or prefetch_units < 1:
+            raise ValueError(f"prefetch_units must be an int >= 1 (units gathered ahead), got {prefetch_units!r}")
         self.enable_inductor = enable_inductor
         self.enable_cudagraphs = enable_cudagraphs
         self.inductor_comm_passes = inductor_comm_passes
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
+        self.prefetch_units = prefetch_units
         chosen = (default_passes(optimizer_parts) if enable_graph_optimization else []) + list(passes)
         self.pass_manager = PassManager(chosen)  # validates declarations and order now, not mid-compile
+        self.sharded_pass_manager = PassManager((sharded_passes() if enable_graph_optimization else []) + list(passes))
         self.dump = DumpOptions.resolve(dump_graphs, dump_dir, dump_ranks)
 
     @property
     def pass_args(self) -> dict[Callable, dict]:
         """The keyword arguments our passes get from this transformation's settings."""
         return {comm_fusion_with_concat: {"bucket_size_mb": self.bucket_size_mb},
-                split_optimizer_per_bucket: {"max_parts": self.optimizer_parts}}
+                split_optimizer_per_bucket: {"max_parts": self.optimizer_parts},
+                prefetch_unit_gathers: {"depth": self.prefetch_units},
+                guard_unsharded_memory: {"max_unsharded": 1 + self.prefetch_units}}
+
+    def pass_manager_for(self, graph: fx.Graph) -> PassManager:
+        """The pass manager for ``graph``: the sharded pipeline for a sharded mode's graph, else the default."""
+        return self.sharded_pass_manager if is_sharded_graph(graph) else self.pass_manager
 
     def __call__(self, gm: fx.GraphModule) -> IterGraphModule:
         request_dump(self.dump)
         igm = IterGraphModule(gm)
-        self.pass_manager(igm, self.pass_args, timer=lambda name: phase(f"passes/{name}"))
+        self.pass_manager_for(gm.graph)(igm, self.pass_args, timer=lambda name: phase(f"passes/{name}"))
         with phase("passes/finalize"):
             igm.finalize_setup()
         if self.enable_inductor or self.enable_cudagraphs:

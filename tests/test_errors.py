@@ -137,7 +137,7 @@ def test_gradients_from_outside_the_step_are_refused():
 
 def test_unimplemented_parallel_style_raises():
     with pytest.raises(NotImplementedError, match="replicate"):
-        spmd.DataParallel("fully_shard")
+        spmd.DataParallel("zero3")
 
 
 def test_single_process_without_process_group_trains_like_eager():

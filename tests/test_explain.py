@@ -49,7 +49,11 @@ def test_explain_warns_about_unbucketed_all_reduces(capsys):
     assert len(plan.buckets) == 4 and plan.passes == []
     assert any("enable_graph_optimization" in w for w in plan.warnings)
     assert any("under 1 MiB" in w for w in plan.warnings)
-    assert "gradient collectives" in capsys.readouterr().out
+    assert [(c["op"], c["phase"], c["bucket"]) for c in plan.collectives] == [
+        ("all_reduce", "backward", [i]) for i in (3, 2, 1, 0)]  # one per gradient, last layer first
+    assert [c["bytes"] for c in plan.collectives] == [32, 256, 32, 256]
+    out = capsys.readouterr().out
+    assert "gradient collectives" in out and "collectives of the step" in out
 
 
 def test_explain_warns_when_adam_runs_single_tensor_and_not_otherwise():

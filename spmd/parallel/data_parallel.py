@@ -5,6 +5,9 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
 
 * ``prepare(dp, state)``: runs on the first call of a compiled step for its modules
   and optimizers, before tracing (e.g. make replicas equal);
+* ``trace_context(dp, state, params)``: a context manager entered around the user's
+  step while it is traced, given the traced stand-ins of ``state.params`` (e.g. tag
+  each gradient; gather and reduce-scatter each sharding unit);
 * ``expand(dp, gm)``: turns the traced single-rank graph into the distributed one
   (e.g. an all_reduce per gradient).
 
@@ -14,14 +17,15 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.fx as fx
 
-from . import replicate
+from . import replicate, shard
 
-STYLES = {"replicate": replicate}
+STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
+_SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy", "mesh")
 
 
 @dataclass
@@ -32,11 +36,25 @@ class DataParallel:
     passes its own local batch (as with DDP); gradients are summed (or averaged) over
     ``group`` (default: the default process group). ``"avg"`` divides each gradient by
     the world size before the sum, exactly as DDP does, on every backend.
+
+    ``DataParallel("fully_shard" | "shard_grad_op" | "hybrid_shard", wrap_policy=None,
+    reshard_after_forward=None, mp_policy=None, mesh=None)``: FSDP2's sharded data
+    parallel (see ``spmd.shard``): units from ``wrap_policy`` (FSDP's policies, or a set of
+    module classes), parameters gathered before each unit runs and gradients
+    reduce-scattered (averaged, as FSDP2 does) after; ``reshard_after_forward`` (default
+    True for fully_shard and hybrid_shard, False for shard_grad_op) gathers again in
+    backward instead of keeping the unsharded parameters; ``mp_policy`` is a
+    ``torch.distributed.fsdp.MixedPrecisionPolicy``; ``mesh`` a 1-D ``DeviceMesh`` (default:
+    the whole world), or 2-D (replicate, shard) for hybrid_shard.
     """
 
     parallel_style: str = "replicate"
-    grad_reduce: str = "sum"
+    grad_reduce: Optional[str] = None  # replicate: "sum" (default) or "avg"
     group: Optional[dist.ProcessGroup] = None
+    wrap_policy: Any = None
+    reshard_after_forward: Optional[bool] = None
+    mp_policy: Any = None
+    mesh: Any = None
 
     def __post_init__(self):
         if self.parallel_style not in STYLES:
@@ -44,8 +62,29 @@ class DataParallel:
                 f"spmd.DataParallel: parallel_style={self.parallel_style!r} is not implemented; "
                 f"choose one of {sorted(STYLES)}."
             )
-        if self.grad_reduce not in ("sum", "avg"):
+        if self.grad_reduce not in (None, "sum", "avg"):
             raise ValueError(f"spmd.DataParallel: grad_reduce must be 'sum' or 'avg', got {self.grad_reduce!r}")
+        if not self.is_sharded:
+            given = [k for k in _SHARD_OPTIONS if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"spmd.DataParallel: {given} apply to the sharded styles (fully_shard, shard_grad_op, "
+                                 "hybrid_shard), not to replicate. Drop them or choose a sharded style.")
+        elif self.grad_reduce is not None or self.group is not None:
+            raise ValueError(f"spmd.DataParallel: grad_reduce and group apply to replicate; {self.parallel_style} "
+                             "averages gradients as FSDP2 does, over mesh=. Drop them.")
+        else:
+            shard.validate_options(self)
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.parallel_style != "replicate"
+
+    @property
+    def resolved_reshard_after_forward(self) -> bool:
+        """``reshard_after_forward``, or the style's default (False only for shard_grad_op)."""
+        if self.reshard_after_forward is None:
+            return self.parallel_style != "shard_grad_op"
+        return self.reshard_after_forward
 
     @property
     def mode(self):
@@ -58,9 +97,16 @@ class DataParallel:
             return None
         return self.group or dist.distributed_c10d._get_default_group()
 
-    def prepare(self, state) -> None:
-        """Mode-specific work on the step's modules and optimizers before their first trace."""
-        self.mode.prepare(self, state)
+    def prepare(self, state):
+        """Mode-specific work on the step's modules and optimizers before their first trace.
+
+        Returns the state to trace (a new one when the mode replaced parameters), or None.
+        """
+        return self.mode.prepare(self, state)
+
+    def trace_context(self, state, params):
+        """What the mode does while the step is traced (``params``: the traced parameters)."""
+        return self.mode.trace_context(self, state, params)
 
     def expand(self, gm: fx.GraphModule) -> fx.GraphModule:
         """The traced single-rank graph, expanded for this mode (edited in place)."""

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from ..graph_utils import set_fake_val
 from ..graph_utils.meta import GRAD_OF
-from ..tracing import TAG_GRAD
+from ..tracing import TAG_GRAD, tag_gradients
 
 log = logging.getLogger(__name__)
 c10d = torch.ops._c10d_functional
@@ -22,6 +22,11 @@ c10d = torch.ops._c10d_functional
 
 def prepare(dp, state) -> None:
     """Nothing to do before tracing (yet)."""
+
+
+def trace_context(dp, state, params):
+    """While tracing: tag each trained parameter's gradient, for ``expand``."""
+    return tag_gradients(state, params)
 
 
 def expand(dp, gm: fx.GraphModule) -> fx.GraphModule:

@@ -1,0 +1,306 @@
+"""Sharded data parallel (fully_shard, shard_grad_op, hybrid_shard): FSDP2's semantics in the step graph.
+
+The parameters are DTensors (``spmd.shard``; ``units.py``) and enter the graph as their
+local shards. While the step is traced, ``trace_context`` makes each unit behave as
+FSDP2 makes it behave, so the traced graph holds every collective at its place:
+
+* a forward pre-hook on each unit gathers its parameters (``shard_comm.GatherUnit``, one
+  per unit and dtype), casts the unit's inputs for ``mp_policy`` and points the unit's
+  modules at the full tensors; the forward hook points them back at the DTensors. So
+  code after backward (``clip_grad_norm_``, the optimizer) sees DTensor parameters and
+  gradients, as in eager FSDP2;
+* gradients are reduce-scattered in the unit's backward (``GatherUnit.backward``);
+* for a unit that reshards after forward, a saved-tensor hook stores, instead of a
+  tensor autograd saves that lives in the unit's gathered storage, where it lies in
+  that storage; backward gathers the unit again (once per backward pass) and reads it
+  from the new storage. The forward's gathered parameters die after the forward;
+* a hook on the unit's outputs points its modules at gathered parameters again when
+  the unit's backward starts (FSDP2's pre-backward), for a forward that activation
+  checkpointing recomputes there; the end of the backward points them back.
+
+``expand`` then only reads the tags: each collective gets its unit and phase in
+``node.meta`` (``graph_utils.meta.UNIT``, ``PHASE``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..errors import SpmdCompileError
+from ..graph_utils import is_comm_node, is_wait_node
+from ..graph_utils.meta import KEEP, PHASE, UNIT
+from ..step_state import StepState
+from .policies import as_policy
+from .shard_comm import (
+    UNIT_TAG, GatherUnit, ParamLayout, UnitGroups, gather_unit, in_backward, layout_of, unit_groups,
+)
+from .units import ShardPlan, Unit, shard, shard_plan
+
+log = logging.getLogger(__name__)
+
+
+def validate_options(dp) -> None:
+    """Check the sharded options' types now, so a wrong one fails where it is written."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    as_policy(dp.wrap_policy)
+    if dp.mp_policy is not None and not isinstance(dp.mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"spmd.DataParallel: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, "
+                        f"got {dp.mp_policy!r}")
+    if dp.mesh is not None and not isinstance(dp.mesh, DeviceMesh):
+        raise TypeError(f"spmd.DataParallel: mesh must be a DeviceMesh, got {dp.mesh!r}")
+    if dp.reshard_after_forward is not None and not isinstance(dp.reshard_after_forward, bool):
+        raise TypeError(f"spmd.DataParallel: reshard_after_forward must be a bool, got {dp.reshard_after_forward!r}")
+
+
+def _swap_optimizer_params(optimizers, old_to_new: dict[int, nn.Parameter]) -> None:
+    for optim in optimizers:
+        for group in optim.param_groups:
+            group["params"] = [old_to_new.get(id(p), p) for p in group["params"]]
+
+
+def prepare(dp, state: StepState) -> Optional[StepState]:
+    """Shard, on the first call, a model ``spmd.shard`` never saw (its optimizers must hold no state yet)."""
+    fresh = [m for m in state.modules if shard_plan(m) is None]
+    for mod in state.modules:
+        plan = shard_plan(mod)
+        if plan is not None and plan.dp != dp:
+            raise SpmdCompileError(
+                f"spmd.compile: {type(mod).__name__} was sharded with {plan.dp.parallel_style} settings that differ "
+                f"from this step's parallel_mode. Pass the same DataParallel to spmd.shard and spmd.compile."
+            )
+    if not fresh:
+        return None
+    for mod in fresh:
+        if any(isinstance(p, DTensor) for p in mod.parameters()):
+            raise SpmdCompileError(
+                f"spmd.compile: {type(mod).__name__} holds DTensor parameters that spmd.shard did not create "
+                "(fully_shard applied?). Shard the plain model with spmd.shard(model, mode) instead."
+            )
+        params = {id(p) for p in mod.parameters()}
+        if any(id(p) in params for o in state.optimizers for p, s in o.state.items() if s):
+            raise SpmdCompileError(
+                f"spmd.compile: {type(mod).__name__} is not sharded and its optimizer already holds state for its "
+                "parameters, which cannot be resharded in place. Call spmd.shard(model, mode) before building "
+                "the optimizer."
+            )
+    for mod in fresh:
+        before = {name: p for name, p in mod.named_parameters()}
+        shard(mod, dp)
+        after = dict(mod.named_parameters())
+        _swap_optimizer_params(state.optimizers, {id(p): after[name] for name, p in before.items()})
+        log.info("spmd: sharded %s on its first step (%d units)", type(mod).__name__, len(shard_plan(mod).units))
+    return StepState(state.modules, state.optimizers)
+
+
+@dataclass
+class _GatherGroup:
+    """The parameters of one unit gathered together (one dtype) and their traced stand-ins."""
+
+    unit: Unit
+    holders: list[list[tuple[nn.Module, str]]]
+    leaves: list[torch.Tensor]        # the DTensor stand-ins
+    layouts: list[ParamLayout]
+    groups: UnitGroups
+    kept: list[torch.Tensor] = field(default_factory=list)  # the last forward's gathered parameters
+
+    def point_modules_at(self, tensors: list[torch.Tensor]) -> None:
+        for holders, t in zip(self.holders, tensors):
+            for mod, attr in holders:
+                mod._parameters[attr] = t
+
+
+@dataclass
+class _Recipe:
+    """Where a saved tensor lay in a unit's gathered storage (what a resharding unit saves instead)."""
+
+    group: _GatherGroup
+    position: int       # the parameter whose gathered storage it lies in
+    size: tuple
+    stride: tuple
+    offset: int         # storage offset relative to that parameter's gathered base
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+@dataclass
+class _Resharding:
+    """Saved-tensor hooks that let a resharding unit's gathered parameters die after its forward.
+
+    A tensor autograd saves that lies in such a unit's gathered storage is stored as a
+    ``_Recipe``; unpacking it in the backward reads the same place of the unit's
+    parameters gathered again, once per unit and backward pass (``regather``).
+    """
+
+    storages: dict[StorageWeakRef, tuple[_GatherGroup, int, torch.Tensor]] = field(default_factory=dict)
+    regathered: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+
+    def register(self, group: _GatherGroup, fulls: list[torch.Tensor]) -> None:
+        for k, full in enumerate(fulls):
+            self.storages[StorageWeakRef(full.untyped_storage())] = (group, k, _base(full))
+
+    def regather(self, group: _GatherGroup) -> list[torch.Tensor]:
+        """The group's parameters gathered in this backward pass (gathered on first request)."""
+        key = (id(group), torch._C._current_graph_task_id())
+        if key not in self.regathered:
+            self.regathered[key] = gather_unit([leaf._local_tensor for leaf in group.leaves], group.layouts,
+                                               group.groups, group.unit.index, "backward")
+        return self.regathered[key]
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if is_traceable_wrapper_subclass(t) or not self.storages:
+            return t
+        hit = self.storages.get(StorageWeakRef(t.untyped_storage()))
+        if hit is None:
+            return t
+        group, k, base = hit
+        return _Recipe(group, k, tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Recipe):
+            return packed
+        base = _base(self.regather(packed.group)[packed.position])
+        return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
+
+
+def _cast_floats(tree: Any, dtype: Optional[torch.dtype]) -> Any:
+    """``tree`` with its floating-point tensors cast to ``dtype`` (as FSDP2 casts a unit's inputs)."""
+    if dtype is None:
+        return tree
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
+def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _Resharding) -> list:
+    """Register the unit's hooks: gather before forward, point modules back at the DTensors after it,
+    and point them at gathered parameters again for the unit's backward (activation checkpointing
+    recomputes the forward there), as FSDP2's pre-backward hook does."""
+    cast_inputs = mp_policy.param_dtype if mp_policy is not None and mp_policy.cast_forward_inputs else None
+    output_dtype = mp_policy.output_dtype if mp_policy is not None else None
+    in_backward_of: set[int] = set()  # backward passes that have pointed this unit's modules at gathered tensors
+
+    def pre_forward(module, args, kwargs):
+        for group in groups:
+            fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, not unit.reshard_after_forward,
+                                     *group.leaves)
+            group.kept = list(fulls)
+            if unit.reshard_after_forward:
+                resharding.register(group, group.kept)
+            group.point_modules_at(group.kept)
+        return _cast_floats((args, kwargs), cast_inputs)
+
+    def restore():
+        for group in groups:
+            group.point_modules_at(group.leaves)
+
+    def pre_backward(grad):
+        task = torch._C._current_graph_task_id()
+        if task in in_backward_of:
+            return None
+        in_backward_of.add(task)
+        for group in groups:
+            if unit.reshard_after_forward:  # requires_grad as in the forward, so a recompute saves the same tensors
+                fulls = [f.detach().requires_grad_(leaf.requires_grad)
+                         for f, leaf in zip(resharding.regather(group), group.leaves)]
+            else:
+                fulls = group.kept
+            group.point_modules_at(fulls)
+        torch.autograd.Variable._execution_engine.queue_callback(restore)
+        return None
+
+    def post_forward(module, args, output):
+        restore()
+        if torch.is_grad_enabled() and not in_backward():
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(pre_backward)
+        return _cast_floats(output, output_dtype)
+
+    return [unit.module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True),
+            unit.module.register_forward_hook(post_forward)]
+
+
+def _gather_groups(plan: ShardPlan, unit: Unit, traced: set[int]) -> list[_GatherGroup]:
+    """The unit's parameters grouped by gather dtype, each with its traced stand-ins and layouts.
+
+    Tracing has pointed the modules at the stand-ins already (``traced``: their ids).
+    """
+    groups = unit_groups(plan.mesh)
+    by_dtype: dict[torch.dtype, _GatherGroup] = {}
+    for holders, p in zip(unit.params, unit.current_params()):
+        if id(p) not in traced:
+            raise SpmdCompileError(
+                f"spmd.compile: parameter {unit.names[unit.params.index(holders)]} of a sharded unit is not among "
+                "the step's parameters. Pass the whole sharded model to train_step."
+            )
+        if not isinstance(p, DTensor):
+            raise SpmdCompileError(
+                f"spmd.compile: parameter {unit.names[unit.params.index(holders)]} is no longer a DTensor (was it "
+                "replaced by a plain tensor after spmd.shard?). Load state into the sharded parameters "
+                "(set_state_dict, load_state_dict) instead of replacing them."
+            )
+        lay = layout_of(p, plan.dp.mp_policy)
+        group = by_dtype.setdefault(lay.gather_dtype, _GatherGroup(unit, [], [], [], groups))
+        group.holders.append(holders)
+        group.leaves.append(p)
+        group.layouts.append(lay)
+    return list(by_dtype.values())
+
+
+@contextlib.contextmanager
+def trace_context(dp, state: StepState, params: list[torch.Tensor]) -> Iterator[None]:
+    """While the step is traced: each unit gathers, reduce-scatters and reshards as FSDP2's would."""
+    traced = {id(p) for p in params}
+    resharding = _Resharding()
+    handles = []
+    try:
+        for mod in state.modules:
+            plan = shard_plan(mod)
+            if plan is None:
+                raise SpmdCompileError(
+                    f"spmd.compile: {type(mod).__name__} is not sharded. Call spmd.shard(model, mode) before "
+                    "building the optimizer (spmd.explain does not shard for you)."
+                )
+            for unit in plan.units:
+                handles += _unit_hooks(unit, _gather_groups(plan, unit, traced), plan.dp.mp_policy, resharding)
+        with torch.autograd.graph.saved_tensors_hooks(resharding.pack, resharding.unpack):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def expand(dp, gm: fx.GraphModule) -> fx.GraphModule:
+    """Move each ``spmd::unit_tag`` onto its collective (``meta[UNIT]``, ``meta[PHASE]``, ``meta[KEEP]``), drop the tags.
+
+    The collectives were traced in place (``trace_context``); this only labels them, and
+    their waits, so passes and ``spmd.explain`` can tell units and phases apart.
+    """
+    graph = gm.graph
+    for tag in [n for n in graph.nodes if n.op == "call_function" and n.target is UNIT_TAG]:
+        _, unit, phase, keep = tag.args
+        for comm in [u for u in tag.users if is_comm_node(u)]:
+            for node in (comm, *[w for w in comm.users if is_wait_node(w)]):
+                node.meta[UNIT] = unit
+                node.meta[PHASE] = phase
+                if keep:
+                    node.meta[KEEP] = True
+        tag.replace_all_uses_with(tag.args[0])
+        graph.erase_node(tag)
+    graph.lint()
+    gm.recompile()
+    return gm

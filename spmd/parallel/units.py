@@ -1,0 +1,201 @@
+"""``spmd.shard``: split a model into units and shard its parameters in place, in FSDP2's layout.
+
+Every parameter becomes ``nn.Parameter(DTensor)`` placed ``(Shard(0),)`` on a 1-D mesh
+(``(Replicate(), Shard(0))`` on a 2-D hybrid mesh), its local tensor the rows
+``torch.chunk`` gives this rank (uneven sizes allowed; a rank may hold none), a view
+of the first rows of a buffer padded to ``ceil(rows / shards)`` rows, exactly as
+``fully_shard`` lays it out. So ``state_dict``, optimizer state and DCP checkpoints
+interoperate with FSDP2.
+
+The units and settings are recorded on the model (``ShardPlan`` under ``PLAN_ATTR``);
+a unit names its parameters by (module, attribute), never by tensor object, so
+whatever tensors those attributes hold when a step runs (after ``to_empty``,
+``load_state_dict``, DCP) are the ones it uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..errors import SpmdCompileError
+from .policies import enclosing_units, owning_unit, unit_modules
+
+if TYPE_CHECKING:
+    from .data_parallel import DataParallel
+
+PLAN_ATTR = "_spmd_shard_plan"
+SHARDED_STYLES = ("fully_shard", "shard_grad_op", "hybrid_shard")
+_UNIT_OVERRIDES = ("reshard_after_forward",)
+
+
+@dataclass
+class Unit:
+    """One sharding unit: the parameters gathered and reduce-scattered together.
+
+    ``params[j]`` is a list of (module, attribute name) that hold the j-th parameter
+    (several for a tied one); ``names[j]`` its name under the root.
+    """
+
+    index: int
+    module: nn.Module
+    fqn: str
+    params: list[list[tuple[nn.Module, str]]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    reshard_after_forward: bool = False
+
+    def current_params(self) -> list[nn.Parameter]:
+        """The parameter objects the unit's modules hold now."""
+        return [mod._parameters[name] for (mod, name), *_ in self.params]
+
+
+@dataclass
+class ShardPlan:
+    """How a model was sharded: the mode, its mesh, and its units (post-order, root last)."""
+
+    dp: "DataParallel"
+    mesh: DeviceMesh
+    units: list[Unit]
+
+    @property
+    def placements(self) -> tuple:
+        return (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.mesh.ndim - 1)
+
+
+def shard_plan(model: nn.Module):
+    """The ``ShardPlan`` recorded on ``model`` by ``spmd.shard``, or None."""
+    return model.__dict__.get(PLAN_ATTR)
+
+
+def default_mesh(dp: "DataParallel") -> DeviceMesh:
+    """``dp.mesh``, or a 1-D mesh over the whole world on this process's device type."""
+    if dp.mesh is not None:
+        return dp.mesh
+    if dp.parallel_style == "hybrid_shard":
+        raise SpmdCompileError(
+            "spmd.shard: hybrid_shard needs a 2-D mesh (replicate, shard). Pass "
+            "DataParallel('hybrid_shard', mesh=init_device_mesh(device, (replicas, shards)))."
+        )
+    device = "cuda" if dist.get_backend() in ("nccl", "cpu:gloo,cuda:nccl") and torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def _local_shard(param: torch.Tensor, shards: int, rank: int, device: torch.device) -> torch.Tensor:
+    """This rank's rows of ``param`` as FSDP2 holds them: a view into a zero-padded buffer of its own."""
+    rows = param.size(0)
+    padded = math.ceil(rows / shards)
+    start, stop = min(rank * padded, rows), min((rank + 1) * padded, rows)
+    buffer = torch.zeros((padded, *param.shape[1:]), dtype=param.dtype, device=device)
+    if stop > start and not buffer.is_meta:
+        buffer[: stop - start].copy_(param.detach()[start:stop])
+    return buffer.narrow(0, 0, stop - start)
+
+
+def _unit_settings(dp: "DataParallel", module: nn.Module, overrides: dict, is_root: bool) -> bool:
+    unknown = sorted(set(overrides) - set(_UNIT_OVERRIDES))
+    if unknown:
+        raise SpmdCompileError(
+            f"spmd.shard: the wrap policy returned settings {unknown} for {type(module).__name__}; a unit "
+            f"accepts only {list(_UNIT_OVERRIDES)}. Return True or {{'reshard_after_forward': bool}}."
+        )
+    if is_root:
+        return False  # as FSDP2: the root's parameters are needed again right at the start of backward
+    return bool(overrides.get("reshard_after_forward", dp.resolved_reshard_after_forward))
+
+
+def build_units(model: nn.Module, dp: "DataParallel") -> list[Unit]:
+    """The units of ``model`` under ``dp.wrap_policy`` and the parameters each owns (no tensor is changed)."""
+    chosen = unit_modules(model, dp.wrap_policy)
+    modules = [m for m, _ in chosen] + [model]
+    names = {m: n for n, m in model.named_modules()}
+    units = [Unit(i, m, names[m], reshard_after_forward=_unit_settings(dp, m, kw, m is model))
+             for i, (m, kw) in enumerate([*chosen, (model, {})])]
+    by_module = {u.module: u for u in units}
+    chains = enclosing_units(model, modules[:-1])
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    first_name: dict[int, str] = {}
+    for mod_name, mod in model.named_modules():
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            holders.setdefault(id(p), []).append((mod, attr))
+            first_name.setdefault(id(p), f"{mod_name}.{attr}" if mod_name else attr)
+    for name, p in model.named_parameters():
+        owner = by_module[owning_unit([m for m, _ in holders[id(p)]], chains)]
+        owner.params.append(holders[id(p)])
+        owner.names.append(name)
+    return units
+
+
+def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
+    """Shard ``model``'s parameters in place for a sharded ``mode``, as FSDP2's ``fully_shard`` does.
+
+    Call it on every rank after ``dist.init_process_group`` and before building the
+    optimizer. Units come from ``mode.wrap_policy`` (FSDP's semantics); each parameter
+    becomes a ``DTensor`` sharded on dim 0 over ``mode.mesh`` (default: the whole world).
+    A model built on the meta device stays there: ``model.to_empty(device=...)`` then
+    allocates only this rank's shards. Returns ``model``.
+
+    Example::
+
+        mode = spmd.DataParallel("fully_shard", wrap_policy={Block})
+        spmd.shard(model, mode)
+        optim = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    """
+    if mode.parallel_style not in SHARDED_STYLES:
+        raise SpmdCompileError(
+            f"spmd.shard: DataParallel({mode.parallel_style!r}) does not shard; use one of {list(SHARDED_STYLES)}."
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise SpmdCompileError("spmd.shard: no process group is initialized. Call dist.init_process_group first.")
+    if shard_plan(model) is not None:
+        raise SpmdCompileError("spmd.shard: this model is already sharded; shard a model once.")
+    already = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    if already:
+        raise SpmdCompileError(f"spmd.shard: parameters {already[:3]} are DTensors already (fully_shard applied?); "
+                               "pass a plain model.")
+    scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise SpmdCompileError(f"spmd.shard: parameters {scalars[:3]} are 0-dim and cannot be sharded on dim 0; "
+                               "give them shape (1,).")
+    mesh = default_mesh(mode)
+    expected = 2 if mode.parallel_style == "hybrid_shard" else 1
+    if mesh.ndim != expected:
+        raise SpmdCompileError(
+            f"spmd.shard: {mode.parallel_style} needs a {expected}-D mesh, got {mesh.ndim}-D. "
+            + ("Pass mesh=init_device_mesh(device, (replicas, shards))." if expected == 2
+               else "Pass a 1-D mesh, or use hybrid_shard for a 2-D one.")
+        )
+    units = build_units(model, mode)
+    plan = ShardPlan(mode, mesh, units)
+    device = torch.device(mesh.device_type)
+    shard_rank = mesh.get_local_rank(mesh.ndim - 1)
+    with torch.no_grad():
+        for unit in units:
+            for holders in unit.params:
+                mod, attr = holders[0]
+                p = mod._parameters[attr]
+                target = p.device if p.device.type in ("meta", device.type) else device
+                local = _local_shard(p, plan.shard_size, shard_rank, target)
+                sharded = DTensor.from_local(local, mesh, plan.placements, run_check=False,
+                                             shape=p.shape, stride=p.stride())
+                new = nn.Parameter(sharded, requires_grad=p.requires_grad)
+                for m, a in holders:
+                    m._parameters[a] = new
+        for mod in model.modules():
+            for name, b in mod._buffers.items():
+                if b is not None and b.device.type not in ("meta", device.type):
+                    mod._buffers[name] = b.to(device)
+    model.__dict__[PLAN_ATTR] = plan
+    return model

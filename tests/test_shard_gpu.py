@@ -1,0 +1,71 @@
+"""Sharded modes on CUDA (NCCL) against FSDP2 with a bf16 MixedPrecisionPolicy, on 1 GPU or 2.
+
+Run on a GPU machine: ``pytest -m gpu tests/test_shard_gpu.py -q``. With one GPU the process
+group has one rank (the collectives are then copies) and the CUDA path (bf16 casts around
+the collectives, Inductor) is still checked against FSDP2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import spmd
+from spmd.tools.models import GPT, Block, GPTConfig
+from tests.dist import run_distributed
+from tests.shard_helpers import full_params
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+WORLD_SIZE = min(2, torch.cuda.device_count())
+MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+CFG = GPTConfig(vocab_size=509, block_size=64, n_layer=2, n_head=4, n_embd=128, frozen_pos_emb=True)  # 509: uneven
+
+
+def _step(model, optim, idx, targets):
+    loss = model(idx, targets)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _bf16_parity(rank, world_size, style, inductor):
+    device = torch.device("cuda", rank)
+    mesh = init_device_mesh("cuda", (world_size,))
+    torch.manual_seed(0)
+    model = GPT(CFG).to(device)
+    reshard = style == "fully_shard"
+    ref = GPT(CFG).to(device)
+    ref.load_state_dict(model.state_dict())
+    for block in ref.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=MP, reshard_after_forward=reshard)
+    fully_shard(ref, mesh=mesh, mp_policy=MP, reshard_after_forward=reshard)
+    mode = spmd.DataParallel(style, wrap_policy={Block}, mp_policy=MP, mesh=mesh)
+    spmd.shard(model, mode)
+    lr = 2.0 ** -8
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=lr, fused=True)
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=inductor)
+    step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(_step)
+    gen = torch.Generator().manual_seed(rank)
+    # eager graph: the same kernels as FSDP2; Inductor fuses bf16 math differently
+    loss_tol, param_tol = (5e-2, 5e-3) if inductor else (1e-5, 1e-6)
+    for _ in range(4):
+        idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=gen).to(device)
+        targets = idx.roll(-1, 1)
+        ours, theirs = step(model, optim, idx, targets), _step(ref, ref_optim, idx, targets).detach()
+        assert ours.dtype == theirs.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=loss_tol, rtol=0)
+    mine, ref_params = full_params(model), full_params(ref)
+    for name in mine:
+        torch.testing.assert_close(mine[name], ref_params[name], atol=param_tol, rtol=0, msg=lambda m: f"{name}: {m}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.placements == q.placements and p.to_local().shape == q.to_local().shape, name
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["graph", "inductor"])
+@pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op"])
+def test_bf16_mixed_precision_matches_fsdp2_on_gpus(style, inductor):
+    run_distributed(_bf16_parity, style, inductor, world_size=WORLD_SIZE, backend="nccl")

@@ -1,0 +1,127 @@
+"""The sharded step graph and its passes, on a traced graph in one process (a gloo group of one).
+
+A 2-block GPT with one unit per block and the root: what the expansion emits (one
+gather and one reduce-scatter per unit and dtype, a second gather in backward for a
+resharding unit, the forward's gathered parameters dead before the backward) and what
+each pass promises (prefetch, reduce-scatter waits, per-unit optimizer updates, the
+unsharded-memory guard), plus ``spmd.explain``'s list of collectives.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import spmd
+from spmd.graph_utils.meta import KEEP, UNIT
+from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval, wait_of
+from spmd.iter_graph_module import IterGraphModule
+from spmd.passes import (
+    UnshardedMemoryError, guard_unsharded_memory, prefetch_unit_gathers, schedule_reduce_scatter_waits,
+    split_optimizer_per_unit, unsharded_peak,
+)
+from spmd.passes.fused_optimizer import is_fused_adam
+from tests.dist import single_process_group
+from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer, plain_step
+
+ROOT, BLOCK0, BLOCK1 = 2, 0, 1  # units in post-order
+
+
+def _expanded(style="fully_shard", body=plain_step, **options):
+    """The traced, expanded step graph of a sharded GPT (AdamW, two param groups), as an IterGraphModule."""
+    model = gpt()
+    mode = spmd.DataParallel(style, wrap_policy=block_policy(), **options)
+    spmd.shard(model, mode)
+    optim = optimizer(model, "adamw")
+    step = spmd.compile(parallel_mode=mode)(body)
+    idx, targets = next(batches(0, 1))
+    state = step.prepare_state((model, optim, idx, targets), {})
+    gm, _, _, created = step.trace_and_expand(state, (model, optim, idx, targets), {})
+    for o in created:
+        o.state.clear()
+    return IterGraphModule(gm)
+
+
+@pytest.fixture(scope="module")
+def group():
+    with single_process_group():
+        yield
+
+
+def _order(graph):
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def test_expansion_and_sharded_passes(group):
+    """What the expansion emits; then prefetch, reduce-scatter waits, per-unit updates and the memory guard."""
+    igm = _expanded()
+    graph, order = igm.graph, _order(igm.graph)
+    forward, backward = unit_gathers(graph, "forward"), unit_gathers(graph, "backward")
+    assert [g.meta[UNIT] for g in forward] == [ROOT, BLOCK0, BLOCK1]
+    assert [g.meta[UNIT] for g in backward] == [BLOCK1, BLOCK0], "the root is not resharded after forward"
+    assert [c.meta[UNIT] for c in gradient_collectives(graph)] == [BLOCK1, BLOCK0, ROOT]  # one per unit and dtype
+    assert forward[0].meta.get(KEEP) and not any(g.meta.get(KEEP) for g in forward[1:] + backward)
+    for g in forward[1:]:  # a resharding unit's forward parameters die before its backward gather
+        twin = next(b for b in backward if b.meta[UNIT] == g.meta[UNIT])
+        assert unsharded_interval(g, order)[1] < order[twin]
+    assert all(order[wait_of(c)] == order[c] + 1 for c in forward + backward), "traced: each wait right after"
+
+    prefetch_unit_gathers(igm, depth=1)
+    schedule_reduce_scatter_waits(igm)
+    split_optimizer_per_unit(igm)
+    order = _order(graph)
+    for phase in ("forward", "backward"):  # each gather right after the previous one's wait, before its use
+        gathers = unit_gathers(graph, phase)
+        for prev, nxt in zip(gathers, gathers[1:]):
+            wait = wait_of(prev)
+            first_use = min(order[u] for u in wait.users)
+            assert order[wait] < order[nxt] < first_use, f"{phase}: {nxt.name} is not issued while {prev.name}'s unit runs"
+    comms = gradient_collectives(graph)
+    for comm, nxt in zip(comms, comms[1:]):  # waited on right before the next unit's reduce-scatter, not at once
+        assert order[comm] + 1 < order[wait_of(comm)] < order[nxt]
+    updates = [n for n in graph.nodes if is_fused_adam(n)]
+    assert len(updates) == 2 * 3, "two param groups x three units"
+    for comm, nxt in zip(comms, [*comms[1:], None]):
+        mine = [u for u in updates if all(a.meta.get(UNIT) == comm.meta[UNIT] for a in _grad_waits(u))]
+        assert mine, f"no update of unit {comm.meta[UNIT]} alone"
+        for u in mine:  # right after this unit's reduction, before the next unit's reduction completes
+            assert order[wait_of(comm)] < order[u] and (nxt is None or order[u] < order[wait_of(nxt)])
+
+    assert unsharded_peak(graph)[0] == 2, "prefetch depth 1: the unit computing and the next one"
+    nodes_before = [n.name for n in graph.nodes]
+    with pytest.raises(UnshardedMemoryError, match="2 units hold gathered parameters at once"):
+        guard_unsharded_memory(igm, max_unsharded=1)
+    assert [n.name for n in graph.nodes] == nodes_before
+    guard_unsharded_memory(igm, max_unsharded=2)
+
+
+def _grad_waits(update):
+    from spmd.passes.shard_optimizer import unit_gradient_source
+
+    return {unit_gradient_source(g) for g in update.args[1]}
+
+
+def test_shard_grad_op_keeps_gathered_parameters_for_backward(group):
+    graph = _expanded("shard_grad_op").graph
+    assert not unit_gathers(graph, "backward")
+    assert all(g.meta.get(KEEP) for g in unit_gathers(graph, "forward"))
+    assert unsharded_peak(graph)[0] == 0, "kept parameters are the setting, not a schedule to limit"
+
+
+def test_explain_lists_every_collective_with_phase_and_unit(group):
+    model = gpt()
+    mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
+    spmd.shard(model, mode)
+    optim = optimizer(model, "adamw")
+    step = spmd.compile(parallel_mode=mode, gm_transformation=spmd.GraphModuleTransformation(
+        enable_graph_optimization=True))(clipped_step)
+    plan = spmd.explain(step, model, optim, *next(batches(0, 1)), print_plan=False)
+    rows = [(c["op"], c["phase"], c["unit"]) for c in plan.collectives]
+    assert rows == [("all_gather", "forward", ROOT), ("all_gather", "forward", BLOCK0),
+                    ("all_gather", "forward", BLOCK1), ("all_gather", "backward", BLOCK1),
+                    ("all_gather", "backward", BLOCK0), ("reduce_scatter", "backward", BLOCK1),
+                    ("reduce_scatter", "backward", BLOCK0), ("reduce_scatter", "backward", ROOT)]
+    # (on 2 ranks clip_grad_norm_ adds ("all_reduce", "optimizer", None): tests/test_shard_parity.py)
+    assert all(c["bytes"] > 0 for c in plan.collectives)
+    assert [r["pass"] for r in plan.passes][:3] == ["prefetch_unit_gathers", "schedule_reduce_scatter_waits",
+                                                    "split_optimizer_per_unit"]
+    assert not optim.state and not step.cache
