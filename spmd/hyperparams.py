@@ -288,12 +288,26 @@ def _elementwise_value(combine: Callable, inplace: bool, foreach: bool) -> Calla
     return rewrite
 
 
+def _per_element(scalar: torch.Tensor, like: list, dtype: bool = False) -> list:
+    """``scalar`` once for each element of ``like``, moved to (and with ``dtype``: cast to) that element's
+    device and dtype, each distinct conversion made once."""
+    made: dict = {}
+
+    def convert(t):
+        key = (t.device, t.dtype if dtype else scalar.dtype)
+        if key not in made:
+            made[key] = scalar if key == (scalar.device, scalar.dtype) else scalar.to(device=key[0], dtype=key[1])
+        return made[key]
+
+    return [convert(t) if isinstance(t, torch.Tensor) else scalar for t in like]
+
+
 def _foreach_weight(func, args, kwargs):
     """``_foreach_lerp(a, b, t)`` with a 0-dim tensor weight -> the list form, one weight per element."""
     weight, args, kwargs = _split(args, kwargs, 2, "weight")
     if not _is_scalar_tensor(weight) or len(args) != 2:
         return NotImplemented
-    return func(args[0], args[1], [weight.to(t.dtype) for t in args[0]], **kwargs)
+    return func(args[0], args[1], _per_element(weight, args[0], dtype=True), **kwargs)
 
 
 def _foreach_scalar(func, args, kwargs):
@@ -303,7 +317,7 @@ def _foreach_scalar(func, args, kwargs):
     """
     if len(args) < 2 or not _is_scalar_tensor(args[1]) or not isinstance(args[0], (list, tuple)):
         return NotImplemented
-    return func(args[0], [args[1]] * len(args[0]), *args[2:], **kwargs)
+    return func(args[0], _per_element(args[1], args[0]), *args[2:], **kwargs)
 
 
 def _foreach_add_sub(func, args, kwargs):
@@ -316,7 +330,7 @@ def _foreach_add_sub(func, args, kwargs):
 def _foreach_pow(func, args, kwargs):
     """``_foreach_pow(t, xs)`` -> ``_foreach_pow([t] * n, xs)``; ``_foreach_pow(xs, t)`` -> its list form."""
     if len(args) == 2 and _is_scalar_tensor(args[0]) and isinstance(args[1], (list, tuple)) and not kwargs:
-        return func([args[0]] * len(args[1]), args[1])
+        return func(_per_element(args[0], args[1]), args[1])
     return _foreach_scalar(func, args, kwargs)
 
 

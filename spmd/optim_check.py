@@ -28,9 +28,10 @@ from .tracing import capture_train_step
 
 log = logging.getLogger(__name__)
 
-# Documentation for the refusal message only: the probe decides, and tests/test_optimizers.py
-# compares each of these with eager DDP in float64.
-KNOWN_EXACT = ("SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "Adadelta", "RMSprop", "ASGD", "Rprop")
+# For the refusal message only: the probe decides, and tests/test_optimizers.py compares each of
+# these with eager DDP in float64.
+KNOWN_EXACT = ("SGD (fused: with dampening=0), Adam, AdamW, NAdam, RAdam, Adamax, Adagrad, Adadelta, RMSprop, Rprop "
+               "(each single-tensor, foreach and fused where torch has it), ASGD (in float64: foreach=False)")
 _STEPS = 3
 # Relative to the largest magnitude compared. Float64 parameters: float64 rounding. Narrower ones:
 # eager itself does some scalar math in float32 (a float32 step counter or tensor lr), so a
@@ -175,6 +176,6 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
             raise SpmdCompileError(
                 f"spmd.compile: {type(optim).__name__}({settings}) cannot be compiled exactly: {why}. spmd checks "
                 "every optimizer against eager before tracing it; these pass with their usual settings: "
-                f"{', '.join(KNOWN_EXACT)} (torch.optim). Use one of them, or another implementation "
+                f"{KNOWN_EXACT} (torch.optim). Use one of them, or another implementation "
                 "(foreach=True / fused=True) of this one."
             )

@@ -169,6 +169,24 @@ def test_an_inexact_optimizer_is_refused_and_nothing_changes(name, make, why):
     assert not any(optim.state.values()), "optimizer state was left behind"
 
 
+def test_float32_accepts_what_eager_itself_rounds_to_float32():
+    """Eager foreach ASGD computes its step size in float32 (its step counter's dtype); traced, in float64.
+
+    Refused for float64 parameters (above); for float32 ones both are float32 rounding.
+    """
+    torch.manual_seed(0)
+    model = _mlp().float()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = O.ASGD(model.parameters(), lr=0.01, t0=2, foreach=True), O.ASGD(ref.parameters(), lr=0.01,
+                                                                                       t0=2, foreach=True)
+    train_step = spmd.compile()(_step)
+    for _ in range(4):
+        x = torch.randn(6, 5)
+        torch.testing.assert_close(train_step(model, optim, x), _step(ref, ref_optim, x))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 def test_an_unknown_optimizer_that_traces_exactly_is_compiled():
     torch.manual_seed(0)
     model = _mlp()
