@@ -239,7 +239,10 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
             loss = train_step(model, optim, batch, last_train_step=(i == n - 1))
 
     The step is traced on the first call for each input signature; parameters,
-    buffers and optimizer state are graph inputs updated in place on every call.
+    buffers and optimizer state are graph inputs updated in place on every call, and
+    every numeric optimizer hyperparameter (lr, betas, momentum, ...) is a graph input
+    too, so schedulers change it without a retrace. Each optimizer is checked against
+    eager before its first trace (``spmd.optim_check``) and refused if not traced exactly.
     """
 
     def decorator(fn: Callable) -> CompiledTrainStep:

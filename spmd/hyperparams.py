@@ -210,35 +210,35 @@ class HyperMode(TorchFunctionMode):
 
 
 def _scalar_dtypes(func, args, kwargs, state_scalars: set[int]):
-        """Arithmetic reads 0-dim state as float64; an in-place update casts 0-dim operands to its target's dtype."""
-        if _is_inplace(func) and args:
-            target = args[0]
-            if isinstance(target, (list, tuple)) and len(args) > 1 and isinstance(args[1], (list, tuple)):
-                other = [o.to(t.dtype) if _is_scalar_tensor(t) and _is_scalar_tensor(o) and o.dtype != t.dtype else o
-                         for t, o in zip(target, args[1])]
-                return (args[0], other, *args[2:]), kwargs
-            if isinstance(target, (list, tuple)) and target and all(map(_is_scalar_tensor, target)):
-                target = target[0]  # 0-dim targets of one dtype (a list of step counters): cast the scalar operand
-            if _is_scalar_tensor(target):
-                cast = (lambda o: o.to(target.dtype) if _is_scalar_tensor(o) and o.dtype != target.dtype else o)
-                return (args[0], *map(cast, args[1:])), {k: cast(v) for k, v in kwargs.items()}
-            return args, kwargs
-        name = _name(func)
-        if name not in _ARITHMETIC and not (name.startswith("_foreach_") and not _is_inplace(func)):
-            return args, kwargs
+    """Arithmetic reads 0-dim state as float64; an in-place update casts 0-dim operands to its target's dtype."""
+    if _is_inplace(func) and args:
+        target = args[0]
+        if isinstance(target, (list, tuple)) and len(args) > 1 and isinstance(args[1], (list, tuple)):
+            other = [o.to(t.dtype) if _is_scalar_tensor(t) and _is_scalar_tensor(o) and o.dtype != t.dtype else o
+                     for t, o in zip(target, args[1])]
+            return (args[0], other, *args[2:]), kwargs
+        if isinstance(target, (list, tuple)) and target and all(map(_is_scalar_tensor, target)):
+            target = target[0]  # 0-dim targets of one dtype (a list of step counters): cast the scalar operand
+        if _is_scalar_tensor(target):
+            cast = (lambda o: o.to(target.dtype) if _is_scalar_tensor(o) and o.dtype != target.dtype else o)
+            return (args[0], *map(cast, args[1:])), {k: cast(v) for k, v in kwargs.items()}
+        return args, kwargs
+    name = _name(func)
+    if name not in _ARITHMETIC and not (name.startswith("_foreach_") and not _is_inplace(func)):
+        return args, kwargs
 
-        flat = [x for v in (*args, *kwargs.values()) for x in (v if isinstance(v, (list, tuple)) else [v])]
-        if any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in flat):
-            return args, kwargs  # a float64 operand: type promotion already computes in float64
+    flat = [x for v in (*args, *kwargs.values()) for x in (v if isinstance(v, (list, tuple)) else [v])]
+    if any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in flat):
+        return args, kwargs  # a float64 operand: type promotion already computes in float64
 
-        def up(v):
-            if isinstance(v, (list, tuple)):
-                return type(v)(up(x) for x in v)
-            if id(v) in state_scalars and v.dtype != torch.float64:
-                return v.to(torch.float64)
-            return v
+    def up(v):
+        if isinstance(v, (list, tuple)):
+            return type(v)(up(x) for x in v)
+        if id(v) in state_scalars and v.dtype != torch.float64:
+            return v.to(torch.float64)
+        return v
 
-        return tuple(map(up, args)), {k: up(v) for k, v in kwargs.items()}
+    return tuple(map(up, args)), {k: up(v) for k, v in kwargs.items()}
 
 
 # --- ops that take a number where optimizer code now passes a 0-dim tensor -----------

@@ -45,7 +45,8 @@ def _float64(optim: torch.optim.Optimizer) -> bool:
 
 
 def _config(optim: torch.optim.Optimizer) -> tuple:
-    """What a verdict holds for: the class, float64 or not, and per group its flags and which hyperparameters are 0 / < 0."""
+    """What a verdict holds for: the class, float64 or not, and per group its flags and which
+    hyperparameters are 0 or negative."""
     return (type(optim), _float64(optim), tuple((flags(g), tuple((k, i, v == 0, v < 0) for k, i, v in hyper_items(g)))
                                for g in optim.param_groups))
 

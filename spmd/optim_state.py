@@ -127,7 +127,12 @@ def ensure_optimizer_state(optim: torch.optim.Optimizer) -> CreatedState | None:
     """
     params = _trained(optim)
     sgd = isinstance(optim, torch.optim.SGD)
-    if all(optim.state.get(p) for p in params) and not sgd:
+    if sgd:  # SGD keeps no state but its momentum buffers
+        missing = any(optim.state.get(p, {}).get("momentum_buffer") is None for g in optim.param_groups
+                      if g["momentum"] != 0 for p in g["params"] if p.requires_grad)
+    else:
+        missing = not all(optim.state.get(p) for p in params)
+    if not missing:
         return None
     created = CreatedState(optim, {p: set(st) for p, st in optim.state.items()})
     try:

@@ -94,7 +94,8 @@ def parity_differences(rank: int, cases: list) -> dict[str, float]:
             _decay(optim)
             _decay(ddp_optim)
         assert len(train_step.cache) == 1, f"{name}: {len(train_step.cache)} traces for lr changes"
-        worst = max([worst] + [float((p - q).abs().max()) for p, q in zip(model.parameters(), ddp.module.parameters())])
+        params = zip(model.parameters(), ddp.module.parameters())
+        worst = max([worst] + [float((p - q).detach().abs().max()) for p, q in params])
         out[name] = worst
     return out
 
@@ -140,6 +141,20 @@ class _PlainSGD(O.Optimizer):
                 if p.grad is not None:
                     grad = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] != 0 else p.grad
                     p.add_(grad, alpha=-group["lr"])
+
+
+class _NumberLr(O.Optimizer):
+    """An unknown optimizer that needs its lr as a number (``full_like``'s fill value): the lr is specialised."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(torch.full_like(p, group["lr"]) * p.grad)
 
 
 REFUSED = [
@@ -204,6 +219,28 @@ def test_an_unknown_optimizer_that_traces_exactly_is_compiled():
 
 
 # --- hyperparameters are graph inputs ----------------------------------------------------
+
+
+@pytest.mark.parametrize("make,changes,traces", [
+    (lambda ps: O.AdamW(ps, lr=0.01, fused=True), dict(lr=0.005), 1),
+    (lambda ps: O.AdamW(ps, lr=0.01, fused=True), dict(betas=(0.8, 0.99)), 2),  # constants of the fused kernel
+    (lambda ps: _NumberLr(ps, lr=0.1), dict(lr=0.05), 2),  # read as a number: specialised
+], ids=["fused-lr", "fused-betas", "lr-as-a-number"])
+def test_a_specialised_hyperparameter_retraces_and_is_used(make, changes, traces):
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = make(list(model.parameters())), make(list(ref.parameters()))
+    train_step = spmd.compile()(_step)
+    for i in range(3):
+        if i == 2:
+            for o in (optim, ref_optim):
+                o.param_groups[0].update(changes)
+        x = torch.randn(6, 5, dtype=torch.float64)
+        torch.testing.assert_close(train_step(model, optim, x), _step(ref, ref_optim, x), rtol=0, atol=1e-15)
+    assert len(train_step.cache) == traces
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-15)
 
 
 def _one_cycle(rank, world_size, cases):
