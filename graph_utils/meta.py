@@ -5,7 +5,7 @@ spelled in one place.
 
 * ``ROLE``: on each placeholder of a step graph, what the input is (``Role``).
 * ``NAME``: on each placeholder, the user's name for it (``"layers.0.weight"``,
-  ``"layers.0.weight.exp_avg"``, ``"lr_0"``, ``"input_1"``).
+  ``"layers.0.weight.exp_avg"``, ``"opt0.group1.lr"``, ``"input_1"``).
 * ``GRAD_OF``: on a gradient collective and its wait, the index of the parameter
   whose gradient it reduces.
 * ``BUCKET``: on a (fused) gradient collective and its wait, the parameter indices it

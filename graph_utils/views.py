@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from .meta import BUCKET, GRAD_OF
 from .nodes import is_comm_node, is_wait_node, tensor_bytes
+from .optimizer_ops import is_fused_optimizer
 
 
 def to_networkx(graph: fx.Graph) -> nx.DiGraph:
@@ -102,7 +103,7 @@ def graph_summary(graph: fx.Graph) -> dict[str, Any]:
                 "distance": index[node] - index[comm] - 1 if comm is not None else None,
                 "first_user_distance": first_user - index[node] - 1 if first_user is not None else None,
             })
-        elif _op_name(node).startswith("_fused_"):
+        elif node.op == "call_function" and is_fused_optimizer(node.target):
             params = node.args[0] if node.args and isinstance(node.args[0], (list, tuple)) else []
             optim.append({"name": node.name, "op": _op_name(node), "params": len(params), "index": index[node]})
     return {

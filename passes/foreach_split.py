@@ -11,7 +11,8 @@ computes it. The values are the same; the parts only depend on their own gradien
 Only a chain in the functional form our tracing produces is split (results read
 through ``getitem``, by other chain ops or by the ``copy_`` write-backs), and only when
 its lists line up (the same length everywhere, element ``i`` of an op read from element
-``i`` of another) and its shared arguments are scalars or 0-dim tensors. Anything else
+``i`` of another) and its shared arguments are scalars or 0-dim tensors (also as a list
+holding one 0-dim tensor at every position). Anything else
 is reported by ``ForeachChain.why_not`` and left as it is.
 """
 
@@ -26,15 +27,14 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import set_fake_val
+from ..graph_utils.optimizer_ops import is_foreach, is_inplace
 
 aten = torch.ops.aten
 
 
 def is_foreach_op(node: fx.Node) -> bool:
-    """A functional ``aten._foreach_*`` call (the in-place overloads end in ``_``)."""
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
-            and target._opname.startswith("_foreach_") and not target._opname.endswith("_"))
+    """A functional ``aten._foreach_*`` call."""
+    return node.op == "call_function" and is_foreach(node.target) and not is_inplace(node.target)
 
 
 def _list_args(node: fx.Node) -> list[list]:
@@ -83,6 +83,13 @@ def foreach_chains(graph: fx.Graph) -> list[ForeachChain]:
     return sorted(chains, key=lambda c: order[c.ops[0]])
 
 
+def _broadcast_scalar(lst) -> bool:
+    """A list holding the same 0-dim node at every position (``[eps] * n``)."""
+    first = lst[0] if lst else None
+    return (len(lst) > 1 and isinstance(first, fx.Node) and all(v is first for v in lst)
+            and getattr(first.meta.get("val"), "dim", lambda: -1)() == 0)
+
+
 def _check(chain: ForeachChain, all_foreach: set, order: dict) -> Optional[str]:
     """Why ``chain`` cannot be split by position (and fill its length and external elements), or None."""
     members = set(chain.ops)
@@ -96,6 +103,8 @@ def _check(chain: ForeachChain, all_foreach: set, order: dict) -> Optional[str]:
             if isinstance(arg, fx.Node) and (arg.meta.get("val") is None or arg.meta["val"].dim() != 0):
                 return f"{op.name} takes {arg.name}, a shared tensor argument that is not 0-dim"
         for lst in _list_args(op):
+            if _broadcast_scalar(lst):
+                continue  # one 0-dim tensor at every position (eps as a list): shared, like a scalar
             for i, value in enumerate(lst):
                 source = _element_source(value, all_foreach)
                 if source is not None:

@@ -30,14 +30,11 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import set_fake_val
+from ..graph_utils.optimizer_ops import ADAM_LISTS as LISTS, FUSED_ADAM, FUSED_PAIRS, is_inplace
 
 aten = torch.ops.aten
-LISTS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps")
-_OPTIMIZERS = {
-    "_fused_adam": (aten._fused_adam, aten._fused_adam_),
-    "_fused_adamw": (aten._fused_adamw, aten._fused_adamw_),
-}
-_INPLACE = {aten._fused_adam_, aten._fused_adamw_, aten._foreach_add_}
+# "_fused_adam" / "_fused_adamw" -> (functional, in-place) packets, for get_all_fused_optimizer_blocks
+_OPTIMIZERS = {p._qualified_op_name.split("::")[1]: (p, FUSED_PAIRS[p]) for p in FUSED_ADAM if p in FUSED_PAIRS}
 _PASS_THROUGH = {aten.copy.default: 1, aten.clone.default: 0, aten.detach_copy.default: 0}  # op -> value arg
 
 
@@ -102,7 +99,7 @@ class FusedAdamBlock:
 
     @property
     def inplace(self) -> bool:
-        return _packet(self.optim_node) in _INPLACE
+        return is_inplace(self.optim_node.target)
 
     @property
     def grads(self) -> list[fx.Node]:
@@ -159,7 +156,7 @@ def _step_mapping(optim: fx.Node, order: dict[fx.Node, int]) -> tuple[fx.Node, l
 
 
 def _step_block(add: fx.Node) -> ForeachAddBlock:
-    if _packet(add) in _INPLACE:
+    if is_inplace(add.target):
         return ForeachAddBlock(add)
     items = _getitems(add)
     outputs = [items.get(j) for j in range(len(add.args[0]))]
@@ -167,7 +164,7 @@ def _step_block(add: fx.Node) -> ForeachAddBlock:
 
 
 def _adam_block(optim: fx.Node) -> FusedAdamBlock:
-    if _packet(optim) in _INPLACE:
+    if is_inplace(optim.target):
         return FusedAdamBlock(optim)
     lists = _getitems(optim)
     outputs = [[_getitems(lists.get(k)).get(i) for i in range(len(optim.args[k]))] for k in range(5)]
@@ -193,7 +190,7 @@ def get_all_fused_optimizer_blocks(gm, optim_op_name: str) -> list[FusedOptimize
 
 def is_fused_adam(node: fx.Node) -> bool:
     """True for a fused Adam/AdamW op, functional or in place."""
-    return any(_packet(node) in packets for packets in _OPTIMIZERS.values())
+    return _packet(node) in FUSED_ADAM
 
 
 def fused_optimizer_block(gm, optim_node: fx.Node) -> FusedOptimizerBlock:
@@ -301,12 +298,12 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
     groups = [selected, rest]
     step_keeps = [[step_of[i] for i in g] for g in groups]
     new_adds = [_restrict(graph, add, keep) for keep in step_keeps]
-    if _packet(add) not in _INPLACE:
+    if not is_inplace(add.target):
         _retire(graph, add, new_adds, step_keeps, nested=False)
     else:
         graph.erase_node(add)
     new_optims = [_restrict(graph, optim, keep) for keep in groups]  # reads the new steps
-    if _packet(optim) not in _INPLACE:
+    if not is_inplace(optim.target):
         _retire(graph, optim, new_optims, groups, nested=True)
     else:
         graph.erase_node(optim)

@@ -16,7 +16,7 @@ import torch.fx as fx
 from ..graph_utils import find_node, is_all_reduce, to_networkx
 from ..graph_utils.meta import NAME
 
-from .fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
+from .fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
 from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import schedule_comm_wait
 from .iteration import IterMoveError
@@ -89,7 +89,7 @@ def iter_move_grads_and_optimizers(gm, target_comm_node: NodeRef, target_dest_no
     if not is_all_reduce(comm):
         raise ValueError(f"iter_move_grads_and_optimizers: {comm.name} is {comm.target}, not an all_reduce")
     downstream = set(find_all_descendants(gm, [comm]))
-    blocks = [b for name in ("_fused_adam", "_fused_adamw") for b in get_all_fused_optimizer_blocks(gm, name)]
+    blocks = [fused_optimizer_block(gm, n) for n in graph.nodes if is_fused_adam(n)]
     users = [b for b in blocks if any(g in downstream for g in b.optim.optim_node.args[1])]
     if not users:
         raise ValueError(f"iter_move_grads_and_optimizers: no fused Adam/AdamW reads the result of {comm.name}")

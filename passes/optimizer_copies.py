@@ -20,12 +20,12 @@ import torch.fx as fx
 
 from ..graph_utils import WAIT_OP, set_fake_val
 from ..graph_utils.meta import ROLE, Role
+from ..graph_utils.optimizer_ops import inplace_of, written_args
 
 from .manager import graph_optimization_pass
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-_FUSED = {aten._fused_adam: aten._fused_adam_, aten._fused_adamw: aten._fused_adamw_, aten._fused_sgd: aten._fused_sgd_}
 
 Elem = tuple[fx.Node, int, int]  # (functional op, written list k, element i)
 
@@ -36,31 +36,15 @@ class _Op:
 
     node: fx.Node
     inplace: torch._ops.OpOverload
-    positions: list[int]                     # the args the in-place overload writes, in output order
+    positions: tuple[int, ...]               # the args the in-place overload writes, in output order
     outputs: list[list[Optional[fx.Node]]]  # outputs[k][i]: the getitem of element i of written list k
     getitems: list[fx.Node]                  # every getitem of the op's outputs
 
 
-def _inplace_overload(target) -> Optional[tuple[torch._ops.OpOverload, list[int]]]:
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
-        return None
-    name = target._opname
-    if target.overloadpacket in _FUSED:
-        packet = _FUSED[target.overloadpacket]
-    elif name.startswith("_foreach_") and not name.endswith("_"):
-        packet = getattr(aten, name + "_", None)
-    else:
-        return None
-    op = getattr(packet, target._overloadname, None) if packet is not None else None
-    if op is None or op._schema.returns:
-        return None
-    if [a.name for a in op._schema.arguments] != [a.name for a in target._schema.arguments]:
-        return None
-    written = [p for p, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-    lists = all(isinstance(op._schema.arguments[p].type, torch.ListType) for p in written)
-    if not written or not lists or len(target._schema.returns) != len(written):
-        return None
-    return op, written
+def _inplace_overload(target) -> Optional[tuple[torch._ops.OpOverload, tuple[int, ...]]]:
+    """(in-place overload, its written positions) for a functional fused or foreach optimizer op, else None."""
+    inplace = inplace_of(target)
+    return (inplace, written_args(inplace)) if inplace is not None else None
 
 
 def _index_users(node: fx.Node) -> Optional[dict[int, fx.Node]]:
@@ -217,7 +201,7 @@ def remove_copy_from_optimizer(gm) -> None:
     (e.g. fused Adam's grads) whose new value is unused and which nothing reads after
     the op. Everything else (e.g. a step counter the optimizer also reads) is left alone.
     The in-place node has no users: a later pass that reorders nodes must treat it as a
-    write of its mutable arguments (``spmd.iter_graph_module.mutated_inputs``), not rely
+    write of its mutable arguments (``graph_utils.optimizer_ops.written_inputs``), not rely
     on def-use edges alone.
 
     Example::

@@ -20,7 +20,9 @@ from .errors import SpmdCompileError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .iter_graph_module import IterGraphModule
 from .parallel import DataParallel
-from .step_state import StepState, ensure_optimizer_state, find_modules_and_optimizers
+from .optim_check import check_optimizers
+from .optim_state import ensure_optimizer_state
+from .step_state import StepState, find_modules_and_optimizers
 from .tracing import trace_train_step
 
 log = logging.getLogger(__name__)
@@ -33,21 +35,34 @@ class CompiledStep:
     runner: Callable
     out_spec: pytree.TreeSpec
     graph: fx.GraphModule  # the expanded graph, before the user transformation
-    lr_tensors: Optional[list[torch.Tensor]] = None  # kept across calls: CUDA graphs read them in place
-    lr_values: Optional[list[float]] = None
+    hyper_tensors: list[torch.Tensor] = field(default_factory=list)  # kept across calls: CUDA graphs read them in place
+    hyper_values: list[float] = field(default_factory=list)
+    first_step: dict[int, float] = field(default_factory=dict)  # hyper slot -> its value for the first run only
     compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
 
-    def lr_inputs(self, state: StepState) -> list[torch.Tensor]:
-        """The graph's lr inputs for this call, filled in place only when an lr changed."""
-        values = state.lr_values_and_devices()
-        if self.lr_tensors is None:
-            self.lr_tensors = [torch.tensor(v, device=d) for v, d in values]
-            self.lr_values = [v for v, _ in values]
-        for i, (v, _) in enumerate(values):
-            if v != self.lr_values[i]:
-                self.lr_tensors[i].fill_(v)
-                self.lr_values[i] = v
-        return self.lr_tensors
+    def hyper_inputs(self, state: StepState) -> list[torch.Tensor]:
+        """The graph's hyperparameter inputs for this call, refilled in place only where a value changed."""
+        values = state.hyper_values()
+        if self.first_step:
+            values = [self.first_step.get(i, v) for i, v in enumerate(values)]
+            self.first_step = {}
+        if values != self.hyper_values:
+            if not self.hyper_tensors:
+                self.hyper_tensors = state.hyper_tensors()
+                self.hyper_values = [float("nan")] * len(values)
+            for tensor, old, new in zip(self.hyper_tensors, self.hyper_values, values):
+                if old != new:
+                    tensor.fill_(new)
+            self.hyper_values = values
+        return self.hyper_tensors
+
+
+def _first_step_slots(state: StepState, created: list) -> dict[int, float]:
+    """Hyperparameter slot -> the value the first run uses, for state created by ``ensure_optimizer_state``."""
+    index = {id(o): i for i, o in enumerate(state.optimizers)}
+    wanted = {(index[id(c.optim)], g, key): v for c in created for (g, key), v in c.first_step.items()}
+    return {k: wanted[(s.optim, s.group, s.key)] for k, s in enumerate(state.hyper_slots)
+            if (s.optim, s.group, s.key) in wanted}
 
 
 def _user_signature(args: tuple, kwargs: dict) -> tuple:
@@ -111,20 +126,28 @@ class CompiledTrainStep:
     def trace_and_expand(self, state: StepState, args: tuple, kwargs: dict):
         """Trace the step and expand it for the parallel mode: (expanded gm, traced step, state, created).
 
-        ``created`` lists optimizers whose state was created for the trace; on failure it
-        is removed again, so a failed compile leaves the user's objects as they were.
+        Optimizers are first checked against eager (``spmd.optim_check``); one that would
+        not be traced exactly is refused before anything changes. ``created`` lists the
+        optimizer state created for the trace (``spmd.optim_state.CreatedState``); on
+        failure it is removed again, so a failed compile leaves the user's objects as they were.
         """
-        with phase("optimizer_state"):
-            created = [o for o in state.optimizers if ensure_optimizer_state(o)]
+        with phase("optimizer_check"):
+            check_optimizers(state.optimizers)
+        created = []
         try:
+            with phase("optimizer_state"):
+                for o in state.optimizers:
+                    made = ensure_optimizer_state(o)
+                    if made is not None:
+                        created.append(made)
             if created:  # state was just created: lay it out again
                 state = StepState(state.modules, state.optimizers)
             with phase("trace"):
                 traced = trace_train_step(self.fn, state, args, kwargs,
                                           lambda params: self.parallel_mode.trace_context(state, params))
         except BaseException:
-            for o in created:
-                o.state.clear()
+            for made in created:
+                made.undo()
             raise
         with phase("expand"):
             gm = self.parallel_mode.expand(traced.gm)
@@ -141,7 +164,7 @@ class CompiledTrainStep:
         start = time.perf_counter()
         times: dict[str, float] = {}
         with recording(times), recording_stages(self.dump_options()) as dump:
-            gm, traced, state, _ = self.trace_and_expand(state, args, kwargs)
+            gm, traced, state, created = self.trace_and_expand(state, args, kwargs)
             traced_at = time.perf_counter()
             with phase("transform"):
                 runner = self.gm_transformation(gm) if self.gm_transformation else gm
@@ -150,7 +173,8 @@ class CompiledTrainStep:
         folder = dump.options.folder_for_rank(_rank())
         if folder:  # the transformation built its own graphs from a copy: gm is still the traced graph
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
-        self._last_compiled = CompiledStep(runner, traced.out_spec, gm, compile_times=times)
+        self._last_compiled = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
+                                           first_step=_first_step_slots(state, created))
         return self._last_compiled, state
 
     def dump_options(self) -> DumpOptions:
@@ -187,7 +211,7 @@ class CompiledTrainStep:
             key = (state.signature(), _user_signature(args, kwargs), tuple(map(id, modules + optimizers)))
             self.cache[key] = entry
         user_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        flat = [*state.flat_tensors(), *entry.lr_inputs(state), *user_tensors]
+        flat = [*state.flat_tensors(), *entry.hyper_inputs(state), *user_tensors]
         # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
         with torch.no_grad(), recording(entry.compile_times), (
                 phase("first_run") if first_run else contextlib.nullcontext()):
@@ -216,7 +240,10 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
             loss = train_step(model, optim, batch, last_train_step=(i == n - 1))
 
     The step is traced on the first call for each input signature; parameters,
-    buffers and optimizer state are graph inputs updated in place on every call.
+    buffers and optimizer state are graph inputs updated in place on every call, and
+    every numeric optimizer hyperparameter (lr, betas, momentum, ...) is a graph input
+    too, so schedulers change it without a retrace. Each optimizer is checked against
+    eager before its first trace (``spmd.optim_check``) and refused if not traced exactly.
     """
 
     def decorator(fn: Callable) -> CompiledTrainStep:

@@ -7,8 +7,8 @@ The step graph makes this safe: parameters, buffers and optimizer state are grap
 inputs updated in place, so they are the graph's static inputs as they are (their
 storage must stay put; a moved one is detected and the graph is captured again).
 The batch, and values carried between iterations, are copied into static buffers
-before each replay. The lr tensors are persistent too: ``spmd.compile`` fills them in
-place when the lr changes. NCCL collectives are captured with the rest (the process
+before each replay. The hyperparameter tensors (lr, betas, ...) are persistent too:
+``spmd.compile`` fills them in place when a value changes. NCCL collectives are captured with the rest (the process
 group's communicator exists by then: the first call runs uncaptured, as warm-up).
 """
 
@@ -29,7 +29,7 @@ class CudaGraphRunner:
     """Runs ``fn`` uncaptured on its first call, captures it on the second, then replays.
 
     ``persistent[i]``: input ``i`` is updated in place or read in place (parameters,
-    state, lr) and is used by the graph directly; other inputs are copied into static
+    state, hyperparameters) and is used by the graph directly; other inputs are copied into static
     buffers. The first ``num_user_outputs`` outputs are cloned for the caller (the
     next replay overwrites the static ones); the rest are values carried to the next
     iteration and are handed back as they are, to be copied in again.

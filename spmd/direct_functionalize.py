@@ -11,7 +11,7 @@ the re-trace would produce.
 It applies only when that rewrite is exactly equivalent; otherwise ``None`` and the
 caller re-traces:
 
-* every node that writes a tensor is one of ``_FUNCTIONAL`` (the allowed in-place ops);
+* every node that writes a tensor is a fused optimizer op or ``_foreach_add_`` (``_functional``);
 * each written tensor is a graph input, or an intermediate nobody reads afterwards
   (fused Adam declares its gradients written);
 * no view of a written tensor made before the write is read after it (a view would see
@@ -32,24 +32,22 @@ import torch
 import torch.fx as fx
 
 from .graph_utils import set_fake_val
+from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
 aten = torch.ops.aten
 
-# in-place packet -> functional packet
-_FUNCTIONAL = {
-    aten._fused_adam_: aten._fused_adam,
-    aten._fused_adamw_: aten._fused_adamw,
-    aten._fused_sgd_: aten._fused_sgd,
-    aten._foreach_add_: aten._foreach_add,
-}
+
+def _functional(node: fx.Node):
+    """The functional overload this rewrite may use for in-place ``node``: a fused optimizer op or the
+    step-counter update ``_foreach_add_``; None for any other op."""
+    target = node.target
+    if is_fused_optimizer(target) or getattr(target, "overloadpacket", None) is aten._foreach_add_:
+        return functional_of(target)
+    return None
 
 
-def _written_positions(node: fx.Node) -> list[int]:
-    """Positions of the arguments ``node``'s op writes (from its schema), empty for pure ops."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return []
-    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+def _written_positions(node: fx.Node) -> tuple[int, ...]:
+    return written_args(node.target) if node.op == "call_function" else ()
 
 
 def _tensors(arg) -> list[fx.Node]:
@@ -97,7 +95,7 @@ def _rewritable(graph: fx.Graph) -> Optional[list[tuple[fx.Node, list[int]]]]:
         positions = _written_positions(node)
         if not positions:
             continue
-        if node.target.overloadpacket not in _FUNCTIONAL or node.users or max(positions) >= len(node.args):
+        if _functional(node) is None or node.users or max(positions) >= len(node.args):
             return None
         writes.append((node, positions))
     written: set[fx.Node] = set()
@@ -137,7 +135,7 @@ def functionalize_optimizer_writes(gm: fx.GraphModule) -> Optional[fx.GraphModul
     for node, positions in writes:
         args = [fx.node.map_arg(a, lambda n: current.get(n, n)) for a in node.args]
         kwargs = fx.node.map_arg(node.kwargs, lambda n: current.get(n, n))
-        functional = getattr(_FUNCTIONAL[node.target.overloadpacket], node.target._overloadname)
+        functional = _functional(node)
         with graph.inserting_before(node):
             new = graph.call_function(functional, tuple(args), kwargs)
             set_fake_val(new)

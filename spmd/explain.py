@@ -161,8 +161,8 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
             result = transform(gm)  # a user transformation: show what it built
             igm = result if isinstance(result, IterGraphModule) else igm
     finally:
-        for o in created:
-            o.state.clear()
+        for made in created:
+            made.undo()
     params = {id(p): p for p in state.params}
     plan = Plan(
         params=sum(p.numel() for p in params.values()),

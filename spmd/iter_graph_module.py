@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from .graph_utils import lazy_graph_module
 from .graph_utils.meta import NAME, ROLE, Role
+from .graph_utils.optimizer_ops import written_inputs
 from .passes.iteration import IterMoveError
 
 
@@ -36,21 +37,6 @@ class Move:
     target: fx.Node
     carried: list[fx.Node]        # external inputs whose value crosses the iteration boundary
     reused: list[fx.Node]         # persistent placeholders read afresh in the next iteration
-
-
-def mutated_inputs(node: fx.Node) -> list[fx.Node]:
-    """The nodes whose storage ``node`` writes (``copy_`` destinations, in-place op args)."""
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        values = value if isinstance(value, (list, tuple)) else [value]
-        out += [v for v in values if isinstance(v, fx.Node)]
-    return out
 
 
 def _index(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -106,14 +92,14 @@ class IterGraph(fx.Graph):
                 (reused if persistent else carried).append(a)
         # Every persistent input the moved nodes read must not be updated by others this iteration.
         for p in reused:
-            foreign = [u.name for u in p.users if u not in moved and p in mutated_inputs(u)]
+            foreign = [u.name for u in p.users if u not in moved and p in written_inputs(u)]
             if foreign:
                 raise IterMoveError(
                     f"move_to_next_iter_before: the moved nodes read {p.meta.get('spmd_name', p.name)}, which "
                     f"{foreign} update in this iteration; move those updates too."
                 )
         # No reader of a deferred update's destination may run before the target.
-        for dst in {d: None for n in nodes for d in mutated_inputs(n)}:
+        for dst in {d: None for n in nodes for d in written_inputs(n)}:
             readers = [u for u in dst.users if u not in moved]
             if not readers:
                 continue

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from .graph_utils import lazy_graph_module
+from .graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
 
 from .compile_times import phase
 
@@ -85,9 +86,13 @@ def _wrappable_fused_optimizer(node: fx.Node) -> bool:
     calls stay as they are.
     """
     target = node.target
-    return (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
-            and target._opname in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_")
+    return (is_fused_optimizer(target) and is_inplace(target) and _writes_grads(target)
             and node.kwargs.get("grad_scale") is None and node.kwargs.get("found_inf") is None)
+
+
+def _writes_grads(op: torch._ops.OpOverload) -> bool:
+    """Its schema declares ``grads`` written (the opaque op declares them read-only instead)."""
+    return any(op._schema.arguments[i].name == "grads" for i in written_args(op))
 
 
 def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:

@@ -13,7 +13,8 @@ same spec (``as_dtensors``), so the step sees what it sees in eager mode.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -21,11 +22,31 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from .errors import SpmdCompileError
+from .hyperparams import group_signature, hyper_items, read
 
-# Hyperparameters that select code paths or appear as Python scalars in the traced
-# optimizer; a change retraces. ``lr`` is a graph input instead (schedulers change it).
-_GROUP_KEYS_IN_SIGNATURE = ("betas", "momentum", "dampening", "nesterov", "weight_decay", "eps",
-                            "amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")
+
+@dataclass(frozen=True)
+class HyperSlot:
+    """One numeric hyperparameter of a param group, a graph input (``Role.HYPER``).
+
+    ``index`` is the position inside a tuple value (``betas``), else None. ``dtype`` is
+    float64, the dtype eager's Python-float scalar math runs in (a tensor value keeps its
+    own dtype, as eager computes with it), except a fused CUDA kernel's ``lr`` (those
+    kernels read it as float32). ``device``: where the group's step
+    counters live (CPU for a non-capturable CUDA optimizer), else its parameters' device.
+    """
+
+    optim: int
+    group: int
+    key: str
+    index: Optional[int]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def name(self) -> str:
+        suffix = "" if self.index is None else f".{self.index}"
+        return f"opt{self.optim}.group{self.group}.{self.key}{suffix}"
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -51,49 +72,6 @@ def find_modules_and_optimizers(args: tuple, kwargs: dict) -> tuple[list[nn.Modu
             "argument, e.g. train_step(model, optim, batch)."
         )
     return modules, optimizers
-
-
-def ensure_optimizer_state(optim: torch.optim.Optimizer) -> bool:
-    """Create the optimizer's per-parameter state (zeros, step 0) if it has none yet.
-
-    Runs one real step with zero gradients and learning rate and weight decay 0, which
-    allocates exactly the state eager training would, then resets step counters to 0.
-    Returns True when state was created (so a failed compile can remove it again).
-    """
-    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
-    if all(p in optim.state and optim.state[p] for p in params):
-        return False
-    for group in optim.param_groups:
-        if group.get("dampening", 0) not in (0, 0.0) and group.get("momentum", 0):
-            raise SpmdCompileError(
-                "spmd.compile: SGD with dampening != 0 is not supported (its first step treats the momentum "
-                "buffer specially). Use dampening=0."
-            )
-    saved_grads = {p: p.grad for p in params}
-    saved = [(g.get("lr"), g.get("weight_decay")) for g in optim.param_groups]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        for g in optim.param_groups:
-            g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-            if "weight_decay" in g:
-                g["weight_decay"] = 0.0
-        with torch.no_grad():
-            optim.step()
-    finally:
-        for g, (lr, wd) in zip(optim.param_groups, saved):
-            g["lr"] = lr
-            if wd is not None:
-                g["weight_decay"] = wd
-        for p in params:
-            p.grad = saved_grads[p]
-    for st in optim.state.values():
-        step = st.get("step")
-        if torch.is_tensor(step):
-            step.zero_()
-        elif step is not None:
-            st["step"] = 0
-    return True
 
 
 class StepState:
@@ -130,7 +108,6 @@ class StepState:
             self._module_buffers[id(mod)] = bnames
 
         self.group_param_indices: list[list[list[int]]] = []
-        self.lr_slot: dict[tuple[int, int], int] = {}
         owner: dict[int, str] = {}
         for o_idx, optim in enumerate(optimizers):
             groups = []
@@ -150,7 +127,6 @@ class StepState:
                     owner[id(p)] = f"{o_idx}.{g_idx}"
                     indices.append(self._param_index[id(p)])
                 groups.append(indices)
-                self.lr_slot[(o_idx, g_idx)] = len(self.lr_slot)
             self.group_param_indices.append(groups)
 
         self.param_trained = [p.requires_grad for p in self.params]
@@ -175,6 +151,9 @@ class StepState:
                     layout.append((key, ("const", value)))
             self._state_layout.append(layout)
         self.state_specs = [_spec(t) for t in self.state_tensors]
+        self._group_items = {(o, g): hyper_items(group) for o, optim in enumerate(optimizers)
+                             for g, group in enumerate(optim.param_groups)}
+        self.hyper_slots: list[HyperSlot] = self._hyper_slots()
 
     # -- layout helpers used by tracing ----------------------------------------
     def module_param_names(self) -> Iterator[tuple[nn.Module, list[tuple[str, int]]]]:
@@ -203,40 +182,53 @@ class StepState:
             states.append(st)
         return states
 
-    def lr_values_and_devices(self) -> list[tuple[float, torch.device]]:
-        """Each param group's lr, with the device it must live on in the graph.
+    def _group_device(self, optim: torch.optim.Optimizer, indices: list[int]) -> torch.device:
+        if not indices:
+            return torch.device("cpu")
+        step = optim.state.get(self.params[indices[0]], {}).get("step")
+        return step.device if torch.is_tensor(step) else self.params[indices[0]].device
 
-        That is the device of the group's step counters when they are tensors (CPU for
-        non-capturable CUDA optimizers), else the device of its parameters.
-        """
-        out = []
+    def _hyper_slots(self) -> list[HyperSlot]:
+        slots = []
         for o_idx, optim in enumerate(self.optimizers):
             for g_idx, group in enumerate(optim.param_groups):
-                idx = self.group_param_indices[o_idx][g_idx]
-                device = self.params[idx[0]].device if idx else torch.device("cpu")
-                step = optim.state.get(self.params[idx[0]], {}).get("step") if idx else None
-                if torch.is_tensor(step):
-                    device = step.device
-                out.append((float(group["lr"]), device))
-        return out
+                device = self._group_device(optim, self.group_param_indices[o_idx][g_idx])
+                fused_cuda_lr = bool(group.get("fused")) and device.type == "cuda"
+                for key, index, _ in self._group_items[(o_idx, g_idx)]:
+                    value = group[key] if index is None else group[key][index]
+                    dtype = value.dtype if torch.is_tensor(value) else torch.float64  # eager computes in it
+                    dtype = torch.float32 if fused_cuda_lr and key == "lr" else dtype
+                    slots.append(HyperSlot(o_idx, g_idx, key, index, dtype, device))
+        return slots
 
     # -- per call ----------------------------------------------------------------
     def flat_tensors(self) -> list[torch.Tensor]:
         """The real tensors (local tensors of DTensors), in graph order, as the compiled graph's leading inputs."""
         return [local_tensor(t) for t in (*self.params, *self.buffers, *self.state_tensors)]
 
-    def lr_tensors(self) -> list[torch.Tensor]:
-        return [torch.tensor(float(v), device=d) for v, d in self.lr_values_and_devices()]
+    def hyper_values(self) -> list[float]:
+        """The current value of each hyperparameter slot, in graph order."""
+        groups = [o.param_groups for o in self.optimizers]
+        return [read(groups[s.optim][s.group], s.key, s.index) for s in self.hyper_slots]
+
+    def hyper_tensors(self) -> list[torch.Tensor]:
+        """Fresh 0-dim tensors holding ``hyper_values()`` (dtype and device per slot)."""
+        return [torch.tensor(v, dtype=s.dtype, device=s.device) for s, v in zip(self.hyper_slots, self.hyper_values())]
 
     def signature(self) -> tuple:
-        """Everything about the state that the traced graph specialises on."""
+        """Everything about the state that the traced graph specialises on.
+
+        Hyperparameter values are graph inputs and not part of it, except where a trace
+        learned that it depends on them (``spmd.hyperparams``): the outcome of each
+        branch it took on a hyperparameter, and the value of each one it specialised on.
+        A DTensor adds its global shape, placements and mesh.
+        """
         tensors = tuple((tuple(local_tensor(t).shape), t.dtype, t.device, t.requires_grad,
                          None if spec is None else (tuple(spec.shape), spec.placements, spec.mesh))
                         for t, spec in zip((*self.params, *self.buffers, *self.state_tensors),
                                            (*self.param_specs, *[None] * len(self.buffers), *self.state_specs)))
-        groups = tuple(
-            tuple((k, repr(g.get(k))) for k in _GROUP_KEYS_IN_SIGNATURE if k in g)
-            for o in self.optimizers for g in o.param_groups
-        )
+        groups = tuple(group_signature(self.optimizers[o], self.optimizers[o].param_groups[g], items)
+                       for (o, g), items in self._group_items.items())
+        hypers = tuple((s.key, s.index, s.dtype, s.device) for s in self.hyper_slots)
         consts = tuple((key, repr(v)) for layout in self._state_layout for key, (kind, v) in layout if kind == "const")
-        return tensors, groups, consts, tuple(len(l) for l in self._state_layout)
+        return tensors, groups, hypers, consts, tuple(len(l) for l in self._state_layout)

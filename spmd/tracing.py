@@ -3,9 +3,11 @@
 Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside it:
 
 1. ``make_fx`` (fake tensors) runs the user's step with every parameter, buffer,
-   optimizer state tensor and learning rate swapped for a graph input. Real autograd
-   runs under the tracer, so backward ops are recorded; a hook on each trained
-   parameter tags its gradient with ``spmd::tag_grad`` so the parallel mode can find it.
+   optimizer state tensor and numeric optimizer hyperparameter (``spmd.hyperparams``)
+   swapped for a graph input. Real autograd runs under the tracer, so backward ops are
+   recorded; a hook on each trained parameter tags its gradient with ``spmd::tag_grad``
+   so the parallel mode can find it. Optimizers run their compile-friendly code, and
+   inside ``Optimizer.step`` ``HyperMode`` keeps their scalar math what eager computes.
 2. That graph (plain aten ops, some in place) is made functional: the result is pure,
    and every input the step mutates gets an explicit ``copy_`` back into it at the
    end, so running the graph on the real tensors updates them. When the only writes
@@ -21,20 +23,22 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .graph_utils import lazy_graph_modules, make_lazy
 from .graph_utils.meta import NAME, ROLE, Role
+from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
 from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
 from .errors import SpmdCompileError
+from .hyperparams import HyperMode, TracedHyper, hyper_items, learned
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState
 
@@ -62,7 +66,7 @@ TAG_GRAD = torch.ops.spmd.tag_grad.default
 class TracedStep:
     """A functional whole-step graph and how to call it.
 
-    ``gm`` takes ``state.flat_tensors() + lr tensors + user tensors`` positionally and
+    ``gm`` takes ``state.flat_tensors() + hyperparameter tensors + user tensors`` positionally and
     returns the flattened user return value; ``out_spec`` rebuilds it.
     """
 
@@ -81,26 +85,58 @@ def _compiling_flag():
         torch.compiler._is_compiling_flag = old
 
 
+def _eager_foreach(group: dict) -> Optional[bool]:
+    """The ``foreach`` eager picks for ``group``'s real parameters when the user left it (and ``fused``) unset.
+
+    Under the tracer the parameters are fake tensors, for which torch's own default
+    would always pick the single-tensor loop.
+    """
+    if group.get("foreach") is not None or group.get("fused"):
+        return group.get("foreach")
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+    except ImportError:  # a private helper: without it, torch's default applies
+        return None
+    return _default_to_fused_or_foreach(list(group["params"]), bool(group.get("differentiable")), use_fused=False)[1]
+
+
 @contextlib.contextmanager
-def _rematerialize_optimizers(state: StepState, params, states, lrs):
-    """Point each optimizer at the traced tensors for the duration of the trace."""
-    saved = []
+def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Iterator[dict[int, TracedHyper]]:
+    """Point each optimizer at the traced tensors for the duration of the trace.
+
+    Each numeric hyperparameter becomes its traced input (unless a trace learned that it
+    must be specialised, then it keeps its value). Yields ``id(tensor) -> TracedHyper``
+    for ``HyperMode``.
+    """
+    saved, traced_hypers = [], {}
+    slots = iter(zip(state.hyper_slots, hypers))
     try:
         for o_idx, optim in enumerate(state.optimizers):
             saved.append((optim, optim.state, [dict(g) for g in optim.param_groups]))
             traced_state = defaultdict(dict)
             for g_idx, group in enumerate(optim.param_groups):
+                facts = learned(optim, group)
+                values = {}
+                for key, index, value in hyper_items(group):
+                    slot, tensor = next(slots)
+                    if (key, index) not in facts.specialised:
+                        traced_hypers[id(tensor)] = TracedHyper(facts, key, index, value)
+                        value = tensor
+                    values.setdefault(key, {})[index] = value
+                if "foreach" in group:
+                    group["foreach"] = _eager_foreach(group)
+                for key, by_index in values.items():
+                    group[key] = by_index[None] if None in by_index else type(group[key])(
+                        by_index[i] for i in range(len(by_index)))
+                if "capturable" in group:
+                    # The capturable path is tensor math throughout (the step counter stays on the graph).
+                    group["capturable"] = True
                 indices = state.group_param_indices[o_idx][g_idx]
                 group["params"] = [params[i] for i in indices]
-                group["lr"] = lrs[state.lr_slot[(o_idx, g_idx)]]
-                if "capturable" in group:
-                    # The capturable path is pure tensor math: it takes a tensor lr and
-                    # keeps the step counter on the graph. Same numerics up to rounding.
-                    group["capturable"] = True
                 for i in indices:
                     traced_state[params[i]] = states[i]
             optim.state = traced_state
-        yield
+        yield traced_hypers
     finally:
         for optim, opt_state, groups in saved:
             optim.state = opt_state
@@ -135,15 +171,6 @@ def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
     return None
 
 
-_aten = torch.ops.aten
-# in-place fused optimizer packet -> (functional packet, number of list outputs)
-_FUSED_INPLACE = {
-    _aten._fused_adam_: (_aten._fused_adam, 5),
-    _aten._fused_adamw_: (_aten._fused_adamw, 5),
-    _aten._fused_sgd_: (_aten._fused_sgd, 3),
-}
-
-
 class _FunctionalFusedOptim(torch.fx.Interpreter):
     """Replays a graph, running fused in-place optimizer ops as functional op + copy_.
 
@@ -153,15 +180,75 @@ class _FunctionalFusedOptim(torch.fx.Interpreter):
     """
 
     def call_function(self, target, args, kwargs):
-        packet = getattr(target, "overloadpacket", None)
-        if packet in _FUSED_INPLACE:
-            functional, n_lists = _FUSED_INPLACE[packet]
-            results = getattr(functional, target._overloadname)(*args, **kwargs)
-            for dsts, srcs in zip(args[:n_lists], results):
-                for dst, src in zip(dsts, srcs):
+        functional = functional_of(target) if is_fused_optimizer(target) else None
+        if functional is not None:
+            results = functional(*args, **kwargs)
+            for position, srcs in zip(written_args(target), results):
+                for dst, src in zip(args[position], srcs):
                     dst.copy_(src)
             return None
         return super().call_function(target, args, kwargs)
+
+
+@contextlib.contextmanager
+def _hyper_mode_in_steps(mode: HyperMode) -> Iterator[None]:
+    """Run ``mode`` inside every ``Optimizer.step`` (and only there: the model's own code is left alone)."""
+    active = []
+
+    def enter(optim, args, kwargs):
+        mode.__enter__()
+        active.append(mode)
+
+    def leave(optim, args, kwargs):
+        active.pop().__exit__(None, None, None)
+
+    handles = [register_optimizer_step_pre_hook(enter), register_optimizer_step_post_hook(leave)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        while active:  # a step that raised skips its post-hook
+            active.pop().__exit__(None, None, None)
+
+
+def _check_state_updated_in_place(state: StepState, before: list[dict], after: list[dict]) -> None:
+    """Refuse a step that adds optimizer state or replaces a state tensor: the graph would drop the change."""
+    for i, (old, new) in enumerate(zip(before, after)):
+        if set(old) != set(new) or any(new[k] is not v for k, v in old.items() if torch.is_tensor(v)):
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) is not new.get(k))
+            raise SpmdCompileError(
+                f"spmd.compile: the optimizer step creates or replaces state {changed} of {state.param_names[i]} "
+                "instead of updating it in place, so a compiled step would lose it. spmd creates optimizer "
+                "state before tracing as torch's optimizers do in _init_group; an optimizer that creates it "
+                "elsewhere is not supported: use one of torch.optim's optimizers."
+            )
+
+
+def _hyper_scalar_reads(gm: torch.fx.GraphModule, first: int, count: int) -> set[int]:
+    """Indices of the hyperparameter inputs that the graph reads as a number (``item()``) somewhere."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    hypers = {placeholders[first + k]: k for k in range(count)}
+    found: set[int] = set()
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten._local_scalar_dense.default):
+        if not node.users:
+            continue
+        seen, frontier = set(), [node]
+        while frontier:
+            n = frontier.pop()
+            if n not in seen:
+                seen.add(n)
+                if n in hypers:
+                    found.add(hypers[n])
+                frontier.extend(n.all_input_nodes)
+    return found
+
+
+def _specialise(state: StepState, slots: set[int]) -> None:
+    for k in slots:
+        slot = state.hyper_slots[k]
+        optim = state.optimizers[slot.optim]
+        learned(optim, optim.param_groups[slot.group]).specialised.add((slot.key, slot.index))
 
 
 def tag_gradients(state: StepState, params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
@@ -172,14 +259,19 @@ def tag_gradients(state: StepState, params: list[torch.Tensor]) -> contextlib.Ab
     return contextlib.nullcontext()
 
 
-def trace_train_step(
-    fn: Callable, state: StepState, args: tuple, kwargs: dict,
-    mode_context: Callable[[list[torch.Tensor]], contextlib.AbstractContextManager] | None = None,
-) -> TracedStep:
-    """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph.
+ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 
-    ``mode_context(params)``, given the traced parameters (DTensors where the real ones
-    are), is entered around ``fn``: the parallel mode's hooks (default: ``tag_gradients``).
+
+def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
+                       mode_context: ModeContext | None = None,
+                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor]]:
+    """Stage 1: ``fn(*args, **kwargs)`` as a graph of aten ops, some in place (see the module docstring).
+
+    Returns the graph, the spec of ``fn``'s flattened return value, and the graph's inputs
+    (parameters, buffers, optimizer state, hyperparameters, user tensors). Running the graph
+    on the real tensors performs the step. ``mode_context(params)``, given the traced
+    parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
+    mode's hooks (default: ``tag_gradients``).
     """
     mode_context = mode_context or (lambda params: tag_gradients(state, params))
     register_missing_fused_optimizer_metas()
@@ -191,7 +283,7 @@ def trace_train_step(
 
     out_holder: dict[str, Any] = {}
 
-    def whole_step(params, buffers, state_tensors, lrs, inputs):
+    def whole_step(params, buffers, state_tensors, hypers, inputs):
         params = state.as_dtensors(params, state.param_specs, state.param_trained)
         state_tensors = state.as_dtensors(state_tensors, state.state_specs)
         states = state.rebuild_optimizer_states(state_tensors, params)
@@ -204,9 +296,12 @@ def trace_train_step(
                 mapping = {n: params[i] for n, i in names}
                 mapping.update({n: buffers[i] for n, i in state.module_buffer_names(mod)})
                 stack.enter_context(_reparametrize_module(mod, mapping))
-            stack.enter_context(_rematerialize_optimizers(state, params, states, lrs))
+            traced_hypers = stack.enter_context(_rematerialize_optimizers(state, params, states, hypers))
+            before = [dict(st) for st in states]
+            stack.enter_context(_hyper_mode_in_steps(HyperMode(traced_hypers, state_tensors)))
             stack.enter_context(mode_context(params))
             out = fn(*call_args, **call_kwargs)
+            _check_state_updated_in_place(state, before, states)
             leftover = [state.param_names[i] for i, p in enumerate(params) if p.grad is not None]
         if leftover:
             raise SpmdCompileError(
@@ -225,11 +320,11 @@ def trace_train_step(
             )
         return [v.detach() if isinstance(v, torch.Tensor) else v for v in flat_out]
 
-    lr_values = state.lr_tensors()
+    hyper_values = state.hyper_tensors()
     n_flat = n_params + n_buffers + n_state
     flat_state = state.flat_tensors()  # local tensors of DTensors
     inputs = (flat_state[:n_params], flat_state[n_params:n_params + n_buffers], flat_state[n_params + n_buffers:n_flat],
-              lr_values, user_tensors)
+              hyper_values, user_tensors)
     known = {id(o) for o in state.optimizers}
 
     def refuse_unknown_optimizer(optim, args, kwargs):
@@ -241,9 +336,15 @@ def trace_train_step(
             )
 
     hook = register_optimizer_step_pre_hook(refuse_unknown_optimizer)
+    first_hyper = n_params + n_buffers + n_state
     try:
-        with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
-            impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
+        for _ in range(len(hyper_values) + 1):
+            with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
+                impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
+            read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
+            if not read:
+                break
+            _specialise(state, read)  # the graph reads them as numbers: trace again with their values
     except SpmdCompileError:
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know
@@ -254,7 +355,16 @@ def trace_train_step(
     finally:
         hook.remove()
 
-    flat_inputs = [t.detach() for t in pytree.tree_leaves(inputs)]
+    return impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)]
+
+
+def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
+                     mode_context: ModeContext | None = None) -> TracedStep:
+    """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph.
+
+    ``mode_context``: the parallel mode's hooks around ``fn`` (see ``capture_train_step``).
+    """
+    impure, out_spec, flat_inputs = capture_train_step(fn, state, args, kwargs, mode_context)
 
     def replay(*flat):
         return _FunctionalFusedOptim(impure).run(*flat)
@@ -264,10 +374,12 @@ def trace_train_step(
         if pure is None:
             pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"),
                            tracing_mode="fake")(*flat_inputs)
-    roles = ([Role.PARAM] * n_params + [Role.BUFFER] * n_buffers + [Role.STATE] * n_state
-             + [Role.HYPER] * len(lr_values) + [Role.INPUT] * len(user_tensors))
+    n_inputs = len(flat_inputs) - len(state.flat_tensors()) - len(state.hyper_slots)
+    roles = ([Role.PARAM] * len(state.params) + [Role.BUFFER] * len(state.buffers)
+             + [Role.STATE] * len(state.state_tensors)
+             + [Role.HYPER] * len(state.hyper_slots) + [Role.INPUT] * n_inputs)
     names = (list(state.param_names) + list(state.buffer_names) + list(state.state_names)
-             + [f"lr_{k}" for k in range(len(lr_values))] + [f"input_{k}" for k in range(len(user_tensors))])
+             + [s.name for s in state.hyper_slots] + [f"input_{k}" for k in range(n_inputs)])
     for node, role, name in zip(pure.graph.find_nodes(op="placeholder"), roles, names):
         node.meta[ROLE] = role
         node.meta[NAME] = name
@@ -275,5 +387,4 @@ def trace_train_step(
     output = next(n for n in reversed(pure.graph.nodes) if n.op == "output")
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
-    out_spec = out_holder["spec"]
     return TracedStep(gm=pure, out_spec=out_spec)

@@ -173,3 +173,76 @@ def _cudagraphs_follow_lr_and_reloaded_state(rank, world_size):
 
 def test_cudagraph_step_follows_lr_schedule_and_recaptures_after_state_reload():
     run_distributed(_cudagraphs_follow_lr_and_reloaded_state, world_size=WORLD_SIZE, backend="nccl")
+
+
+def _one_cycle_cudagraphs(rank, world_size, impl):
+    """OneCycleLR cycles lr and beta1 every step: the hyperparameter inputs are refilled in place, one trace,
+    one CUDA graph capture (``impl``: foreach, or fused, whose kernel takes betas as constants: a retrace a step)."""
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = MLP(layers=4, dim=256).to(device)
+    ddp = ddp_copy(model, device_ids=[rank])
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, capturable=True, **{impl: True})
+    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01, capturable=True, **{impl: True})
+    schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.01, total_steps=10) for o in (optim, ddp_optim)]
+    seen = {}
+
+    def transformation(gm):
+        igm = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.5,
+                                             enable_inductor=True, enable_cudagraphs=True)(gm)
+        seen["igm"] = igm
+        return igm
+
+    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), gm_transformation=transformation)
+    def train_step(model, optim, batch):
+        loss = model(batch).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(rank)
+    for _ in range(8):
+        batch = torch.randn(32, 256, device=device)
+        torch.testing.assert_close(train_step(model, optim, batch), eager_step(ddp, ddp_optim, batch),
+                                   atol=1e-3, rtol=1e-3)
+        for s in schedulers:
+            s.step()
+    assert_params_close(model, ddp, atol=1e-3, rtol=1e-3)
+    if impl == "foreach":
+        assert len(train_step.cache) == 1 and seen["igm"]._runners["step"].captures == 1
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_one_cycle_lr_with_cudagraphs_matches_ddp(impl):
+    run_distributed(_one_cycle_cudagraphs, impl, world_size=WORLD_SIZE, backend="nccl")
+
+
+def _optimizers_on_gpus(rank, world_size):
+    """Optimizers whose hyperparameters the trace rewrites, with step counters on the CPU (non-capturable)
+    and on the GPU (capturable), against DDP."""
+    device = torch.device("cuda", rank)
+    cases = [(torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, foreach=True)),
+             (torch.optim.NAdam, dict(lr=0.01, foreach=True)), (torch.optim.NAdam, dict(lr=0.01, capturable=True)),
+             (torch.optim.RAdam, dict(lr=0.01, foreach=True)), (torch.optim.Adagrad, dict(lr=0.05, fused=True)),
+             (torch.optim.RMSprop, dict(lr=0.01, momentum=0.9, centered=True, foreach=True))]
+    for cls, settings in cases:
+        torch.manual_seed(0)
+        model = MLP(layers=2, dim=64).to(device).double()
+        ddp = ddp_copy(model, device_ids=[rank])
+        optim, ddp_optim = cls(model.parameters(), **settings), cls(ddp.parameters(), **settings)
+        train_step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(
+            lambda m, o, b: eager_step(m, o, b))
+        torch.manual_seed(rank)
+        for _ in range(4):
+            batch = torch.randn(8, 64, device=device, dtype=torch.float64)
+            torch.testing.assert_close(train_step(model, optim, batch), eager_step(ddp, ddp_optim, batch),
+                                       atol=1e-10, rtol=0)
+            for o in (optim, ddp_optim):
+                o.param_groups[0]["lr"] *= 0.8
+        assert_params_close(model, ddp, atol=1e-10, rtol=0)
+        assert len(train_step.cache) == 1, cls.__name__
+
+
+def test_optimizers_with_hyperparameter_inputs_match_ddp_on_gpus_in_float64():
+    run_distributed(_optimizers_on_gpus, world_size=WORLD_SIZE, backend="nccl")

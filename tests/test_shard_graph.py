@@ -36,8 +36,8 @@ def _expanded(style="fully_shard", body=plain_step, **options):
     idx, targets = next(batches(0, 1))
     state = step.prepare_state((model, optim, idx, targets), {})
     gm, _, _, created = step.trace_and_expand(state, (model, optim, idx, targets), {})
-    for o in created:
-        o.state.clear()
+    for made in created:
+        made.undo()
     return IterGraphModule(gm)
 
 

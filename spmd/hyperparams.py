@@ -1,0 +1,363 @@
+"""Optimizer hyperparameters as graph inputs, and what a trace assumed about them.
+
+Every numeric value of a param group (``lr``, ``betas``, ``momentum``, ``weight_decay``,
+``eps``, ...) enters the traced step as a 0-dim float64 tensor (``Role.HYPER``), the
+dtype eager computes its Python-float scalar math in. A scheduler that changes one
+between steps changes an input, not the graph. Bools, strings and None (``foreach``,
+``nesterov``, ``amsgrad``, ...) select code paths and stay part of the signature.
+
+Torch's optimizers are written for Python numbers. While tracing, ``HyperMode`` (a
+``TorchFunctionMode``) lets them run on these tensors and compute what eager computes:
+
+* A comparison of a hyperparameter with a number (``if momentum != 0``) evaluates on
+  its current value and is recorded as a guard: the step retraces only when a guard's
+  outcome changes, never for a value that keeps every branch.
+* A hyperparameter that the code turns into a Python number (``int(t)``, ``t.item()``),
+  or passes to a fused kernel's ``float`` argument, is used by value and *specialised*:
+  its value joins the signature, so a change retraces.
+* Ops that only take a number where a tensor now arrives (``alpha=``, ``value=``, a
+  foreach op's scalar) are rewritten into the same arithmetic on tensors.
+* Eager reads 0-dim optimizer state (step counters, NAdam's ``mu_product``) as Python
+  floats (``.item()``); traced, arithmetic on them runs in float64 too. An in-place update
+  of such a 0-dim tensor casts its 0-dim operands to the tensor's dtype first, as a
+  Python scalar would be.
+
+Guards and specialisations are facts about torch's optimizer code for one optimizer
+class and set of flags, learned by tracing it; ``_LEARNED`` keeps them for the process
+so a step's signature can be computed before it is traced again.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .graph_utils.optimizer_ops import fused_float_args
+
+# --- which group values are hyperparameters -----------------------------------------
+
+
+def _is_number(v) -> bool:
+    kind = type(v)
+    if kind is float or kind is int:
+        return True
+    if kind is bool or kind is str or v is None:
+        return False
+    if isinstance(v, numbers.Real):
+        return True
+    return isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point() and not v.requires_grad
+
+
+def hyper_items(group: dict) -> list[tuple[str, Optional[int], float]]:
+    """``(key, index, value)`` for each numeric hyperparameter of ``group`` (index: position in a tuple like betas)."""
+    out = []
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if _is_number(value):
+            out.append((key, None, float(value)))
+        elif isinstance(value, (tuple, list)) and value and all(map(_is_number, value)):
+            out.extend((key, i, float(v)) for i, v in enumerate(value))
+    return out
+
+
+def read(group: dict, key: str, index: Optional[int]) -> Optional[float]:
+    """The current value of one hyperparameter (None if ``group`` has no such entry)."""
+    value = group.get(key)
+    if index is not None:
+        value = value[index] if isinstance(value, (tuple, list)) and index < len(value) else None
+    return None if value is None else float(value)
+
+
+def flags(group: dict, items: Optional[list] = None) -> tuple:
+    """The non-numeric values of ``group`` (implementation flags, names): a change retraces.
+
+    ``items``: ``hyper_items(group)`` when the caller has it already.
+    """
+    numeric = {k for k, _, _ in (hyper_items(group) if items is None else items)}
+    return tuple((k, repr(v)) for k, v in sorted(group.items()) if k != "params" and k not in numeric)
+
+
+# --- what traces learned ----------------------------------------------------------------
+
+_COMPARE = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
+            "gt": operator.gt, "ge": operator.ge}
+
+
+@dataclass
+class Learned:
+    """What traces of one optimizer class with one set of flags assumed about its hyperparameters."""
+
+    guards: set = field(default_factory=set)      # (key, index, comparison name, constant)
+    specialised: set = field(default_factory=set)  # (key, index)
+
+
+_LEARNED: dict[tuple, Learned] = {}
+
+
+def learned(optim: torch.optim.Optimizer, group: dict) -> Learned:
+    return _LEARNED.setdefault((type(optim), flags(group)), Learned())
+
+
+def group_signature(optim: torch.optim.Optimizer, group: dict, items: Optional[list] = None) -> tuple:
+    """What a traced step specialises on in ``group``: its flags, guard outcomes and specialised values."""
+    group_flags = flags(group, items)
+    facts = _LEARNED.get((type(optim), group_flags))
+    if facts is None:
+        return group_flags, ()
+    checks = tuple((key, index, name, const, value is not None and _COMPARE[name](value, const))
+                   for key, index, name, const in sorted(facts.guards, key=repr)
+                   for value in [read(group, key, index)])
+    values = tuple((key, index, read(group, key, index)) for key, index in sorted(facts.specialised, key=repr))
+    return group_flags, checks, values
+
+
+# --- tracing --------------------------------------------------------------------------
+
+
+@dataclass
+class TracedHyper:
+    """A hyperparameter input of a trace: where it lives and its value at trace time."""
+
+    facts: Learned
+    key: str
+    index: Optional[int]
+    value: float
+
+
+def _by_name(names: set[str], *owners) -> set:
+    return {getattr(owner, n) for owner in owners for n in names if hasattr(owner, n)}
+
+
+_COMPARISONS = {f: name for name in _COMPARE for f in _by_name({name, f"__{name}__"}, torch.Tensor, torch)}
+_TO_NUMBER = {torch.Tensor.item: float, torch.Tensor.__float__: float, torch.Tensor.__int__: int,
+              torch.Tensor.__index__: int, torch.Tensor.tolist: float}
+_ARITHMETIC = {"add", "sub", "mul", "div", "true_divide", "pow", "neg", "sqrt", "reciprocal", "maximum",
+               "minimum", "where", "clamp", "lerp", "rsub", "square", "exp", "log", "abs", "sign",
+               "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+               "__rtruediv__", "__pow__", "__rpow__", "__neg__", "__abs__"}
+
+
+_WHERE = _by_name({"where"}, torch.Tensor, torch)
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", "")
+
+
+def _is_inplace(func) -> bool:
+    name = _name(func)
+    return (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__"))
+
+
+def _is_scalar_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() == 0
+
+
+class HyperMode(TorchFunctionMode):
+    """Runs optimizer code on hyperparameter tensors as eager runs it on Python floats (module docstring).
+
+    Active only inside ``Optimizer.step``. ``hypers`` maps ``id`` of each traced
+    hyperparameter tensor to its ``TracedHyper``; ``state_scalars`` are the traced 0-dim
+    optimizer state tensors (step counters, ...) that eager reads with ``.item()``.
+    """
+
+    def __init__(self, hypers: dict[int, TracedHyper], state_scalars: list[torch.Tensor]):
+        super().__init__()
+        self.hypers = hypers
+        self.state_scalars = {id(t) for t in state_scalars if t.dim() == 0 and t.is_floating_point()}
+        self._alive = state_scalars  # keeps the ids valid
+
+    def _hyper(self, v) -> Optional[TracedHyper]:
+        return self.hypers.get(id(v)) if isinstance(v, torch.Tensor) else None
+
+    def _specialise(self, h: TracedHyper) -> float:
+        h.facts.specialised.add((h.key, h.index))
+        return h.value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _COMPARISONS and len(args) == 2 and not kwargs:
+            h = self._hyper(args[0])
+            if h is not None and isinstance(args[1], numbers.Real):
+                name = _COMPARISONS[func]
+                h.facts.guards.add((h.key, h.index, name, float(args[1])))
+                return _COMPARE[name](h.value, args[1])
+        if args and self._hyper(args[0]) is not None:
+            h = self._hyper(args[0])
+            if func is torch.Tensor.__bool__:
+                h.facts.guards.add((h.key, h.index, "ne", 0.0))
+                return h.value != 0
+            if func in _TO_NUMBER:
+                return _TO_NUMBER[func](self._specialise(h))
+        fused = fused_float_args(func)
+        if fused:
+            kwargs = {k: self._specialise(self._hyper(v)) if k in fused and self._hyper(v) else v
+                      for k, v in kwargs.items()}
+        args, kwargs = _scalar_dtypes(func, args, kwargs, self.state_scalars)
+        rewrite = _REWRITES.get(func)
+        out = rewrite(func, args, kwargs) if rewrite is not None else NotImplemented
+        if out is NotImplemented:
+            out = func(*args, **kwargs)
+        if func in _WHERE and _is_scalar_tensor(out) and out.is_floating_point() and out.dtype != torch.float64:
+            out = out.to(torch.float64)  # where(c, 0.0, 1.0): Python numbers in eager, not default-dtype tensors
+        return out
+
+
+def _scalar_dtypes(func, args, kwargs, state_scalars: set[int]):
+    """Arithmetic reads 0-dim state as float64; an in-place update casts 0-dim operands to its target's dtype."""
+    if _is_inplace(func) and args:
+        target = args[0]
+        if isinstance(target, (list, tuple)) and len(args) > 1 and isinstance(args[1], (list, tuple)):
+            other = [o.to(t.dtype) if _is_scalar_tensor(t) and _is_scalar_tensor(o) and o.dtype != t.dtype else o
+                     for t, o in zip(target, args[1])]
+            return (args[0], other, *args[2:]), kwargs
+        if isinstance(target, (list, tuple)) and target and all(map(_is_scalar_tensor, target)):
+            target = target[0]  # 0-dim targets of one dtype (a list of step counters): cast the scalar operand
+        if _is_scalar_tensor(target):
+            cast = (lambda o: o.to(target.dtype) if _is_scalar_tensor(o) and o.dtype != target.dtype else o)
+            return (args[0], *map(cast, args[1:])), {k: cast(v) for k, v in kwargs.items()}
+        return args, kwargs
+    name = _name(func)
+    if name not in _ARITHMETIC and not (name.startswith("_foreach_") and not _is_inplace(func)):
+        return args, kwargs
+
+    flat = [x for v in (*args, *kwargs.values()) for x in (v if isinstance(v, (list, tuple)) else [v])]
+    if any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in flat):
+        return args, kwargs  # a float64 operand: type promotion already computes in float64
+
+    def up(v):
+        if isinstance(v, (list, tuple)):
+            return type(v)(up(x) for x in v)
+        if id(v) in state_scalars and v.dtype != torch.float64:
+            return v.to(torch.float64)
+        return v
+
+    return tuple(map(up, args)), {k: up(v) for k, v in kwargs.items()}
+
+
+# --- ops that take a number where optimizer code now passes a 0-dim tensor -----------
+
+
+def _split(args, kwargs, position: int, name: str):
+    """(value, args, kwargs without it) for the argument at ``position`` / keyword ``name``."""
+    if name in kwargs:
+        rest = dict(kwargs)
+        return rest.pop(name), tuple(args), rest
+    if len(args) > position:
+        return args[position], tuple(args[:position]) + tuple(args[position + 1:]), dict(kwargs)
+    return None, tuple(args), dict(kwargs)
+
+
+def _alpha(func, args, kwargs):
+    """``a.add(b, alpha=t)`` -> ``a.add(b * t)`` (also sub, and the foreach list forms)."""
+    alpha, args, kwargs = _split(args, kwargs, 2, "alpha")
+    if not _is_scalar_tensor(alpha) or len(args) < 2:
+        return NotImplemented
+    other = args[1]
+    if isinstance(other, (list, tuple)):
+        scaled = torch._foreach_mul(other, alpha)
+    elif isinstance(other, torch.Tensor):
+        scaled = other * alpha
+    else:
+        return NotImplemented
+    return func(args[0], scaled, *args[2:], **kwargs)
+
+
+def _elementwise_value(combine: Callable, inplace: bool, foreach: bool) -> Callable:
+    """``addcmul``/``addcdiv`` with a 0-dim tensor ``value``: ``self + (value * t1) <op> t2``, as the kernels compute."""
+
+    def rewrite(func, args, kwargs):
+        value, args, kwargs = _split(args, kwargs, 3, "value")
+        if foreach and value is None:
+            value, args, kwargs = _split(args, kwargs, 3, "scalars")
+        if not _is_scalar_tensor(value) or len(args) != 3 or kwargs:
+            return NotImplemented
+        self_, t1, t2 = args
+        if foreach:
+            term = combine(torch._foreach_mul(t1, value), t2)
+            return (torch._foreach_add_ if inplace else torch._foreach_add)(self_, term)
+        term = combine(t1 * value, t2)
+        return self_.add_(term) if inplace else self_.add(term)
+
+    return rewrite
+
+
+def _per_element(scalar: torch.Tensor, like: list, dtype: bool = False) -> list:
+    """``scalar`` once for each element of ``like``, moved to (and with ``dtype``: cast to) that element's
+    device and dtype, each distinct conversion made once."""
+    made: dict = {}
+
+    def convert(t):
+        key = (t.device, t.dtype if dtype else scalar.dtype)
+        if key not in made:
+            made[key] = scalar if key == (scalar.device, scalar.dtype) else scalar.to(device=key[0], dtype=key[1])
+        return made[key]
+
+    return [convert(t) if isinstance(t, torch.Tensor) else scalar for t in like]
+
+
+def _foreach_weight(func, args, kwargs):
+    """``_foreach_lerp(a, b, t)`` with a 0-dim tensor weight -> the list form, one weight per element."""
+    weight, args, kwargs = _split(args, kwargs, 2, "weight")
+    if not _is_scalar_tensor(weight) or len(args) != 2:
+        return NotImplemented
+    return func(args[0], args[1], _per_element(weight, args[0], dtype=True), **kwargs)
+
+
+def _foreach_scalar(func, args, kwargs):
+    """A foreach op given a 0-dim tensor scalar -> its list form, that tensor at every position.
+
+    (``_foreach_add(xs, t)`` would otherwise read ``t`` as a number; only mul and div keep a tensor.)
+    """
+    if len(args) < 2 or not _is_scalar_tensor(args[1]) or not isinstance(args[0], (list, tuple)):
+        return NotImplemented
+    return func(args[0], _per_element(args[1], args[0]), *args[2:], **kwargs)
+
+
+def _foreach_add_sub(func, args, kwargs):
+    """``_foreach_add``/``_foreach_sub`` with a 0-dim tensor ``alpha`` or scalar."""
+    if len(args) > 2 or "alpha" in kwargs:
+        return _alpha(func, args, kwargs)
+    return _foreach_scalar(func, args, kwargs)
+
+
+def _foreach_pow(func, args, kwargs):
+    """``_foreach_pow(t, xs)`` -> ``_foreach_pow([t] * n, xs)``; ``_foreach_pow(xs, t)`` -> its list form."""
+    if len(args) == 2 and _is_scalar_tensor(args[0]) and isinstance(args[1], (list, tuple)) and not kwargs:
+        return func(_per_element(args[0], args[1]), args[1])
+    return _foreach_scalar(func, args, kwargs)
+
+
+def _rewrites() -> dict[Any, Callable]:
+    table: dict[Any, Callable] = {}
+    for name in ("add", "add_", "sub", "sub_"):
+        for owner in (torch.Tensor, torch):
+            if hasattr(owner, name):
+                table[getattr(owner, name)] = _alpha
+    for name, combine in (("addcmul", torch.mul), ("addcdiv", torch.div)):
+        for inplace in (False, True):
+            n = name + ("_" if inplace else "")
+            for owner in (torch.Tensor, torch):
+                if hasattr(owner, n):
+                    table[getattr(owner, n)] = _elementwise_value(combine, inplace, foreach=False)
+        fcombine = torch._foreach_mul if combine is torch.mul else torch._foreach_div
+        table[torch._foreach_addcmul if name == "addcmul" else torch._foreach_addcdiv] = \
+            _elementwise_value(fcombine, False, foreach=True)
+        table[torch._foreach_addcmul_ if name == "addcmul" else torch._foreach_addcdiv_] = \
+            _elementwise_value(fcombine, True, foreach=True)
+    table[torch._foreach_lerp] = table[torch._foreach_lerp_] = _foreach_weight
+    for name in ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max"):
+        rewrite = {"add": _foreach_add_sub, "sub": _foreach_add_sub, "pow": _foreach_pow}.get(name, _foreach_scalar)
+        for n in (f"_foreach_{name}", f"_foreach_{name}_"):
+            if hasattr(torch, n):
+                table[getattr(torch, n)] = rewrite
+    return table
+
+
+_REWRITES = _rewrites()

@@ -1,0 +1,182 @@
+"""Trace an optimizer only where the traced update provably equals eager's.
+
+Whether spmd traces an optimizer exactly is not read from a list: before the first
+trace of a step, each of its optimizers (class, param-group settings) not yet checked in
+this process runs a probe. A copy of the optimizer, with the same class and groups, steps
+a few small float64 tensors with synthetic gradients twice: once traced by the same
+capture as the user's step (state created by ``ensure_optimizer_state``,
+hyperparameters as graph inputs, their values changed between steps as a scheduler
+would) and once eagerly from empty state. Parameters and state must agree to float64
+rounding; otherwise the step is refused with an ``SpmdCompileError`` naming the optimizer,
+the difference and the optimizers known to pass, before anything of the user's runs or
+changes. Verdicts are cached per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, defaultdict
+
+import torch
+import torch.nn as nn
+
+from .errors import SpmdCompileError
+from .hyperparams import flags, hyper_items, learned
+from .optim_state import ensure_optimizer_state
+from .step_state import StepState
+from .tracing import capture_train_step
+
+log = logging.getLogger(__name__)
+
+# For the refusal message only: the probe decides, and tests/test_optimizers.py compares each of
+# these with eager DDP in float64.
+KNOWN_EXACT = ("SGD (fused: with dampening=0), Adam, AdamW, NAdam, RAdam, Adamax, Adagrad, Adadelta, RMSprop, Rprop "
+               "(each single-tensor, foreach and fused where torch has it), ASGD (in float64: foreach=False)")
+_STEPS = 3
+# Relative to the largest magnitude compared. Float64 parameters: float64 rounding. Narrower ones:
+# eager itself does some scalar math in float32 (a float32 step counter or tensor lr), so a
+# probe in float64 may differ by float32 rounding of a scalar; that is what eager computes too.
+_TOLERANCE = {True: 1e-12, False: 1e-6}
+_VERDICTS: dict[tuple, str | None] = {}  # config -> why it is refused, or None
+
+
+def _float64(optim: torch.optim.Optimizer) -> bool:
+    return all(p.dtype == torch.float64 for g in optim.param_groups for p in g["params"] if p.is_floating_point())
+
+
+def _config(optim: torch.optim.Optimizer) -> tuple:
+    """What a verdict holds for: the class, float64 or not, and per group its flags and which
+    hyperparameters are 0 or negative."""
+    return (type(optim), _float64(optim), tuple((flags(g), tuple((k, i, v == 0, v < 0) for k, i, v in hyper_items(g)))
+                               for g in optim.param_groups))
+
+
+def _copy(optim: torch.optim.Optimizer, params: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
+    """``optim``'s class and settings over ``params`` (one list per group), with empty state and no hooks."""
+    new = object.__new__(type(optim))
+    # instance-level callables (a scheduler's wrapper of ``step``) are bound to ``optim``: leave them out
+    new.__dict__.update({k: v for k, v in optim.__dict__.items() if not callable(v)})
+    for name, value in optim.__dict__.items():
+        if name.endswith("_hooks") and isinstance(value, dict):
+            setattr(new, name, OrderedDict())
+    new.state = defaultdict(dict)
+    new.param_groups = [{**g, "params": ps} for g, ps in zip(optim.param_groups, params)]
+    return new
+
+
+def _probe_params(n_groups: int) -> list[list[nn.Parameter]]:
+    gen = torch.Generator().manual_seed(0)
+    return [[nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64)) for shape in ((2, 3), (3,))]
+            for _ in range(n_groups)]
+
+
+def _probe_step(module, optim, weights):
+    """A loss whose gradient is ``w + p`` for each parameter: synthetic, and depending on the parameters."""
+    loss = sum((p * w).sum() + 0.5 * (p * p).sum() for p, w in zip(module.parameters(), weights))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _schedule(optim: torch.optim.Optimizer, step: int) -> None:
+    """Change every nonzero hyperparameter the trace takes as an input by 10% before the last step, as a scheduler would.
+
+    Specialised ones (``spmd.hyperparams``) stay: changing them retraces.
+    """
+    if step != _STEPS - 1:
+        return
+    for group in optim.param_groups:
+        fixed = learned(optim, group).specialised
+        for key, index, value in hyper_items(group):
+            if value == 0 or (key, index) in fixed:
+                continue
+            old = group[key] if index is None else group[key][index]
+            new = torch.tensor(value * 0.9, dtype=old.dtype) if torch.is_tensor(old) else value * 0.9
+            if index is None:
+                group[key] = new
+            else:
+                items = list(group[key])
+                items[index] = new
+                group[key] = type(group[key])(items)
+
+
+def _traced_run(optim, params, weights) -> list[torch.Tensor]:
+    module = nn.Module()
+    module.params = nn.ParameterList([p for ps in params for p in ps])
+    created = ensure_optimizer_state(optim)
+    state = StepState([module], [optim])
+    graph, _, _ = capture_train_step(_probe_step, state, (module, optim, weights[0]), {})
+    first = created.first_step if created is not None else {}
+    for step, ws in enumerate(weights):
+        _schedule(optim, step)
+        values = state.hyper_values()
+        if step == 0:
+            values = [first.get((s.group, s.key), v) for s, v in zip(state.hyper_slots, values)]
+        hypers = [torch.tensor(v, dtype=s.dtype, device=s.device) for s, v in zip(state.hyper_slots, values)]
+        with torch.no_grad():
+            torch.fx.Interpreter(graph).run(*state.flat_tensors(), *hypers, *ws)
+    return [t.detach() for t in (*state.params, *state.state_tensors)]
+
+
+def _eager_run(optim, params, weights) -> list[torch.Tensor]:
+    module = nn.Module()
+    module.params = nn.ParameterList([p for ps in params for p in ps])
+    for group in optim.param_groups:
+        if group.get("capturable"):
+            group["capturable"] = False  # the CPU reference; capturable is the same update
+    for step, ws in enumerate(weights):
+        _schedule(optim, step)
+        _probe_step(module, optim, ws)
+    state = StepState([module], [optim])
+    return [t.detach() for t in (*state.params, *state.state_tensors)]
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else ""
+
+
+def _difference(optim: torch.optim.Optimizer) -> str | None:
+    """Why tracing ``optim`` is not exact (None if it is), from one probe."""
+    n = len(optim.param_groups)
+    gen = torch.Generator().manual_seed(1)
+    weights = [[torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(n) for shape in ((2, 3), (3,))]
+               for _ in range(_STEPS)]
+    try:
+        scratch = _probe_params(n)
+        _eager_run(_copy(optim, scratch), scratch, weights[:1])
+    except Exception as err:  # an optimizer that cannot run this probe eagerly (LBFGS needs a closure, ...)
+        return f"its step cannot run on plain dense gradients ({type(err).__name__}: {_first_line(err)})"
+    try:
+        traced_params = _probe_params(n)
+        traced = _traced_run(_copy(optim, traced_params), traced_params, weights)
+    except Exception as err:
+        return f"its step cannot be traced ({type(err).__name__}: {_first_line(err)})"
+    eager_params = _probe_params(n)
+    eager = _eager_run(_copy(optim, eager_params), eager_params, weights)  # after the trace: it knows what is specialised
+    if len(traced) != len(eager) or any(a.shape != b.shape for a, b in zip(traced, eager)):
+        return "its traced step keeps different state than eager"
+    scale = max(max(float(b.abs().max()) for b in eager if b.numel()), 1.0)
+    worst = max(float((a.double() - b.double()).abs().max()) for a, b in zip(traced, eager) if b.numel())
+    if worst > _TOLERANCE[_float64(optim)] * scale:
+        return f"its traced update differs from eager by {worst:.3g} after {_STEPS} float64 steps"
+    return None
+
+
+def check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Raise ``SpmdCompileError`` (nothing changed) if an optimizer's traced update would differ from eager's."""
+    for optim in optimizers:
+        key = _config(optim)
+        if key not in _VERDICTS:
+            with torch.random.fork_rng(devices=[]):
+                _VERDICTS[key] = _difference(optim)
+            log.info("spmd: %s checked against eager: %s", type(optim).__name__, _VERDICTS[key] or "exact")
+        why = _VERDICTS[key]
+        if why is not None:
+            settings = {k: v for k, v in optim.defaults.items() if k != "params"}
+            raise SpmdCompileError(
+                f"spmd.compile: {type(optim).__name__}({settings}) cannot be compiled exactly: {why}. spmd checks "
+                "every optimizer against eager before tracing it; these pass with their usual settings: "
+                f"{KNOWN_EXACT} (torch.optim). Use one of them, or another implementation "
+                "(foreach=True / fused=True) of this one."
+            )

@@ -1,0 +1,306 @@
+"""Every torch.optim optimizer is traced exactly (float64, against eager DDP) or refused before anything runs.
+
+Hyperparameters are graph inputs: a scheduler that changes them (OneCycleLR cycles lr and
+momentum / beta1 every step) never retraces, and a value change that flips a branch the
+trace took (momentum to 0) does.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd
+from tests.dist import run_distributed
+from tests.parity import ddp_copy
+
+O = torch.optim
+REPLICATE = spmd.DataParallel("replicate", grad_reduce="avg")
+
+# (name, class, settings): each traced step must equal eager DDP in float64
+EXACT = [
+    ("SGD-momentum-dampening-wd", O.SGD, dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01)),
+    ("SGD-nesterov-foreach", O.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=True)),
+    ("SGD-dampening-foreach", O.SGD, dict(lr=0.05, momentum=0.8, dampening=0.5, foreach=True, maximize=True)),
+    ("SGD-fused", O.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, fused=True)),
+    ("Adam-amsgrad", O.Adam, dict(lr=0.01, amsgrad=True, weight_decay=0.1)),
+    ("Adam-amsgrad-foreach", O.Adam, dict(lr=0.01, amsgrad=True, foreach=True)),
+    ("Adam-amsgrad-fused", O.Adam, dict(lr=0.01, amsgrad=True, fused=True)),
+    ("AdamW", O.AdamW, dict(lr=0.01, weight_decay=0.1, maximize=True)),
+    ("AdamW-foreach", O.AdamW, dict(lr=0.01, weight_decay=0.1, foreach=True)),
+    ("AdamW-fused", O.AdamW, dict(lr=0.01, weight_decay=0.1, fused=True)),
+    ("NAdam", O.NAdam, dict(lr=0.01, weight_decay=0.01)),
+    ("NAdam-decoupled-foreach", O.NAdam, dict(lr=0.01, weight_decay=0.01, decoupled_weight_decay=True, foreach=True)),
+    ("RAdam", O.RAdam, dict(lr=0.01, weight_decay=0.01, decoupled_weight_decay=True)),
+    ("RAdam-foreach", O.RAdam, dict(lr=0.01, weight_decay=0.01, foreach=True)),
+    ("Adamax", O.Adamax, dict(lr=0.01, weight_decay=0.01)),
+    ("Adamax-foreach", O.Adamax, dict(lr=0.01, foreach=True)),
+    ("Adagrad", O.Adagrad, dict(lr=0.05, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1)),
+    ("Adagrad-foreach", O.Adagrad, dict(lr=0.05, lr_decay=0.01, foreach=True)),
+    ("Adagrad-fused", O.Adagrad, dict(lr=0.05, fused=True)),
+    ("Adadelta", O.Adadelta, dict(lr=0.5, weight_decay=0.01)),
+    ("Adadelta-foreach", O.Adadelta, dict(lr=0.5, rho=0.8, foreach=True)),
+    ("RMSprop-centered-momentum", O.RMSprop, dict(lr=0.01, centered=True, momentum=0.9, weight_decay=0.01)),
+    ("RMSprop-centered-momentum-foreach", O.RMSprop, dict(lr=0.01, centered=True, momentum=0.5, foreach=True)),
+    ("ASGD", O.ASGD, dict(lr=0.01, t0=2, weight_decay=0.01)),
+    ("Rprop", O.Rprop, dict(lr=0.01)),
+    ("Rprop-foreach", O.Rprop, dict(lr=0.01, etas=(0.4, 1.3), foreach=True)),
+]
+STEPS = 4
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+
+
+def _groups(model) -> list[dict]:
+    """Two param groups: the second with its own lr (and weight decay where the optimizer has one)."""
+    return [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "lr": 0.02}]
+
+
+def _step(model, optim, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _decay(optim) -> None:
+    """What a scheduler does between steps: every group's lr changes."""
+    for group in optim.param_groups:
+        group["lr"] = group["lr"] * 0.8
+
+
+def parity_differences(rank: int, cases: list) -> dict[str, float]:
+    """For each case: the largest float64 difference of parameters (and losses) from eager DDP after STEPS steps."""
+    out = {}
+    for name, cls, settings in cases:
+        torch.manual_seed(0)
+        model = _mlp()
+        ddp = ddp_copy(model)
+        optim, ddp_optim = cls(_groups(model), **settings), cls(_groups(ddp.module), **settings)
+        train_step = spmd.compile(parallel_mode=REPLICATE)(_step)
+        gen = torch.Generator().manual_seed(rank)
+        worst = 0.0
+        for _ in range(STEPS):
+            x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+            loss = train_step(model, optim, x)
+            ref = _step(ddp, ddp_optim, x)
+            worst = max(worst, float((loss - ref).abs().detach()))
+            _decay(optim)
+            _decay(ddp_optim)
+        assert len(train_step.cache) == 1, f"{name}: {len(train_step.cache)} traces for lr changes"
+        params = zip(model.parameters(), ddp.module.parameters())
+        worst = max([worst] + [float((p - q).detach().abs().max()) for p, q in params])
+        out[name] = worst
+    return out
+
+
+def _parity(rank, world_size, cases):
+    differences = parity_differences(rank, cases)
+    bad = {k: v for k, v in differences.items() if not v < 1e-10}
+    assert not bad, f"float64 differences from eager DDP: {bad}"
+
+
+def test_every_optimizer_matches_eager_ddp_in_float64():
+    run_distributed(_parity, EXACT)
+
+
+# --- refused before anything runs ------------------------------------------------------
+
+
+class _CompiledDifferently(O.Optimizer):
+    """An unknown optimizer whose traced path (torch.compiler.is_compiling()) is not its eager path."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            scale = 2.0 if torch.compiler.is_compiling() else 1.0
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+class _PlainSGD(O.Optimizer):
+    """An unknown optimizer that traces exactly: it is compiled, not refused."""
+
+    def __init__(self, params, lr=0.1, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grad = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] != 0 else p.grad
+                    p.add_(grad, alpha=-group["lr"])
+
+
+class _NumberLr(O.Optimizer):
+    """An unknown optimizer that needs its lr as a number (``full_like``'s fill value): the lr is specialised."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(torch.full_like(p, group["lr"]) * p.grad)
+
+
+REFUSED = [
+    ("ASGD-foreach", lambda ps: O.ASGD(ps, lr=0.01, t0=2, foreach=True), "differs from eager"),
+    ("SGD-fused-dampening", lambda ps: O.SGD(ps, lr=0.05, momentum=0.9, dampening=0.3, fused=True), "differs from eager"),
+    ("LBFGS", lambda ps: O.LBFGS(ps, lr=0.1), "cannot run on plain dense gradients"),
+    ("SparseAdam", lambda ps: O.SparseAdam(ps, lr=0.01), "cannot run on plain dense gradients"),
+    ("unknown", lambda ps: _CompiledDifferently(ps), "differs from eager"),
+]
+
+
+@pytest.mark.parametrize("name,make,why", REFUSED, ids=[r[0] for r in REFUSED])
+def test_an_inexact_optimizer_is_refused_and_nothing_changes(name, make, why):
+    torch.manual_seed(0)
+    model = _mlp()
+    optim = make(list(model.parameters()))
+    before = copy.deepcopy((model.state_dict(), optim.state_dict()))
+    train_step = spmd.compile()(_step)
+    with pytest.raises(spmd.SpmdCompileError) as err:
+        train_step(model, optim, torch.randn(6, 5, dtype=torch.float64))
+    message = str(err.value)
+    assert type(optim).__name__ in message and why in message and "Adam, AdamW" in message, message
+    assert not train_step.cache
+    after = (model.state_dict(), optim.state_dict())
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(optim.state.values()), "optimizer state was left behind"
+
+
+def test_float32_accepts_what_eager_itself_rounds_to_float32():
+    """Eager foreach ASGD computes its step size in float32 (its step counter's dtype); traced, in float64.
+
+    Refused for float64 parameters (above); for float32 ones both are float32 rounding.
+    """
+    torch.manual_seed(0)
+    model = _mlp().float()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = O.ASGD(model.parameters(), lr=0.01, t0=2, foreach=True), O.ASGD(ref.parameters(), lr=0.01,
+                                                                                       t0=2, foreach=True)
+    train_step = spmd.compile()(_step)
+    for _ in range(4):
+        x = torch.randn(6, 5)
+        torch.testing.assert_close(train_step(model, optim, x), _step(ref, ref_optim, x))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_an_unknown_optimizer_that_traces_exactly_is_compiled():
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = _PlainSGD(_groups(model), weight_decay=0.1), _PlainSGD(_groups(ref), weight_decay=0.1)
+    train_step = spmd.compile()(_step)
+    for _ in range(3):
+        x = torch.randn(6, 5, dtype=torch.float64)
+        torch.testing.assert_close(train_step(model, optim, x), _step(ref, ref_optim, x), rtol=0, atol=1e-15)
+        _decay(optim)
+        _decay(ref_optim)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-15)
+    assert len(train_step.cache) == 1
+
+
+# --- hyperparameters are graph inputs ----------------------------------------------------
+
+
+@pytest.mark.parametrize("make,changes,traces", [
+    (lambda ps: O.AdamW(ps, lr=0.01, fused=True), dict(lr=0.005), 1),
+    (lambda ps: O.AdamW(ps, lr=0.01, fused=True), dict(betas=(0.8, 0.99)), 2),  # constants of the fused kernel
+    (lambda ps: _NumberLr(ps, lr=0.1), dict(lr=0.05), 2),  # read as a number: specialised
+], ids=["fused-lr", "fused-betas", "lr-as-a-number"])
+def test_a_specialised_hyperparameter_retraces_and_is_used(make, changes, traces):
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = make(list(model.parameters())), make(list(ref.parameters()))
+    train_step = spmd.compile()(_step)
+    for i in range(3):
+        if i == 2:
+            for o in (optim, ref_optim):
+                o.param_groups[0].update(changes)
+        x = torch.randn(6, 5, dtype=torch.float64)
+        torch.testing.assert_close(train_step(model, optim, x), _step(ref, ref_optim, x), rtol=0, atol=1e-15)
+    assert len(train_step.cache) == traces
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-15)
+
+
+def _one_cycle(rank, world_size, cases):
+    for cls, settings in cases:
+        _one_cycle_case(rank, cls, settings)
+
+
+def _one_cycle_case(rank, cls, settings):
+    torch.manual_seed(0)
+    model = _mlp()
+    ddp = ddp_copy(model)
+    optim, ddp_optim = cls(model.parameters(), **settings), cls(ddp.parameters(), **settings)
+    schedulers = [O.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10) for o in (optim, ddp_optim)]
+    train_step = spmd.compile(parallel_mode=REPLICATE)(_step)
+    gen = torch.Generator().manual_seed(rank)
+    momenta = set()
+    for _ in range(8):
+        x = torch.randn(6, 5, generator=gen, dtype=torch.float64)
+        torch.testing.assert_close(train_step(model, optim, x), _step(ddp, ddp_optim, x), rtol=0, atol=1e-12)
+        for s in schedulers:
+            s.step()
+        group = optim.param_groups[0]
+        momenta.add(group["momentum"] if "momentum" in group else group["betas"][0])
+    assert len(momenta) == 8, "OneCycleLR did not cycle the momentum; the test would not cover it"
+    assert len(train_step.cache) == 1, f"{len(train_step.cache)} traces"
+    for p, q in zip(model.parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+
+
+def test_one_cycle_lr_cycles_lr_and_momentum_with_one_trace():
+    """OneCycleLR at its defaults, with SGD(momentum) and with AdamW (default and foreach implementations)."""
+    run_distributed(_one_cycle, [(O.SGD, dict(lr=0.1, momentum=0.9)), (O.AdamW, dict(lr=0.01)),
+                                 (O.AdamW, dict(lr=0.01, foreach=True))])
+
+
+def test_every_numeric_hyperparameter_is_an_input_and_only_branch_flips_retrace():
+    torch.manual_seed(0)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    settings = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)
+    optim, ref_optim = O.SGD(_groups(model), **settings), O.SGD(_groups(ref), **settings)
+    train_step = spmd.compile()(_step)
+
+    def both(**changes):
+        for o in (optim, ref_optim):
+            for group in o.param_groups:
+                group.update(changes)
+        x = torch.randn(6, 5, dtype=torch.float64)
+        torch.testing.assert_close(train_step(model, optim, x), _step(ref, ref_optim, x), rtol=0, atol=1e-14)
+
+    both()
+    (entry,) = train_step.cache.values()
+    names = [n.meta["spmd_name"] for n in entry.graph.graph.find_nodes(op="placeholder")
+             if n.meta["spmd_role"] == "hyper"]
+    assert {f"opt0.group{g}.{k}" for g in (0, 1) for k in settings} <= set(names)
+    both(lr=0.03, momentum=0.8, dampening=0.2, weight_decay=0.02)  # same branches: no retrace
+    assert len(train_step.cache) == 1
+    both(weight_decay=0.0)  # `if weight_decay != 0` now goes the other way
+    assert len(train_step.cache) == 2
+    both(weight_decay=0.05)  # back: the first trace again
+    assert len(train_step.cache) == 2
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
