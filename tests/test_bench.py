@@ -29,8 +29,8 @@ from spmd.tools.bench_modes import MODES as REGISTRY, Setup
 from spmd.tools.models import GPT
 
 MODES = ["single_eager", "ddp", "spmd_pipeline", "spmd_pipeline_cg"]
-SHARDED = ["spmd_fully_shard", "spmd_shard_grad_op", "spmd_fully_shard_cg", "fsdp2", "fsdp2_compile", "simple_fsdp",
-           "simple_fsdp_plain"]
+SHARDED = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile", "simple_fsdp", "simple_fsdp_plain",
+           "spmd_fully_shard_cg"]
 TORCHTITAN_MISSING = bench_peers.simple_fsdp_unavailable()  # None when SimpleFSDP loads here (and in the bench)
 RUN_HERE = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile"] + \
     ([] if TORCHTITAN_MISSING else ["simple_fsdp_plain"])
@@ -239,6 +239,14 @@ def test_gpu_suite_shard_part_runs_the_sharded_comparison_and_bench_part_the_res
     for flag, value in (("--layers", "24"), ("--dim", "2048"), ("--heads", "16"), ("--mp", "autocast"),
                         ("--prefetch-units", "2")):
         assert shard[shard.index(flag) + 1] == value
+
+
+def test_preset_sets_the_model_flags_and_later_flags_override_it():
+    p, _ = cli.parsers()
+    args = p.parse_args(["bench", "--preset", "gpt1.3b", "--layers", "2"])
+    assert (args.layers, args.dim, args.heads, args.seq, args.vocab) == (2, 2048, 16, 1024, 50304)
+    args = p.parse_args(["bench"])
+    assert (args.preset, args.layers, args.dim, args.heads, args.mp) == ("gpt124m", 12, 768, 12, "bf16")
 
 
 def test_gpu_suite_installs_the_wheels_in_dot_whl_for_every_part(tmp_path, monkeypatch):

@@ -57,11 +57,13 @@ class Setup:
         return self.device.type == "cuda"
 
     def model(self) -> GPT:
-        """A fresh seed-0 GPT on the device: the same weights in every mode and on every rank."""
+        """A fresh seed-0 GPT built on the device (a 1.3B model initialises in a moment on a GPU, not on its
+        host): the same weights in every mode and on every rank."""
         a = self.args
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.dim)
-        return GPT(cfg).to(self.device)
+        with self.device:
+            return GPT(cfg)
 
     def optimizer(self, params, capturable: bool = False, impl: Optional[str] = None) -> torch.optim.Optimizer:
         """AdamW lr 1e-4, ``--optimizer`` (fused or foreach) unless ``impl`` says."""
@@ -265,12 +267,6 @@ def spmd_shard_grad_op(setup: Setup) -> Step:
     return _spmd(setup, optimize=True, style="shard_grad_op")
 
 
-@register("spmd_fully_shard_cg", sharded=True, unavailable=_needs_cuda("CUDA graphs"))
-def spmd_fully_shard_cg(setup: Setup) -> Step:
-    """spmd_fully_shard replayed as CUDA graphs (the gathers and reduce-scatters captured in the graph)."""
-    return _spmd(setup, optimize=True, cudagraphs=True, style="fully_shard")
-
-
 def _fsdp2(setup: Setup, compile_units: bool) -> Step:
     model = bench_peers.fsdp2(setup.model(), Block, setup.mp_policy(), compile_units, setup.backend)
     optim = setup.optimizer(model.parameters())
@@ -312,9 +308,11 @@ def _simple_fsdp(setup: Setup, bucket: bool) -> Step:
 def _simple_fsdp_unavailable(bucket: bool):
     def reason(setup: Setup) -> Optional[str]:
         missing = bench_peers.simple_fsdp_unavailable()
-        if missing or not bucket or setup.cuda:
+        if missing or not bucket:
             return missing
-        return "SimpleFSDP's bucketing pass estimates GPU runtimes: it needs CUDA and triton"
+        if not setup.cuda:
+            return "SimpleFSDP's bucketing pass estimates GPU runtimes: it needs CUDA and triton"
+        return bench_peers.bucketing_unavailable()
     return reason
 
 
@@ -328,6 +326,17 @@ def simple_fsdp(setup: Setup) -> Step:
 def simple_fsdp_plain(setup: Setup) -> Step:
     """SimpleFSDP compiled whole without its bucketing pass: one gather and reduce-scatter per parameter."""
     return _simple_fsdp(setup, bucket=False)
+
+
+@register("spmd_fully_shard_cg", sharded=True, unavailable=_needs_cuda("CUDA graphs"))
+def spmd_fully_shard_cg(setup: Setup) -> Step:
+    """spmd_fully_shard replayed as CUDA graphs (the gathers and reduce-scatters captured in the graph).
+
+    Last of the sharded modes: a capture that fails becomes this mode's error record, and nothing
+    built after it can be disturbed by what the failed capture left behind.
+    """
+    return _spmd(setup, optimize=True, cudagraphs=True, style="fully_shard")
+
 
 
 # ----------------------------------------------------------------------------- flags
@@ -371,7 +380,8 @@ def add_model_arguments(p: argparse.ArgumentParser, batch_help: str, batch_defau
     s.add_argument("--prefetch-units", type=int, default=1,
                    help="sharded modes: units gathered ahead of the one computing (default 1)")
     s.add_argument("--no-inductor", action="store_true",
-                   help="run the step graphs op by op instead of through Inductor (tracing and passes only)")
+                   help="run the step graphs op by op instead of through Inductor (tracing and passes only); "
+                        "torch.compile modes use the aot_eager backend")
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:

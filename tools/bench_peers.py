@@ -124,6 +124,15 @@ def bucket_plans(model: nn.Module, unit_class: type) -> list:
     return ([root] if root else []) + [name for name, m in model.named_modules() if m in unit_set]
 
 
+def bucketing_unavailable() -> Optional[str]:
+    """Why this torch lacks the bucketing pass SimpleFSDP's ``simple_fsdp`` mode compiles with, or None."""
+    try:
+        from torch._inductor.fx_passes.overlap_manual_scheduling import manual_overlap_bucketing  # noqa: F401
+    except ImportError as err:
+        return f"torch {torch.__version__} has no manual_overlap_bucketing for SimpleFSDP ({err})"
+    return None
+
+
 def _compile_bucketed(model: nn.Module, plans: list, backend: str) -> nn.Module:
     """``torch.compile`` of ``model`` with SimpleFSDP's collectives bucketed per entry of ``plans``.
 

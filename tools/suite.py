@@ -13,7 +13,8 @@ Parts (``--parts``, in this order):
   (``bench_b<batch>.json``); without ``--modes``, every mode outside the sharded comparison.
 * ``shard``: ``spmd bench`` for each ``--batch`` value: the sharded comparison (spmd's
   sharded modes, FSDP2, FSDP2 with compiled blocks, SimpleFSDP) beside ``SHARD_REFERENCES``
-  (``shard_b<batch>.json``).
+  (``shard_b<batch>.json``); ``--modes`` does not change it (run a subset with the ``bench``
+  part and ``--modes``).
 * ``timeline``: ``spmd timeline --record`` of spmd replicate, the pass pipeline and the pipeline
   with the last bucket deferred, at the first ``--batch``: exposed communication per step and a
   picture of each (``timeline/``).
