@@ -14,6 +14,9 @@ rest); ``bench_modes`` registers the modes built from them.
   model. With ``bucket=True`` the compiler groups those collectives per unit and
   prefetches them (torch's ``manual_overlap_bucketing``, torchtitan's
   ``transformer_block_bucketing``); without it every parameter has its own collectives.
+  Under ``torch.compile`` the gathered parameters live from forward to backward (torchtitan
+  re-gathers in backward only in its own whole-step tracer), so its memory compares
+  with ``shard_grad_op``'s rather than ``fully_shard``'s.
   Three traps of its ``data_parallel`` are handled here: it sums gradients over the ranks
   (the caller divides its loss by the world size to train as DDP does), it gives each
   module a parameter of its own, so tied weights come apart, and its new parameters all
@@ -42,6 +45,7 @@ WHEEL_INSTALL = f"python3 -m {' '.join(PIP_INSTALL)} {WHEEL_DIR}/*.whl"
 
 
 def units(model: nn.Module, unit_class: type) -> list[nn.Module]:
+    """The ``unit_class`` modules of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, unit_class)]
 
 
