@@ -1,13 +1,19 @@
 """``spmd bench``: one run on 2 gloo CPU processes writes a JSON whose figures follow from its measurements.
 
-One module-scoped run (tiny GPT, ops run op by op without Inductor) is shared by the checks:
-step times are positive and the medians, spreads, ratios and tokens/s are computed from them;
-spmd's losses match DDP's on every call of every rank; a mode that cannot run here says why.
-The cold-cache compile measurement and the GPU suite's commands are checked in this process.
+One module-scoped run (tiny GPT, ops run op by op without Inductor, torch.compile with
+aot_eager) is shared by the checks: step times are positive and the medians, spreads, ratios
+and tokens/s are computed from them; spmd's losses match DDP's on every call of every rank;
+the sharded modes and their peers (FSDP2, SimpleFSDP when torchtitan is importable) report
+the same figures, their bf16-parameter losses match DDP's within the bench tolerance and
+each other's exactly; a mode that cannot run here says why. With ``--repeat 1`` a mode is
+freed before the next is built. The cold-cache compile measurement and the GPU suite's
+commands are checked in this process.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -18,10 +24,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spmd.tools import bench, bench_compile, bench_report, cli, suite
+from spmd.tools import bench, bench_compile, bench_peers, bench_report, cli, suite
 from spmd.tools.bench_modes import MODES as REGISTRY, Setup
+from spmd.tools.models import GPT
 
 MODES = ["single_eager", "ddp", "spmd_pipeline", "spmd_pipeline_cg"]
+SHARDED = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile", "simple_fsdp", "simple_fsdp_plain",
+           "spmd_fully_shard_cg"]
+TORCHTITAN_MISSING = bench_peers.simple_fsdp_unavailable()  # None when SimpleFSDP loads here (and in the bench)
+RUN_HERE = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile"] + \
+    ([] if TORCHTITAN_MISSING else ["simple_fsdp_plain"])
 STEPS, WARMUP, REPEAT, BATCH, SEQ = 3, 2, 2, 2, 16
 TINY = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", str(SEQ), "--vocab", "64", "--no-inductor"]
 
@@ -32,8 +44,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the b
 def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     cmd = [sys.executable, "-m", "spmd", "bench", *TINY, "--batch", str(BATCH), "--steps", str(STEPS),
-           "--warmup", str(WARMUP), "--repeat", str(REPEAT), "--modes", ",".join(MODES), "--json", "bench.json",
-           "--profile", "spmd_pipeline", "--top", "5"]
+           "--warmup", str(WARMUP), "--repeat", str(REPEAT), "--modes", ",".join(MODES + SHARDED),
+           "--json", "bench.json", "--profile", "spmd_pipeline", "--top", "5"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=folder,
                           env={**env, "TORCHINDUCTOR_COMPILE_THREADS": "1", "COLUMNS": "200"})
@@ -46,7 +58,7 @@ def run(tmp_path_factory):
 def test_every_mode_reported_in_order_on_two_gloo_ranks(run):
     result, rows, _ = run
     assert result["machine"]["world_size"] == 2 and result["machine"]["backend"] == "gloo"
-    assert list(rows) == MODES
+    assert list(rows) == MODES + SHARDED
     for mode in MODES[:3]:
         assert rows[mode]["status"] == "ok", (mode, rows[mode].get("reason"), rows[mode].get("traceback"))
 
@@ -105,6 +117,72 @@ def test_mode_that_cannot_run_here_is_skipped_with_its_reason(run):
     assert "skipped: CUDA graphs need a CUDA device" in stdout
 
 
+def test_sharded_modes_and_peers_report_step_time_throughput_and_compile_time(run):
+    _, rows, stdout = run
+    for mode in RUN_HERE:
+        r = rows[mode]
+        assert r["status"] == "ok", (mode, r.get("reason"), r.get("traceback"))
+        assert len(r["step_ms"]) == REPEAT * STEPS and min(r["step_ms"]) > 0 and r["first_call_s"] > 0
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(BATCH * SEQ / (r["median_ms"] / 1000))
+        assert r["peak_gib"] is None and r["warmup_s"] >= 0
+    for mode in ("spmd_fully_shard", "spmd_shard_grad_op"):  # spmd's phases, first call's run not counted
+        times = rows[mode]["compile_times"]
+        assert 0 < rows[mode]["compile_s"] < rows[mode]["first_call_s"] + rows[mode]["warmup_s"]
+        assert rows[mode]["compile_s"] >= times["trace"] + times["transform"]
+    assert rows["fsdp2_compile"]["compile_s"] > 0 and rows["fsdp2"]["compile_s"] == 0  # torch's compile timers
+    assert "compile s" in stdout and "sharded modes: bf16 params, fp32 reduce" in stdout
+
+
+def test_sharded_modes_match_ddp_within_tolerance_and_fsdp2_exactly(run):
+    """bf16 parameters (--mp bf16, the default) round the loss differently from DDP's autocast, the
+    same way in every sharded mode: spmd's graph and SimpleFSDP run FSDP2's arithmetic."""
+    _, rows, _ = run
+    fsdp2 = rows["fsdp2"]["losses_per_rank"]
+    for mode in RUN_HERE:
+        r = rows[mode]
+        assert r["parity_ok"] and r["max_abs_dloss_vs_ddp"] > 0, mode  # bf16 parameters: not DDP's numbers
+        assert max(abs(a - b) for x, y in zip(r["losses_per_rank"], fsdp2) for a, b in zip(x, y)) <= 1e-6, mode
+
+
+def test_sharded_modes_that_cannot_run_here_say_why(run):
+    _, rows, _ = run
+    assert rows["spmd_fully_shard_cg"]["reason"] == "CUDA graphs need a CUDA device"
+    if TORCHTITAN_MISSING:
+        for mode in ("simple_fsdp", "simple_fsdp_plain"):
+            assert rows[mode]["status"] == "skipped" and rows[mode]["reason"].startswith("SimpleFSDP needs torchtitan")
+            assert bench_peers.WHEEL_INSTALL in rows[mode]["reason"]
+    else:
+        assert rows["simple_fsdp"] == dict(mode="simple_fsdp", status="skipped", reason=(
+            "SimpleFSDP's bucketing pass estimates GPU runtimes: it needs CUDA and triton"))
+
+
+def test_repeat_1_frees_each_mode_before_building_the_next(monkeypatch):
+    """What lets one GPU run a 1.3B-parameter comparison: no earlier mode's model is alive at a build."""
+    p, _ = cli.parsers()
+    modes = ["fsdp2", "fsdp2_compile", "spmd_fully_shard"]
+    args = p.parse_args(["bench", *TINY, "--batch", "2", "--steps", "1", "--warmup", "2", "--repeat", "1"])
+    args.modes = modes
+    alive_at_build = []
+    for name in modes:
+        def build(setup, real=REGISTRY[name].build):
+            gc.collect()
+            alive_at_build.append(sum(issubclass(type(o), GPT) for o in gc.get_objects()))
+            return real(setup)
+        monkeypatch.setitem(REGISTRY, name, dataclasses.replace(REGISTRY[name], build=build))
+
+    class Quiet:
+        advance = describe = staticmethod(lambda *a: None)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        records, _ = bench.measure_batch(Setup(args, torch.device("cpu")), 2, 0, Quiet())
+    finally:
+        dist.destroy_process_group()
+    assert [r["status"] for r in records] == ["ok"] * 3, [r.get("traceback") for r in records]
+    gc.collect()
+    assert alive_at_build == [0, 0, 0] and not any(issubclass(type(o), GPT) for o in gc.get_objects())
+
+
 def test_table_and_profile_are_printed(run):
     _, _, stdout = run
     assert "min-max" in stdout and "cpu ms/call" in stdout and "spmd_pipeline" in stdout
@@ -144,6 +222,42 @@ def test_gpu_suite_runs_each_part_as_its_own_command():
     for cmd in list(cmds.values())[1:]:
         assert cmd[cmd.index("--layers") + 1] == "24"  # the model flags reach every part
     assert "--record" in cmds["timeline"] and "--measure" in cmds["compile"]
+
+
+def test_gpu_suite_shard_part_runs_the_sharded_comparison_and_bench_part_the_rest():
+    p, _ = cli.parsers()
+    args = p.parse_args(["bench", "--suite", "gpu", "--batch", "8", "--preset", "gpt1.3b", "--mp", "autocast",
+                         "--prefetch-units", "2"])
+    args.batch, args.modes, args.parts = [8], None, ["bench", "shard"]
+    cmds = dict(suite.commands(args))
+    modes = {part: cmd[cmd.index("--modes") + 1].split(",")
+             for part, cmd in (("bench", cmds["bench_b8"]), ("shard", cmds["shard_b8"]))}
+    assert modes["shard"] == list(suite.SHARD_REFERENCES) + SHARDED
+    assert set(modes["bench"]) | set(SHARDED) == set(REGISTRY) and not set(modes["bench"]) & set(SHARDED)
+    shard = cmds["shard_b8"]
+    assert shard[shard.index("--json") + 1] == "bench_out/shard_b8.json"
+    for flag, value in (("--layers", "24"), ("--dim", "2048"), ("--heads", "16"), ("--mp", "autocast"),
+                        ("--prefetch-units", "2")):
+        assert shard[shard.index(flag) + 1] == value
+
+
+def test_preset_sets_the_model_flags_and_later_flags_override_it():
+    p, _ = cli.parsers()
+    args = p.parse_args(["bench", "--preset", "gpt1.3b", "--layers", "2"])
+    assert (args.layers, args.dim, args.heads, args.seq, args.vocab) == (2, 2048, 16, 1024, 50304)
+    args = p.parse_args(["bench"])
+    assert (args.preset, args.layers, args.dim, args.heads, args.mp) == ("gpt124m", 12, 768, 12, "bf16")
+
+
+def test_gpu_suite_installs_the_wheels_in_dot_whl_for_every_part(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert suite.with_wheels({"PYTHONPATH": "x"}) == (None, {"PYTHONPATH": "x"})
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "torchtitan-0.3.0-py3-none-any.whl").touch()
+    cmd, env = suite.with_wheels({"PYTHONPATH": "x"})
+    assert " ".join(cmd[1:]) == bench_peers.WHEEL_INSTALL.replace("python3 ", "").replace(
+        "*.whl", "torchtitan-0.3.0-py3-none-any.whl")
+    assert env["PYTHONPATH"] == os.pathsep.join([bench_peers.SITE_DIR, "x"])
 
 
 def test_gpu_suite_without_cuda_says_so(capsys):

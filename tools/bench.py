@@ -5,6 +5,7 @@
     spmd bench --nproc 1 --batch 2 --profile spmd_pipeline   # where spmd's per-call CPU time goes
     spmd bench --measure compile                  # first call from cold caches, by compile phase
     spmd bench --suite gpu --parts tests --out gpu_out   # GPU parity tests, then the measurements
+    spmd bench --preset gpt1.3b --batch 4 --repeat 1 --modes spmd_fully_shard,fsdp2,fsdp2_compile
     spmd bench --layers 1 --dim 64 --heads 2 --seq 32 --vocab 256 --batch 2   # no GPU: 2 CPU ranks
 
 One process per GPU (NCCL), or 2 gloo CPU processes without a GPU; under torchrun, the ranks it
@@ -24,11 +25,17 @@ Columns: tokens/s/GPU = batch * seq / median; ratio = median / the fastest media
 torch.cuda.max_memory_allocated over the mode's build, warm-up and first round, above what was
 allocated before it (so other modes' memory does not count); first call s = the first call
 (compilation for the compiled modes); warm-up s = wall time of the warm-up calls minus warmup *
-median. max |Δloss| vs DDP: the largest step-by-step loss difference to ``ddp`` over all calls
-and ranks, flagged above ATOL + RTOL * |ddp loss| (bf16 autocast rounds differently per mode).
-Single-replica modes train without averaging gradients: only their first loss compares (in
-brackets, never flagged). Modes stay alive until their last round, so their memory adds up:
-for a large model pass fewer ``--modes`` (with ``--repeat 1`` each mode is freed after its round).
+median; compile s = what compiling took: spmd's compile phases (``compile_times``, tracing to
+Inductor and CUDA-graph capture, the last graph included), or torch.compile's
+(dynamo's ``_compile.compile_inner`` and the lazily compiled backward, from torch's
+``dynamo_timed`` timers, kept per mode in the JSON as ``torch_timings``). max |Δloss| vs DDP: the
+largest step-by-step loss difference to ``ddp`` over all calls and ranks, flagged above ATOL +
+RTOL * |ddp loss| (bf16 autocast and the sharded modes' bf16 parameters round differently per
+mode). Single-replica modes train without averaging gradients: only their first loss compares
+(in brackets, never flagged). Modes stay alive until their last round, so their memory adds up:
+for a large model (``--preset gpt1.3b``) pass ``--repeat 1``: each mode is then built, timed and
+freed (compiled code and cached blocks released) before the next is built, so one GPU holds one
+mode at a time (the JSON's ``baseline_gib`` is what was still allocated when a mode was built).
 
 ``--measure compile`` instead builds each mode from cold caches (fresh Inductor and Triton cache
 folders, FX graph cache off) and reports its first call and warm-up next to single-GPU
@@ -55,11 +62,13 @@ import torch
 import torch.distributed as dist
 
 from . import bench_compile, suite
+from .bench_compile import torch_timings
 from .bench_modes import MODES, Setup, add_model_arguments, modes_help, parse_modes
 from .bench_report import ATOL, RTOL, add_parity_and_ratio, console_for_logs, machine_info, section_table, summarize
 from .launch import launch
 
 N_BATCHES = 4  # distinct (idx, targets) pairs per rank, cycled
+TORCH_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")  # dynamo (+ AOT, Inductor); lazy backward
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,8 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     args.batch = [int(b) for b in str(args.batch).split(",")]
     default = "single_compile,spmd_pipeline" if args.measure == "compile" else ",".join(MODES)
-    args.modes = parse_modes(p, args.modes or default)
-    if args.profile and args.profile not in args.modes:
+    if args.suite and not args.modes:
+        args.modes = None  # each suite part has its own default modes
+    else:
+        args.modes = parse_modes(p, args.modes or default)
+    if args.profile and args.profile not in (args.modes or []):
         p.error(f"--profile {args.profile}: not one of --modes ({','.join(args.modes)})")
     if min(args.steps, args.warmup, args.repeat, *args.batch) < 1:
         p.error("--steps, --warmup, --repeat and every --batch must be >= 1")
@@ -146,6 +158,7 @@ class ModeRun:
             torch.cuda.reset_peak_memory_stats()
         self.baseline = torch.cuda.memory_allocated() if cuda else 0
         self.warmup = warmup
+        torch_timings()  # from here on torch's compile timers count this mode's compiles
         self.step = MODES[self.name].build(self.setup)
         self.sync()
         start = time.perf_counter()
@@ -192,6 +205,7 @@ class ModeRun:
             r["peak_gib"] = (torch.cuda.max_memory_allocated() - self.baseline) / 2**30 if self.setup.cuda else None
             r["baseline_gib"] = self.baseline / 2**30
             r["warmup_s"] = max(0.0, r["warmup_wall_s"] - self.warmup * r["round_medians_ms"][0] / 1000)
+            r["torch_timings"] = torch_timings()
 
     def profile(self, steps: int, top: int) -> None:
         """A cProfile of ``steps`` more calls: ``profile_text``, the ``top`` functions by own time."""
@@ -217,6 +231,7 @@ class ModeRun:
         r["losses"] = torch.stack(self.losses).float().cpu().tolist()
         if hasattr(self.step, "compile_times"):
             r["compile_times"] = self.step.compile_times()
+        r["compile_s"] = compile_seconds(r)
         self.step, self.losses = None, []
 
     def attempt(self, what, *args) -> None:
@@ -228,6 +243,20 @@ class ModeRun:
             self.record = dict(status="error", reason=f"{type(err).__name__}: {first_line}"[:300],
                                traceback=traceback.format_exc())
             self.step, self.losses = None, []
+
+
+def compile_seconds(record: dict) -> float:
+    """Seconds a mode spent compiling: spmd's compile phases, or torch.compile's timers (0 for eager modes).
+
+    spmd's phases nest by name (``trace`` holds ``trace/autograd``), the passes run inside
+    ``transform``, and ``first_run`` (the first call, including its graph's Inductor compile,
+    also recorded on its own) is no compile phase.
+    """
+    times = record.get("compile_times")
+    if times is None:
+        return sum(record["torch_timings"].get(name, 0.0) for name in TORCH_COMPILE_TIMERS)
+    return sum(s for name, s in times.items() if name != "first_run" and not name.startswith("passes/")
+               and not any(name.startswith(other + "/") for other in times))
 
 
 def agree_on_failures(runs: list[ModeRun]) -> None:

@@ -1,16 +1,22 @@
 """The training modes ``spmd bench`` and ``spmd timeline --record`` run: a registry, name -> builder.
 
 Every mode trains the same seed-0 GPT on the same per-rank batches with AdamW lr 1e-4 and bf16
-autocast around the forward (``--no-autocast`` turns it off). A builder takes the ``Setup``
+autocast around the forward (``--no-autocast`` turns it off). The sharded modes (spmd's
+fully_shard and shard_grad_op, FSDP2, SimpleFSDP) have the same units: one per transformer
+``Block``, the root takes the rest; with ``--mp bf16`` (the default) they train under a
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` instead of autocast
+(parameters gathered in bf16, gradients reduced in fp32, as FSDP2 users train), with
+``--mp autocast`` as the other modes do. A builder takes the ``Setup``
 (flags, device) and returns a step function ``step(idx, targets, last_train_step=False) -> loss``
 that owns everything it trains (model, optimizer, compiled code), so modes can stay alive side
 by side and be timed in interleaved rounds. ``last_train_step`` is True on a mode's last call
 (spmd flushes work deferred to the next iteration); other modes ignore it.
 
 Add a mode with ``@register(name)`` on a builder whose docstring's first line says what it is;
-``unavailable(setup)`` returns why the mode cannot run here (or None), and ``single=True`` marks
+``unavailable(setup)`` returns why the mode cannot run here (or None), ``single=True`` marks
 modes that train one replica per rank without communication (only their first loss is
-comparable with DDP's).
+comparable with DDP's), and ``sharded=True`` the modes of the sharded comparison (the GPU
+suite's ``shard`` part).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
@@ -30,7 +39,8 @@ from spmd.passes import (
     schedule_comm_wait,
 )
 
-from .models import GPT, GPTConfig
+from . import bench_peers
+from .models import GPT, Block, GPTConfig
 
 Step = Callable[..., torch.Tensor]
 
@@ -47,11 +57,13 @@ class Setup:
         return self.device.type == "cuda"
 
     def model(self) -> GPT:
-        """A fresh seed-0 GPT on the device: the same weights in every mode and on every rank."""
+        """A fresh seed-0 GPT built on the device (a 1.3B model initialises in a moment on a GPU, not on its
+        host): the same weights in every mode and on every rank."""
         a = self.args
         torch.manual_seed(0)
         cfg = GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.dim)
-        return GPT(cfg).to(self.device)
+        with self.device:
+            return GPT(cfg)
 
     def optimizer(self, params, capturable: bool = False, impl: Optional[str] = None) -> torch.optim.Optimizer:
         """AdamW lr 1e-4, ``--optimizer`` (fused or foreach) unless ``impl`` says."""
@@ -60,6 +72,21 @@ class Setup:
 
     def ddp(self, model: torch.nn.Module) -> DDP:
         return DDP(model, device_ids=[self.device.index] if self.cuda else None)
+
+    @property
+    def backend(self) -> str:
+        """torch.compile's backend: Inductor, or AOT autograd running the graphs op by op (``--no-inductor``)."""
+        return "aot_eager" if self.args.no_inductor else "inductor"
+
+    def mp_policy(self) -> Optional[MixedPrecisionPolicy]:
+        """The sharded modes' mixed precision: bf16 parameters, fp32 gradient reduction (``--mp bf16``), or None."""
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.args.mp == "bf16" else None
+
+    @property
+    def sharded_autocast(self) -> bool:
+        """Whether the sharded modes run their forward under bf16 autocast (``--mp autocast``, as the others)."""
+        return self.args.mp == "autocast" and not self.args.no_autocast
 
 
 def train_step(model, optim, idx, targets, autocast: bool = True):
@@ -78,17 +105,19 @@ class Mode:
     build: Callable[[Setup], Step]
     doc: str
     single: bool = False
+    sharded: bool = False
     unavailable: Callable[[Setup], Optional[str]] = lambda setup: None
 
 
 MODES: dict[str, Mode] = {}
 
 
-def register(name: str, *, single: bool = False, unavailable: Optional[Callable[[Setup], Optional[str]]] = None):
+def register(name: str, *, single: bool = False, sharded: bool = False,
+             unavailable: Optional[Callable[[Setup], Optional[str]]] = None):
     """Add the decorated builder ``build(setup) -> step`` as mode ``name``."""
     def deco(build: Callable[[Setup], Step]) -> Callable[[Setup], Step]:
         doc = (build.__doc__ or name).strip().splitlines()[0]
-        MODES[name] = Mode(name, build, doc, single, unavailable or (lambda setup: None))
+        MODES[name] = Mode(name, build, doc, single, sharded, unavailable or (lambda setup: None))
         return build
     return deco
 
@@ -122,7 +151,7 @@ def single_eager(setup: Setup) -> Step:
 @register("single_compile", single=True)
 def single_compile(setup: Setup) -> Step:
     """One replica per rank under torch.compile(model), no communication."""
-    return _eager(setup, torch.compile)
+    return _eager(setup, lambda m: torch.compile(m, backend=setup.backend))
 
 
 @register("ddp")
@@ -134,7 +163,7 @@ def ddp(setup: Setup) -> Step:
 @register("ddp_compile")
 def ddp_compile(setup: Setup) -> Step:
     """torch.compile(DDP(model))."""
-    return _eager(setup, lambda m: torch.compile(setup.ddp(m)))
+    return _eager(setup, lambda m: torch.compile(setup.ddp(m), backend=setup.backend))
 
 
 @register("ddp_ca")
@@ -146,7 +175,7 @@ def ddp_ca(setup: Setup) -> Step:
     with patch():
         model = setup.ddp(setup.model())
         optim = setup.optimizer(model.parameters())
-        compiled = torch.compile(train_step)
+        compiled = torch.compile(train_step, backend=setup.backend)
     autocast = not setup.args.no_autocast
 
     def step(idx, targets, last_train_step=False):
@@ -156,17 +185,22 @@ def ddp_ca(setup: Setup) -> Step:
 
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
-          optimizer_impl: Optional[str] = None) -> Step:
+          optimizer_impl: Optional[str] = None, style: str = "replicate") -> Step:
     a = setup.args
     model = setup.model()
+    if style == "replicate":
+        mode = spmd.DataParallel("replicate", grad_reduce="avg")
+        autocast = not a.no_autocast
+    else:
+        mode = spmd.DataParallel(style, wrap_policy={Block}, mp_policy=setup.mp_policy())
+        spmd.shard(model, mode)
+        autocast = setup.sharded_autocast
     optim = setup.optimizer(model.parameters(), capturable=setup.cuda, impl=optimizer_impl)
     transformation = spmd.GraphModuleTransformation(
         enable_graph_optimization=optimize, bucket_size_mb=a.bucket_mb, optimizer_parts=a.optimizer_parts,
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
-        passes=passes)
-    compiled = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
-                            gm_transformation=transformation)(train_step)
-    autocast = not a.no_autocast
+        passes=passes, prefetch_units=a.prefetch_units)
+    compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
 
     def step(idx, targets, last_train_step=False):
         return compiled(model, optim, idx, targets, autocast, last_train_step=last_train_step)
@@ -218,29 +252,143 @@ def spmd_pipeline_itermove(setup: Setup) -> Step:
     return _spmd(setup, optimize=True, passes=[defer_last_bucket], optimizer_impl="fused")  # the move needs it
 
 
+# ----------------------------------------------------------------------------- the sharded comparison
+
+
+@register("spmd_fully_shard", sharded=True)
+def spmd_fully_shard(setup: Setup) -> Step:
+    """spmd fully_shard (a unit per Block) with our sharded passes (bucketing, prefetch), through Inductor."""
+    return _spmd(setup, optimize=True, style="fully_shard")
+
+
+@register("spmd_shard_grad_op", sharded=True)
+def spmd_shard_grad_op(setup: Setup) -> Step:
+    """spmd shard_grad_op (parameters kept gathered from forward to backward), our sharded passes, Inductor."""
+    return _spmd(setup, optimize=True, style="shard_grad_op")
+
+
+def _fsdp2(setup: Setup, compile_units: bool) -> Step:
+    model = bench_peers.fsdp2(setup.model(), Block, setup.mp_policy(), compile_units, setup.backend)
+    optim = setup.optimizer(model.parameters())
+    autocast = setup.sharded_autocast
+    return lambda idx, targets, last_train_step=False: train_step(model, optim, idx, targets, autocast)
+
+
+@register("fsdp2", sharded=True)
+def fsdp2(setup: Setup) -> Step:
+    """Eager FSDP2: fully_shard on each Block, then on the root."""
+    return _fsdp2(setup, compile_units=False)
+
+
+@register("fsdp2_compile", sharded=True)
+def fsdp2_compile(setup: Setup) -> Step:
+    """FSDP2 with each Block torch.compiled before fully_shard (torchtitan's apply_compile)."""
+    return _fsdp2(setup, compile_units=True)
+
+
+def _simple_fsdp(setup: Setup, bucket: bool) -> Step:
+    model = setup.model()
+    world = dist.get_world_size()
+    mesh = init_device_mesh(setup.device.type, (world,))
+    bench_peers.simple_fsdp(model, mesh, setup.mp_policy())
+    compiled = bench_peers.compile_simple_fsdp(model, Block, bucket, setup.backend)
+    optim = setup.optimizer(model.parameters())
+    autocast = setup.sharded_autocast
+
+    def step(idx, targets, last_train_step=False):
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = compiled(idx, targets)
+        (loss / world).backward()  # SimpleFSDP sums the ranks' gradients; DDP averages them
+        optim.step()
+        optim.zero_grad()
+        return loss.detach()
+    return step
+
+
+def _simple_fsdp_unavailable(bucket: bool):
+    def reason(setup: Setup) -> Optional[str]:
+        missing = bench_peers.simple_fsdp_unavailable()
+        if missing or not bucket:
+            return missing
+        if not setup.cuda:
+            return "SimpleFSDP's bucketing pass estimates GPU runtimes: it needs CUDA and triton"
+        return bench_peers.bucketing_unavailable()
+    return reason
+
+
+@register("simple_fsdp", sharded=True, unavailable=_simple_fsdp_unavailable(bucket=True))
+def simple_fsdp(setup: Setup) -> Step:
+    """torchtitan's SimpleFSDP, whole model compiled, collectives bucketed per Block (transformer_block_bucketing)."""
+    return _simple_fsdp(setup, bucket=True)
+
+
+@register("simple_fsdp_plain", sharded=True, unavailable=_simple_fsdp_unavailable(bucket=False))
+def simple_fsdp_plain(setup: Setup) -> Step:
+    """SimpleFSDP compiled whole without its bucketing pass: one gather and reduce-scatter per parameter."""
+    return _simple_fsdp(setup, bucket=False)
+
+
+@register("spmd_fully_shard_cg", sharded=True, unavailable=_needs_cuda("CUDA graphs"))
+def spmd_fully_shard_cg(setup: Setup) -> Step:
+    """spmd_fully_shard replayed as CUDA graphs (the gathers and reduce-scatters captured in the graph).
+
+    Last of the sharded modes: a capture that fails becomes this mode's error record, and nothing
+    built after it can be disturbed by what the failed capture left behind.
+    """
+    return _spmd(setup, optimize=True, cudagraphs=True, style="fully_shard")
+
+
+
+# ----------------------------------------------------------------------------- flags
+
+PRESETS = {  # --preset: the model's shape
+    "gpt124m": dict(layers=12, dim=768, heads=12, seq=1024, vocab=50304),
+    "gpt1.3b": dict(layers=24, dim=2048, heads=16, seq=1024, vocab=50304),
+}
+
+
+class _Preset(argparse.Action):
+    """Set the model flags to a preset's values (model flags after it on the command line override them)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value)
+        for name, v in PRESETS[value].items():
+            setattr(namespace, name, v)
+
+
 def add_model_arguments(p: argparse.ArgumentParser, batch_help: str, batch_default: str) -> None:
     """The flags every mode is built from, shared by ``spmd bench`` and ``spmd timeline --record``."""
     g = p.add_argument_group("model and training (GPT 124M by default)")
-    for flag, default in (("--layers", 12), ("--dim", 768), ("--heads", 12), ("--seq", 1024), ("--vocab", 50304)):
-        g.add_argument(flag, type=int, default=default, help=f"(default {default})")
+    g.add_argument("--preset", choices=PRESETS, action=_Preset, default="gpt124m",
+                   help="model shape: " + "; ".join(f"{k}: " + " ".join(f"--{n} {v}" for n, v in d.items())
+                                                   for k, d in PRESETS.items()) + " (later flags override it)")
+    for flag, default in PRESETS["gpt124m"].items():
+        g.add_argument(f"--{flag}", type=int, default=default, help=f"(default {default})")
     g.add_argument("--batch", default=batch_default, help=batch_help)
     g.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
                    help="AdamW implementation for every mode (default fused)")
     g.add_argument("--no-autocast", action="store_true", help="train in fp32 (default: bf16 autocast around forward)")
+    g.add_argument("--mp", choices=("bf16", "autocast"), default="bf16",
+                   help="the sharded modes and their peers: bf16: MixedPrecisionPolicy(param_dtype=bfloat16, "
+                        "reduce_dtype=float32), no autocast (default); autocast: as the other modes")
     g.add_argument("--nproc", type=int, default=None,
                    help="processes to spawn (default: one per GPU, or 2 on CPU); ignored under torchrun")
     s = p.add_argument_group("spmd modes")
     s.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (default 25)")
     s.add_argument("--optimizer-parts", type=int, default=4,
                    help="pipeline: optimizer ops, one per trailing bucket (default 4; 1: one op)")
+    s.add_argument("--prefetch-units", type=int, default=1,
+                   help="sharded modes: units gathered ahead of the one computing (default 1)")
     s.add_argument("--no-inductor", action="store_true",
-                   help="run the step graphs op by op instead of through Inductor (tracing and passes only)")
+                   help="run the step graphs op by op instead of through Inductor (tracing and passes only); "
+                        "torch.compile modes use the aot_eager backend")
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
     """``add_model_arguments``' flags as a command line (without --batch and --nproc), to run another command."""
     out = []
-    for name in ("layers", "dim", "heads", "seq", "vocab", "optimizer", "bucket_mb", "optimizer_parts"):
+    for name in ("layers", "dim", "heads", "seq", "vocab", "optimizer", "mp", "bucket_mb", "optimizer_parts",
+                 "prefetch_units"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return out + [f"--{f.replace('_', '-')}" for f in ("no_autocast", "no_inductor") if getattr(args, f)]
 

@@ -50,17 +50,18 @@ def section_table(rows: list[dict], args, batch: int, world: int, device: torch.
 
     table = Table(title=f"GPT {args.layers}x{args.dim} ({args.heads} heads), seq {args.seq}, batch {batch}/GPU, "
                         f"{world} x {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu (gloo)'}, "
-                        f"AdamW {args.optimizer}",
+                        f"AdamW {args.optimizer}, sharded modes: "
+                        f"{'bf16 params, fp32 reduce' if args.mp == 'bf16' else 'as the others'}",
                   caption=f"{args.repeat} rounds of {args.steps} steps after {args.warmup} warm-up calls: median and "
                           f"min-max of the per-round medians; parity flagged above {ATOL:g} + {RTOL:g}*|loss|; "
                           "\\[brackets]: first step only (no communication)")
     for col in ("mode", "ms/step", "min-max", "cpu ms/call", "tokens/s/GPU", "ratio", "peak GiB", "1st call s",
-                "warm-up s", "max |Δloss| vs DDP", "note"):
+                "warm-up s", "compile s", "max |Δloss| vs DDP", "note"):
         table.add_column(col, justify="left" if col in ("mode", "note") else "right")
     for r in rows:
         if r["status"] != "ok":
             color = "red" if r["status"] == "error" else "yellow"
-            table.add_row(r["mode"], *["—"] * 9, f"[{color}]{r['status']}: {escape(r['reason'])}[/]")
+            table.add_row(r["mode"], *["—"] * 10, f"[{color}]{r['status']}: {escape(r['reason'])}[/]")
             continue
         if "max_abs_dloss_vs_ddp" in r:
             parity = f"{r['max_abs_dloss_vs_ddp']:.2e}"
@@ -78,7 +79,8 @@ def section_table(rows: list[dict], args, batch: int, world: int, device: torch.
                       f"{r['cpu_ms_per_call']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                       f"[bold green]{ratio}[/]" if r["ratio_to_best"] == 1 else ratio,
                       "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}", f"{r['first_call_s']:.1f}",
-                      f"{r['warmup_s']:.1f}", parity, "; ".join(notes))
+                      f"{r['warmup_s']:.1f}", f"{r['compile_s']:.1f}" if r["compile_s"] else "—", parity,
+                      "; ".join(notes))
     return table
 
 

@@ -3,13 +3,18 @@
     spmd bench --suite gpu --parts tests                     # from the repository root
     spmd bench --suite gpu --parts bench --batch 8 --out gpu_out
     spmd bench --suite gpu --parts timeline,compile --out gpu_out
+    spmd bench --suite gpu --parts shard --batch 8 --out gpu_shard   # sharded modes vs FSDP2, SimpleFSDP
 
 Parts (``--parts``, in this order):
 
 * ``tests``: the GPU tests (``pytest -m gpu tests``: NCCL parity against DDP on up to 2 GPUs; on
   one GPU with a process group of one). Needs the repository's ``tests/`` in the working folder.
 * ``bench``: ``spmd bench`` for each ``--batch`` value: every ``--modes`` side by side
-  (``bench_b<batch>.json``).
+  (``bench_b<batch>.json``); without ``--modes``, every mode outside the sharded comparison.
+* ``shard``: ``spmd bench`` for each ``--batch`` value: the sharded comparison (spmd's
+  sharded modes, FSDP2, FSDP2 with compiled blocks, SimpleFSDP) beside ``SHARD_REFERENCES``
+  (``shard_b<batch>.json``); ``--modes`` does not change it (run a subset with the ``bench``
+  part and ``--modes``).
 * ``timeline``: ``spmd timeline --record`` of spmd replicate, the pass pipeline and the pipeline
   with the last bucket deferred, at the first ``--batch``: exposed communication per step and a
   picture of each (``timeline/``).
@@ -20,22 +25,31 @@ Every part's output also goes to ``<part>.log`` under ``--out``; the model and s
 passed on to each. The exit status is non-zero when a part failed. One part at one batch size
 fits a 10-minute call (every mode of GPT 124M at one batch size takes about 5 minutes to compile
 on one H100).
+
+SimpleFSDP needs torchtitan, which the GPU machine lacks and cannot download: when a folder
+``.whl/`` holds its wheels (``bench_peers.SIMPLE_FSDP_WHEELS``), the suite first installs them
+without dependencies into ``/tmp/site`` (``bench_peers.WHEEL_INSTALL``) and puts that folder on
+every part's ``PYTHONPATH``; without it the SimpleFSDP modes are skipped, saying why.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import torch
 
-from .bench_modes import model_flags
+from .bench_modes import MODES, model_flags
+from .bench_peers import PIP_INSTALL, SITE_DIR, WHEEL_DIR
 from .launch import under_torchrun
 
-PARTS = {"tests": "GPU parity tests", "bench": "every mode side by side", "timeline": "exposed communication",
-         "compile": "first call from cold caches"}
+PARTS = {"tests": "GPU parity tests", "bench": "every mode side by side", "shard": "the sharded comparison",
+         "timeline": "exposed communication", "compile": "first call from cold caches"}
+SHARD_REFERENCES = ("ddp", "single_compile", "spmd_pipeline")  # parity reference, one GPU's speed, replicate
 TIMELINE_MODES = "spmd_replicate,spmd_pipeline,spmd_pipeline_itermove"
 
 
@@ -49,11 +63,15 @@ def commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         if part == "tests":
             out.append(("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rA",
                                   "tests"]))
-        elif part == "bench":
+        elif part in ("bench", "shard"):
+            if part == "shard":
+                modes = list(SHARD_REFERENCES) + [m for m in MODES if MODES[m].sharded]
+            else:
+                modes = args.modes or [m for m in MODES if not MODES[m].sharded]
             for b in args.batch:
-                out.append((f"bench_b{b}", spmd + ["bench", "--batch", str(b), "--modes", ",".join(args.modes),
-                                                   "--repeat", str(args.repeat), "--json",
-                                                   os.path.join(args.out, f"bench_b{b}.json")] + runs + flags))
+                out.append((f"{part}_b{b}", spmd + ["bench", "--batch", str(b), "--modes", ",".join(modes),
+                                                    "--repeat", str(args.repeat), "--json",
+                                                    os.path.join(args.out, f"{part}_b{b}.json")] + runs + flags))
         elif part == "timeline":
             out.append(("timeline", spmd + ["timeline", "--record", "--modes", TIMELINE_MODES, "--steps", "3",
                                             "--batch", str(args.batch[0]), "--out",
@@ -62,6 +80,16 @@ def commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             out.append(("compile", spmd + ["bench", "--measure", "compile", "--batch", str(args.batch[0]), "--json",
                                            os.path.join(args.out, "compile.json")] + flags))
     return out
+
+
+def with_wheels(env: dict) -> tuple[Optional[list[str]], dict]:
+    """The pip command that installs ``.whl/``'s wheels (None when there are none), and ``env`` with
+    their folder first on ``PYTHONPATH``."""
+    wheels = sorted(glob.glob(os.path.join(WHEEL_DIR, "*.whl")))
+    if not wheels:
+        return None, env
+    path = os.pathsep.join(x for x in (SITE_DIR, env.get("PYTHONPATH")) if x)
+    return [sys.executable, "-m", *PIP_INSTALL, *wheels], {**env, "PYTHONPATH": path}
 
 
 def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
@@ -86,6 +114,11 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
           f"{torch.cuda.get_device_name(0)}, python {sys.version.split()[0]}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
     failed = []
+    install, env = with_wheels(env)
+    if install:  # SimpleFSDP's torchtitan: installed without a network, for every part
+        print(f"== wheels: {' '.join(install)}", flush=True)
+        if subprocess.run(install).returncode:
+            failed.append("wheels")
     for name, cmd in commands(args):
         print(f"== {name}: {' '.join(cmd)}", flush=True)
         with open(os.path.join(args.out, f"{name}.log"), "w") as log:
