@@ -10,6 +10,8 @@ spelled in one place.
   whose gradient it reduces.
 * ``BUCKET``: on a (fused) gradient collective and its wait, the parameter indices it
   reduces, in graph order.
+* ``SYNCED_BUFFERS``: on a buffer broadcast (``broadcast_buffers``) and its wait, the names
+  of the buffers it carries.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ ROLE = "spmd_role"
 NAME = "spmd_name"
 GRAD_OF = "spmd_grad_of"
 BUCKET = "spmd_bucket"
+SYNCED_BUFFERS = "spmd_synced_buffers"
 
 
 class Role:

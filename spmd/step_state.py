@@ -9,7 +9,7 @@ edits the user makes between steps are always seen.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -202,12 +202,58 @@ class StepState:
     def lr_tensors(self) -> list[torch.Tensor]:
         return [torch.tensor(float(v), device=d) for v, d in self.lr_values_and_devices()]
 
-    def signature(self) -> tuple:
-        """Everything about the state that the traced graph specialises on."""
-        tensors = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in self.flat_tensors())
-        groups = tuple(
-            tuple((k, repr(g.get(k))) for k in _GROUP_KEYS_IN_SIGNATURE if k in g)
-            for o in self.optimizers for g in o.param_groups
-        )
-        consts = tuple((key, repr(v)) for layout in self._state_layout for key, (kind, v) in layout if kind == "const")
-        return tensors, groups, consts, tuple(len(l) for l in self._state_layout)
+    def signature(self) -> dict[str, Any]:
+        """Everything about the state that the traced graph specialises on, by name.
+
+        A mapping, so that a retrace can say which component changed (``describe_changes``).
+        """
+        sig: dict[str, Any] = {}
+        for kind, names, tensors in (("parameter", self.param_names, self.params),
+                                     ("buffer", self.buffer_names, self.buffers),
+                                     ("optimizer state", self.state_names, self.state_tensors)):
+            for name, t in zip(names, tensors):
+                sig[f"{kind} {name}"] = TensorSignature.of(t)
+        for o_idx, optim in enumerate(self.optimizers):
+            prefix = f"optimizer {o_idx} " if len(self.optimizers) > 1 else ""
+            for g_idx, group in enumerate(optim.param_groups):
+                for k in _GROUP_KEYS_IN_SIGNATURE:
+                    if k in group:
+                        sig[f"{prefix}param group {g_idx} {k!r}"] = repr(group[k])
+        for name, layout in zip(self.param_names, self._state_layout):
+            for key, (kind, v) in layout:
+                if kind == "const":
+                    sig[f"optimizer state {name}.{key}"] = repr(v)
+        return sig
+
+
+class TensorSignature(NamedTuple):
+    """What a graph specialises on in one input tensor."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSignature":
+        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
+def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two signatures, one phrase per component, in ``new``'s order.
+
+    E.g. ``"param group 0 'momentum' changed 0.9 -> 0.85"``, ``"input 2 shape (4, 32) -> (8, 32)"``.
+    """
+    out = []
+    for name, value in new.items():
+        if name not in old:
+            out.append(f"{name} is new")
+        elif old[name] != value:
+            before = old[name]
+            if isinstance(value, TensorSignature) and isinstance(before, TensorSignature):
+                out += [f"{name} {field} {getattr(before, field)} -> {getattr(value, field)}"
+                        for field in TensorSignature._fields if getattr(before, field) != getattr(value, field)]
+            else:
+                out.append(f"{name} changed {before} -> {value}")
+    out += [f"{name} is gone" for name in old if name not in new]
+    return out

@@ -55,6 +55,64 @@ def _(grad, param_index):
 TAG_GRAD = torch.ops.spmd.tag_grad.default
 
 
+@torch.library.custom_op("spmd::sync_buffers", mutates_args=())
+def sync_buffers_marker(buffers: list[torch.Tensor], names: str) -> list[torch.Tensor]:
+    """Marker: the values of a module's ``buffers`` that its forward must start from.
+
+    Identity when run; the parallel mode replaces it (replicate: rank 0's values, broadcast).
+    ``names``: the buffers' names, comma-separated, for messages.
+    """
+    return [b.clone() for b in buffers]
+
+
+@sync_buffers_marker.register_fake
+def _(buffers, names):
+    return [torch.empty_like(b) for b in buffers]
+
+
+SYNC_BUFFERS = torch.ops.spmd.sync_buffers.default
+
+
+def _sync_buffers_before_forward(prefix: str):
+    """A forward pre-hook: overwrite the module's buffers with ``sync_buffers_marker`` of them, as DDP does."""
+
+    def hook(module, args):
+        named = list(module.named_buffers())
+        if named:
+            bufs = [b for _, b in named]
+            with torch.no_grad():
+                torch._foreach_copy_(bufs, sync_buffers_marker(bufs, ",".join(prefix + n for n, _ in named)))
+
+    return hook
+
+
+class _ZeroGradsForUnused:
+    """Give the listed trained parameters a zero gradient in every backward that computes none for them.
+
+    ``on_grad(i)`` runs in each gradient hook; at the end of that backward the missing
+    ones get ``tag_grad(zeros)``, reduced like any other gradient (DDP's
+    ``find_unused_parameters=True``: a gradient some rank does not compute is zero there).
+    """
+
+    def __init__(self, params: list, indices: frozenset):
+        self.params, self.indices = params, indices
+        self.seen: set[int] = set()
+        self.queued = False
+
+    def on_grad(self, i: int) -> None:
+        if self.indices and not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.fill)
+            self.queued = True
+        self.seen.add(i)
+
+    def fill(self) -> None:
+        for i in sorted(self.indices - self.seen):
+            p = self.params[i]
+            zero = tag_grad(torch.zeros_like(p), i)
+            p.grad = zero if p.grad is None else p.grad + zero
+        self.seen, self.queued = set(), False
+
+
 # --- the traced result ------------------------------------------------------------
 
 
@@ -109,11 +167,13 @@ def _rematerialize_optimizers(state: StepState, params, states, lrs):
                 group.update(old)
 
 
-_DATA_DEPENDENT = SpmdCompileError(
-    "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
-    "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
-    "with tensor ops (torch.where), return the tensor itself, or move it outside train_step."
-)
+def _data_dependent_error() -> SpmdCompileError:
+    """A fresh error each time: a shared instance would collect every raise's traceback."""
+    return SpmdCompileError(
+        "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
+        "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
+        "with tensor ops (torch.where), return the tensor itself, or move it outside train_step."
+    )
 
 
 def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
@@ -122,7 +182,7 @@ def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
 
     text = str(err)
     if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
-        return _DATA_DEPENDENT
+        return _data_dependent_error()
     no_kernel = ("no fake impl or Meta kernel", "attempted to run this operator with Meta", "no fake impl registered")
     if isinstance(err, UnsupportedOperatorException) or any(t in text for t in no_kernel):
         op = getattr(err, "func", None) or (text.split("for <CustomOpDef(", 1)[1].split(")", 1)[0]
@@ -165,9 +225,15 @@ class _FunctionalFusedOptim(torch.fx.Interpreter):
 
 
 def trace_train_step(
-    fn: Callable, state: StepState, args: tuple, kwargs: dict
+    fn: Callable, state: StepState, args: tuple, kwargs: dict, *, sync_buffers: bool = False,
+    zero_grads_for: frozenset = frozenset(),
 ) -> TracedStep:
-    """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph."""
+    """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph.
+
+    ``sync_buffers``: each call of a module of ``state`` first overwrites its buffers with
+    ``sync_buffers_marker`` of them (``SYNC_BUFFERS`` in the graph). ``zero_grads_for``: indices of
+    trained parameters that get a zero gradient in a backward that computes none for them.
+    """
     register_missing_fused_optimizer_metas()
     flat_user, user_spec = pytree.tree_flatten((args, kwargs))
     tensor_slots = [i for i, v in enumerate(flat_user) if isinstance(v, torch.Tensor)]
@@ -178,9 +244,15 @@ def trace_train_step(
     out_holder: dict[str, Any] = {}
 
     def whole_step(params, buffers, state_tensors, lrs, inputs):
+        unused = _ZeroGradsForUnused(params, frozenset(zero_grads_for))
+
+        def on_grad(g, i):
+            unused.on_grad(i)
+            return tag_grad(g, i)
+
         for i, p in enumerate(params):
             if state.param_trained[i]:
-                p.register_hook(lambda g, i=i: tag_grad(g, i))
+                p.register_hook(lambda g, i=i: on_grad(g, i))
         states = state.rebuild_optimizer_states(state_tensors, params)
         flat = list(flat_user)
         for slot, t in zip(tensor_slots, inputs):
@@ -192,6 +264,10 @@ def trace_train_step(
                 mapping.update({n: buffers[i] for n, i in state.module_buffer_names(mod)})
                 stack.enter_context(_reparametrize_module(mod, mapping))
             stack.enter_context(_rematerialize_optimizers(state, params, states, lrs))
+            if sync_buffers:
+                for m_idx, mod in enumerate(state.modules):
+                    prefix = f"m{m_idx}." if len(state.modules) > 1 else ""
+                    stack.callback(mod.register_forward_pre_hook(_sync_buffers_before_forward(prefix)).remove)
             out = fn(*call_args, **call_kwargs)
             leftover = [state.param_names[i] for i, p in enumerate(params) if p.grad is not None]
         if leftover:
@@ -203,7 +279,7 @@ def trace_train_step(
         flat_out, out_spec = pytree.tree_flatten(out)
         out_holder["spec"] = out_spec
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
-            raise _DATA_DEPENDENT
+            raise _data_dependent_error()
         bad = [type(v).__name__ for v in flat_out if v is not None and not isinstance(v, (torch.Tensor, int, float, bool))]
         if bad:
             raise SpmdCompileError(
