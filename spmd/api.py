@@ -223,7 +223,7 @@ class CompiledTrainStep:
                 checking += time.perf_counter() - start
 
         compiled, failure, local = attempt(state)
-        reports = exchange(local)
+        reports = first = exchange(local)
         order = rank_check.zero_gradient_plan(reports) if reports is not None else None
         if order is not None:
             zero_grads_for = frozenset(p for p, n in order if (p, n) not in set(local.grad_keys))
@@ -233,7 +233,10 @@ class CompiledTrainStep:
         if reports is not None:
             for o in created:
                 o.state.clear()
-            raise failure if failure is not None else rank_check.mismatch_error(reports)
+            if failure is not None:
+                raise failure
+            # not repaired: name what the user's step does differently, not what the repair added
+            raise rank_check.mismatch_error(reports if any(r.error for r in reports) else first)
         entry, state = compiled
         entry.compile_times["rank_check"] = checking
         return entry, state
