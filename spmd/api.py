@@ -26,7 +26,7 @@ from .iter_graph_module import IterGraphModule
 from . import rank_check
 from .parallel import DataParallel
 from .step_state import (
-    StepState, TensorSignature, describe_changes, ensure_optimizer_state, find_modules_and_optimizers,
+    StepState, describe_changes, ensure_optimizer_state, find_modules_and_optimizers, tensor_signature,
 )
 from .tracing import trace_train_step
 
@@ -271,7 +271,7 @@ class CompiledTrainStep:
         sig = state.signature()
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):
-                value = TensorSignature.of(leaf)
+                value = tensor_signature(leaf)
             elif isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
                 value = self._serial(leaf)
             elif leaf is None or type(leaf) in (int, float, bool, str):

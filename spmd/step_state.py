@@ -9,7 +9,7 @@ edits the user makes between steps are always seen.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -212,7 +212,7 @@ class StepState:
                                      ("buffer", self.buffer_names, self.buffers),
                                      ("optimizer state", self.state_names, self.state_tensors)):
             for name, t in zip(names, tensors):
-                sig[f"{kind} {name}"] = TensorSignature.of(t)
+                sig[f"{kind} {name}"] = tensor_signature(t)
         for o_idx, optim in enumerate(self.optimizers):
             prefix = f"optimizer {o_idx} " if len(self.optimizers) > 1 else ""
             for g_idx, group in enumerate(optim.param_groups):
@@ -226,17 +226,17 @@ class StepState:
         return sig
 
 
-class TensorSignature(NamedTuple):
-    """What a graph specialises on in one input tensor."""
+TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")
 
-    shape: tuple
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool
 
-    @classmethod
-    def of(cls, t: torch.Tensor) -> "TensorSignature":
-        return cls(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """What a graph specialises on in one input tensor, as a plain tuple of ``TENSOR_FIELDS``
+    (built for every tensor on every call, so as cheap as it gets)."""
+    return tuple(t.shape), t.dtype, t.device, t.requires_grad
+
+
+def _is_tensor_signature(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == len(TENSOR_FIELDS) and isinstance(value[1], torch.dtype)
 
 
 def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -250,9 +250,8 @@ def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             out.append(f"{name} is new")
         elif old[name] != value:
             before = old[name]
-            if isinstance(value, TensorSignature) and isinstance(before, TensorSignature):
-                out += [f"{name} {field} {getattr(before, field)} -> {getattr(value, field)}"
-                        for field in TensorSignature._fields if getattr(before, field) != getattr(value, field)]
+            if _is_tensor_signature(value) and _is_tensor_signature(before):
+                out += [f"{name} {field} {a} -> {b}" for field, a, b in zip(TENSOR_FIELDS, before, value) if a != b]
             else:
                 out.append(f"{name} changed {before} -> {value}")
     out += [f"{name} is gone" for name in old if name not in new]

@@ -111,6 +111,7 @@ def test_changed_weight_decay_retraces_and_is_used():
         torch.testing.assert_close(p, q)
 
 
+@pytest.mark.filterwarnings("ignore:.*has been traced")
 def test_module_override_applies_to_a_new_module_at_a_recycled_id():
     """Overrides are remembered per module object, not per id(): a new module at a dead one's id gets them."""
     def step(model, optim, x):

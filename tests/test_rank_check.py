@@ -1,4 +1,4 @@
-"""Ranks that trace different graphs: repaired as DDP's find_unused_parameters=True does, or one clear error, never a hang."""
+"""Ranks that trace different graphs: repaired as DDP (find_unused_parameters=True) does, or one error, no hang."""
 
 from __future__ import annotations
 

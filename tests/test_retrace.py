@@ -12,7 +12,7 @@ from spmd.graph_utils import find_node, is_all_reduce
 from spmd.passes import (
     comm_fusion_with_concat, iter_move_grads_and_optimizers, remove_copy_from_optimizer, schedule_comm_wait,
 )
-from spmd.step_state import TensorSignature, describe_changes
+from spmd.step_state import describe_changes
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.parity import assert_params_close, ddp_copy, eager_step
@@ -27,10 +27,11 @@ def _step(model, optim, x):
 
 
 def test_describe_changes_names_each_changed_component():
-    old = {"input 2": TensorSignature((4, 32), torch.float32, torch.device("cpu"), False),
-           "param group 0 'momentum'": "0.9", "parameter w": TensorSignature((3,), torch.float32, "cpu", True)}
-    new = {"input 2": TensorSignature((8, 32), torch.float64, torch.device("cpu"), False),
-           "param group 0 'momentum'": "0.85", "buffer b": TensorSignature((3,), torch.float32, "cpu", False)}
+    cpu = torch.device("cpu")
+    old = {"input 2": ((4, 32), torch.float32, cpu, False), "param group 0 'momentum'": "0.9",
+           "parameter w": ((3,), torch.float32, cpu, True)}
+    new = {"input 2": ((8, 32), torch.float64, cpu, False), "param group 0 'momentum'": "0.85",
+           "buffer b": ((3,), torch.float32, cpu, False)}
     assert describe_changes(old, new) == [
         "input 2 shape (4, 32) -> (8, 32)", "input 2 dtype torch.float32 -> torch.float64",
         "param group 0 'momentum' changed 0.9 -> 0.85", "buffer b is new", "parameter w is gone",
