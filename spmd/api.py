@@ -212,24 +212,17 @@ class CompiledTrainStep:
             created.extend(new)
             return (entry, state), None, rank_check.report(state, entry.graph, entry.runner)
 
-        checking = 0.0
-
-        def exchange(report: rank_check.RankReport):
-            nonlocal checking
-            start = time.perf_counter()
-            try:
-                return rank_check.exchange(report, group)
-            finally:
-                checking += time.perf_counter() - start
-
+        times: dict[str, float] = {}  # the check's own time, for the entry's compile_times
         compiled, failure, local = attempt(state)
-        reports = first = exchange(local)
+        with recording(times), phase("rank_check"):
+            reports = first = rank_check.exchange(local, group)
         order = rank_check.zero_gradient_plan(reports) if reports is not None else None
         if order is not None:
             zero_grads_for = frozenset(p for p, n in order if (p, n) not in set(local.grad_keys))
             if zero_grads_for:
                 compiled, failure, local = attempt(compiled[1], zero_grads_for=zero_grads_for, grad_order=order)
-            reports = exchange(local)
+            with recording(times), phase("rank_check"):
+                reports = rank_check.exchange(local, group)
         if reports is not None:
             for o in created:
                 o.state.clear()
@@ -238,7 +231,7 @@ class CompiledTrainStep:
             # not repaired: name what the user's step does differently, not what the repair added
             raise rank_check.mismatch_error(reports if any(r.error for r in reports) else first)
         entry, state = compiled
-        entry.compile_times["rank_check"] = checking
+        entry.compile_times.update(times)
         return entry, state
 
     def _remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any]) -> None:
