@@ -16,6 +16,8 @@ spelled in one place.
   or ``"optimizer"`` (set by the sharded modes' expansion; ``explain`` infers the rest).
 * ``KEEP``: True on a forward gather whose unit keeps its parameters gathered until the
   backward (it does not reshard after forward: the root, shard_grad_op's units).
+* ``SYNCED_BUFFERS``: on a buffer broadcast (``broadcast_buffers``) and its wait, the names
+  of the buffers it carries.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ BUCKET = "spmd_bucket"
 UNIT = "spmd_unit"
 PHASE = "spmd_phase"
 KEEP = "spmd_keep"
+SYNCED_BUFFERS = "spmd_synced_buffers"
 
 
 class Role:

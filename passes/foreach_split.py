@@ -132,8 +132,10 @@ def split_foreach_chain(graph: fx.Graph, chain: ForeachChain, parts: list[list[i
     every reader of an old element reads the same element of the new op; the old ops
     are gone. Returns the new nodes of each part.
     """
-    assert chain.why_not is None, chain.why_not
-    assert sorted(i for p in parts for i in p) == list(range(chain.length)), "parts must partition the positions"
+    if chain.why_not is not None:
+        raise ValueError(f"split_foreach_chain: this chain cannot be split: {chain.why_not}")
+    if sorted(i for p in parts for i in p) != list(range(chain.length)):
+        raise ValueError(f"split_foreach_chain: parts {parts} must partition the positions 0..{chain.length - 1}")
     members = set(chain.ops)
     new_nodes: list[list[fx.Node]] = []
     renamed: dict[tuple[fx.Node, int], fx.Node] = {}  # (old op, position) -> getitem of its new op

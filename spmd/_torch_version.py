@@ -18,6 +18,12 @@ def installed() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def tested_range() -> str:
+    """``"2.11 to 2.13"``: the torch versions in ``TESTED``."""
+    (lo, hi) = TESTED
+    return f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+
+
 def warn_if_untested() -> None:
     """Warn once at import when the installed torch is outside ``TESTED``."""
     (lo, hi), version = TESTED, installed()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import time
+import warnings
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -19,10 +23,11 @@ from .compile_times import phase, recording
 from .errors import SpmdCompileError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .iter_graph_module import IterGraphModule
+from . import rank_check
 from .parallel import DataParallel
 from .optim_check import check_optimizers
 from .optim_state import ensure_optimizer_state
-from .step_state import StepState, find_modules_and_optimizers
+from .step_state import StepState, describe_changes, find_modules_and_optimizers, tensor_signature
 from .tracing import trace_train_step
 
 log = logging.getLogger(__name__)
@@ -56,6 +61,12 @@ class CompiledStep:
             self.hyper_values = values
         return self.hyper_tensors
 
+    def flush(self) -> None:
+        """Run the work this graph deferred to its next iteration, if any (no next iteration follows)."""
+        if isinstance(self.runner, IterGraphModule) and self.runner.pending:
+            with torch.no_grad():
+                self.runner.flush()
+
 
 def _first_step_slots(state: StepState, created: list) -> dict[int, float]:
     """Hyperparameter slot -> the value the first run uses, for state created by ``ensure_optimizer_state``."""
@@ -65,16 +76,17 @@ def _first_step_slots(state: StepState, created: list) -> dict[int, float]:
             if (s.optim, s.group, s.key) in wanted}
 
 
-def _user_signature(args: tuple, kwargs: dict) -> tuple:
-    sig = []
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor):
-            sig.append(("T", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
-        elif isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
-            sig.append(("obj", id(leaf)))
-        else:
-            sig.append(("v", type(leaf).__name__, repr(leaf)))
-    return tuple(sig)
+def _undo(created: list) -> None:
+    """Remove the optimizer state created for a trace (``spmd.optim_state.CreatedState``)."""
+    for made in created:
+        made.undo()
+
+
+def _input_name(path: tuple) -> str:
+    """``input 2``, ``input 'batch'``, ``input 1[0]``: a leaf of ``(args, kwargs)`` in the user's terms."""
+    (where, first), rest = path[:2], path[2:]
+    head = str(first.idx) if where.idx == 0 else repr(first.key)
+    return f"input {head}{pytree.keystr(rest) if rest else ''}"
 
 
 def _default_transformation():
@@ -97,7 +109,15 @@ def _write_dump(stages: dict[str, fx.GraphModule], runner: Any, folder: str) -> 
 
 
 class CompiledTrainStep:
-    """The callable that ``spmd.compile`` returns; see ``compile``."""
+    """The callable that ``spmd.compile`` returns; see ``compile``.
+
+    ``trace_count``: how many times the step has been traced (once per input signature,
+    plus again for a signature evicted from ``cache``). ``cache``: the compiled signatures,
+    the ``cache_size`` most recently used ones.
+    """
+
+    cache_size = 16          # compiled signatures kept; the least recently used one is dropped first
+    retrace_warning_at = 8   # traces after which a step that keeps retracing is warned about, once
 
     def __init__(self, fn: Callable, module_override: Optional[Sequence] = None,
                  gm_transformation: Optional[Callable] = None, parallel_mode: Optional[DataParallel] = None):
@@ -107,13 +127,20 @@ class CompiledTrainStep:
         # default: an IterGraphModule, no passes (dumps if SPMD_DUMP_DIR is set)
         self.gm_transformation = gm_transformation or _default_transformation()
         self.parallel_mode = parallel_mode or DataParallel("replicate")
-        self.cache: dict[tuple, CompiledStep] = {}
-        self._overridden: set[int] = set()
+        self.cache: OrderedDict[tuple, CompiledStep] = OrderedDict()
+        self.trace_count = 0
+        self._overridden: weakref.WeakSet = weakref.WeakSet()
+        self._prepared: weakref.WeakSet = weakref.WeakSet()  # modules the parallel mode prepared
+        # Modules and optimizers by serial number, never reused (unlike id()): a new object is a new signature.
+        self._serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._next_serial = itertools.count()
         self._last_compiled: Optional[CompiledStep] = None
+        self._last_signature: Optional[dict[str, Any]] = None
+        self._last_run: Optional[CompiledStep] = None
 
     def _apply_overrides(self, modules: list[nn.Module]) -> None:
         for mod in modules:
-            if id(mod) in self._overridden or not self.module_override:
+            if mod in self._overridden or not self.module_override:
                 continue
             for fqn, sub in list(mod.named_modules()):
                 for override in self.module_override:
@@ -121,15 +148,17 @@ class CompiledTrainStep:
                     if new is not sub and fqn:
                         parent_name, _, leaf = fqn.rpartition(".")
                         setattr(mod.get_submodule(parent_name) if parent_name else mod, leaf, new)
-            self._overridden.add(id(mod))
+            self._overridden.add(mod)
 
-    def trace_and_expand(self, state: StepState, args: tuple, kwargs: dict):
+    def trace_and_expand(self, state: StepState, args: tuple, kwargs: dict,
+                         zero_grads_for: frozenset = frozenset(), grad_order: Optional[list] = None):
         """Trace the step and expand it for the parallel mode: (expanded gm, traced step, state, created).
 
         Optimizers are first checked against eager (``spmd.optim_check``); one that would
         not be traced exactly is refused before anything changes. ``created`` lists the
         optimizer state created for the trace (``spmd.optim_state.CreatedState``); on
         failure it is removed again, so a failed compile leaves the user's objects as they were.
+        ``zero_grads_for`` and ``grad_order``: see ``rank_check.zero_gradient_plan``.
         """
         with phase("optimizer_check"):
             check_optimizers(state.optimizers)
@@ -143,14 +172,14 @@ class CompiledTrainStep:
             if created:  # state was just created: lay it out again
                 state = StepState(state.modules, state.optimizers)
             with phase("trace"):
-                traced = trace_train_step(self.fn, state, args, kwargs,
-                                          lambda params: self.parallel_mode.trace_context(state, params))
+                traced = trace_train_step(
+                    self.fn, state, args, kwargs,
+                    lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for))
         except BaseException:
-            for made in created:
-                made.undo()
+            _undo(created)
             raise
         with phase("expand"):
-            gm = self.parallel_mode.expand(traced.gm)
+            gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order)
         for override in self.module_override:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
         return gm, traced, state, created
@@ -160,22 +189,118 @@ class CompiledTrainStep:
         """Seconds per compile phase of the most recently compiled signature (see ``spmd.compile_times``)."""
         return dict(self._last_compiled.compile_times) if self._last_compiled else {}
 
-    def _compile(self, state: StepState, args: tuple, kwargs: dict) -> CompiledStep:
+    def _compile(self, state: StepState, args: tuple, kwargs: dict, **plan) -> tuple[CompiledStep, StepState, list]:
+        """Trace, expand and transform: (entry, state, optimizers whose state was created).
+
+        On failure the created optimizer state is removed again.
+        """
         start = time.perf_counter()
         times: dict[str, float] = {}
-        with recording(times), recording_stages(self.dump_options()) as dump:
-            gm, traced, state, created = self.trace_and_expand(state, args, kwargs)
-            traced_at = time.perf_counter()
-            with phase("transform"):
-                runner = self.gm_transformation(gm) if self.gm_transformation else gm
+        created: list = []
+        try:
+            with recording(times), recording_stages(self.dump_options()) as dump:
+                gm, traced, state, created = self.trace_and_expand(state, args, kwargs, **plan)
+                traced_at = time.perf_counter()
+                with phase("transform"):
+                    runner = self.gm_transformation(gm) if self.gm_transformation else gm
+        except BaseException:
+            _undo(created)
+            raise
         log.info("spmd: %s traced in %.1f s (%d nodes), transformed in %.1f s", self.__name__, traced_at - start,
                  len(gm.graph.nodes), time.perf_counter() - traced_at)
         folder = dump.options.folder_for_rank(_rank())
         if folder:  # the transformation built its own graphs from a copy: gm is still the traced graph
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
-        self._last_compiled = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
-                                           first_step=_first_step_slots(state, created))
-        return self._last_compiled, state
+        entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times, first_step=_first_step_slots(state, created))
+        return entry, state, created
+
+    def _compile_on_every_rank(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState]:
+        """Compile this signature; with several ranks, check they all compiled the same collectives first.
+
+        Every rank takes part in the check even when its own compile failed, so no rank
+        waits forever for another. When ranks differ only in which parameters get a
+        gradient, the ranks lacking one trace again with zero gradients for them
+        (``rank_check.zero_gradient_plan``). Otherwise every rank raises the same error,
+        before anything ran, with any optimizer state created for the trace removed.
+        """
+        group = self.parallel_mode.process_group()
+        if group is None or dist.get_world_size(group) == 1:
+            entry, state, _ = self._compile(state, args, kwargs)
+            return entry, state
+        created: list = []
+
+        def attempt(state: StepState, **plan):
+            """(entry and state, or None; this rank's error, or None; this rank's report)."""
+            try:
+                entry, state, new = self._compile(state, args, kwargs, **plan)
+            except Exception as err:  # the other ranks learn of it, then it is raised here
+                return None, err, rank_check.RankReport(error=f"{type(err).__name__}: {err}")
+            created.extend(new)
+            return (entry, state), None, rank_check.report(state, entry.graph, entry.runner)
+
+        times: dict[str, float] = {}  # the check's own time, for the entry's compile_times
+        compiled, failure, local = attempt(state)
+        with recording(times), phase("rank_check"):
+            reports = first = rank_check.exchange(local, group)
+        order = rank_check.zero_gradient_plan(reports) if reports is not None else None
+        if order is not None:
+            zero_grads_for = frozenset(p for p, n in order if (p, n) not in set(local.grad_keys))
+            if zero_grads_for:
+                first_step = compiled[0].first_step  # the retrace finds the optimizer state created already
+                compiled, failure, local = attempt(compiled[1], zero_grads_for=zero_grads_for, grad_order=order)
+                if compiled is not None and not compiled[0].first_step:
+                    compiled[0].first_step = first_step
+            with recording(times), phase("rank_check"):
+                reports = rank_check.exchange(local, group)
+        if reports is not None:
+            _undo(created)
+            if failure is not None:
+                raise failure
+            # not repaired: name what the user's step does differently, not what the repair added
+            raise rank_check.mismatch_error(reports if any(r.error for r in reports) else first)
+        entry, state = compiled
+        entry.compile_times.update(times)
+        return entry, state
+
+    def _remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any]) -> None:
+        """Cache ``entry``, count the trace, and say why the step retraced (warning once when it keeps doing so)."""
+        self.trace_count += 1
+        if self._last_signature is not None:
+            changes = describe_changes(self._last_signature, signature) or ["nothing in its signature"]
+            log.warning("spmd.compile: %s retraced (trace %d): %s", self.__name__, self.trace_count, "; ".join(changes))
+            if self.trace_count == self.retrace_warning_at:
+                warnings.warn(
+                    f"spmd.compile: {self.__name__} has been traced {self.trace_count} times; each trace costs "
+                    f"seconds. The last retrace was for: {'; '.join(changes)}. Keep what the step specialises "
+                    "on fixed between calls (e.g. pad batches to one shape), or pass changing values as tensors.",
+                    RuntimeWarning, stacklevel=3)
+        self._last_signature = signature
+        self._last_compiled = entry
+        self.cache[key] = entry
+        while len(self.cache) > self.cache_size:
+            _, evicted = self.cache.popitem(last=False)
+            evicted.flush()
+
+    def _serial(self, obj: Any) -> str:
+        if obj not in self._serials:
+            self._serials[obj] = next(self._next_serial)
+        return f"{type(obj).__name__} #{self._serials[obj]}"
+
+    def signature(self, state: StepState, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Everything the traced graph specialises on, by name: the state's (``StepState.signature``)
+        and the step's own arguments' (``input 2``: shape, dtype, ... of a tensor; value of a number)."""
+        sig = state.signature()
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor):
+                value = tensor_signature(leaf)
+            elif isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
+                value = self._serial(leaf)
+            elif leaf is None or type(leaf) in (int, float, bool, str):
+                value = repr(leaf)
+            else:
+                value = f"{type(leaf).__name__}: {leaf!r}"
+            sig[_input_name(path)] = value
+        return sig
 
     def dump_options(self) -> DumpOptions:
         """The transformation's dump settings, or (for a custom transformation) the environment's."""
@@ -197,19 +322,25 @@ class CompiledTrainStep:
 
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
         state = self.prepare_state(args, kwargs)
-        modules, optimizers = state.modules, state.optimizers
-        key = (state.signature(), _user_signature(args, kwargs), tuple(map(id, modules + optimizers)))
+        signature = self.signature(state, args, kwargs)
+        key = tuple(signature.items())
         entry = self.cache.get(key)
         first_run = entry is None
         if first_run:
             state = self.parallel_mode.prepare(state) or state  # a mode may replace parameters (lazy sharding)
-            if self.cache:
-                log.warning("spmd.compile: %s is retracing for a new input signature (%d cached)",
-                            self.__name__, len(self.cache))
-            entry, state = self._compile(state, args, kwargs)
-            # key again: compiling may have created optimizer state
-            key = (state.signature(), _user_signature(args, kwargs), tuple(map(id, modules + optimizers)))
-            self.cache[key] = entry
+            entry, state = self._compile_on_every_rank(state, args, kwargs)
+            signature = self.signature(state, args, kwargs)  # compiling may have created optimizer state
+            key = tuple(signature.items())
+            self._remember(key, entry, signature)
+        else:
+            self.cache.move_to_end(key)
+        if self._last_run is not None and self._last_run is not entry:
+            self._last_run.flush()  # its deferred updates land before another graph runs
+        self._last_run = entry
+        new_modules = [m for m in state.modules if m not in self._prepared]
+        if new_modules:
+            self.parallel_mode.before_first_run(state, new_modules)
+            self._prepared.update(new_modules)
         user_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         flat = [*state.flat_tensors(), *entry.hyper_inputs(state), *user_tensors]
         # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry

@@ -3,10 +3,11 @@
 The general route (``spmd.tracing``) re-traces the whole step under ``functionalize``,
 which costs as much as tracing it did (3.4 s of a 124M GPT's 5.4 s on an H100 host).
 A typical step mutates nothing but optimizer inputs: the fused Adam/AdamW/SGD op
-updates parameters and state in place, and ``_foreach_add_`` bumps the step
-counters. Those are rewritten here, node by node, into their functional ops plus a
-``copy_`` back into each updated graph input at the end of the graph, which is what
-the re-trace would produce.
+updates parameters and state in place, ``_foreach_add_`` bumps the step
+counters, and ``_foreach_copy_`` sets buffers to rank 0's values before a forward.
+Those are rewritten here, node by node, into their functional ops plus a ``copy_``
+back into each updated graph input at the end of the graph, which is what the
+re-trace would produce.
 
 It applies only when that rewrite is exactly equivalent; otherwise ``None`` and the
 caller re-traces:
@@ -38,10 +39,12 @@ aten = torch.ops.aten
 
 
 def _functional(node: fx.Node):
-    """The functional overload this rewrite may use for in-place ``node``: a fused optimizer op or the
-    step-counter update ``_foreach_add_``; None for any other op."""
+    """The functional overload this rewrite may use for in-place ``node``: a fused optimizer op, the
+    step-counter update ``_foreach_add_`` or the buffer overwrite ``_foreach_copy_`` that
+    ``broadcast_buffers`` puts before a forward; None for any other op."""
     target = node.target
-    if is_fused_optimizer(target) or getattr(target, "overloadpacket", None) is aten._foreach_add_:
+    packet = getattr(target, "overloadpacket", None)
+    if is_fused_optimizer(target) or packet in (aten._foreach_add_, aten._foreach_copy_):
         return functional_of(target)
     return None
 

@@ -104,17 +104,24 @@ def learned(optim: torch.optim.Optimizer, group: dict) -> Learned:
     return _LEARNED.setdefault((type(optim), flags(group)), Learned())
 
 
-def group_signature(optim: torch.optim.Optimizer, group: dict, items: Optional[list] = None) -> tuple:
-    """What a traced step specialises on in ``group``: its flags, guard outcomes and specialised values."""
+def group_signature(optim: torch.optim.Optimizer, group: dict, items: Optional[list] = None) -> dict[str, Any]:
+    """What a traced step specialises on in ``group``, by name: its flags (``'foreach'``), the
+    outcome of each guard (``momentum != 0``) and each specialised value (``betas[0]``)."""
     group_flags = flags(group, items)
+    sig: dict[str, Any] = {repr(k): v for k, v in group_flags}
     facts = _LEARNED.get((type(optim), group_flags))
     if facts is None:
-        return group_flags, ()
-    checks = tuple((key, index, name, const, value is not None and _COMPARE[name](value, const))
-                   for key, index, name, const in sorted(facts.guards, key=repr)
-                   for value in [read(group, key, index)])
-    values = tuple((key, index, read(group, key, index)) for key, index in sorted(facts.specialised, key=repr))
-    return group_flags, checks, values
+        return sig
+    for key, index, name, const in sorted(facts.guards, key=repr):
+        value = read(group, key, index)
+        sig[f"{_slot(key, index)} {name} {const}"] = value is not None and _COMPARE[name](value, const)
+    for key, index in sorted(facts.specialised, key=repr):
+        sig[_slot(key, index)] = read(group, key, index)
+    return sig
+
+
+def _slot(key: str, index: Optional[int]) -> str:
+    return key if index is None else f"{key}[{index}]"
 
 
 # --- tracing --------------------------------------------------------------------------

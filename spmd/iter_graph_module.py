@@ -11,6 +11,8 @@ the three graphs are then derived from the one logical graph and the recorded mo
   iteration run on the carried values; this iteration's carried values are exported.
 * cleanup (iteration N): the previous iteration's moved nodes run before ``target``,
   then the whole step runs unmoved, so nothing is left pending.
+* flush: only the previous iteration's moved nodes, for when no further iteration of
+  this graph follows (e.g. another graph is about to update the same parameters).
 
 Because setup, main and cleanup are functions of the logical graph, every edit made
 through ``gm.graph`` reaches all three; nothing has to mirror node maps by hand.
@@ -181,6 +183,34 @@ def build_cleanup_graph(logical: IterGraph) -> fx.Graph:
     return g
 
 
+def build_flush_graph(logical: IterGraph) -> tuple[fx.Graph, list[int]]:
+    """The moved nodes alone, on the persistent inputs they reuse and the carried values.
+
+    Returns the graph (inputs: those persistent placeholders, then each move's carried
+    values; no outputs: the moved nodes only update persistent inputs in place) and the
+    positions of those persistent placeholders among the logical graph's inputs.
+    """
+    placeholders = [n for n in logical.nodes if n.op == "placeholder"]
+    reused = {p for m in logical.moves for p in m.reused}
+    positions = [i for i, p in enumerate(placeholders) if p in reused]
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i in positions:
+        env[placeholders[i]] = g.node_copy(placeholders[i])
+    for m_idx, move in enumerate(logical.moves):
+        for k, c in enumerate(move.carried):
+            ph = g.placeholder(f"carried{m_idx}_{k}")
+            ph.meta.update({key: v for key, v in c.meta.items() if key in ("val", "tensor_meta")})
+            ph.meta[ROLE] = Role.CARRIED
+            env[c] = ph
+    for move in logical.moves:
+        for n in move.nodes:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(())
+    g.lint()
+    return g, positions
+
+
 class IterGraphModule(nn.Module):
     """Runs a step graph as setup / main / cleanup iterations (see the module docstring).
 
@@ -197,7 +227,9 @@ class IterGraphModule(nn.Module):
         self._logical = lazy_graph_module(gm, logical)  # code built on first run (passes edit it first)
         self.num_user_outputs = len(_outputs(logical)[1])
         self._stage_gms: Optional[tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule]] = None
+        self._flush: Optional[tuple[fx.GraphModule, list[int]]] = None
         self._carry: Optional[tuple] = None
+        self._reused_args: tuple = ()  # the persistent inputs the pending work updates
         self._finalized = False
         # (label, graph module, first call's args, number of user outputs) -> what runs that
         # graph; set by the transformation for Inductor / CUDA graphs. None: run the FX graph.
@@ -223,6 +255,7 @@ class IterGraphModule(nn.Module):
         self.graph.frozen = True
         self._logical.recompile()
         self._stage_gms = None  # built on first use: a step without moves only ever runs the logical graph
+        self._flush = None
         self._runners = {}
         self._finalized = True
 
@@ -247,6 +280,40 @@ class IterGraphModule(nn.Module):
         return self._stages()[2]
 
     @property
+    def flush_gm(self) -> fx.GraphModule:
+        """The graph ``flush`` runs: the moved nodes alone (``build_flush_graph``)."""
+        return self._flush_graph()[0]
+
+    def _flush_graph(self) -> tuple[fx.GraphModule, list[int]]:
+        if self._flush is None:
+            graph, positions = build_flush_graph(self.graph)
+            self._flush = (lazy_graph_module(self._logical, graph), positions)
+        return self._flush
+
+    def graphs_to_run(self) -> list[tuple[str, fx.Graph]]:
+        """Every graph a run of this module may execute, by label (``step``; and ``setup``,
+        ``main``, ``cleanup``, ``flush`` when nodes move across iterations)."""
+        if not self._finalized:
+            self.finalize_setup()
+        graphs = [("step", self.graph)]
+        if self.graph.moves:
+            graphs += [("setup", self.setup_gm.graph), ("main", self.main_gm.graph),
+                       ("cleanup", self.cleanup_gm.graph), ("flush", self.flush_gm.graph)]
+        return graphs
+
+    def flush(self) -> None:
+        """Run the last iteration's deferred work now, if any; the next call starts with setup.
+
+        For when no further iteration of this graph follows, e.g. before another graph
+        (another input signature) updates the same parameters.
+        """
+        if self._carry is None:
+            return
+        carry, self._carry = self._carry, None
+        reused, self._reused_args = self._reused_args, ()
+        self._run("flush", self.flush_gm, reused + carry)
+
+    @property
     def pending(self) -> bool:
         """True while the last iteration's deferred work has not run yet."""
         return self._carry is not None
@@ -266,14 +333,14 @@ class IterGraphModule(nn.Module):
             return self._run("step", self._logical, args)
         if self._carry is None:
             if last_iter:
-                out = self._run("step", self._logical, args)
-            else:
-                res = self._run("setup", self.setup_gm, args)
-                out, self._carry = res[: self.num_user_outputs], res[self.num_user_outputs:]
+                return self._run("step", self._logical, args)
+            res = self._run("setup", self.setup_gm, args)
         elif last_iter:
             carry, self._carry = self._carry, None
-            out = self._run("cleanup", self.cleanup_gm, args + carry)
+            self._reused_args = ()
+            return self._run("cleanup", self.cleanup_gm, args + carry)
         else:
             res = self._run("main", self.main_gm, args + self._carry)
-            out, self._carry = res[: self.num_user_outputs], res[self.num_user_outputs:]
+        out, self._carry = res[: self.num_user_outputs], res[self.num_user_outputs:]
+        self._reused_args = tuple(args[i] for i in self._flush_graph()[1])
         return out

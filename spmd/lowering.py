@@ -34,7 +34,9 @@ import torch.fx as fx
 from .graph_utils import lazy_graph_module
 from .graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
 
+from ._torch_version import installed as installed_torch, tested_range
 from .compile_times import phase
+from .errors import SpmdCompileError
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -46,6 +48,12 @@ _INDUCTOR_CONFIG = {
     "_fuse_ddp_communication": False,
     "bucket_all_reduces_fx": "none",
     "aten_distributed_optimizations.enable_overlap_scheduling": False,
+    "aten_distributed_optimizations.enable_simple_overlap": False,
+}
+# Options of the tables here that a supported torch may lack: name -> first (major, minor) expected to have it.
+# Newer Inductor comm passes we switch off where they exist (simple_overlap moves waits; newer than 2.13).
+_ABSENT_BEFORE = {
+    "aten_distributed_optimizations.enable_simple_overlap": (2, 14),
 }
 
 _OPAQUE_NAMESPACE = "spmd_lowering"
@@ -53,29 +61,36 @@ _opaque_lib = torch.library.Library(_OPAQUE_NAMESPACE, "FRAGMENT")
 _opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
 
 
-# For comparison only: Inductor's own overlap scheduler and bucketer (or, on a torch without
-# it, its older compute/comm reordering) decide where collectives go.
+# For comparison only: Inductor's own overlap scheduler and bucketer decide where collectives go.
 _INDUCTOR_COMM_PASSES_CONFIG = {
     "aten_distributed_optimizations.enable_overlap_scheduling": True,
     "aten_distributed_optimizations.collective_bucketing": True,  # off by default: 1 all_reduce per gradient
 }
-_INDUCTOR_COMM_PASSES_FALLBACK = {"reorder_for_compute_comm_overlap": True}
 
 
 def inductor_config(inductor_comm_passes: bool = False) -> dict:
-    """Inductor options for our graphs, limited to what this torch version knows.
+    """Inductor options for our graphs.
 
     Default: keep our schedule (``_INDUCTOR_CONFIG``). ``inductor_comm_passes=True``:
     let Inductor's own comm passes schedule and bucket the collectives instead.
+    Raises ``SpmdCompileError`` when this torch lacks one of the options (renamed or
+    removed), except one ``_ABSENT_BEFORE`` says a torch this old may lack: Inductor
+    would otherwise silently reorder the collectives our passes placed.
     """
     import torch._inductor.config as config
 
+    wanted = _INDUCTOR_COMM_PASSES_CONFIG if inductor_comm_passes else _INDUCTOR_CONFIG
     known = config.get_config_copy()
-    if inductor_comm_passes:
-        overlap = "aten_distributed_optimizations.enable_overlap_scheduling"
-        wanted = _INDUCTOR_COMM_PASSES_CONFIG if overlap in known else _INDUCTOR_COMM_PASSES_FALLBACK
-        return {k: v for k, v in wanted.items() if k in known}
-    return {k: v for k, v in _INDUCTOR_CONFIG.items() if k in known}
+    version = installed_torch()
+    missing = [k for k in wanted if k not in known and version >= _ABSENT_BEFORE.get(k, (0, 0))]
+    if missing:
+        raise SpmdCompileError(
+            f"spmd.compile: this torch ({torch.__version__}) has no Inductor option {', '.join(missing)}, which "
+            "spmd sets so that Inductor keeps the collective schedule our passes chose; it was probably renamed. "
+            "Lowering without it could silently reorder communication. Use a torch version spmd is tested with "
+            f"({tested_range()}), or run without Inductor (GraphModuleTransformation(enable_inductor=False))."
+        )
+    return {k: v for k, v in wanted.items() if k in known}
 
 
 def _wrappable_fused_optimizer(node: fx.Node) -> bool:
@@ -107,7 +122,8 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
         name = f"{op._opname.strip('_')}_{op._overloadname}"
         args = str(op._schema).split("(", 1)[1]
         read_only_grads = re.sub(r"Tensor\(\w!\)\[\] grads", "Tensor[] grads", args)
-        assert read_only_grads != args, f"unexpected schema {op._schema}"
+        if read_only_grads == args:
+            raise SpmdCompileError(f"spmd: unexpected schema for {op}: {op._schema} (no 'Tensor(a!)[] grads' argument)")
         _opaque_lib.define(name + "(" + read_only_grads)
         _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
         torch.library.register_fake(f"{_OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)

@@ -215,20 +215,65 @@ class StepState:
         """Fresh 0-dim tensors holding ``hyper_values()`` (dtype and device per slot)."""
         return [torch.tensor(v, dtype=s.dtype, device=s.device) for s, v in zip(self.hyper_slots, self.hyper_values())]
 
-    def signature(self) -> tuple:
-        """Everything about the state that the traced graph specialises on.
+    def signature(self) -> dict[str, Any]:
+        """Everything about the state that the traced graph specialises on, by name.
 
+        A mapping, so that a retrace can say which component changed (``describe_changes``).
         Hyperparameter values are graph inputs and not part of it, except where a trace
-        learned that it depends on them (``spmd.hyperparams``): the outcome of each
-        branch it took on a hyperparameter, and the value of each one it specialised on.
-        A DTensor adds its global shape, placements and mesh.
+        learned that it depends on them (``spmd.hyperparams``): the outcome of each branch
+        it took on a hyperparameter, and the value of each one it specialised on. A
+        DTensor adds its global shape, placements and mesh.
         """
-        tensors = tuple((tuple(local_tensor(t).shape), t.dtype, t.device, t.requires_grad,
-                         None if spec is None else (tuple(spec.shape), spec.placements, spec.mesh))
-                        for t, spec in zip((*self.params, *self.buffers, *self.state_tensors),
-                                           (*self.param_specs, *[None] * len(self.buffers), *self.state_specs)))
-        groups = tuple(group_signature(self.optimizers[o], self.optimizers[o].param_groups[g], items)
-                       for (o, g), items in self._group_items.items())
-        hypers = tuple((s.key, s.index, s.dtype, s.device) for s in self.hyper_slots)
-        consts = tuple((key, repr(v)) for layout in self._state_layout for key, (kind, v) in layout if kind == "const")
-        return tensors, groups, hypers, consts, tuple(len(l) for l in self._state_layout)
+        sig: dict[str, Any] = {}
+        for kind, names, tensors, specs in (
+                ("parameter", self.param_names, self.params, self.param_specs),
+                ("buffer", self.buffer_names, self.buffers, [None] * len(self.buffers)),
+                ("optimizer state", self.state_names, self.state_tensors, self.state_specs)):
+            for name, t, spec in zip(names, tensors, specs):
+                sig[f"{kind} {name}"] = tensor_signature(local_tensor(t))
+                if spec is not None:
+                    sig[f"{kind} {name} sharding"] = (tuple(spec.shape), spec.placements, spec.mesh)
+        for (o_idx, g_idx), items in self._group_items.items():
+            optim = self.optimizers[o_idx]
+            prefix = f"optimizer {o_idx} " if len(self.optimizers) > 1 else ""
+            for what, value in group_signature(optim, optim.param_groups[g_idx], items).items():
+                sig[f"{prefix}param group {g_idx} {what}"] = value
+        sig["hyperparameter inputs"] = tuple((s.key, s.index, s.dtype, s.device) for s in self.hyper_slots)
+        for name, layout in zip(self.param_names, self._state_layout):
+            sig[f"optimizer state {name}"] = tuple(key for key, _ in layout)
+            for key, (kind, v) in layout:
+                if kind == "const":
+                    sig[f"optimizer state {name}.{key}"] = repr(v)
+        return sig
+
+
+TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")
+
+
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """What a graph specialises on in one input tensor, as a plain tuple of ``TENSOR_FIELDS``
+    (built for every tensor on every call, so as cheap as it gets)."""
+    return tuple(t.shape), t.dtype, t.device, t.requires_grad
+
+
+def _is_tensor_signature(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == len(TENSOR_FIELDS) and isinstance(value[1], torch.dtype)
+
+
+def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two signatures, one phrase per component, in ``new``'s order.
+
+    E.g. ``"param group 0 'momentum' changed 0.9 -> 0.85"``, ``"input 2 shape (4, 32) -> (8, 32)"``.
+    """
+    out = []
+    for name, value in new.items():
+        if name not in old:
+            out.append(f"{name} is new")
+        elif old[name] != value:
+            before = old[name]
+            if _is_tensor_signature(value) and _is_tensor_signature(before):
+                out += [f"{name} {field} {a} -> {b}" for field, a, b in zip(TENSOR_FIELDS, before, value) if a != b]
+            else:
+                out.append(f"{name} changed {before} -> {value}")
+    out += [f"{name} is gone" for name in old if name not in new]
+    return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
@@ -57,6 +58,64 @@ def _(grad, param_index):
 
 
 TAG_GRAD = torch.ops.spmd.tag_grad.default
+
+
+@torch.library.custom_op("spmd::sync_buffers", mutates_args=())
+def sync_buffers_marker(buffers: list[torch.Tensor], names: str) -> list[torch.Tensor]:
+    """Marker: the values of a module's ``buffers`` that its forward must start from.
+
+    Identity when run; the parallel mode replaces it (replicate: rank 0's values, broadcast).
+    ``names``: the buffers' names, comma-separated, for messages.
+    """
+    return [b.clone() for b in buffers]
+
+
+@sync_buffers_marker.register_fake
+def _(buffers, names):
+    return [torch.empty_like(b) for b in buffers]
+
+
+SYNC_BUFFERS = torch.ops.spmd.sync_buffers.default
+
+
+def _sync_buffers_before_forward(prefix: str):
+    """A forward pre-hook: overwrite the module's buffers with ``sync_buffers_marker`` of them, as DDP does."""
+
+    def hook(module, args):
+        named = list(module.named_buffers())
+        if named:
+            bufs = [b for _, b in named]
+            with torch.no_grad():
+                torch._foreach_copy_(bufs, sync_buffers_marker(bufs, ",".join(prefix + n for n, _ in named)))
+
+    return hook
+
+
+class _ZeroGradsForUnused:
+    """Give the listed trained parameters a zero gradient in every backward that computes none for them.
+
+    ``on_grad(i)`` runs in each gradient hook; at the end of that backward the missing
+    ones get ``tag_grad(zeros)``, reduced like any other gradient (DDP's
+    ``find_unused_parameters=True``: a gradient some rank does not compute is zero there).
+    """
+
+    def __init__(self, params: list, indices: frozenset):
+        self.params, self.indices = params, indices
+        self.seen: set[int] = set()
+        self.queued = False
+
+    def on_grad(self, i: int) -> None:
+        if self.indices and not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.fill)
+            self.queued = True
+        self.seen.add(i)
+
+    def fill(self) -> None:
+        for i in sorted(self.indices - self.seen):
+            p = self.params[i]
+            zero = tag_grad(torch.zeros_like(p), i)
+            p.grad = zero if p.grad is None else p.grad + zero
+        self.seen, self.queued = set(), False
 
 
 # --- the traced result ------------------------------------------------------------
@@ -145,11 +204,13 @@ def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Itera
                 group.update(old)
 
 
-_DATA_DEPENDENT = SpmdCompileError(
-    "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
-    "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
-    "with tensor ops (torch.where), return the tensor itself, or move it outside train_step."
-)
+def _data_dependent_error() -> SpmdCompileError:
+    """A fresh error each time: a shared instance would collect every raise's traceback."""
+    return SpmdCompileError(
+        "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
+        "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
+        "with tensor ops (torch.where), return the tensor itself, or move it outside train_step."
+    )
 
 
 def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
@@ -158,7 +219,7 @@ def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
 
     text = str(err)
     if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
-        return _DATA_DEPENDENT
+        return _data_dependent_error()
     no_kernel = ("no fake impl or Meta kernel", "attempted to run this operator with Meta", "no fake impl registered")
     if isinstance(err, UnsupportedOperatorException) or any(t in text for t in no_kernel):
         op = getattr(err, "func", None) or (text.split("for <CustomOpDef(", 1)[1].split(")", 1)[0]
@@ -251,12 +312,36 @@ def _specialise(state: StepState, slots: set[int]) -> None:
         learned(optim, optim.param_groups[slot.group]).specialised.add((slot.key, slot.index))
 
 
-def tag_gradients(state: StepState, params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
-    """Tag each trained parameter's gradient with ``spmd::tag_grad`` (what replicate expands)."""
+def tag_gradients(state: StepState, params: list[torch.Tensor],
+                  zero_grads_for: frozenset = frozenset()) -> contextlib.AbstractContextManager:
+    """Tag each trained parameter's gradient with ``spmd::tag_grad`` (what replicate expands).
+
+    ``zero_grads_for``: indices of trained parameters that get a zero gradient in a backward
+    that computes none for them (``_ZeroGradsForUnused``).
+    """
+    unused = _ZeroGradsForUnused(params, frozenset(zero_grads_for))
+
+    def on_grad(g, i):
+        unused.on_grad(i)
+        return tag_grad(g, i)
+
     for i, p in enumerate(params):
         if state.param_trained[i]:
-            p.register_hook(lambda g, i=i: tag_grad(g, i))
+            p.register_hook(lambda g, i=i: on_grad(g, i))
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def buffers_synced_before_forward(modules: list[nn.Module]) -> Iterator[None]:
+    """While tracing: each call of one of ``modules`` first overwrites its buffers with
+    ``sync_buffers_marker`` of them (``SYNC_BUFFERS`` in the graph), as DDP's forward does."""
+    handles = [mod.register_forward_pre_hook(_sync_buffers_before_forward(f"m{m}." if len(modules) > 1 else ""))
+               for m, mod in enumerate(modules)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
@@ -312,7 +397,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         flat_out, out_spec = pytree.tree_flatten(out)
         out_holder["spec"] = out_spec
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
-            raise _DATA_DEPENDENT
+            raise _data_dependent_error()
         bad = [type(v).__name__ for v in flat_out if v is not None and not isinstance(v, (torch.Tensor, int, float, bool))]
         if bad:
             raise SpmdCompileError(

@@ -93,6 +93,18 @@ def test_bad_step_raises_clear_error_and_touches_nothing(case, warm):
     _assert_unchanged(model, optim, snap)
 
 
+def test_each_failure_raises_a_fresh_error():
+    """A shared exception instance would collect the traceback of every raise."""
+    model, optim = _model_and_optim(warm=False)
+    step = spmd.compile()(_branchy)
+    errors = []
+    for _ in range(2):
+        with pytest.raises(SpmdCompileError) as info:
+            step(model, optim, torch.randn(3, 4))
+        errors.append(info.value)
+    assert errors[0] is not errors[1]
+
+
 def test_no_module_in_arguments():
     w = torch.randn(3, requires_grad=True)
     optim = torch.optim.SGD([w], lr=0.1)

@@ -219,3 +219,16 @@ def test_our_schedule_switches_inductor_comm_reordering_off_and_the_comparison_s
     assert any(v is True for v in theirs.values())
     with pytest.raises(ValueError, match="needs enable_inductor=True"):
         spmd.GraphModuleTransformation(inductor_comm_passes=True)
+
+
+def test_a_missing_inductor_option_fails_loudly_unless_this_torch_may_lack_it(monkeypatch):
+    """A renamed Inductor option would let Inductor reorder our collectives: refuse instead of skipping it."""
+    import spmd.lowering as lowering
+    from spmd._torch_version import installed
+
+    monkeypatch.setitem(lowering._INDUCTOR_CONFIG, "renamed_comm_reordering_option", False)
+    with pytest.raises(SpmdCompileError, match=re.escape(f"torch ({torch.__version__}) has no Inductor option "
+                                                         "renamed_comm_reordering_option")):
+        lowering.inductor_config()
+    monkeypatch.setitem(lowering._ABSENT_BEFORE, "renamed_comm_reordering_option", (installed()[0] + 1, 0))
+    assert "renamed_comm_reordering_option" not in lowering.inductor_config()

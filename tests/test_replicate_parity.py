@@ -90,7 +90,7 @@ def _batchnorm(rank, world_size):
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ddp_optim = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
 
-    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
+    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg", broadcast_buffers=False))
     def train_step(model, optim, x):
         loss = model(x).square().mean()
         loss.backward()

@@ -7,7 +7,9 @@ default process group initialized around it:
   ``cuda:$LOCAL_RANK`` with NCCL when CUDA is available, else on the CPU with gloo;
 * otherwise in ``nproc`` new processes: one per GPU with NCCL (default: every local GPU),
   spawned (CUDA cannot be used in a forked child), or, without a GPU, 2 gloo CPU processes
-  sharing the cores, forked from this one (no second import of torch in each).
+  sharing the cores, forked from a fork server that imported torch once. Not forked from
+  this process itself: a process that has run threads (Inductor's compile workers,
+  OpenMP, a test runner) can leave a forked child holding a lock no thread will release.
 
 NVLink multicast stays off (``NCCL_NVLS_ENABLE=0`` and the symmetric-memory switches), as the
 GPU machines this project runs on require. ``fn`` must be a module-level function (spawned
@@ -58,9 +60,11 @@ def launch(fn: RankFn, *args, nproc: Optional[int] = None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    if not n_gpus:
+        mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "spmd"])
     try:
         mp.start_processes(_spawned, args=(nproc, fn, args, init), nprocs=nproc, join=True,
-                           start_method="spawn" if n_gpus else "fork")
+                           start_method="spawn" if n_gpus else "forkserver")
     except mp.ProcessExitedException as err:
         return err.exit_code if err.exit_code and err.exit_code > 0 else 1
     except mp.ProcessRaisedException as err:

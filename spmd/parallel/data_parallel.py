@@ -4,12 +4,17 @@ Each mode is one module of this package with the same two functions, in the way
 torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
 
 * ``prepare(dp, state)``: runs on the first call of a compiled step for its modules
-  and optimizers, before tracing (e.g. make replicas equal);
-* ``trace_context(dp, state, params)``: a context manager entered around the user's
-  step while it is traced, given the traced stand-ins of ``state.params`` (e.g. tag
-  each gradient; gather and reduce-scatter each sharding unit);
-* ``expand(dp, gm)``: turns the traced single-rank graph into the distributed one
-  (e.g. an all_reduce per gradient).
+  and optimizers, before tracing; may return a new state (lazy sharding replaces parameters);
+* ``trace_context(dp, state, params, zero_grads_for)``: a context manager entered around
+  the user's step while it is traced, given the traced stand-ins of ``state.params`` (e.g.
+  tag each gradient; gather and reduce-scatter each sharding unit); ``zero_grads_for``:
+  parameters this rank computes no gradient for while others do (``spmd.rank_check``);
+* ``expand(dp, gm, grad_order=None)``: turns the traced single-rank graph into the
+  distributed one (e.g. an all_reduce per gradient); ``grad_order`` is the order every
+  rank reduces gradients in when some rank computes no gradient for a parameter;
+* ``before_first_run(dp, state, modules)``: runs before the step first runs on
+  ``modules`` (those of ``state`` it has not run on before), after its graph was traced
+  and checked on every rank (e.g. make replicas equal).
 
 ``DataParallel`` holds the settings and hands itself to the chosen mode.
 """
@@ -17,7 +22,7 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -46,6 +51,19 @@ class DataParallel:
     backward instead of keeping the unsharded parameters; ``mp_policy`` is a
     ``torch.distributed.fsdp.MixedPrecisionPolicy``; ``mesh`` a 1-D ``DeviceMesh`` (default:
     the whole world), or 2-D (replicate, shard) for hybrid_shard.
+
+    Settings of the replicate style, named and defaulted as in DDP/FSDP:
+
+    * ``sync_module_states=True``: before a step first runs on a module, its parameters
+      (and buffers, with ``broadcast_buffers``) are overwritten with rank 0's, as DDP does
+      when it is built. ``False``: the ranks must build equal modules themselves.
+    * ``broadcast_buffers=True``: every forward of a module passed to the step starts from
+      rank 0's buffers (one broadcast per dtype inside the graph), as DDP's default does;
+      buffers updated in the forward (BatchNorm statistics) then differ per rank until the
+      next forward. ``False``: each rank keeps its own buffers.
+
+    The sharded styles, like FSDP2, keep the shard each rank takes of its own parameters
+    and each rank's buffers.
     """
 
     parallel_style: str = "replicate"
@@ -55,6 +73,8 @@ class DataParallel:
     reshard_after_forward: Optional[bool] = None
     mp_policy: Any = None
     mesh: Any = None
+    sync_module_states: bool = True
+    broadcast_buffers: bool = True
 
     def __post_init__(self):
         if self.parallel_style not in STYLES:
@@ -64,6 +84,9 @@ class DataParallel:
             )
         if self.grad_reduce not in (None, "sum", "avg"):
             raise ValueError(f"spmd.DataParallel: grad_reduce must be 'sum' or 'avg', got {self.grad_reduce!r}")
+        for name in ("sync_module_states", "broadcast_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"spmd.DataParallel: {name} must be True or False, got {getattr(self, name)!r}")
         if not self.is_sharded:
             given = [k for k in _SHARD_OPTIONS if getattr(self, k) is not None]
             if given:
@@ -72,6 +95,9 @@ class DataParallel:
         elif self.grad_reduce is not None or self.group is not None:
             raise ValueError(f"spmd.DataParallel: grad_reduce and group apply to replicate; {self.parallel_style} "
                              "averages gradients as FSDP2 does, over mesh=. Drop them.")
+        elif not (self.sync_module_states and self.broadcast_buffers):
+            raise ValueError(f"spmd.DataParallel: sync_module_states and broadcast_buffers apply to replicate; "
+                             f"{self.parallel_style}, as FSDP2, keeps each rank's own shard and buffers. Drop them.")
         else:
             shard.validate_options(self)
 
@@ -97,6 +123,12 @@ class DataParallel:
             return None
         return self.group or dist.distributed_c10d._get_default_group()
 
+    def broadcasts_buffers(self) -> bool:
+        """True when each forward of the step's modules must start from rank 0's buffers
+        (replicate with ``broadcast_buffers`` over more than one rank)."""
+        group = self.process_group()
+        return not self.is_sharded and self.broadcast_buffers and group is not None and dist.get_world_size(group) > 1
+
     def prepare(self, state):
         """Mode-specific work on the step's modules and optimizers before their first trace.
 
@@ -104,10 +136,14 @@ class DataParallel:
         """
         return self.mode.prepare(self, state)
 
-    def trace_context(self, state, params):
+    def trace_context(self, state, params, zero_grads_for: frozenset = frozenset()):
         """What the mode does while the step is traced (``params``: the traced parameters)."""
-        return self.mode.trace_context(self, state, params)
+        return self.mode.trace_context(self, state, params, zero_grads_for)
 
-    def expand(self, gm: fx.GraphModule) -> fx.GraphModule:
+    def before_first_run(self, state, modules: Sequence) -> None:
+        """Mode-specific work on ``modules`` (of ``state``) before a step first runs on them."""
+        self.mode.before_first_run(self, state, modules)
+
+    def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
         """The traced single-rank graph, expanded for this mode (edited in place)."""
-        return self.mode.expand(self, gm)
+        return self.mode.expand(self, gm, grad_order)

@@ -1,43 +1,109 @@
-"""Replicated data parallel: every rank holds all parameters and all-reduces gradients.
+"""Replicated data parallel: every rank holds all parameters and all-reduces gradients, as DDP does.
 
-The expansion replaces each ``spmd::tag_grad`` marker left by tracing with a functional
-all_reduce and its ``wait_tensor``, right where the gradient is produced in the backward.
+* ``trace_context``: while tracing, tag each gradient, and mark each forward's buffers
+  (``broadcast_buffers``).
+* ``before_first_run``: a module the step has not run on before starts from rank 0's
+  parameters (and buffers, with ``broadcast_buffers``), as DDP makes it when it is built.
+* ``expand``: each ``spmd::tag_grad`` marker left by tracing becomes a functional
+  all_reduce and its ``wait_tensor``, right where the gradient is produced in the
+  backward. Each ``spmd::sync_buffers`` marker (before every forward of a module, with
+  ``broadcast_buffers``) becomes one broadcast from rank 0 per dtype of the module's
+  buffers, as DDP broadcasts them before each forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import operator
+from collections import Counter, defaultdict
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.nn as nn
 
 from ..graph_utils import set_fake_val
-from ..graph_utils.meta import GRAD_OF
-from ..tracing import TAG_GRAD, tag_gradients
+from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
+from ..tracing import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
 
 log = logging.getLogger(__name__)
+aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+
+BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 
 
 def prepare(dp, state) -> None:
-    """Nothing to do before tracing (yet)."""
+    """Nothing to do before tracing: replicas are made equal before the first run (``before_first_run``)."""
 
 
-def trace_context(dp, state, params):
-    """While tracing: tag each trained parameter's gradient, for ``expand``."""
-    return tag_gradients(state, params)
+def trace_context(dp, state, params, zero_grads_for: frozenset = frozenset()):
+    """While tracing: tag each trained parameter's gradient (a zero one for ``zero_grads_for``
+    where a backward computes none), and with ``broadcast_buffers`` mark each forward's buffers."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(tag_gradients(state, params, zero_grads_for))
+    if dp.broadcasts_buffers():
+        stack.enter_context(buffers_synced_before_forward(state.modules))
+    return stack
 
 
-def expand(dp, gm: fx.GraphModule) -> fx.GraphModule:
-    """Insert one all_reduce + wait per gradient; return the same module, edited."""
-    tags = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]
+def before_first_run(dp, state, modules: Sequence[nn.Module]) -> None:
+    """With ``dp.sync_module_states``: overwrite ``modules``' parameters (and, with
+    ``dp.broadcast_buffers``, buffers) with rank 0's, as DDP does when it is built."""
+    group = dp.process_group()
+    if not dp.sync_module_states or group is None or dist.get_world_size(group) == 1:
+        return
+    tensors: dict[int, torch.Tensor] = {}
+    for mod in modules:
+        for t in [*mod.parameters(), *(mod.buffers() if dp.broadcast_buffers else ())]:
+            tensors.setdefault(id(t), t)
+    broadcast_from_rank0(list(tensors.values()), group)
+
+
+def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite ``tensors`` with the values of rank 0 of ``group``.
+
+    One flat broadcast per dtype and device (in buckets of at most
+    ``BROADCAST_BUCKET_BYTES``), not one per tensor.
+    """
+    src = dist.get_global_rank(group, 0)
+    by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_kind[(t.dtype, t.device)].append(t)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            bucket, size = [], 0
+            for t in [*same_kind, None]:
+                if bucket and (t is None or size + t.numel() * t.element_size() > BROADCAST_BUCKET_BYTES):
+                    flat = torch.cat([b.reshape(-1) for b in bucket])
+                    dist.broadcast(flat, src=src, group=group)
+                    if dist.get_rank() != src:
+                        for b, piece in zip(bucket, flat.split([b.numel() for b in bucket])):
+                            b.copy_(piece.view_as(b))
+                    bucket, size = [], 0
+                if t is not None:
+                    bucket.append(t)
+                    size += t.numel() * t.element_size()
+
+
+def expand(dp, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
+    """Insert one all_reduce + wait per gradient and the buffer broadcasts; return the same module, edited.
+
+    ``grad_order`` (from ``spmd.rank_check.zero_gradient_plan``): the (parameter index,
+    occurrence) order in which every rank reduces its gradients; the zero gradients
+    tracing added for parameters this rank does not use move to their place in it.
+    """
     group = dp.process_group()
     if group is None:
         log.info("spmd: no process group initialized; running as a single process (no gradient all_reduce)")
-    world_size = dist.get_world_size(group) if group is not None else 1
     graph = gm.graph
-    for tag in tags:
+    _expand_buffer_syncs(graph, group)
+    if grad_order is not None:
+        place_zero_gradients(graph, grad_order)
+    world_size = dist.get_world_size(group) if group is not None else 1
+    for tag in [n for n in graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]:
         grad = tag.args[0]
         if group is None:
             tag.replace_all_uses_with(grad)
@@ -46,7 +112,7 @@ def expand(dp, gm: fx.GraphModule) -> fx.GraphModule:
         # issue the collective as soon as the gradient exists
         with graph.inserting_after(grad):
             if dp.grad_reduce == "avg" and world_size > 1:
-                grad = graph.call_function(torch.ops.aten.div.Scalar, (grad, world_size))
+                grad = graph.call_function(aten.div.Scalar, (grad, world_size))
                 set_fake_val(grad)
         with graph.inserting_after(grad):
             reduced = graph.call_function(c10d.all_reduce.default, (grad, "sum", group.group_name))
@@ -61,3 +127,93 @@ def expand(dp, gm: fx.GraphModule) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _call(graph: fx.Graph, target, args: tuple) -> fx.Node:
+    node = graph.call_function(target, args)
+    set_fake_val(node)
+    return node
+
+
+def _expand_buffer_syncs(graph: fx.Graph, group: Optional[dist.ProcessGroup]) -> None:
+    """Replace each ``SYNC_BUFFERS`` marker by rank 0's buffers: per dtype and device, the
+    buffers' 1-D views concatenated, one broadcast and its wait, split back into shapes."""
+    for sync in [n for n in graph.nodes if n.op == "call_function" and n.target is SYNC_BUFFERS]:
+        buffers, names = sync.args[0], sync.args[1].split(",")
+        values = list(buffers)
+        if group is not None:
+            groups: dict[tuple, list[int]] = defaultdict(list)
+            for i, b in enumerate(buffers):
+                groups[(b.meta["val"].dtype, b.meta["val"].device)].append(i)
+            with graph.inserting_before(sync):
+                for indices in groups.values():
+                    vals = [buffers[i].meta["val"] for i in indices]
+                    flats = [_call(graph, aten.view.default if v.is_contiguous() else aten.reshape.default,
+                                   (buffers[i], [-1])) for i, v in zip(indices, vals)]
+                    flat = flats[0] if len(flats) == 1 else _call(graph, aten.cat.default, (flats,))
+                    sent = _call(graph, c10d.broadcast.default, (flat, 0, group.group_name))
+                    waited = _call(graph, c10d.wait_tensor.default, (sent,))
+                    for n in (sent, waited):
+                        n.meta[SYNCED_BUFFERS] = [names[i] for i in indices]
+                    pieces = _call(graph, aten.split_with_sizes.default, (waited, [v.numel() for v in vals]))
+                    for k, (i, v) in enumerate(zip(indices, vals)):
+                        piece = _call(graph, operator.getitem, (pieces, k))
+                        values[i] = _call(graph, aten.view.default, (piece, list(v.shape)))
+        for user in list(sync.users):  # getitem(sync, i)
+            user.replace_all_uses_with(values[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(sync)
+
+
+def grad_keys(tags: Sequence[fx.Node], param_of=lambda n: n.args[1]) -> list[tuple[int, int]]:
+    """(parameter index, occurrence) of each gradient in ``tags`` (graph order): the second
+    gradient of a parameter in one step (a second backward) is occurrence 1."""
+    seen: Counter = Counter()
+    keys = []
+    for n in tags:
+        p = param_of(n)
+        keys.append((p, seen[p]))
+        seen[p] += 1
+    return keys
+
+
+def _is_zero_gradient(tag: fx.Node) -> bool:
+    """A zero gradient tracing added (``zeros_like`` of the parameter's own placeholder)."""
+    grad = tag.args[0]
+    return (grad.op == "call_function" and grad.target is aten.zeros_like.default
+            and grad.args[0].op == "placeholder")
+
+
+def place_zero_gradients(graph: fx.Graph, grad_order: Sequence[tuple[int, int]]) -> None:
+    """Move the zero gradients tracing added so that gradients exist in ``grad_order``.
+
+    Before: the graph's gradient tags, in graph order, follow ``grad_order`` except for
+    zero gradients (``_is_zero_gradient``), which sit where tracing added them (the end
+    of a backward). After: each zero gradient (its ``zeros_like`` node) sits right after
+    the gradient that precedes it in ``grad_order`` (or right before the first computed
+    one), so the all_reduces ``expand`` inserts after each gradient run in ``grad_order``.
+    Computed gradients do not move; a zero gradient depends on nothing but a placeholder.
+    """
+    tags = [n for n in graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]
+    by_key = dict(zip(grad_keys(tags), tags))
+    anchor: Optional[fx.Node] = None   # the latest gradient placed, in grad_order
+    pending: list[fx.Node] = []        # zero gradients ordered before any computed one
+    for key in grad_order:
+        tag = by_key.get(key)
+        if tag is None:
+            continue  # the ranks' check after tracing reports it
+        grad = tag.args[0]
+        if not _is_zero_gradient(tag):
+            for zero in pending:
+                grad.prepend(zero)
+            pending, anchor = [], grad
+        elif anchor is None:
+            pending.append(grad)
+        else:
+            anchor.append(grad)
+            anchor = grad
+    if pending:  # no computed gradient at all: keep the zeros together, in order
+        anchor = min(pending, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__).prev
+        for zero in pending:
+            anchor.append(zero)
+            anchor = zero

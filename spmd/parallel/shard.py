@@ -262,7 +262,8 @@ def _gather_groups(plan: ShardPlan, unit: Unit, traced: set[int]) -> list[_Gathe
 
 
 @contextlib.contextmanager
-def trace_context(dp, state: StepState, params: list[torch.Tensor]) -> Iterator[None]:
+def trace_context(dp, state: StepState, params: list[torch.Tensor],
+                  zero_grads_for: frozenset = frozenset()) -> Iterator[None]:
     """While the step is traced: each unit gathers, reduce-scatters and reshards as FSDP2's would."""
     traced = {id(p) for p in params}
     resharding = _Resharding()
@@ -284,7 +285,11 @@ def trace_context(dp, state: StepState, params: list[torch.Tensor]) -> Iterator[
             h.remove()
 
 
-def expand(dp, gm: fx.GraphModule) -> fx.GraphModule:
+def before_first_run(dp, state: StepState, modules) -> None:
+    """Nothing: as with FSDP2, each rank keeps the shard it took of its own parameters."""
+
+
+def expand(dp, gm: fx.GraphModule, grad_order=None) -> fx.GraphModule:
     """Move each ``spmd::unit_tag`` onto its collective (``meta[UNIT]``, ``meta[PHASE]``, ``meta[KEEP]``), drop the tags.
 
     The collectives were traced in place (``trace_context``); this only labels them, and

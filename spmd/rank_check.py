@@ -1,0 +1,228 @@
+"""Before a newly traced step first runs, the ranks check that they will issue the same collectives.
+
+A rank whose graph differs from the others' (a branch on the rank or on data, a parameter
+that gets no gradient on one rank, a model built differently) would block in the first
+collective that does not match, or pair up tensors that do not belong together. So
+before the first run each rank sends one fixed-size tensor with one all_gather: whether
+it compiled, and a fingerprint of its parameter and buffer shapes and of its collective
+sequence (op, dtype, element count, group and what it carries, in order, in every graph
+it may run). Only when they differ do the ranks exchange the details; each rank then
+computes the same ``SpmdCompileError`` from them, naming the ranks and the first
+difference in the user's terms.
+
+One difference is repaired instead of refused, as DDP's ``find_unused_parameters=True``
+does: a parameter some ranks compute a gradient for and others do not
+(``zero_gradient_plan``). Where it gets none, its gradient is zero and is reduced like
+the others, in the same order as on the ranks that compute it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import astuple, dataclass, field
+from typing import Optional, Sequence
+
+import networkx as nx
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from .errors import SpmdCompileError
+from .graph_utils import is_comm_node
+from .graph_utils.meta import BUCKET, GRAD_OF, SYNCED_BUFFERS
+from .iter_graph_module import IterGraphModule
+from .parallel.replicate import grad_keys
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank issues, as compared across ranks."""
+
+    graph: str      # the graph that issues it: "step", or setup/main/cleanup/flush
+    op: str
+    dtype: str
+    numel: int
+    group: str
+    what: str       # in the user's terms: "the gradient of fc.weight", "the buffers [bn.running_mean]"
+
+    def describe(self) -> str:
+        where = "" if self.graph == "step" else f" in the {self.graph} graph"
+        return f"{self.op} of {self.what or 'a tensor'} ({self.dtype}, {self.numel} elements, {self.group}){where}"
+
+
+@dataclass
+class RankReport:
+    """What one rank compiled, in terms every rank can compare."""
+
+    error: Optional[str] = None                                # this rank's compile error
+    structure: list[tuple] = field(default_factory=list)       # (kind, name, shape, dtype) per parameter/buffer
+    collectives: list[Collective] = field(default_factory=list)
+    grad_keys: list[tuple[int, int]] = field(default_factory=list)  # (parameter, occurrence) per gradient reduce
+    param_names: list[str] = field(default_factory=list)
+
+    def fingerprint(self) -> list[int]:
+        """[failed, 126 bits of a hash of structure and collectives, number of collectives]."""
+        digest = hashlib.sha256(repr((self.structure, [astuple(c) for c in self.collectives])).encode()).digest()
+        halves = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
+        return [int(self.error is not None), *halves, len(self.collectives)]
+
+
+def _what(node: fx.Node, param_names: Sequence[str]) -> str:
+    if BUCKET in node.meta:
+        names = [param_names[i] for i in node.meta[BUCKET]]
+        return f"the gradient of {names[0]}" if len(names) == 1 else f"the gradients of {names}"
+    if GRAD_OF in node.meta:
+        return f"the gradient of {param_names[node.meta[GRAD_OF]]}"
+    if SYNCED_BUFFERS in node.meta:
+        return f"the buffers {node.meta[SYNCED_BUFFERS]}"
+    return ""
+
+
+def _group_label(name: str, seen: dict[str, str]) -> str:
+    """A rank-independent label for the group named ``name``: its size and order of first use.
+
+    Group names differ between ranks that use different subgroups in the same role (the
+    shard group of ranks {0, 1} and that of ranks {2, 3} in hybrid sharding), so they
+    are compared by role, not by name.
+    """
+    if name not in seen:
+        try:
+            size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(name))
+        except Exception:  # not a registered group name: the name itself is all there is
+            size = name
+        seen[name] = f"group {len(seen)} of size {size}"
+    return seen[name]
+
+
+def collectives_of(label: str, graph: fx.Graph, param_names: Sequence[str]) -> list[Collective]:
+    """The collectives of ``graph``, in graph order (the order they are issued in)."""
+    out = []
+    groups: dict[str, str] = {}
+    for n in graph.nodes:
+        if not is_comm_node(n):
+            continue
+        val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        dtype = ",".join(sorted({str(v.dtype).replace("torch.", "") for v in vals if isinstance(v, torch.Tensor)}))
+        numel = sum(v.numel() for v in vals if isinstance(v, torch.Tensor))
+        out.append(Collective(label, n.target._opname, dtype, numel, _group_label(str(n.args[-1]), groups),
+                              _what(n, param_names)))
+    return out
+
+
+def report(state, gm: fx.GraphModule, runner) -> RankReport:
+    """This rank's report on a compiled step: ``gm`` the expanded graph, ``runner`` what will run."""
+    if isinstance(runner, IterGraphModule):
+        graphs = runner.graphs_to_run()
+    elif isinstance(runner, fx.GraphModule):
+        graphs = [("step", runner.graph)]
+    else:  # a custom transformation's callable: the expanded graph is the best we know
+        graphs = [("step", gm.graph)]
+    structure = [(kind, name, tuple(t.shape), str(t.dtype))
+                 for kind, names, tensors in (("parameter", state.param_names, state.params),
+                                              ("buffer", state.buffer_names, state.buffers))
+                 for name, t in zip(names, tensors)]
+    grad_reduces = [n for n in gm.graph.nodes if is_comm_node(n) and GRAD_OF in n.meta]
+    return RankReport(
+        structure=structure,
+        collectives=[c for label, graph in graphs for c in collectives_of(label, graph, state.param_names)],
+        grad_keys=grad_keys(grad_reduces, param_of=lambda n: n.meta[GRAD_OF]),
+        param_names=list(state.param_names),
+    )
+
+
+def _device(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def exchange(local: RankReport, group: dist.ProcessGroup) -> Optional[list[RankReport]]:
+    """None when every rank of ``group`` compiled the same thing; else every rank's report.
+
+    One all_gather of ``fingerprint()`` (4 integers) per rank; the reports themselves
+    travel (``all_gather_object``) only when the fingerprints differ or a rank failed.
+    """
+    mine = torch.tensor(local.fingerprint(), dtype=torch.int64, device=_device(group))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [tuple(t.tolist()) for t in gathered]
+    if all(row == rows[0] for row in rows) and rows[0][0] == 0:
+        return None
+    reports: list[Optional[RankReport]] = [None] * len(rows)
+    dist.all_gather_object(reports, local, group=group)
+    return reports
+
+
+def zero_gradient_plan(reports: Sequence[RankReport]) -> Optional[list[tuple[int, int]]]:
+    """The common gradient order when the ranks differ only in which parameters get gradients.
+
+    Returns the (parameter, occurrence) order in which every rank can reduce gradients,
+    each rank's own order kept (a topological merge, rank 0's order first), or None when
+    something else differs: a failed rank, different modules, ranks that order two
+    gradients differently, or no difference in gradients at all.
+    """
+    if any(r.error is not None for r in reports) or any(r.structure != reports[0].structure for r in reports):
+        return None
+    if all(set(r.grad_keys) == set(reports[0].grad_keys) for r in reports):
+        return None
+    g = nx.DiGraph()
+    first_seen: dict[tuple, tuple[int, int]] = {}
+    for rank, r in enumerate(reports):
+        for pos, key in enumerate(r.grad_keys):
+            g.add_node(key)
+            first_seen.setdefault(key, (rank, pos))
+        g.add_edges_from(zip(r.grad_keys, r.grad_keys[1:]))
+    try:
+        return list(nx.lexicographical_topological_sort(g, key=first_seen.__getitem__))
+    except nx.NetworkXUnfeasible:
+        return None
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def mismatch_error(reports: Sequence[RankReport]) -> SpmdCompileError:
+    """The one error every rank raises when their compiled steps differ (same text on every rank)."""
+    failed = [k for k, r in enumerate(reports) if r.error is not None]
+    if failed:
+        return SpmdCompileError(
+            f"spmd.compile: train_step failed to compile on {_ranks(failed)}, so no rank runs it. "
+            f"The error on rank {failed[0]}: {reports[failed[0]].error}"
+        )
+    ref = reports[0]
+    differ = [k for k, r in enumerate(reports) if r.fingerprint() != ref.fingerprint()]
+    other = reports[differ[0]]
+    fix = ("Every rank must build the same model and issue the same collectives in the same order: do not "
+           "branch on the rank or on data around module calls or backward() in train_step. (A parameter "
+           "that only some ranks use is handled: it gets a zero gradient where it is unused.)")
+    head = f"spmd.compile: train_step differs between ranks ({_ranks(differ)} from rank 0), so running it would hang"
+    if other.structure != ref.structure:
+        return SpmdCompileError(f"{head}: {_structure_difference(ref.structure, other.structure, differ[0])}. {fix}")
+    lines = []
+    for k in differ:
+        ours, theirs = {p for p, _ in ref.grad_keys}, {p for p, _ in reports[k].grad_keys}
+        lines += [f"rank {k} computes no gradient for {ref.param_names[p]}" for p in sorted(ours - theirs)]
+        lines += [f"rank 0 computes no gradient for {ref.param_names[p]}" for p in sorted(theirs - ours)]
+    lines.append(_first_difference(ref.collectives, other.collectives, differ[0]))
+    return SpmdCompileError(f"{head}: {'; '.join(lines)}. {fix}")
+
+
+def _structure_difference(ref: list[tuple], other: list[tuple], rank: int) -> str:
+    for a, b in zip(ref, other):
+        if a != b:
+            return (f"rank 0 has {a[0]} {a[1]} of shape {a[2]} ({a[3]}) where rank {rank} has "
+                    f"{b[0]} {b[1]} of shape {b[2]} ({b[3]})")
+    return f"rank 0 has {len(ref)} parameters and buffers, rank {rank} has {len(other)}"
+
+
+def _first_difference(ref: list[Collective], other: list[Collective], rank: int) -> str:
+    for k, (a, b) in enumerate(zip(ref, other)):
+        if a != b:
+            return f"their collective {k} is {a.describe()} on rank 0 but {b.describe()} on rank {rank}"
+    if len(ref) == len(other):
+        return "their collectives are the same"
+    longer, shorter, who = (ref, other, 0) if len(ref) > len(other) else (other, ref, rank)
+    return (f"rank 0 issues {len(ref)} collectives and rank {rank} {len(other)}; the first extra one, "
+            f"on rank {who}, is {longer[len(shorter)].describe()}")

@@ -1,0 +1,112 @@
+"""Retracing: counted, explained, bounded, and never losing work deferred to the next iteration."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import spmd
+from spmd.graph_utils import find_node, is_all_reduce
+from spmd.passes import (
+    comm_fusion_with_concat, iter_move_grads_and_optimizers, remove_copy_from_optimizer, schedule_comm_wait,
+)
+from spmd.step_state import describe_changes
+from spmd.tools.models import MLP
+from tests.dist import run_distributed
+from tests.parity import assert_params_close, ddp_copy, eager_step
+
+
+def _step(model, optim, x):
+    loss = model(x).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_describe_changes_names_each_changed_component():
+    cpu = torch.device("cpu")
+    old = {"input 2": ((4, 32), torch.float32, cpu, False), "param group 0 'momentum'": "0.9",
+           "parameter w": ((3,), torch.float32, cpu, True)}
+    new = {"input 2": ((8, 32), torch.float64, cpu, False), "param group 0 'momentum'": "0.85",
+           "buffer b": ((3,), torch.float32, cpu, False)}
+    assert describe_changes(old, new) == [
+        "input 2 shape (4, 32) -> (8, 32)", "input 2 dtype torch.float32 -> torch.float64",
+        "param group 0 'momentum' changed 0.9 -> 0.85", "buffer b is new", "parameter w is gone",
+    ]
+
+
+def test_trace_count_and_one_warning_naming_the_change_when_a_step_keeps_retracing(caplog):
+    torch.manual_seed(0)
+    model = MLP(1, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.125)
+    step = spmd.compile()(_step)
+    for _ in range(3):
+        step(model, optim, torch.randn(2, 4))
+    assert step.trace_count == 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in range(3, 3 + step.retrace_warning_at + 1):
+            step(model, optim, torch.randn(batch, 4))
+    assert step.trace_count == step.retrace_warning_at + 2
+    retrace = [w for w in caught if "has been traced" in str(w.message)]
+    assert len(retrace) == 1, [str(w.message) for w in caught]
+    assert f"traced {step.retrace_warning_at} times" in str(retrace[0].message)
+    assert f"input 2 shape ({step.retrace_warning_at}, 4) -> ({step.retrace_warning_at + 1}, 4)" in str(
+        retrace[0].message)
+    assert "input 2 shape (3, 4) -> (4, 4)" in caplog.text  # every retrace is logged with its reason
+
+
+def test_the_cache_keeps_the_most_recently_used_signatures():
+    torch.manual_seed(0)
+    model = MLP(1, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.125)
+    step = spmd.compile()(_step)
+    step.cache_size = 2
+    for batch in (2, 3, 2, 4):  # 3 is the least recently used when 4 arrives
+        step(model, optim, torch.randn(batch, 4))
+    assert len(step.cache) == 2 and step.trace_count == 3
+    step(model, optim, torch.randn(2, 4))
+    assert step.trace_count == 3
+    step(model, optim, torch.randn(3, 4))
+    assert step.trace_count == 4
+
+
+def _deferred_update_pipeline(gm):
+    """A fused Adam step whose first gradient bucket and its update run in the next iteration."""
+    igm = spmd.IterGraphModule(gm)
+    comm_fusion_with_concat(igm, 0.002)
+    schedule_comm_wait(igm)
+    remove_copy_from_optimizer(igm)
+    relu = find_node(igm.graph, lambda n: n.target is torch.ops.aten.relu.default)[0]
+    iter_move_grads_and_optimizers(igm, find_node(igm.graph, is_all_reduce)[0], relu)
+    igm.finalize_setup()
+    return igm
+
+
+def _shape_changes_with_deferred_work(rank, world_size, cache_size):
+    torch.manual_seed(0)
+    model = MLP(layers=5, dim=16)
+    ddp = ddp_copy(model)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    ddp_optim = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=True)
+    step = spmd.compile(gm_transformation=_deferred_update_pipeline,
+                        parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(_step)
+    step.cache_size = cache_size
+    torch.manual_seed(rank)
+    batches = [8, 8, 6, 6, 8, 6]
+    for i, batch in enumerate(batches):
+        x = torch.randn(batch, 16)
+        loss = step(model, optim, x, last_train_step=(i == len(batches) - 1))
+        ref = eager_step(ddp, ddp_optim, x, loss_fn=lambda out: out.square().mean())
+        torch.testing.assert_close(loss, ref, atol=1e-6, rtol=1e-6, msg=lambda m: f"step {i}: {m}")
+    assert_params_close(model, ddp, atol=1e-6, rtol=1e-6)
+    assert all(not entry.runner.pending for entry in step.cache.values())
+
+
+@pytest.mark.parametrize("cache_size", [16, 1], ids=["switch", "evict"])
+def test_deferred_updates_survive_a_batch_shape_change(cache_size):
+    """Another signature running (or evicting the old one) first runs the old graph's deferred update."""
+    run_distributed(_shape_changes_with_deferred_work, cache_size)
