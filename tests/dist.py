@@ -52,7 +52,6 @@ import time
 import traceback
 import warnings
 from multiprocessing.connection import wait
-from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
@@ -73,7 +72,7 @@ def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo", timeo
     if timeout is None:
         timeout = float(os.environ.get("SPMD_TEST_TIMEOUT", DEFAULT_TIMEOUT_S))
     try:
-        task = bytes(ForkingPickler.dumps((fn, args)))
+        task = pickle.dumps((fn, args))  # by value: the same bytes go to every rank
     except Exception as e:
         raise TypeError(f"run_distributed: cannot send {fn!r} and its arguments to the ranks ({e}). "
                         "Define the test body as a module-level function and pass picklable arguments.") from e
@@ -127,24 +126,25 @@ class _Pool:
 
     def run(self, task: bytes, timeout: float) -> None:
         """Run one task on every rank; raise DistributedTestFailure (pool broken) if any rank fails."""
-        offsets = [self._size(r) for r in range(self.world_size)]
-        if not self._started:  # wait for the rendezvous: its time does not count against the test
-            offsets = [0] * self.world_size
-            self._collect(range(self.world_size), _STARTUP_TIMEOUT_S, "start", offsets)
+        if not self._started:  # the rendezvous: its time does not count against the test's timeout
+            self._collect(_STARTUP_TIMEOUT_S, "start", [0] * self.world_size)
             self._started = True
-            offsets = [self._size(r) for r in range(self.world_size)]
+        offsets = [self._size(r) for r in range(self.world_size)]
         for conn in self.conns:
             conn.send_bytes(task)
-        self._collect(range(self.world_size), timeout, "run the test", offsets)
+        self._collect(timeout, "run the test", offsets)
         self._echo([self._output(r, offsets[r]) for r in range(self.world_size)])
 
-    def _collect(self, ranks, timeout: float, what: str, offsets: list[int]) -> None:
-        """Wait for one message from each rank in ``ranks``; on an error, death or timeout, fail."""
-        pending, errors, errors_at = set(ranks), {}, 0.0
+    def _collect(self, timeout: float, what: str, offsets: list[int]) -> None:
+        """Wait for each rank's reply (None, or its traceback); on an error, a death or a timeout, fail.
+
+        ``offsets``: where each rank's output of this task starts in its log.
+        """
+        pending, errors, errors_at = set(range(self.world_size)), {}, 0.0
         deadline = time.monotonic() + timeout
         while pending:
             remaining = deadline - time.monotonic()
-            if errors:
+            if errors:  # the others get a moment to report their own failure
                 remaining = min(remaining, errors_at + _GRACE_S - time.monotonic())
             if remaining <= 0:
                 break
@@ -160,16 +160,16 @@ class _Pool:
                     self.procs[rank].join(5)
                     error = f"rank {rank} died (exit code {self.procs[rank].exitcode}) while trying to {what}\n"
                 if error is not None:
-                    errors_at = errors_at if errors else time.monotonic()
+                    if not errors:
+                        errors_at = time.monotonic()
                     errors[rank] = error
         if not errors and not pending:
             return
-        self.broken = True
-        if pending and not errors:  # a hang: each rank still running dumps its Python stacks
+        if pending and not errors:  # a hang: each rank still running dumps its Python stacks into its log
             for rank in pending:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.procs[rank].pid, signal.SIGUSR1)
-            time.sleep(1.0)
+            time.sleep(0.5)
         outputs = [self._output(r, offsets[r]) for r in range(self.world_size)]
         self.kill()
         self._echo(outputs)
@@ -349,3 +349,21 @@ class single_process_group:
     def __exit__(self, *exc):
         dist.destroy_process_group()
         self._tmp.cleanup()
+
+
+class fake_process_group:
+    """A process group of ``world_size`` ranks simulated in this process (backend "fake"): collectives
+    return at once and change nothing, so graphs see the world size but values are single-process ones.
+    """
+
+    def __init__(self, world_size: int = 2):
+        self.world_size = world_size
+
+    def __enter__(self):
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=self.world_size)
+        return self
+
+    def __exit__(self, *exc):
+        dist.destroy_process_group()

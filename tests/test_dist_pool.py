@@ -64,24 +64,25 @@ def test_each_test_starts_from_a_clean_state():
     run_distributed(_expect_clean, os.getcwd())
 
 
-def _print_then_fail_on_rank_1(rank, world_size):
+def _rank_1_raises_rank_0_exits(rank, world_size):
     print(f"rank {rank} was here")
     if rank == 1:
         raise ValueError("the check of rank 1 failed")
-    dist.barrier()  # waits for rank 1, which never comes
+    os._exit(3)
 
 
 @pytest.fixture
 def short_grace(monkeypatch):
-    monkeypatch.setattr(pool_module, "_GRACE_S", 0.5)
+    monkeypatch.setattr(pool_module, "_GRACE_S", 1.0)
 
 
-def test_a_failing_rank_fails_the_test_with_its_traceback_and_the_pool_restarts(capsys, short_grace):
+def test_a_rank_that_raises_or_dies_fails_the_test_with_its_traceback_or_exit_code(capsys, short_grace):
     with pytest.raises(DistributedTestFailure) as failure:
-        run_distributed(_print_then_fail_on_rank_1)
+        run_distributed(_rank_1_raises_rank_0_exits)
     message = str(failure.value)
-    assert "rank 1 failed" in message and "rank 0 failed" not in message
-    assert "ValueError: the check of rank 1 failed" in message and "_print_then_fail_on_rank_1" in message
+    assert "rank 1 failed" in message and "rank 0 failed" in message
+    assert "ValueError: the check of rank 1 failed" in message and "_rank_1_raises_rank_0_exits" in message
+    assert "rank 0 died (exit code 3)" in message
     out = capsys.readouterr().out
     assert "[rank 0] rank 0 was here" in out and "[rank 1] rank 1 was here" in out, "rank output was lost"
     assert 2 not in pool_module._pools, "the broken pool is still in use"
@@ -99,17 +100,6 @@ def test_a_hanging_rank_fails_the_test_with_its_stack_within_the_timeout():
         run_distributed(_hang_on_rank_1, timeout=2)
     assert "_hang_on_rank_1" in str(failure.value), "the hung ranks' stacks are not in the message"
     run_distributed(_expect_clean, os.getcwd())
-
-
-def _exit_on_rank_0(rank, world_size):
-    if rank == 0:
-        os._exit(3)
-    dist.barrier()
-
-
-def test_a_rank_that_dies_fails_the_test_with_its_exit_code(short_grace):
-    with pytest.raises(DistributedTestFailure, match=r"rank 0 died \(exit code 3\)"):
-        run_distributed(_exit_on_rank_0)
 
 
 def test_a_body_that_cannot_be_sent_is_refused_before_any_rank_runs():

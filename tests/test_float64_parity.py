@@ -45,7 +45,7 @@ def _reference(model, impl, inductor):
 
 def _gpt_float64(rank, world_size, inductor, impl):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)  # tied embeddings
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=1, n_head=4, n_embd=64)  # tied embeddings
     model = GPT(cfg).to(torch.float64)
     ref_step, ref_model = _reference(model, impl, inductor)
     optim = torch.optim.AdamW(model.parameters(), lr=LR, **{impl: True})
