@@ -3,10 +3,10 @@
 The environment is set here, at import, before any test module imports torch: the rank
 processes of ``tests.dist`` inherit it, so the main process and every rank share one
 Inductor cache (FX graphs and compiled C++ kernels), which starts empty each session unless
-``TORCHINDUCTOR_CACHE_DIR`` is set. Inductor compiles in the calling process
-(``TORCHINDUCTOR_COMPILE_THREADS=1``): a pool of compile workers costs more to start, in
-every rank, than it saves on the small graphs of the tests. Both can be overridden from the
-environment.
+``TORCHINDUCTOR_CACHE_DIR`` is set. Two compile threads (at most one per core): the ranks of
+a test compile the same kernels, and through the shared cache one rank compiles each kernel
+while the other waits for it, so with a single compile thread a 2-rank test compiles on one
+core. Both settings can be overridden from the environment.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ _OWN_CACHE = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_tests_inductor_")
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(min(2, os.cpu_count() or 1)))
 
 import pytest  # noqa: E402
 
