@@ -68,7 +68,7 @@ class DistributedTestFailure(AssertionError):
 
 
 def run_distributed(fn, *args, world_size: int = 2, backend: str = "gloo", timeout: float | None = None) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or nccl: one GPU each); see the module doc."""
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or nccl: one GPU each); see above."""
     if timeout is None:
         timeout = float(os.environ.get("SPMD_TEST_TIMEOUT", DEFAULT_TIMEOUT_S))
     try:

@@ -139,7 +139,8 @@ def _parity(rank, world_size, optimize, optim_kwargs):
     optim, ddp_optim = make(model), make(ddp)
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=optimize, bucket_size_mb=0.002,
                                                     enable_inductor=True)
-    step = spmd.compile(gm_transformation=transformation, parallel_mode=spmd.DataParallel("replicate", "avg"))(train_step)
+    replicate = spmd.DataParallel("replicate", "avg")
+    step = spmd.compile(gm_transformation=transformation, parallel_mode=replicate)(train_step)
     torch.manual_seed(rank)
     for i in range(5):
         batch = torch.randn(8, 16)

@@ -31,7 +31,8 @@ def _bucket_of(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 @pytest.mark.parametrize("max_parts", [2, 4])
 def test_trailing_buckets_get_their_own_part_right_after_their_wait(max_parts):
     model, _, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait,
-                                   lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)], optim="fused")
+                                              lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)],
+                                      optim="fused")
     graph = igm.graph
     comms = find_node(graph, is_all_reduce)
     assert len(comms) > max_parts, "the test needs more buckets than parts"
@@ -61,7 +62,7 @@ def _foreach_ops(graph: fx.Graph, name: str) -> list[fx.Node]:
 def test_a_foreach_optimizer_chain_is_cut_the_same_way(max_parts):
     """Every op of foreach AdamW's chain splits into one op per part; each trailing part follows its own wait."""
     model, traced, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait,
-                                        lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)])
+                                                   lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)])
     graph = igm.graph
     comms = find_node(graph, is_all_reduce)
     assert len(comms) > max_parts, "the test needs more buckets than parts"
@@ -115,8 +116,8 @@ def test_gradients_that_are_computed_on_first_leave_the_optimizer_whole(impl):
 @pytest.mark.parametrize("bad", [1, 0, 2.5, True])
 def test_max_parts_must_be_an_int_of_at_least_two(bad):
     with pytest.raises(ValueError, match="max_parts must be an int >= 2"):
-        trace_with_passes("mlp", [fusion(0.001), schedule_comm_wait, lambda gm: split_optimizer_per_bucket(gm, max_parts=bad)],
-               optim="fused")
+        trace_with_passes("mlp", [fusion(0.001), schedule_comm_wait,
+                                  lambda gm: split_optimizer_per_bucket(gm, max_parts=bad)], optim="fused")
 
 
 def _defer_last_bucket(gm):
@@ -192,7 +193,8 @@ def test_an_optimizer_graph_it_cannot_split_is_left_whole_with_a_warning(monkeyp
 
     monkeypatch.setattr(module, "split_fused_optimizer", refuse)
     with caplog.at_level("WARNING", logger="spmd.passes.optimizer_split"):
-        _, _, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait, split_optimizer_per_bucket], optim="fused")
+        _, _, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait, split_optimizer_per_bucket],
+                                      optim="fused")
     assert len(_optim_nodes(igm.graph)) == 1
     assert "left" in caplog.text and "unrecognized step update" in caplog.text
 
