@@ -31,6 +31,15 @@ def eager_step(model, optim, *batch, grad_scale: float = 1.0, loss_fn=_default_l
     return loss.detach()
 
 
+def train_step(model, optim, *batch):
+    """The step ``eager_step`` takes by default, as users write it (compile it with ``spmd.compile(...)``)."""
+    loss = _default_loss(model(*batch))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def lm_train_step(model, optim, idx, targets):
     """A GPT training step as users write it (compile it with ``spmd.compile(...)(lm_train_step)``)."""
     loss = model(idx, targets)
@@ -50,3 +59,31 @@ def assert_params_close(model, ref, atol=1e-5, rtol=1e-5):
 
 def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def check_sgd_grad_sum(step, world_size, impl, steps=3):
+    """Train MLP(3, 16) in float64 with plain SGD (``impl``: "foreach" or "fused") through ``step``, a
+    compiled ``train_step`` with ``grad_reduce="sum"``, next to DDP with gradients x world_size.
+
+    Plain SGD's update is linear in the gradient (Adam's is not: it cannot see a wrong gradient
+    scale), so parameters must match DDP's to 1e-12, and must differ from what DDP's averaged
+    gradients give (checked, so the test can see a wrong world-size factor). Returns the model.
+    """
+    from spmd.tools.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16).to(torch.float64)
+    ddp, ddp_avg = ddp_copy(model), ddp_copy(model)
+    optim, ddp_optim, avg_optim = (torch.optim.SGD(m.parameters(), lr=2.0 ** -6, **{impl: True})
+                                   for m in (model, ddp, ddp_avg))
+    torch.manual_seed(dist.get_rank())
+    for i in range(steps):
+        batch = torch.randn(8, 16, dtype=torch.float64)
+        loss = step(model, optim, batch, last_train_step=(i == steps - 1))
+        ref = eager_step(ddp, ddp_optim, batch, grad_scale=world_size)
+        torch.testing.assert_close(loss, ref, atol=1e-12, rtol=0, msg=lambda m: f"step {i} loss: {m}")
+        eager_step(ddp_avg, avg_optim, batch)
+    assert_params_close(model, ddp, atol=1e-12, rtol=0)
+    gap = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp_avg.module.parameters()))
+    assert gap > 1e-6, f"summed and averaged gradients train alike here ({gap:.1e}): the check is blind"
+    return model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import pytest
@@ -16,10 +15,10 @@ from spmd.graph_utils import find_node, is_all_reduce, is_wait_node, set_fake_va
 from spmd.passes import applied_passes
 from spmd.passes.comm_fusion import comm_fusion_with_concat
 from spmd.passes.comm_wait import schedule_comm_wait
-from spmd.tools.models import GPT, MLP, GPTConfig
 from tests.dist import run_distributed, single_process_group
-from tests.test_iter_graph_module import _first_forward_node, _optimizer_nodes
-from tests.parity import assert_params_close, ddp_copy, eager_step
+from tests.helpers import compiled_with_passes, first_forward_node, fusion, make_model, optimizer_nodes, \
+    trace_with_passes
+from tests.parity import assert_params_close, check_sgd_grad_sum, ddp_copy, eager_step
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -27,66 +26,6 @@ MiB = 1024 * 1024
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _make(kind: str):
-    torch.manual_seed(0)
-    if kind == "mlp":
-        return MLP(layers=3, dim=16), (lambda: (torch.randn(8, 16),))
-    cfg = GPTConfig(frozen_pos_emb=True)
-    batch = lambda: (torch.randint(0, cfg.vocab_size, (2, cfg.block_size)),) * 2  # noqa: E731
-    return GPT(cfg), batch
-
-
-def _loss(model, *batch):
-    out = model(*batch)
-    return out if out.dim() == 0 else out.sum()
-
-
-def _compiled(passes, optim_kwargs=None, parallel_mode=None):
-    """A compiled step whose transformation applies ``passes`` and keeps the module in ``seen``."""
-    seen = {}
-
-    def transform(gm):
-        igm = spmd.IterGraphModule(gm)
-        for p in passes:
-            p(igm)
-        igm.finalize_setup()
-        seen["igm"] = igm
-        return igm
-
-    def body(model, optim, *batch):
-        loss = _loss(model, *batch)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
-    return spmd.compile(gm_transformation=transform, parallel_mode=parallel_mode)(body), seen
-
-
-@functools.cache
-def _expanded(kind: str, optim: str = "foreach"):
-    """The model and its expanded (unoptimized) step graph module, traced once per session."""
-    model, batch = _make(kind)
-    adam = torch.optim.Adam(model.parameters(), lr=0.01, **{optim: True})
-    step, _ = _compiled([])
-    with single_process_group():
-        step(model, adam, *batch(), last_train_step=True)
-    (entry,) = step.cache.values()
-    return model, entry.graph
-
-
-def _trace(kind, passes, optim="foreach", finalize=True):
-    """Apply ``passes`` to a fresh IterGraphModule of the step; return model, unedited graph, module."""
-    model, expanded = _expanded(kind, optim)
-    igm = spmd.IterGraphModule(expanded)
-    with single_process_group():
-        for p in passes:
-            p(igm)
-    if finalize:
-        igm.finalize_setup()
-    return model, expanded.graph, igm
 
 
 def _greedy_buckets(order: list[int], nbytes: dict[int, int], cap_bytes: float) -> list[list[int]]:
@@ -110,10 +49,6 @@ def _expected_buckets(model, traced: fx.Graph, bucket_mb: float) -> list[list[in
     return _greedy_buckets(order, nbytes, bucket_mb * MiB)
 
 
-def _fusion(mb):
-    return lambda gm: comm_fusion_with_concat(gm, bucket_size_mb=mb)
-
-
 _VIEWISH = {operator.getitem, aten.split_with_sizes.default, aten.view.default, aten.detach_copy.default}
 
 
@@ -131,7 +66,7 @@ def _block(wait: fx.Node) -> list[fx.Node]:
 
 @pytest.mark.parametrize("kind,bucket_mb", [("mlp", 0.002), ("mlp", 25), ("gpt", 0.001), ("gpt", 0.02), ("gpt", 25)])
 def test_buckets_are_greedy_in_gradient_order_by_bytes(kind, bucket_mb):
-    model, traced, igm = _trace(kind, [_fusion(bucket_mb)])
+    model, traced, igm = trace_with_passes(kind, [fusion(bucket_mb)])
     expected = _expected_buckets(model, traced, bucket_mb)
     comms = find_node(igm.graph, is_all_reduce)
     assert len(comms) == len(expected)
@@ -146,16 +81,16 @@ def test_buckets_are_greedy_in_gradient_order_by_bytes(kind, bucket_mb):
 
 def test_bucket_sizes_used_here_give_mixed_buckets():
     """Guard for the tests above: the small sizes make multi-gradient and single-gradient buckets."""
-    model, traced, _ = _trace("mlp", [])
+    model, traced, _ = trace_with_passes("mlp", [])
     assert [len(b) for b in _expected_buckets(model, traced, 0.002)] == [3, 2, 1]
-    model, traced, _ = _trace("gpt", [])
+    model, traced, _ = trace_with_passes("gpt", [])
     sizes = [len(b) for b in _expected_buckets(model, traced, 0.02)]
     assert max(sizes) > 1 and min(sizes) == 1 and len(sizes) > 3
 
 
 @pytest.mark.parametrize("kind,bucket_mb", [("mlp", 0.002), ("gpt", 0.02)])
 def test_fused_all_reduce_sits_right_after_its_latest_gradient(kind, bucket_mb):
-    _, traced, igm = _trace(kind, [_fusion(bucket_mb)])
+    _, traced, igm = trace_with_passes(kind, [fusion(bucket_mb)])
     grad_name = {n.meta["spmd_grad_of"]: n.args[0].name for n in find_node(traced, is_all_reduce)}
     nodes = list(igm.graph.nodes)
     at = {n: i for i, n in enumerate(nodes)}
@@ -180,7 +115,7 @@ def test_fused_all_reduce_sits_right_after_its_latest_gradient(kind, bucket_mb):
 
 @pytest.mark.parametrize("optim", ["foreach", "fused"])
 def test_waits_sit_right_before_their_first_consumer(optim):
-    _, _, igm = _trace("gpt", [_fusion(0.02), schedule_comm_wait], optim)
+    _, _, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait], optim)
     nodes = list(igm.graph.nodes)
     at = {n: i for i, n in enumerate(nodes)}
     comms = find_node(igm.graph, is_all_reduce)
@@ -199,10 +134,10 @@ def test_waits_sit_right_before_their_first_consumer(optim):
 def test_passes_keep_the_single_process_step_exact():
     with single_process_group():
         results = []
-        for passes in ([], [_fusion(0.02), schedule_comm_wait]):
-            model, batch = _make("gpt")
+        for passes in ([], [fusion(0.02), schedule_comm_wait]):
+            model, batch = make_model("gpt")
             optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
-            step, _ = _compiled(passes)
+            step, _ = compiled_with_passes(passes)
             torch.manual_seed(1)
             losses = [step(model, optim, *batch(), last_train_step=(i == 2)) for i in range(3)]
             results.append((losses, [p.detach().clone() for p in model.parameters()]))
@@ -213,7 +148,7 @@ def test_passes_keep_the_single_process_step_exact():
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "25", None, True])
 def test_bad_bucket_size_raises_and_leaves_graph_untouched(bad):
-    _, _, igm = _trace("mlp", [])
+    _, _, igm = trace_with_passes("mlp", [])
     before = str(igm.graph)
     with single_process_group(), pytest.raises(ValueError, match="bucket_size_mb"):
         comm_fusion_with_concat(igm, bucket_size_mb=bad)
@@ -222,7 +157,7 @@ def test_bad_bucket_size_raises_and_leaves_graph_untouched(bad):
 
 
 def test_schedule_comm_wait_needs_comm_fusion_first():
-    _, _, igm = _trace("mlp", [])
+    _, _, igm = trace_with_passes("mlp", [])
     before = str(igm.graph)
     with pytest.raises(AssertionError, match="are the prerequisites of"):
         schedule_comm_wait(igm)
@@ -235,8 +170,8 @@ def test_schedule_comm_wait_needs_comm_fusion_first():
 
 
 def test_fusion_refuses_a_graph_with_cross_iteration_moves():
-    _, _, igm = _trace("mlp", [], finalize=False)
-    igm.graph.move_to_next_iter_before(_optimizer_nodes(igm.graph), _first_forward_node(igm.graph))
+    _, _, igm = trace_with_passes("mlp", [], finalize=False)
+    igm.graph.move_to_next_iter_before(optimizer_nodes(igm.graph), first_forward_node(igm.graph))
     before = str(igm.graph)
     with pytest.raises(ValueError, match="before moving nodes across iterations"):
         comm_fusion_with_concat(igm)
@@ -359,11 +294,11 @@ def test_dependent_gradient_gives_correct_values():
 def _mlp_parity(rank, world_size, optim_kwargs):
     """Seed-style MLP + Adam, grad_reduce sum (DDP grads x world_size), several and one bucket."""
     for bucket_mb, n_buckets in ((0.002, 3), (25, 1)):
-        model, _ = _make("mlp")
+        model, _ = make_model("mlp")
         ddp = ddp_copy(model)
         optim = torch.optim.Adam(model.parameters(), lr=0.01, **optim_kwargs)
         ddp_optim = torch.optim.Adam(ddp.parameters(), lr=0.01, **optim_kwargs)
-        step, seen = _compiled([_fusion(bucket_mb), schedule_comm_wait])
+        step, seen = compiled_with_passes([fusion(bucket_mb), schedule_comm_wait])
         torch.manual_seed(rank)
         for i in range(5):
             batch = torch.randn(8, 16)
@@ -378,15 +313,27 @@ def test_mlp_bucketed_and_scheduled_matches_ddp(optim_kwargs):
     run_distributed(_mlp_parity, optim_kwargs)
 
 
+def _sgd_sum_parity(rank, world_size, impl):
+    """Plain SGD, grad_reduce sum: a bucket's all_reduce sums exactly what DDP's gradients x world_size are."""
+    step, seen = compiled_with_passes([fusion(0.004), schedule_comm_wait])
+    check_sgd_grad_sum(step, world_size, impl)
+    assert len(find_node(seen["igm"].graph, is_all_reduce)) == 3
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_mlp_bucketed_and_scheduled_sums_gradients_like_ddp_with_sgd(impl):
+    run_distributed(_sgd_sum_parity, impl)
+
+
 def _gpt_parity(rank, world_size):
     """GPT, grad_reduce avg (a division before each all_reduce), losses every step and params at the end."""
     for optim_kwargs, bucket_mb in (({"foreach": True}, 0.001), ({"fused": True}, 0.02)):
-        model, _ = _make("gpt")
+        model, _ = make_model("gpt")
         ddp = ddp_copy(model)
         optim = torch.optim.Adam(model.parameters(), lr=3e-3, **optim_kwargs)
         ddp_optim = torch.optim.Adam(ddp.parameters(), lr=3e-3, **optim_kwargs)
-        step, _ = _compiled([_fusion(bucket_mb), schedule_comm_wait],
-                            parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
+        step, _ = compiled_with_passes([fusion(bucket_mb), schedule_comm_wait],
+                                       parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))
         gen = torch.Generator().manual_seed(100 + rank)
         for i in range(5):
             idx = torch.randint(0, model.cfg.vocab_size, (4, model.cfg.block_size), generator=gen)

@@ -7,32 +7,16 @@ import copy
 import pytest
 import torch
 
-
 import spmd
 import spmd.tracing
 from spmd.tools.models import GPT, MLP, ConvBN, GPTConfig
+from tests.helpers import inplace_activation_step
+from tests.parity import train_step
 
 aten = torch.ops.aten
 # Not bitwise: the re-trace turns views into copies (``t_copy`` is contiguous, ``t`` is not), so
 # matmuls may take another BLAS path and round differently; the direct rewrite keeps eager's views.
 TOL = dict(atol=1e-6, rtol=1e-6)
-
-
-def _step(model, optim, *batch):
-    out = model(*batch)
-    loss = out if out.dim() == 0 else out.sum()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
-
-
-def _inplace_activation_step(model, optim, x):
-    loss = (model(x) * 2.0).add_(1.0).sum()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def _returns_a_parameter(model, optim, x):
@@ -44,23 +28,23 @@ def _returns_a_parameter(model, optim, x):
 
 
 def _gpt():
-    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
     idx = lambda: torch.randint(0, 64, (2, 8))  # noqa: E731
     return GPT(cfg), lambda: (idx(), idx())
 
 
 CASES = {
     # name: (model and batch maker, optimizer kwargs, step, whether the direct rewrite applies)
-    "mlp-fused-adamw": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True), _step, True),
-    "gpt-fused-adam": (_gpt, dict(fused=True), _step, True),
+    "mlp-fused-adamw": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True), train_step, True),
+    "gpt-fused-adam": (_gpt, dict(fused=True), train_step, True),
     "mlp-fused-adam-amsgrad": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True, amsgrad=True),
-                               _step, True),
-    "mlp-foreach-adam": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(foreach=True), _step, False),
+                               train_step, True),
+    "mlp-foreach-adam": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(foreach=True), train_step, False),
     "mlp-fused-sgd-momentum": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)),
-                               dict(cls=torch.optim.SGD, fused=True, momentum=0.9), _step, True),
-    "convbn-buffers": (lambda: (ConvBN(), lambda: (torch.randn(2, 3, 8, 8),)), dict(fused=True), _step, False),
+                               dict(cls=torch.optim.SGD, fused=True, momentum=0.9), train_step, True),
+    "convbn-buffers": (lambda: (ConvBN(), lambda: (torch.randn(2, 3, 8, 8),)), dict(fused=True), train_step, False),
     "inplace-activation": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True),
-                           _inplace_activation_step, False),
+                           inplace_activation_step, False),
     "returns-a-parameter": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True),
                             _returns_a_parameter, False),
 }
@@ -101,7 +85,7 @@ def test_the_direct_rewrite_writes_back_parameters_state_and_steps_at_the_end():
     torch.manual_seed(0)
     model = MLP(2, 8)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    step = spmd.compile()(_step)
+    step = spmd.compile()(train_step)
     step(model, optim, torch.randn(4, 8))
     (entry,) = step.cache.values()
     nodes = list(entry.graph.graph.nodes)

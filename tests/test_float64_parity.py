@@ -26,7 +26,7 @@ REPLICATE = spmd.DataParallel("replicate", grad_reduce="avg")
 
 def _gpt_float64(rank, world_size, inductor, impl):
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)  # tied embeddings
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=1, n_head=4, n_embd=64)  # tied embeddings
     model = GPT(cfg).to(torch.float64)
     ddp = ddp_copy(model)
     ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1, **{impl: True})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import networkx as nx
@@ -12,10 +13,16 @@ from spmd.graph_utils import (
     dump_graphs_to_files, find_node, get_output, graph_summary, is_all_reduce, is_wait_node, to_networkx,
 )
 from spmd.tools.models import GPT, GPTConfig
-from tests.dist import single_process_group
+from tests.dist import fake_process_group, single_process_group
 
 
-def _traced_gpt(reduce="sum"):
+@functools.cache
+def _traced_gpt(reduce="sum", world_size=2):
+    """The default GPT (a frozen parameter, tied embeddings) and its expanded step graph, traced once.
+
+    World size 1 runs a real gloo group of one; 2, a fake group (collectives do nothing; only the graph
+    is looked at).
+    """
     torch.manual_seed(0)
     cfg = GPTConfig(frozen_pos_emb=True)
     model = GPT(cfg)
@@ -35,13 +42,13 @@ def _traced_gpt(reduce="sum"):
         return loss
 
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
-    step(model, optim, idx, idx)
+    with single_process_group() if world_size == 1 else fake_process_group(world_size):
+        step(model, optim, idx, idx)
     return model, captured["gm"]
 
 
 def test_one_all_reduce_per_trained_parameter_right_after_its_gradient():
-    with single_process_group():
-        model, gm = _traced_gpt()
+    model, gm = _traced_gpt()
     trained = {id(p): p for p in model.parameters() if p.requires_grad}  # tied weight counted once
     comms = find_node(gm.graph, is_all_reduce)
     assert len(comms) == len(trained)
@@ -57,16 +64,26 @@ def test_one_all_reduce_per_trained_parameter_right_after_its_gradient():
     assert sizes == sorted(p.numel() for p in trained.values())
 
 
-def test_avg_divides_before_the_sum_like_ddp():
-    with single_process_group():
-        _, gm = _traced_gpt("avg")
+def test_avg_divides_each_gradient_by_the_world_size_before_the_sum_like_ddp():
+    model, gm = _traced_gpt("avg", world_size=2)
     comms = find_node(gm.graph, is_all_reduce)
+    assert len(comms) == len({id(p) for p in model.parameters() if p.requires_grad})
+    nodes = list(gm.graph.nodes)
+    for comm in comms:
+        div = comm.args[0]
+        assert comm.args[1] == "sum"
+        assert div.target is torch.ops.aten.div.Scalar and div.args[1] == 2, f"{comm.name} reduces {div.format_node()}"
+        assert nodes.index(comm) == nodes.index(div) + 1 and nodes.index(div) == nodes.index(div.args[0]) + 1
+    _, summed = _traced_gpt("sum", world_size=2)  # sum: the gradient itself
+    assert not find_node(summed.graph, lambda n: n.target is torch.ops.aten.div.Scalar and n.args[1] == 2)
+    _, single = _traced_gpt("avg", world_size=1)
+    comms = find_node(single.graph, is_all_reduce)
     assert comms and all(c.args[1] == "sum" for c in comms)  # world size 1: no division needed
+    assert not any(c.args[0].target is torch.ops.aten.div.Scalar for c in comms)
 
 
 def test_placeholders_are_tagged_with_roles():
-    with single_process_group():
-        model, gm = _traced_gpt()
+    model, gm = _traced_gpt()
     roles = [n.meta["spmd_role"] for n in gm.graph.find_nodes(op="placeholder")]
     n_params = len({id(p) for p in model.parameters()})
     assert roles[:n_params] == ["param"] * n_params
@@ -79,8 +96,7 @@ def test_placeholders_are_tagged_with_roles():
 
 
 def test_parameters_are_updated_by_copies_back_into_inputs():
-    with single_process_group():
-        model, gm = _traced_gpt()
+    model, gm = _traced_gpt()
     copies = find_node(gm.graph, lambda n: n.target is torch.ops.aten.copy_.default)
     dests = {c.args[0].meta["spmd_name"] for c in copies}
     for name, p in model.named_parameters():
@@ -90,8 +106,7 @@ def test_parameters_are_updated_by_copies_back_into_inputs():
 
 
 def test_helpers_find_output_networkx_and_summary():
-    with single_process_group():
-        _, gm = _traced_gpt()
+    _, gm = _traced_gpt()
     out = get_output(gm.graph)
     assert out.op == "output"
     assert find_node(gm.graph, lambda n: n.op == "output", reverse=True) == [out]
@@ -104,8 +119,7 @@ def test_helpers_find_output_networkx_and_summary():
 
 
 def test_dump_graphs_to_files(tmp_path):
-    with single_process_group():
-        _, gm = _traced_gpt()
+    _, gm = _traced_gpt()
     paths = dump_graphs_to_files({"00_traced": gm}, str(tmp_path))
     assert len(paths) == 3
     code = (tmp_path / "00_traced.py").read_text()

@@ -15,22 +15,13 @@ from spmd import IterGraphModule, SpmdCompileError
 from spmd.lowering import prepare_for_inductor
 from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
-from tests.parity import assert_params_close, ddp_copy, eager_step
-from tests.test_direct_functionalize import _inplace_activation_step
-from tests.test_iter_move import _first_relu, _pipeline as _iter_move_pipeline
+from tests.helpers import first_relu, inplace_activation_step, iter_move_pipeline
+from tests.parity import assert_params_close, check_sgd_grad_sum, ddp_copy, eager_step, train_step
 
 aten = torch.ops.aten
 # Inductor reassociates float math (fused reductions, FMA); Adam turns that into small
 # parameter differences. Anything beyond this is a real numerical change.
 TOL = {"atol": 1e-4, "rtol": 1e-4}
-
-
-def _step(model, optim, batch):
-    loss = model(batch).sum()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def _pipeline_igm(bucket_mb: float):
@@ -56,7 +47,7 @@ def test_prepare_for_inductor_turns_copy_views_into_views_and_wraps_inplace_opti
     # an in-place op on an activation: the step is re-traced under functionalize, which turns views
     # into *_copy ops (spmd.direct_functionalize rewrites only the optimizer's writes)
     with single_process_group():
-        spmd.compile(gm_transformation=transform)(_inplace_activation_step)(model, optim, torch.randn(4, 16))
+        spmd.compile(gm_transformation=transform)(inplace_activation_step)(model, optim, torch.randn(4, 16))
     gm = seen["igm"].logical_gm
     before = str(gm.graph)
 
@@ -111,7 +102,7 @@ def _comm_tokens_in_code(code: str) -> tuple[list[str], list[int]]:
     return tokens, between
 
 
-def test_inductor_keeps_the_collective_and_wait_order_the_passes_chose():
+def _keeps_order(rank, world_size):
     transform, seen = _pipeline_igm(0.002)  # several buckets for MLP(5, 16)
 
     def lowered(gm):
@@ -122,13 +113,16 @@ def test_inductor_keeps_the_collective_and_wait_order_the_passes_chose():
     torch.manual_seed(0)
     model = MLP(layers=5, dim=16)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    with single_process_group():
-        _, codes = run_and_get_code(spmd.compile(gm_transformation=lowered)(_step), model, optim, torch.randn(4, 16))
+    _, codes = run_and_get_code(spmd.compile(gm_transformation=lowered)(train_step), model, optim, torch.randn(4, 16))
     graph_tokens = _comm_tokens_in_graph(seen["igm"].graph)
     code_tokens, kernels_between = _comm_tokens_in_code("\n".join(codes))
     assert len(find_node(seen["igm"].graph, is_all_reduce)) >= 3
     assert code_tokens == graph_tokens
     assert any(k > 0 for k in kernels_between), "every wait was issued right after its collective"
+
+
+def test_inductor_keeps_the_collective_and_wait_order_the_passes_chose():
+    run_distributed(_keeps_order)  # on the ranks, which compile with Inductor anyway
 
 
 def _parity(rank, world_size, optimize, optim_kwargs):
@@ -145,7 +139,8 @@ def _parity(rank, world_size, optimize, optim_kwargs):
     optim, ddp_optim = make(model), make(ddp)
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=optimize, bucket_size_mb=0.002,
                                                     enable_inductor=True)
-    step = spmd.compile(gm_transformation=transformation, parallel_mode=spmd.DataParallel("replicate", "avg"))(_step)
+    replicate = spmd.DataParallel("replicate", "avg")
+    step = spmd.compile(gm_transformation=transformation, parallel_mode=replicate)(train_step)
     torch.manual_seed(rank)
     for i in range(5):
         batch = torch.randn(8, 16)
@@ -166,6 +161,20 @@ def test_inductor_lowered_step_matches_ddp(optimize, optim_kwargs):
     run_distributed(_parity, optimize, optim_kwargs)
 
 
+def _sgd_sum(rank, world_size):
+    """grad_reduce="sum" through the pass pipeline and Inductor, seen by plain SGD (see check_sgd_grad_sum)."""
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.004,
+                                                    enable_inductor=True)
+    step = spmd.compile(gm_transformation=transformation)(train_step)
+    check_sgd_grad_sum(step, world_size, "foreach")
+    (entry,) = step.cache.values()
+    assert all(not isinstance(r, torch.fx.GraphModule) for r in entry.runner._runners.values()), "not compiled"
+
+
+def test_inductor_lowered_sum_matches_ddp_with_plain_sgd():
+    run_distributed(_sgd_sum)
+
+
 def _iter_move_parity(rank, world_size):
     torch.manual_seed(0)
     model = MLP(layers=5, dim=16)
@@ -173,14 +182,14 @@ def _iter_move_parity(rank, world_size):
     optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     ddp_optim = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=True)
     seen = {}
-    pipeline = _iter_move_pipeline(lambda comms: comms[0], _first_relu, seen)  # the seed file's move
+    pipeline = iter_move_pipeline(lambda comms: comms[0], first_relu, seen)  # the seed file's move
 
     def moved(gm):
         igm = pipeline(gm)
         igm.stage_compiler = spmd.GraphModuleTransformation(enable_inductor=True).compile_stage
         return igm
 
-    step = spmd.compile(gm_transformation=moved)(_step)
+    step = spmd.compile(gm_transformation=moved)(train_step)
     torch.manual_seed(rank)
     for i in range(4):  # setup, main, main, cleanup
         batch = torch.randn(8, 16)
@@ -199,7 +208,7 @@ def test_cudagraphs_refuse_cpu_inputs_before_running_anything():
     model = MLP(layers=2, dim=8)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
     before = [p.detach().clone() for p in model.parameters()]
-    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_cudagraphs=True))(_step)
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_cudagraphs=True))(train_step)
     with pytest.raises(SpmdCompileError, match=r"enable_cudagraphs=True.*is on cpu.*capturable=True"):
         step(model, optim, torch.randn(4, 8))
     for p, q in zip(model.parameters(), before):

@@ -4,32 +4,15 @@ from __future__ import annotations
 
 import copy
 
-import networkx as nx
 import pytest
 import torch
 
 import spmd
-from spmd.graph_utils import find_node, is_all_reduce, to_networkx
+from spmd.graph_utils import find_node, is_all_reduce
 from spmd import IterGraphModule, IterMoveError
 from spmd.tools.models import MLP
 from tests.dist import single_process_group
-
-
-def _optimizer_nodes(graph):
-    """The gradient all_reduces, the step counter updates and everything downstream of them."""
-    roots = find_node(graph, is_all_reduce)
-    steps = [n for n in graph.nodes if n.op == "placeholder" and n.meta.get("spmd_name", "").endswith(".step")]
-    roots += [u for s in steps for u in s.users if u.target is not torch.ops.aten.copy_.default]
-    g = to_networkx(graph)
-    moved = set(roots)
-    for r in roots:
-        moved |= nx.descendants(g, r)
-    return [n for n in graph.nodes if n in moved]
-
-
-def _first_forward_node(graph):
-    params = [n for n in graph.nodes if n.meta.get("spmd_role") == "param"]
-    return min((u for p in params for u in p.users), key=list(graph.nodes).index)
+from tests.helpers import first_forward_node, optimizer_nodes
 
 
 def _train(move_target, iters, fused):
@@ -43,7 +26,7 @@ def _train(move_target, iters, fused):
 
     def move_optimizer(gm):
         igm = IterGraphModule(gm)
-        nodes = _optimizer_nodes(igm.graph)
+        nodes = optimizer_nodes(igm.graph)
         target = move_target(igm.graph)
         igm.graph.move_to_next_iter_before(nodes, target)
         igm.finalize_setup()
@@ -73,7 +56,7 @@ def _train(move_target, iters, fused):
 @pytest.mark.parametrize("fused", [False, True])
 def test_moved_optimizer_matches_unmoved(iters, fused):
     with single_process_group():
-        model, ref, optim, ref_optim, igm = _train(_first_forward_node, iters, fused)
+        model, ref, optim, ref_optim, igm = _train(first_forward_node, iters, fused)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
         torch.testing.assert_close(optim.state[p]["exp_avg"], ref_optim.state[q]["exp_avg"], rtol=0, atol=0)
@@ -96,7 +79,7 @@ def test_moving_before_a_reader_of_the_updated_parameter_is_refused():
 
 def test_setup_main_cleanup_have_the_same_compute():
     with single_process_group():
-        *_, igm = _train(_first_forward_node, 1, fused=True)
+        *_, igm = _train(first_forward_node, 1, fused=True)
     count = lambda gm: sum(n.op == "call_function" for n in gm.graph.nodes)
     moved = len(igm.graph.moves[0].nodes)
     assert count(igm.main_gm) == count(igm.logical_gm)

@@ -14,26 +14,8 @@ from spmd.passes import (
 from spmd import IterGraphModule, IterMoveError
 from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
+from tests.helpers import first_relu, iter_move_pipeline
 from tests.parity import assert_params_close, ddp_copy, eager_step
-
-
-def _first_relu(graph):
-    return find_node(graph, lambda n: n.target is torch.ops.aten.relu.default)[0]
-
-
-def _pipeline(pick_comm, pick_dest, seen):
-    def transform(gm):
-        igm = IterGraphModule(gm)
-        comm_fusion_with_concat(igm, 0.002)  # several buckets for MLP(5, 16)
-        schedule_comm_wait(igm)
-        remove_copy_from_optimizer(igm)
-        comms = find_node(igm.graph, is_all_reduce)
-        seen["buckets"] = len(comms)
-        iter_move_grads_and_optimizers(igm, pick_comm(comms), pick_dest(igm.graph))
-        igm.finalize_setup()
-        seen["igm"] = igm
-        return igm
-    return transform
 
 
 def _train_against_ddp(rank, world_size, iters):
@@ -45,7 +27,7 @@ def _train_against_ddp(rank, world_size, iters):
     seen = {}
 
     # The first bucket holds the LAST layer's gradients, read only late in the forward.
-    @spmd.compile(gm_transformation=_pipeline(lambda comms: comms[0], _first_relu, seen))
+    @spmd.compile(gm_transformation=iter_move_pipeline(lambda comms: comms[0], first_relu, seen))
     def train_step(model, optim, batch):
         model(batch).sum().backward()
         optim.step()
@@ -92,7 +74,7 @@ def test_moving_the_first_layers_update_before_the_first_relu_is_refused_untouch
         before = str(igm.graph)
         last_bucket = find_node(igm.graph, is_all_reduce)[-1]  # holds mod.0's gradients
         with pytest.raises(IterMoveError, match=r"mod\.0\.(weight|bias).*latest legal target node is"):
-            iter_move_grads_and_optimizers(igm, last_bucket, _first_relu(igm.graph))
+            iter_move_grads_and_optimizers(igm, last_bucket, first_relu(igm.graph))
         assert str(igm.graph) == before and not igm.graph.moves
         seen["ok"] = True
         return igm
@@ -111,7 +93,7 @@ def test_bad_arguments_are_refused_untouched():
         schedule_comm_wait(igm)
         remove_copy_from_optimizer(igm)
         before = str(igm.graph)
-        relu = _first_relu(igm.graph)
+        relu = first_relu(igm.graph)
         with pytest.raises(ValueError, match="no node named 'nope'"):
             iter_move_grads_and_optimizers(igm, "nope", relu)
         with pytest.raises(ValueError, match="not an all_reduce"):
@@ -154,7 +136,7 @@ def _find_all_descendants_seed(rank, world_size, stop_at_first_forward):
             order = list(igm.graph.nodes)
             stop = min((u for p in params for u in p.users), key=order.index)
         else:
-            stop = _first_relu(igm.graph)
+            stop = first_relu(igm.graph)
         igm.graph.move_to_next_iter_before(nodes, stop)
         return igm
 

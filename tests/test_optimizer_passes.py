@@ -13,24 +13,17 @@ from spmd.passes.optimizer_copies import remove_copy_from_optimizer
 from spmd import IterGraphModule
 from spmd.tools.models import MLP
 from tests.dist import single_process_group
+from tests.parity import train_step
 
 aten = torch.ops.aten
 LAYERS = 3  # MLP(3, 8): 6 parameters
-
-
-def _step(model, optim, x):
-    loss = model(x).sum()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 def _copies(graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if n.target is aten.copy_.default]
 
 
-def _train(optim_cls, impl, transform, steps=5, body=_step):
+def _train(optim_cls, impl, transform, steps=5, body=train_step):
     """Train a compiled MLP (``transform`` edits its IterGraphModule) next to an eager copy; compare."""
     torch.manual_seed(0)
     model = MLP(layers=LAYERS, dim=8)
@@ -163,7 +156,7 @@ def test_remove_copy_keeps_an_optimizer_whose_new_value_is_read_again():
     """A step that reads a parameter after optim.step() keeps that optimizer functional."""
 
     def body(model, optim, x):
-        loss = _step(model, optim, x)
+        loss = train_step(model, optim, x)
         return loss, model.mod[0].weight.sum()
 
     seen = {}

@@ -15,8 +15,8 @@ from spmd.passes import (
 from spmd.passes.comm_wait import wait_block
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
-from tests.parity import assert_params_close, ddp_copy, eager_step
-from tests.test_comm_passes import _fusion, _trace
+from tests.helpers import fusion, trace_with_passes
+from tests.parity import assert_params_close, ddp_copy, eager_step, lm_train_step, train_step
 
 
 def _optim_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -30,8 +30,9 @@ def _bucket_of(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
 
 @pytest.mark.parametrize("max_parts", [2, 4])
 def test_trailing_buckets_get_their_own_part_right_after_their_wait(max_parts):
-    model, _, igm = _trace("gpt", [_fusion(0.02), schedule_comm_wait,
-                                   lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)], optim="fused")
+    model, _, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait,
+                                              lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)],
+                                      optim="fused")
     graph = igm.graph
     comms = find_node(graph, is_all_reduce)
     assert len(comms) > max_parts, "the test needs more buckets than parts"
@@ -60,8 +61,8 @@ def _foreach_ops(graph: fx.Graph, name: str) -> list[fx.Node]:
 @pytest.mark.parametrize("max_parts", [2, 4])
 def test_a_foreach_optimizer_chain_is_cut_the_same_way(max_parts):
     """Every op of foreach AdamW's chain splits into one op per part; each trailing part follows its own wait."""
-    model, traced, igm = _trace("gpt", [_fusion(0.02), schedule_comm_wait,
-                                        lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)])
+    model, traced, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait,
+                                                   lambda gm: split_optimizer_per_bucket(gm, max_parts=max_parts)])
     graph = igm.graph
     comms = find_node(graph, is_all_reduce)
     assert len(comms) > max_parts, "the test needs more buckets than parts"
@@ -96,7 +97,7 @@ def test_gradients_that_are_computed_on_first_leave_the_optimizer_whole(impl):
 
     def transform(gm):
         igm = spmd.IterGraphModule(gm)
-        for p in (_fusion(0.0005), schedule_comm_wait, split_optimizer_per_bucket):
+        for p in (fusion(0.0005), schedule_comm_wait, split_optimizer_per_bucket):
             p(igm)
         igm.finalize_setup()
         seen["igm"] = igm
@@ -115,16 +116,8 @@ def test_gradients_that_are_computed_on_first_leave_the_optimizer_whole(impl):
 @pytest.mark.parametrize("bad", [1, 0, 2.5, True])
 def test_max_parts_must_be_an_int_of_at_least_two(bad):
     with pytest.raises(ValueError, match="max_parts must be an int >= 2"):
-        _trace("mlp", [_fusion(0.001), schedule_comm_wait, lambda gm: split_optimizer_per_bucket(gm, max_parts=bad)],
-               optim="fused")
-
-
-def _step(model, optim, x):
-    loss = model(x).sum()  # eager_step's loss
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+        trace_with_passes("mlp", [fusion(0.001), schedule_comm_wait,
+                                  lambda gm: split_optimizer_per_bucket(gm, max_parts=bad)], optim="fused")
 
 
 def _defer_last_bucket(gm):
@@ -143,14 +136,14 @@ def _parity(rank, world_size, defer, impl="fused"):
 
     def transform(gm):
         igm = spmd.IterGraphModule(gm)
-        passes = [_fusion(0.002), schedule_comm_wait, split_optimizer_per_bucket, remove_copy_from_optimizer]
+        passes = [fusion(0.002), schedule_comm_wait, split_optimizer_per_bucket, remove_copy_from_optimizer]
         for p in passes + ([_defer_last_bucket] if defer else []):
             p(igm)
         igm.finalize_setup()
         seen["igm"] = igm
         return igm
 
-    step = spmd.compile(gm_transformation=transform, parallel_mode=spmd.DataParallel("replicate", "avg"))(_step)
+    step = spmd.compile(gm_transformation=transform, parallel_mode=spmd.DataParallel("replicate", "avg"))(train_step)
     torch.manual_seed(rank)
     for i in range(5):
         batch = torch.randn(8, 16)
@@ -200,7 +193,8 @@ def test_an_optimizer_graph_it_cannot_split_is_left_whole_with_a_warning(monkeyp
 
     monkeypatch.setattr(module, "split_fused_optimizer", refuse)
     with caplog.at_level("WARNING", logger="spmd.passes.optimizer_split"):
-        _, _, igm = _trace("gpt", [_fusion(0.02), schedule_comm_wait, split_optimizer_per_bucket], optim="fused")
+        _, _, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait, split_optimizer_per_bucket],
+                                      optim="fused")
     assert len(_optim_nodes(igm.graph)) == 1
     assert "left" in caplog.text and "unrecognized step update" in caplog.text
 
@@ -219,10 +213,9 @@ def _split_is_bitwise(rank, world_size, kind):
     import copy
 
     from spmd.tools.models import GPT, GPTConfig
-    from tests.parity import lm_train_step
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=1, n_head=4, n_embd=64)
     plain_model = GPT(cfg).to(torch.float64)
     split_model = copy.deepcopy(plain_model)
     plain_optim, split_optim = _two_groups(plain_model, kind), _two_groups(split_model, kind)

@@ -12,7 +12,7 @@ from spmd.graph_utils import find_node, is_all_reduce
 from spmd.passes import applied_passes, graph_optimization_pass, pass_info, remove_copy_from_optimizer, schedule_comm_wait
 from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
-from tests.parity import assert_params_close, ddp_copy, eager_step
+from tests.parity import assert_params_close, check_sgd_grad_sum, ddp_copy, eager_step, train_step
 
 
 def _seed_graph_optimization(rank, world_size, fused):
@@ -41,6 +41,23 @@ def _seed_graph_optimization(rank, world_size, fused):
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_graph_optimization_matches_ddp(fused):
     run_distributed(_seed_graph_optimization, fused)
+
+
+def _sgd_sum_pipeline(rank, world_size, impl):
+    """The default pass pipeline with grad_reduce="sum", seen by plain SGD (see check_sgd_grad_sum)."""
+    seen = {}
+
+    def pipeline(gm):
+        seen["igm"] = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.004)(gm)
+        return seen["igm"]
+
+    check_sgd_grad_sum(spmd.compile(gm_transformation=pipeline)(train_step), world_size, impl)
+    assert len(find_node(seen["igm"].graph, is_all_reduce)) == 3
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_graph_optimization_sums_gradients_like_ddp_with_plain_sgd(impl):
+    run_distributed(_sgd_sum_pipeline, impl)
 
 
 def test_user_pass_runs_in_order_with_ours_and_dumps_every_stage(tmp_path):

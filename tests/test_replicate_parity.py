@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import spmd
 from spmd.tools.models import GPT, MLP, ConvBN, GPTConfig
 from tests.dist import run_distributed
-from tests.parity import assert_params_close, ddp_copy, eager_step, lm_train_step
+from tests.parity import assert_params_close, check_sgd_grad_sum, ddp_copy, eager_step, lm_train_step, train_step
 
 
 def _seed_style(rank, world_size, optim_kwargs):
@@ -43,9 +44,19 @@ def test_basic_transformation_fused_adam():
     run_distributed(_seed_style, {"fused": True})
 
 
+def _sgd_sum(rank, world_size, impl):
+    """grad_reduce="sum" (the default) seen by an optimizer that is not scale-invariant."""
+    check_sgd_grad_sum(spmd.compile(gm_transformation=spmd.GraphModuleTransformation())(train_step), world_size, impl)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_sum_matches_ddp_gradients_times_world_size_with_plain_sgd(impl):
+    run_distributed(_sgd_sum, impl)
+
+
 def _gpt(rank, world_size, optimizer: str):
     torch.manual_seed(0)
-    cfg = GPTConfig(frozen_pos_emb=True)
+    cfg = GPTConfig(n_layer=1, frozen_pos_emb=True)
     model = GPT(cfg)
     ddp = ddp_copy(model)
 

@@ -1,0 +1,40 @@
+"""Session setup: one Inductor cache for the whole run, clean torch state per test, rank pools stopped at the end.
+
+The environment is set here, at import, before any test module imports torch: the rank
+processes of ``tests.dist`` inherit it, so the main process and every rank share one
+Inductor cache (FX graphs and compiled C++ kernels), which starts empty each session unless
+``TORCHINDUCTOR_CACHE_DIR`` is set. Two compile threads (at most one per core): the ranks of
+a test compile the same kernels, and through the shared cache one rank compiles each kernel
+while the other waits for it, so with a single compile thread a 2-rank test compiles on one
+core. Both settings can be overridden from the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+_OWN_CACHE = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_tests_inductor_")
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(min(2, os.cpu_count() or 1)))
+
+import pytest  # noqa: E402
+
+from tests.dist import reset_process_state, shutdown_pools  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pools_and_inductor_cache():
+    yield
+    shutdown_pools()
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _clean_torch_state():
+    """Each test starts without Dynamo caches, with grad mode on and fixed seeds (ranks do the same)."""
+    reset_process_state()
