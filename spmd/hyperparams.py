@@ -29,12 +29,14 @@ so a step's signature can be computed before it is traced again.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from .graph_utils.optimizer_ops import fused_float_args
@@ -172,13 +174,20 @@ class HyperMode(TorchFunctionMode):
     Active only inside ``Optimizer.step``. ``hypers`` maps ``id`` of each traced
     hyperparameter tensor to its ``TracedHyper``; ``state_scalars`` are the traced 0-dim
     optimizer state tensors (step counters, ...) that eager reads with ``.item()``.
+
+    Both are Python numbers in eager, and so is anything computed from them alone
+    (``numbers``). Where such a value meets 0-dim tensors that are not numbers (the
+    on-device step counters of a capturable optimizer), eager's type promotion lets the
+    tensor's dtype win; the traced float64 value is cast to it, so the arithmetic runs in
+    the dtype eager's does (``_as_python_numbers``).
     """
 
     def __init__(self, hypers: dict[int, TracedHyper], state_scalars: list[torch.Tensor]):
         super().__init__()
         self.hypers = hypers
         self.state_scalars = {id(t) for t in state_scalars if t.dim() == 0 and t.is_floating_point()}
-        self._alive = state_scalars  # keeps the ids valid
+        self.numbers = set(hypers) | self.state_scalars
+        self._alive = list(state_scalars)  # keeps the ids valid
 
     def _hyper(self, v) -> Optional[TracedHyper]:
         return self.hypers.get(id(v)) if isinstance(v, torch.Tensor) else None
@@ -206,14 +215,77 @@ class HyperMode(TorchFunctionMode):
         if fused:
             kwargs = {k: self._specialise(self._hyper(v)) if k in fused and self._hyper(v) else v
                       for k, v in kwargs.items()}
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        numbers_only = bool(tensors) and all(id(t) in self.numbers for t in tensors)
+        number_divides = (func in _DIVISIONS and len(args) == 2 and not kwargs and id(args[0]) in self.numbers
+                          and isinstance(args[1], torch.Tensor) and id(args[1]) not in self.numbers)
+        if not numbers_only:
+            args, kwargs = self._as_python_numbers(tensors, args, kwargs)
+        if number_divides:  # eager: ``number / t`` is ``t.__rtruediv__(number)``, which is ``t.reciprocal() * number``
+            return args[1].reciprocal() * args[0]
+        if numbers_only and func in _REVERSE_DIVISIONS and len(args) == 2 and isinstance(args[1], numbers.Real):
+            # eager: ``2 / x`` of two Python numbers, one division (not torch's reciprocal-then-multiply)
+            out = torch.as_tensor(args[1], dtype=args[0].dtype, device=args[0].device).div(args[0])
+            self.numbers.add(id(out))
+            self._alive.append(out)
+            return out
         args, kwargs = _scalar_dtypes(func, args, kwargs, self.state_scalars)
+        args = _scalars_on_element_devices(func, args)
         rewrite = _REWRITES.get(func)
         out = rewrite(func, args, kwargs) if rewrite is not None else NotImplemented
         if out is NotImplemented:
             out = func(*args, **kwargs)
-        if func in _WHERE and _is_scalar_tensor(out) and out.is_floating_point() and out.dtype != torch.float64:
+        if (func in _WHERE and numbers_only and _is_scalar_tensor(out) and out.is_floating_point()
+                and out.dtype != torch.float64):
             out = out.to(torch.float64)  # where(c, 0.0, 1.0): Python numbers in eager, not default-dtype tensors
+        if numbers_only and not _is_inplace(func):
+            made = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+            self.numbers.update(map(id, made))
+            self._alive += made
         return out
+
+    def _as_python_numbers(self, tensors: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Cast the floating number operands of an op whose other tensors are all 0-dim to those
+        tensors' dtype, as a Python number takes the dtype of the tensor it meets."""
+        others = [t for t in tensors if id(t) not in self.numbers]
+        if len(others) == len(tensors) or any(t.dim() != 0 for t in others):
+            return args, kwargs
+        floats = [t.dtype for t in others if t.is_floating_point()]
+        if not floats:
+            return args, kwargs
+        target = functools.reduce(torch.promote_types, floats)
+
+        def cast(x):
+            if isinstance(x, torch.Tensor) and id(x) in self.numbers and x.is_floating_point() and x.dtype != target:
+                return x.to(target)
+            return x
+
+        return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
+
+
+_DIVISIONS = {torch.Tensor.__truediv__, torch.Tensor.__div__, torch.Tensor.div, torch.div, torch.true_divide}
+_REVERSE_DIVISIONS = {torch.Tensor.__rtruediv__, torch.Tensor.__rdiv__}
+_TENSOR1_OPS = {getattr(torch, n) for n in ("_foreach_addcmul", "_foreach_addcmul_", "_foreach_addcdiv",
+                                             "_foreach_addcdiv_")}
+
+
+def _scalars_on_element_devices(func, args: tuple) -> tuple:
+    """``_foreach_addcmul``/``_foreach_addcdiv`` with the CPU 0-dim entries of ``tensor1`` moved to
+    the device of ``self``'s element at the same position.
+
+    Traced, values eager computes as Python numbers are 0-dim CPU tensors (arithmetic on the
+    hyperparameters of a non-capturable optimizer). CUDA kernels take a CPU 0-dim operand
+    in most positions, but not as these ops' ``tensor1``. The values stay the same; only
+    where they live changes.
+    """
+    if func not in _TENSOR1_OPS or len(args) < 2:
+        return args
+    first, tensor1 = args[0], args[1]
+    if not isinstance(first, (list, tuple)) or not isinstance(tensor1, (list, tuple)) or len(first) != len(tensor1):
+        return args
+    moved = [o.to(t.device) if _is_scalar_tensor(o) and o.device.type == "cpu" and isinstance(t, torch.Tensor)
+             and t.device.type != "cpu" else o for t, o in zip(first, tensor1)]
+    return (first, moved, *args[2:])
 
 
 def _scalar_dtypes(func, args, kwargs, state_scalars: set[int]):

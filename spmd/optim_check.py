@@ -3,10 +3,12 @@
 Whether spmd traces an optimizer exactly is not read from a list: before the first
 trace of a step, each of its optimizers (class, param-group settings) not yet checked in
 this process runs a probe. A copy of the optimizer, with the same class and groups, steps
-a few small float64 tensors with synthetic gradients twice: once traced by the same
+a few small float64 tensors (on the optimizer's device, so the same kernels run) with
+synthetic gradients twice: once traced by the same
 capture as the user's step (state created by ``ensure_optimizer_state``,
 hyperparameters as graph inputs, their values changed between steps as a scheduler
-would) and once eagerly from empty state. Parameters and state must agree to float64
+would) and once eagerly from empty state (a fused CUDA kernel's lr rounded to float32 in
+both, as the traced step hands it over). Parameters and state must agree to float64
 rounding; otherwise the step is refused with an ``SpmdCompileError`` naming the optimizer,
 the difference and the optimizers known to pass, before anything of the user's runs or
 changes. Verdicts are cached per process.
@@ -19,6 +21,7 @@ from collections import OrderedDict, defaultdict
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import _get_capturable_supported_devices
 
 from .errors import SpmdCompileError
 from .hyperparams import flags, hyper_items, learned
@@ -44,15 +47,35 @@ def _float64(optim: torch.optim.Optimizer) -> bool:
     return all(p.dtype == torch.float64 for g in optim.param_groups for p in g["params"] if p.is_floating_point())
 
 
+def _device(optim: torch.optim.Optimizer) -> torch.device:
+    """Where the probe runs: the device of the optimizer's parameters (the kernels the step will
+    use), or the CPU when they are spread over several devices or on the meta device."""
+    devices = {p.device for g in optim.param_groups for p in g["params"]}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def _config(optim: torch.optim.Optimizer) -> tuple:
-    """What a verdict holds for: the class, float64 or not, and per group its flags and which
-    hyperparameters are 0 or negative."""
-    return (type(optim), _float64(optim), tuple((flags(g), tuple((k, i, v == 0, v < 0) for k, i, v in hyper_items(g)))
+    """What a verdict holds for: the class, float64 or not, the device, and per group its flags
+    and which hyperparameters are 0 or negative."""
+    return (type(optim), _float64(optim), _device(optim), tuple((flags(g), tuple((k, i, v == 0, v < 0) for k, i, v in hyper_items(g)))
                                for g in optim.param_groups))
 
 
 def _copy(optim: torch.optim.Optimizer, params: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
-    """``optim``'s class and settings over ``params`` (one list per group), with empty state and no hooks."""
+    """``optim``'s class and settings over ``params`` (one list per group), with fresh state and no hooks.
+
+    Built by the class's constructor where it accepts the groups (with ``optim.defaults``, or
+    with the groups alone, which carry every setting), so state a constructor creates (torch
+    2.11's Adagrad makes its ``sum`` there) exists as it does for ``optim``; otherwise a bare
+    copy of ``optim``'s attributes with empty state.
+    """
+    groups = [{**g, "params": ps} for g, ps in zip(optim.param_groups, params)]
+    for kwargs in (optim.defaults, {}):
+        try:
+            return type(optim)([dict(g) for g in groups], **{k: v for k, v in kwargs.items() if k != "params"})
+        except Exception:  # a constructor with other arguments (AdamW does not take decoupled_weight_decay)
+            continue
     new = object.__new__(type(optim))
     # instance-level callables (a scheduler's wrapper of ``step``) are bound to ``optim``: leave them out
     new.__dict__.update({k: v for k, v in optim.__dict__.items() if not callable(v)})
@@ -60,13 +83,13 @@ def _copy(optim: torch.optim.Optimizer, params: list[list[nn.Parameter]]) -> tor
         if name.endswith("_hooks") and isinstance(value, dict):
             setattr(new, name, OrderedDict())
     new.state = defaultdict(dict)
-    new.param_groups = [{**g, "params": ps} for g, ps in zip(optim.param_groups, params)]
+    new.param_groups = groups
     return new
 
 
-def _probe_params(n_groups: int) -> list[list[nn.Parameter]]:
+def _probe_params(n_groups: int, device: torch.device) -> list[list[nn.Parameter]]:
     gen = torch.Generator().manual_seed(0)
-    return [[nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64)) for shape in ((2, 3), (3,))]
+    return [[nn.Parameter(torch.randn(shape, generator=gen, dtype=torch.float64).to(device)) for shape in ((2, 3), (3,))]
             for _ in range(n_groups)]
 
 
@@ -123,10 +146,14 @@ def _eager_run(optim, params, weights) -> list[torch.Tensor]:
     module = nn.Module()
     module.params = nn.ParameterList([p for ps in params for p in ps])
     for group in optim.param_groups:
-        if group.get("capturable"):
-            group["capturable"] = False  # the CPU reference; capturable is the same update
+        if group.get("capturable") and params[0][0].device.type not in _get_capturable_supported_devices():
+            group["capturable"] = False  # the reference where torch refuses capturable; the same update
     for step, ws in enumerate(weights):
         _schedule(optim, step)
+        for group in optim.param_groups:
+            if group.get("fused") and params[0][0].device.type == "cuda" and not torch.is_tensor(group["lr"]):
+                # the traced step hands a CUDA fused kernel its lr as a float32 tensor, the only tensor lr it takes
+                group["lr"] = float(torch.tensor(group["lr"], dtype=torch.float32))
         _probe_step(module, optim, ws)
     state = StepState([module], [optim])
     return [t.detach() for t in (*state.params, *state.state_tensors)]
@@ -138,21 +165,21 @@ def _first_line(err: Exception) -> str:
 
 def _difference(optim: torch.optim.Optimizer) -> str | None:
     """Why tracing ``optim`` is not exact (None if it is), from one probe."""
-    n = len(optim.param_groups)
+    n, device = len(optim.param_groups), _device(optim)
     gen = torch.Generator().manual_seed(1)
-    weights = [[torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(n) for shape in ((2, 3), (3,))]
-               for _ in range(_STEPS)]
+    weights = [[torch.randn(shape, generator=gen, dtype=torch.float64).to(device) for _ in range(n)
+                for shape in ((2, 3), (3,))] for _ in range(_STEPS)]
     try:
-        scratch = _probe_params(n)
+        scratch = _probe_params(n, device)
         _eager_run(_copy(optim, scratch), scratch, weights[:1])
     except Exception as err:  # an optimizer that cannot run this probe eagerly (LBFGS needs a closure, ...)
         return f"its step cannot run on plain dense gradients ({type(err).__name__}: {_first_line(err)})"
     try:
-        traced_params = _probe_params(n)
+        traced_params = _probe_params(n, device)
         traced = _traced_run(_copy(optim, traced_params), traced_params, weights)
     except Exception as err:
         return f"its step cannot be traced ({type(err).__name__}: {_first_line(err)})"
-    eager_params = _probe_params(n)
+    eager_params = _probe_params(n, device)
     eager = _eager_run(_copy(optim, eager_params), eager_params, weights)  # after the trace: it knows what is specialised
     if len(traced) != len(eager) or any(a.shape != b.shape for a, b in zip(traced, eager)):
         return "its traced step keeps different state than eager"

@@ -139,6 +139,10 @@ class StepState:
         for optim in optimizers:
             for p, st in optim.state.items():
                 by_param[id(p)] = st
+        # Eager reads a non-capturable optimizer's 0-dim state (step counters) as Python numbers;
+        # a capturable one computes with it as tensors, in their dtype (``spmd.hyperparams``).
+        capturable = {id(p) for o in optimizers for g in o.param_groups if g.get("capturable") for p in g["params"]}
+        self.state_read_as_number: list[bool] = []
         for i, p in enumerate(self.params):
             layout = []
             for key in sorted(by_param.get(id(p), {})):
@@ -147,6 +151,7 @@ class StepState:
                     layout.append((key, ("tensor", len(self.state_tensors))))
                     self.state_tensors.append(value)
                     self.state_names.append(f"{self.param_names[i]}.{key}")
+                    self.state_read_as_number.append(id(p) not in capturable)
                 else:
                     layout.append((key, ("const", value)))
             self._state_layout.append(layout)

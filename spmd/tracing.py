@@ -383,7 +383,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
                 stack.enter_context(_reparametrize_module(mod, mapping))
             traced_hypers = stack.enter_context(_rematerialize_optimizers(state, params, states, hypers))
             before = [dict(st) for st in states]
-            stack.enter_context(_hyper_mode_in_steps(HyperMode(traced_hypers, state_tensors)))
+            numbers = [t for t, as_number in zip(state_tensors, state.state_read_as_number) if as_number]
+            stack.enter_context(_hyper_mode_in_steps(HyperMode(traced_hypers, numbers)))
             stack.enter_context(mode_context(params))
             out = fn(*call_args, **call_kwargs)
             _check_state_updated_in_place(state, before, states)

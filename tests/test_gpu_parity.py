@@ -208,7 +208,11 @@ def _one_cycle_cudagraphs(rank, world_size, impl):
                                    atol=1e-3, rtol=1e-3)
         for s in schedulers:
             s.step()
-    assert_params_close(model, ddp, atol=1e-3, rtol=1e-3)
+    # fp32 Adam: a last-bit difference in a gradient can move a parameter by up to 2 lr per step,
+    # so the bound is that; on average they agree far more closely
+    assert_params_close(model, ddp, atol=2 * 0.01 * 8, rtol=0)
+    diffs = torch.cat([(p - q).abs().flatten() for p, q in zip(model.parameters(), ddp.module.parameters())])
+    assert diffs.mean().item() < 1e-5, diffs.mean().item()
     if impl == "foreach":
         assert len(train_step.cache) == 1 and seen["igm"]._runners["step"].captures == 1
 
@@ -224,7 +228,8 @@ def _optimizers_on_gpus(rank, world_size):
     device = torch.device("cuda", rank)
     cases = [(torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, foreach=True)),
              (torch.optim.NAdam, dict(lr=0.01, foreach=True)), (torch.optim.NAdam, dict(lr=0.01, capturable=True)),
-             (torch.optim.RAdam, dict(lr=0.01, foreach=True)), (torch.optim.Adagrad, dict(lr=0.05, fused=True)),
+             (torch.optim.RAdam, dict(lr=0.01, foreach=True)),
+             (torch.optim.Adagrad, dict(lr=0.05, foreach=True)),  # torch's fused Adagrad runs on the CPU only
              (torch.optim.RMSprop, dict(lr=0.01, momentum=0.9, centered=True, foreach=True))]
     for cls, settings in cases:
         torch.manual_seed(0)

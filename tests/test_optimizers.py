@@ -304,3 +304,54 @@ def test_every_numeric_hyperparameter_is_an_input_and_only_branch_flips_retrace(
     assert len(train_step.cache) == 2
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
+
+
+CAPTURABLE = [(torch.optim.Adam, dict(foreach=False)), (torch.optim.Adam, dict(foreach=True)),
+              (torch.optim.AdamW, dict(foreach=True)), (torch.optim.NAdam, dict(foreach=False)),
+              (torch.optim.NAdam, dict(foreach=True)), (torch.optim.RAdam, dict(foreach=True)),
+              (torch.optim.Adamax, dict(foreach=False)), (torch.optim.ASGD, dict(foreach=False))]
+
+
+@pytest.fixture
+def capturable_on_cpu(monkeypatch):
+    """torch's capturable code paths, allowed on the CPU: their on-device 0-dim step counters
+    compute in their own dtype, the case a CUDA user meets."""
+    import importlib
+
+    supported = importlib.import_module("torch.optim.optimizer")._get_capturable_supported_devices
+
+    def with_cpu(supports_xla: bool = True) -> list[str]:
+        return [*supported(supports_xla), "cpu"]
+
+    for name in ("optimizer", "adam", "adamw", "nadam", "radam", "adamax", "asgd"):
+        module = importlib.import_module(f"torch.optim.{name}")
+        if hasattr(module, "_get_capturable_supported_devices"):
+            monkeypatch.setattr(module, "_get_capturable_supported_devices", with_cpu)
+    import spmd.optim_check
+    monkeypatch.setattr(spmd.optim_check, "_get_capturable_supported_devices", with_cpu)
+
+
+@pytest.mark.parametrize("cls,settings", CAPTURABLE, ids=[f"{c.__name__}-{s}" for c, s in CAPTURABLE])
+def test_capturable_optimizers_compute_in_their_step_counters_dtype(capturable_on_cpu, cls, settings):
+    """float64 parameters, float32 step counters: a Python-number hyperparameter meeting a counter
+    takes its dtype, and ``number / t`` is ``t.reciprocal() * number``, as in eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (cls(m.parameters(), lr=0.01, capturable=True, **settings) for m in (model, ref))
+
+    def step(m, o, x):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss
+
+    compiled = spmd.compile()(step)
+    for _ in range(4):
+        x = torch.randn(8, 6, dtype=torch.float64)
+        torch.testing.assert_close(compiled(model, optim, x), step(ref, ref_optim, x), atol=1e-14, rtol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-14, rtol=0)
+    for key, value in ref_optim.state[ref[0].weight].items():
+        torch.testing.assert_close(optim.state[model[0].weight][key], value, atol=1e-14, rtol=0)

@@ -50,9 +50,12 @@ def _bf16_parity(rank, world_size, style, inductor):
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=inductor)
     step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(_step)
     gen = torch.Generator().manual_seed(rank)
-    # eager graph: the same kernels as FSDP2; Inductor fuses bf16 math differently
-    loss_tol, param_tol = (5e-2, 5e-3) if inductor else (1e-5, 1e-6)
-    for _ in range(4):
+    steps = 4
+    # eager graph: the same kernels as FSDP2. Inductor fuses bf16 math differently, and Adam's
+    # normalisation turns a last-bit difference in a gradient into up to 2 lr in a step (a sign
+    # flip of a tiny update): parameters are bounded by that, and must agree on average.
+    loss_tol, param_tol = (5e-2, 2 * lr * steps) if inductor else (1e-5, 1e-6)
+    for _ in range(steps):
         idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=gen).to(device)
         targets = idx.roll(-1, 1)
         ours, theirs = step(model, optim, idx, targets), _step(ref, ref_optim, idx, targets).detach()
@@ -61,6 +64,8 @@ def _bf16_parity(rank, world_size, style, inductor):
     mine, ref_params = full_params(model), full_params(ref)
     for name in mine:
         torch.testing.assert_close(mine[name], ref_params[name], atol=param_tol, rtol=0, msg=lambda m: f"{name}: {m}")
+    diffs = torch.cat([(mine[n].float() - ref_params[n].float()).abs().flatten() for n in mine])
+    assert diffs.mean().item() <= (lr / 20 if inductor else 1e-7), f"mean |difference| {diffs.mean().item():.3g}"
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.placements == q.placements and p.to_local().shape == q.to_local().shape, name
 
