@@ -211,7 +211,8 @@ class CompiledTrainStep:
         folder = dump.options.folder_for_rank(_rank())
         if folder:  # the transformation built its own graphs from a copy: gm is still the traced graph
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
-        entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times, first_step=_first_step_slots(state, created))
+        entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
+                             first_step=_first_step_slots(state, created))
         return entry, state, created
 
     def _compile_on_every_rank(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState]:

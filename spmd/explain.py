@@ -136,7 +136,8 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
     """Trace ``train_step`` on these arguments and report the plan, without running a step.
 
     Returns (and prints with rich) parameters and bytes, gradient buckets and their sizes,
-    every collective of the step (``Plan.collectives``: op, phase, bytes, unit or bucket), the pass pipeline in order with its constraints, cross-iteration moves, and warnings
+    every collective of the step (``Plan.collectives``: op, phase, bytes, unit or bucket), the
+    pass pipeline in order with its constraints, cross-iteration moves, and warnings
     for what will run slowly. Parameters and optimizer state are left as they were
     (optimizer state created for the trace is removed again).
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import _get_capturable_supported_devices
 
+from .compile_times import recording
 from .errors import SpmdCompileError
 from .hyperparams import flags, hyper_items, learned
 from .optim_state import ensure_optimizer_state
@@ -58,8 +59,8 @@ def _device(optim: torch.optim.Optimizer) -> torch.device:
 def _config(optim: torch.optim.Optimizer) -> tuple:
     """What a verdict holds for: the class, float64 or not, the device, and per group its flags
     and which hyperparameters are 0 or negative."""
-    return (type(optim), _float64(optim), _device(optim), tuple((flags(g), tuple((k, i, v == 0, v < 0) for k, i, v in hyper_items(g)))
-                               for g in optim.param_groups))
+    groups = tuple((flags(g), tuple((k, i, v == 0, v < 0) for k, i, v in hyper_items(g))) for g in optim.param_groups)
+    return type(optim), _float64(optim), _device(optim), groups
 
 
 def _copy(optim: torch.optim.Optimizer, params: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
@@ -195,7 +196,8 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
     for optim in optimizers:
         key = _config(optim)
         if key not in _VERDICTS:
-            with torch.random.fork_rng(devices=[]):
+            # the probe's own trace phases belong to "optimizer_check", not to the step's "trace"
+            with torch.random.fork_rng(devices=[]), recording({}):
                 _VERDICTS[key] = _difference(optim)
             log.info("spmd: %s checked against eager: %s", type(optim).__name__, _VERDICTS[key] or "exact")
         why = _VERDICTS[key]

@@ -40,6 +40,15 @@ def train_step(model, optim, *batch):
     return loss
 
 
+def square_mean_step(model, optim, x):
+    """A step with a mean-square loss on the model's output (any output shape)."""
+    loss = model(x).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def lm_train_step(model, optim, idx, targets):
     """A GPT training step as users write it (compile it with ``spmd.compile(...)(lm_train_step)``)."""
     loss = model(idx, targets)

@@ -7,21 +7,14 @@ import torch.fx as fx
 
 import spmd
 from spmd.tools.models import MLP
-
-
-def _step(model, optim, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+from tests.parity import square_mean_step
 
 
 def _compiled():
     torch.manual_seed(0)
     model = MLP(2, 8)
     optim = torch.optim.Adam(model.parameters(), lr=0.01, foreach=True)
-    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True))(_step)
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True))(square_mean_step)
     return step, model, optim
 
 

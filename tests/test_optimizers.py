@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import spmd
 from tests.dist import run_distributed
-from tests.parity import ddp_copy
+from tests.parity import ddp_copy, square_mean_step
 
 O = torch.optim
 REPLICATE = spmd.DataParallel("replicate", grad_reduce="avg")
@@ -340,18 +340,44 @@ def test_capturable_optimizers_compute_in_their_step_counters_dtype(capturable_o
     ref = copy.deepcopy(model)
     optim, ref_optim = (cls(m.parameters(), lr=0.01, capturable=True, **settings) for m in (model, ref))
 
-    def step(m, o, x):
-        loss = m(x).pow(2).mean()
-        loss.backward()
-        o.step()
-        o.zero_grad()
-        return loss
-
-    compiled = spmd.compile()(step)
+    compiled = spmd.compile()(square_mean_step)
     for _ in range(4):
         x = torch.randn(8, 6, dtype=torch.float64)
-        torch.testing.assert_close(compiled(model, optim, x), step(ref, ref_optim, x), atol=1e-14, rtol=0)
+        torch.testing.assert_close(compiled(model, optim, x), square_mean_step(ref, ref_optim, x), atol=1e-14, rtol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-14, rtol=0)
     for key, value in ref_optim.state[ref[0].weight].items():
         torch.testing.assert_close(optim.state[model[0].weight][key], value, atol=1e-14, rtol=0)
+
+
+class _EagerStateAdagrad(torch.optim.Adagrad):
+    """Adagrad as torch 2.11 writes it: ``sum`` made in the constructor only, never in a step."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].update(step=torch.tensor(0.0), sum=torch.zeros_like(p))
+
+    def _init_group(self, group, params_with_grad, grads, state_sums, state_steps):
+        for p in group["params"]:
+            if p.grad is not None:
+                params_with_grad.append(p)
+                grads.append(p.grad)
+                state_sums.append(self.state[p]["sum"])  # KeyError where the constructor did not run
+                state_steps.append(self.state[p]["step"])
+        return False, False
+
+
+def test_state_an_optimizer_makes_in_its_constructor_is_there_for_the_check():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (_EagerStateAdagrad(m.parameters(), lr=0.1, foreach=True) for m in (model, ref))
+
+    compiled = spmd.compile()(square_mean_step)
+    for _ in range(3):
+        x = torch.randn(5, 4, dtype=torch.float64)
+        torch.testing.assert_close(compiled(model, optim, x), square_mean_step(ref, ref_optim, x), atol=1e-14, rtol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-14, rtol=0)

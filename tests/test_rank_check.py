@@ -13,7 +13,7 @@ import torch.nn as nn
 import spmd
 from spmd import SpmdCompileError
 from tests.dist import run_distributed
-from tests.parity import assert_params_close, ddp_copy
+from tests.parity import assert_params_close, ddp_copy, square_mean_step
 
 TOL = dict(atol=1e-10, rtol=1e-10)
 
@@ -36,14 +36,6 @@ class Branchy(nn.Module):
         return self.c(h)
 
 
-def _step(model, optim, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
-
-
 def _unused_on_one_rank(rank, world_size, optimized: bool):
     torch.manual_seed(0)
     model = Branchy().double()
@@ -55,12 +47,12 @@ def _unused_on_one_rank(rank, world_size, optimized: bool):
     ddp_optim = torch.optim.SGD(ddp.parameters(), lr=0.125, momentum=0.875, weight_decay=0.0625)
     transform = spmd.GraphModuleTransformation(enable_graph_optimization=optimized, bucket_size_mb=0.0005)
     step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
-                        gm_transformation=transform)(_step)
+                        gm_transformation=transform)(square_mean_step)
     b_before, never_before = model.b.weight.detach().clone(), model.never.weight.detach().clone()
     torch.manual_seed(10 + rank)
     for _ in range(4):
         x = torch.randn(4, 8, dtype=torch.float64)
-        torch.testing.assert_close(step(model, optim, x), _step(ddp, ddp_optim, x), **TOL)
+        torch.testing.assert_close(step(model, optim, x), square_mean_step(ddp, ddp_optim, x), **TOL)
     assert_params_close(model, ddp, **TOL)
     assert step.trace_count == 1
     assert not torch.equal(model.b.weight, b_before), "b is trained on both ranks"
@@ -138,7 +130,7 @@ def _different_models(rank, world_size):
     model = nn.Sequential(nn.Linear(8, 8 + rank), nn.Linear(8 + rank, 4))
     optim = torch.optim.SGD(model.parameters(), lr=0.125)
     before = [p.detach().clone() for p in model.parameters()]
-    compiled = spmd.compile(parallel_mode=spmd.DataParallel("replicate", group=_short_timeout_group()))(_step)
+    compiled = spmd.compile(parallel_mode=spmd.DataParallel("replicate", group=_short_timeout_group()))(square_mean_step)
     with pytest.raises(SpmdCompileError, match=r"rank 0 has parameter 0\.weight of shape \(8, 8\).*rank 1 has "
                                                r"parameter 0\.weight of shape \(9, 8\)"):
         compiled(model, optim, torch.randn(4, 8))

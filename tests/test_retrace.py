@@ -15,15 +15,7 @@ from spmd.passes import (
 from spmd.step_state import describe_changes
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
-from tests.parity import assert_params_close, ddp_copy, eager_step
-
-
-def _step(model, optim, x):
-    loss = model(x).square().mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+from tests.parity import assert_params_close, ddp_copy, eager_step, square_mean_step
 
 
 def test_describe_changes_names_each_changed_component():
@@ -42,7 +34,7 @@ def test_trace_count_and_one_warning_naming_the_change_when_a_step_keeps_retraci
     torch.manual_seed(0)
     model = MLP(1, 4)
     optim = torch.optim.SGD(model.parameters(), lr=0.125)
-    step = spmd.compile()(_step)
+    step = spmd.compile()(square_mean_step)
     for _ in range(3):
         step(model, optim, torch.randn(2, 4))
     assert step.trace_count == 1
@@ -63,7 +55,7 @@ def test_the_cache_keeps_the_most_recently_used_signatures():
     torch.manual_seed(0)
     model = MLP(1, 4)
     optim = torch.optim.SGD(model.parameters(), lr=0.125)
-    step = spmd.compile()(_step)
+    step = spmd.compile()(square_mean_step)
     step.cache_size = 2
     for batch in (2, 3, 2, 4):  # 3 is the least recently used when 4 arrives
         step(model, optim, torch.randn(batch, 4))
@@ -93,7 +85,7 @@ def _shape_changes_with_deferred_work(rank, world_size, cache_size):
     optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     ddp_optim = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=True)
     step = spmd.compile(gm_transformation=_deferred_update_pipeline,
-                        parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(_step)
+                        parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(square_mean_step)
     step.cache_size = cache_size
     torch.manual_seed(rank)
     batches = [8, 8, 6, 6, 8, 6]
