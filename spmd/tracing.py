@@ -5,8 +5,9 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
 1. ``make_fx`` (fake tensors) runs the user's step with every parameter, buffer,
    optimizer state tensor and numeric optimizer hyperparameter (``spmd.hyperparams``)
    swapped for a graph input. Real autograd runs under the tracer, so backward ops are
-   recorded; a hook on each trained parameter tags its gradient with ``spmd::tag_grad``
-   so the parallel mode can find it. Optimizers run their compile-friendly code, and
+   recorded; the parallel mode's ``trace_context`` adds its markers and collectives
+   (replicate tags each gradient, ``spmd.parallel.replicate_markers``; the sharded
+   styles gather and reduce-scatter each unit). Optimizers run their compile-friendly code, and
    inside ``Optimizer.step`` ``HyperMode`` keeps their scalar math what eager computes.
 2. That graph (plain aten ops, some in place) is made functional: the result is pure,
    and every input the step mutates gets an explicit ``copy_`` back into it at the
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
@@ -42,81 +42,6 @@ from .errors import SpmdCompileError
 from .hyperparams import HyperMode, TracedHyper, hyper_items, learned
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState
-
-# --- the gradient tag -------------------------------------------------------------
-
-
-@torch.library.custom_op("spmd::tag_grad", mutates_args=())
-def tag_grad(grad: torch.Tensor, param_index: int) -> torch.Tensor:
-    """Identity marker on the gradient of trained parameter ``param_index``."""
-    return grad.clone()
-
-
-@tag_grad.register_fake
-def _(grad, param_index):
-    return torch.empty_like(grad)
-
-
-TAG_GRAD = torch.ops.spmd.tag_grad.default
-
-
-@torch.library.custom_op("spmd::sync_buffers", mutates_args=())
-def sync_buffers_marker(buffers: list[torch.Tensor], names: str) -> list[torch.Tensor]:
-    """Marker: the values of a module's ``buffers`` that its forward must start from.
-
-    Identity when run; the parallel mode replaces it (replicate: rank 0's values, broadcast).
-    ``names``: the buffers' names, comma-separated, for messages.
-    """
-    return [b.clone() for b in buffers]
-
-
-@sync_buffers_marker.register_fake
-def _(buffers, names):
-    return [torch.empty_like(b) for b in buffers]
-
-
-SYNC_BUFFERS = torch.ops.spmd.sync_buffers.default
-
-
-def _sync_buffers_before_forward(prefix: str):
-    """A forward pre-hook: overwrite the module's buffers with ``sync_buffers_marker`` of them, as DDP does."""
-
-    def hook(module, args):
-        named = list(module.named_buffers())
-        if named:
-            bufs = [b for _, b in named]
-            with torch.no_grad():
-                torch._foreach_copy_(bufs, sync_buffers_marker(bufs, ",".join(prefix + n for n, _ in named)))
-
-    return hook
-
-
-class _ZeroGradsForUnused:
-    """Give the listed trained parameters a zero gradient in every backward that computes none for them.
-
-    ``on_grad(i)`` runs in each gradient hook; at the end of that backward the missing
-    ones get ``tag_grad(zeros)``, reduced like any other gradient (DDP's
-    ``find_unused_parameters=True``: a gradient some rank does not compute is zero there).
-    """
-
-    def __init__(self, params: list, indices: frozenset):
-        self.params, self.indices = params, indices
-        self.seen: set[int] = set()
-        self.queued = False
-
-    def on_grad(self, i: int) -> None:
-        if self.indices and not self.queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.fill)
-            self.queued = True
-        self.seen.add(i)
-
-    def fill(self) -> None:
-        for i in sorted(self.indices - self.seen):
-            p = self.params[i]
-            zero = tag_grad(torch.zeros_like(p), i)
-            p.grad = zero if p.grad is None else p.grad + zero
-        self.seen, self.queued = set(), False
-
 
 # --- the traced result ------------------------------------------------------------
 
@@ -312,38 +237,6 @@ def _specialise(state: StepState, slots: set[int]) -> None:
         learned(optim, optim.param_groups[slot.group]).specialised.add((slot.key, slot.index))
 
 
-def tag_gradients(state: StepState, params: list[torch.Tensor],
-                  zero_grads_for: frozenset = frozenset()) -> contextlib.AbstractContextManager:
-    """Tag each trained parameter's gradient with ``spmd::tag_grad`` (what replicate expands).
-
-    ``zero_grads_for``: indices of trained parameters that get a zero gradient in a backward
-    that computes none for them (``_ZeroGradsForUnused``).
-    """
-    unused = _ZeroGradsForUnused(params, frozenset(zero_grads_for))
-
-    def on_grad(g, i):
-        unused.on_grad(i)
-        return tag_grad(g, i)
-
-    for i, p in enumerate(params):
-        if state.param_trained[i]:
-            p.register_hook(lambda g, i=i: on_grad(g, i))
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def buffers_synced_before_forward(modules: list[nn.Module]) -> Iterator[None]:
-    """While tracing: each call of one of ``modules`` first overwrites its buffers with
-    ``sync_buffers_marker`` of them (``SYNC_BUFFERS`` in the graph), as DDP's forward does."""
-    handles = [mod.register_forward_pre_hook(_sync_buffers_before_forward(f"m{m}." if len(modules) > 1 else ""))
-               for m, mod in enumerate(modules)]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 
 
@@ -356,9 +249,9 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     (parameters, buffers, optimizer state, hyperparameters, user tensors). Running the graph
     on the real tensors performs the step. ``mode_context(params)``, given the traced
     parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
-    mode's hooks (default: ``tag_gradients``).
+    mode's hooks (default: none).
     """
-    mode_context = mode_context or (lambda params: tag_gradients(state, params))
+    mode_context = mode_context or (lambda params: contextlib.nullcontext())
     register_missing_fused_optimizer_metas()
     flat_user, user_spec = pytree.tree_flatten((args, kwargs))
     tensor_slots = [i for i, v in enumerate(flat_user) if isinstance(v, torch.Tensor)]

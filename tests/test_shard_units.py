@@ -118,6 +118,11 @@ def test_options_that_do_not_apply_to_the_style_raise():
         spmd.DataParallel("replicate", wrap_policy={Block})
     with pytest.raises(ValueError, match="grad_reduce and group apply to replicate"):
         spmd.DataParallel("fully_shard", grad_reduce="avg")
+    for option in ("sync_module_states", "broadcast_buffers"):
+        with pytest.raises(ValueError, match="keeps each rank's own shard and buffers"):
+            spmd.DataParallel("hybrid_shard", **{option: False})
+    with pytest.raises(ValueError, match="must be True or False"):
+        spmd.DataParallel("replicate", broadcast_buffers="yes")
     with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
         spmd.DataParallel("fully_shard", mp_policy="bf16")
     with pytest.raises(TypeError, match="wrap_policy"):

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ..graph_utils import set_fake_val
 from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
-from ..tracing import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
+from .replicate_markers import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
