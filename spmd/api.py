@@ -89,10 +89,21 @@ def _input_name(path: tuple) -> str:
     return f"input {head}{pytree.keystr(rest) if rest else ''}"
 
 
-def _default_transformation():
+def default_transformation(device_type: str) -> Callable:
+    """What ``spmd.compile()`` does with a step whose parameters live on ``device_type`` when not told.
+
+    GPU: the fast path, our passes, Inductor, and CUDA graphs where every input of a graph
+    is on the GPU (else one warning says which input is not). CPU: our passes, without
+    Inductor (BENCHMARKS.md, "The CPU default": the passes make a gloo step faster, while
+    Inductor's C++ compile takes a small model's first call from about 1 s to 15-40 s).
+    ``spmd.GraphModuleTransformation()`` asks for the traced graph as it is.
+    """
     from .transformation import GraphModuleTransformation
 
-    return GraphModuleTransformation()
+    if device_type == "cuda":
+        return GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
+                                         enable_cudagraphs="auto")
+    return GraphModuleTransformation(enable_graph_optimization=True)
 
 
 def _rank() -> int:
@@ -124,8 +135,8 @@ class CompiledTrainStep:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.module_override = list(module_override or [])
-        # default: an IterGraphModule, no passes (dumps if SPMD_DUMP_DIR is set)
-        self.gm_transformation = gm_transformation or _default_transformation()
+        self.gm_transformation = gm_transformation  # None: default_transformation for the parameters' device
+        self._defaults: dict[str, Callable] = {}
         self.parallel_mode = parallel_mode or DataParallel("replicate")
         self.cache: OrderedDict[tuple, CompiledStep] = OrderedDict()
         self.trace_count = 0
@@ -202,7 +213,7 @@ class CompiledTrainStep:
                 gm, traced, state, created = self.trace_and_expand(state, args, kwargs, **plan)
                 traced_at = time.perf_counter()
                 with phase("transform"):
-                    runner = self.gm_transformation(gm) if self.gm_transformation else gm
+                    runner = self.transformation_for(state)(gm)
         except BaseException:
             _undo(created)
             raise
@@ -302,6 +313,15 @@ class CompiledTrainStep:
                 value = f"{type(leaf).__name__}: {leaf!r}"
             sig[_input_name(path)] = value
         return sig
+
+    def transformation_for(self, state: StepState) -> Callable:
+        """The transformation a graph of ``state`` gets: the one given, else the default for its device."""
+        if self.gm_transformation is not None:
+            return self.gm_transformation
+        device = state.params[0].device.type if state.params else "cpu"
+        if device not in self._defaults:
+            self._defaults[device] = default_transformation(device)
+        return self._defaults[device]
 
     def dump_options(self) -> DumpOptions:
         """The transformation's dump settings, or (for a custom transformation) the environment's."""

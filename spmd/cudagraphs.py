@@ -19,10 +19,28 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+import torch.fx as fx
+
 from .compile_times import phase
 from .errors import SpmdCompileError
+from .graph_utils.meta import NAME, ROLE, Role
 
 log = logging.getLogger(__name__)
+
+
+def cudagraph_obstacle(gm: fx.GraphModule, args: tuple) -> Optional[str]:
+    """Why ``gm`` cannot run as a CUDA graph with inputs ``args`` (the first input not on the GPU), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    names = [(n.meta.get(NAME), n.meta.get(ROLE)) for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.device.type != "cuda":
+            name, role = names[i] if i < len(names) else (None, None)
+            what = f"input {name or i} (shape {tuple(a.shape)}) is on {a.device}"
+            if role == Role.STATE:
+                return f"{what}; build the optimizer with capturable=True so its state stays on the GPU"
+            return f"{what}; keep the model, its buffers and the batch on the GPU"
+    return None
 
 
 class CudaGraphRunner:
@@ -32,10 +50,12 @@ class CudaGraphRunner:
     state, hyperparameters) and is used by the graph directly; other inputs are copied into static
     buffers. The first ``num_user_outputs`` outputs are cloned for the caller (the
     next replay overwrites the static ones); the rest are values carried to the next
-    iteration and are handed back as they are, to be copied in again.
+    iteration and are handed back as they are, to be copied in again. ``fall_back``: when the
+    capture fails, warn and run ``fn`` uncaptured from then on instead of raising.
     """
 
-    def __init__(self, fn: Callable, persistent: Sequence[bool], num_user_outputs: int, label: str = "step"):
+    def __init__(self, fn: Callable, persistent: Sequence[bool], num_user_outputs: int, label: str = "step",
+                 fall_back: bool = False):
         self.fn = fn
         self.persistent = list(persistent)
         self.num_user_outputs = num_user_outputs
@@ -46,6 +66,8 @@ class CudaGraphRunner:
         self.pointers: list[int] = []
         self.warmed_up = False
         self.captures = 0
+        self.fall_back = fall_back
+        self.uncaptured = False  # a capture failed and fall_back is on: fn runs as it is
 
     def _check_inputs(self, args: tuple) -> None:
         for i, a in enumerate(args):
@@ -75,6 +97,11 @@ class CudaGraphRunner:
                 self.static_outputs = tuple(self.fn(*self.static_inputs))
         except Exception as e:  # capture records work and runs none: nothing of the user's changed
             self.static_inputs, self.static_outputs = [], ()
+            if self.fall_back:
+                log.warning("spmd: the %s graph runs without CUDA graphs: its capture failed (%s: %s)", self.label,
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self.uncaptured = True
+                return
             raise SpmdCompileError(
                 f"spmd: capturing the {self.label} graph as a CUDA graph failed ({type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''}). Parameters and optimizer state are unchanged; "
@@ -85,6 +112,8 @@ class CudaGraphRunner:
         log.info("spmd: captured the %s graph as a CUDA graph (capture #%d)", self.label, self.captures)
 
     def __call__(self, *args):
+        if self.uncaptured:
+            return tuple(self.fn(*args))
         if not self.warmed_up:
             self._check_inputs(args)
             self.warmed_up = True
@@ -95,6 +124,8 @@ class CudaGraphRunner:
             self.graph = None
         if self.graph is None:
             self._capture(args)  # this call's inputs are the static ones: no copies needed
+            if self.uncaptured:
+                return tuple(self.fn(*args))
         else:
             for static, a, p in zip(self.static_inputs, args, self.persistent):
                 if not p and static.data_ptr() != a.data_ptr():

@@ -152,7 +152,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
     state = train_step.prepare_state(args, kwargs)
     gm, _, state, created = train_step.trace_and_expand(state, args, kwargs)
     try:
-        transform = train_step.gm_transformation
+        transform = train_step.transformation_for(state)
         ours = isinstance(transform, GraphModuleTransformation)
         manager = transform.pass_manager_for(gm.graph) if ours else PassManager([])
         pass_args = transform.pass_args if ours else {}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -60,6 +60,11 @@ _OPAQUE_NAMESPACE = "spmd_lowering"
 _opaque_lib = torch.library.Library(_OPAQUE_NAMESPACE, "FRAGMENT")
 _opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
 
+# Fewer kernel launches, numerics unchanged: a cat whose inputs all need a copy anyway (a unit's
+# parameters cast for its gather, a gradient bucket's casts) becomes one kernel up to this many inputs
+# (Inductor's default, 8, launches one copy kernel per input past it). Set where this torch has it.
+_LAUNCH_CONFIG = {"max_pointwise_cat_inputs": 64}
+
 
 # For comparison only: Inductor's own overlap scheduler and bucketer decide where collectives go.
 _INDUCTOR_COMM_PASSES_CONFIG = {
@@ -68,14 +73,15 @@ _INDUCTOR_COMM_PASSES_CONFIG = {
 }
 
 
-def inductor_config(inductor_comm_passes: bool = False) -> dict:
+def inductor_config(inductor_comm_passes: bool = False, extra: Optional[dict] = None) -> dict:
     """Inductor options for our graphs.
 
     Default: keep our schedule (``_INDUCTOR_CONFIG``). ``inductor_comm_passes=True``:
     let Inductor's own comm passes schedule and bucket the collectives instead.
     Raises ``SpmdCompileError`` when this torch lacks one of the options (renamed or
     removed), except one ``_ABSENT_BEFORE`` says a torch this old may lack: Inductor
-    would otherwise silently reorder the collectives our passes placed.
+    would otherwise silently reorder the collectives our passes placed. ``_LAUNCH_CONFIG``
+    is added where this torch has it, then ``extra`` (``check_inductor_options``).
     """
     import torch._inductor.config as config
 
@@ -90,7 +96,27 @@ def inductor_config(inductor_comm_passes: bool = False) -> dict:
             "Lowering without it could silently reorder communication. Use a torch version spmd is tested with "
             f"({tested_range()}), or run without Inductor (GraphModuleTransformation(enable_inductor=False))."
         )
-    return {k: v for k, v in wanted.items() if k in known}
+    launch = {k: v for k, v in _LAUNCH_CONFIG.items() if k in known}
+    return {**launch, **{k: v for k, v in wanted.items() if k in known}, **check_inductor_options(extra)}
+
+
+def check_inductor_options(options: Optional[dict]) -> dict:
+    """``options`` (Inductor config names and values, for ``GraphModuleTransformation(inductor_options=)``)
+    if this torch has each and none moves collectives; else ``ValueError`` naming the option."""
+    import torch._inductor.config as config
+
+    options = dict(options or {})
+    known = config.get_config_copy()
+    unknown = sorted(k for k in options if k not in known)
+    if unknown:
+        raise ValueError(f"inductor_options: this torch ({torch.__version__}) has no Inductor option "
+                         f"{', '.join(unknown)}; see torch/_inductor/config.py for the names it has.")
+    ours = sorted(k for k in options if k in _INDUCTOR_CONFIG or k in _INDUCTOR_COMM_PASSES_CONFIG)
+    if ours:
+        raise ValueError(f"inductor_options: {', '.join(ours)} decide where collectives run, which spmd sets so "
+                         "that Inductor keeps our passes' schedule. To let Inductor schedule them, use "
+                         "GraphModuleTransformation(inductor_comm_passes=True) instead.")
+    return options
 
 
 def _wrappable_fused_optimizer(node: fx.Node) -> bool:
@@ -167,14 +193,15 @@ def prepare_for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
-                          inductor_comm_passes: bool = False) -> Callable:
+                          inductor_comm_passes: bool = False, options: Optional[dict] = None) -> Callable:
     """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
 
     The graph updates parameters and optimizer state in place and is compiled as
     inference (no autograd), which is what it is: the backward is already in it.
     Returns a callable taking the graph's inputs positionally and returning its outputs.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
-    (for comparing them with ours; see ``inductor_config``).
+    (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
+    options (``check_inductor_options``).
     """
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
@@ -182,7 +209,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     start = time.perf_counter()
     with phase(f"inductor/{label}/prepare"):
         prepared = prepare_for_inductor(gm)
-    with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes)), phase(f"inductor/{label}/compile_fx"):
+    with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes, options)), phase(f"inductor/{label}/compile_fx"):
         compiled = compile_fx(prepared, list(example_inputs))
     log.info("spmd: Inductor compiled the %s graph (%d nodes) in %.1f s", label, len(gm.graph.nodes),
              time.perf_counter() - start)

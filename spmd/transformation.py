@@ -8,11 +8,11 @@ from typing import Callable, Optional, Sequence
 import torch.fx as fx
 
 from .compile_times import phase
-from .cudagraphs import CudaGraphRunner
+from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
 from .graph_utils import DumpOptions, request_dump
 from .graph_utils.meta import ROLE, UNIT, Role
 from .iter_graph_module import IterGraphModule
-from .lowering import compile_with_inductor
+from .lowering import check_inductor_options, compile_with_inductor
 from .passes import (
     PassManager, applied_passes, comm_fusion_with_concat, guard_unsharded_memory, pass_info,
     prefetch_unit_gathers, remove_copy_from_optimizer, schedule_comm_wait, schedule_reduce_scatter_waits,
@@ -58,7 +58,10 @@ class GraphModuleTransformation:
     use, keeping the collective and wait positions the passes chose (``spmd.lowering``).
     ``enable_cudagraphs=True`` replays each repeated graph as one CUDA graph from its
     second call on (``spmd.cudagraphs``); it needs every input on the GPU, so optimizers
-    must be ``capturable=True``. ``inductor_comm_passes=True`` (with ``enable_inductor``)
+    must be ``capturable=True``. ``enable_cudagraphs="auto"`` replays a graph as one
+    where every input is on the GPU and its capture succeeds, and otherwise runs it as it is,
+    saying why in one warning. ``inductor_options``: further Inductor config values
+    (``{"combo_kernels": True}``), checked by ``spmd.lowering.check_inductor_options``. ``inductor_comm_passes=True`` (with ``enable_inductor``)
     lets Inductor's own comm passes (its overlap scheduler and bucketer) place the
     collectives instead of keeping ours; it exists to compare the two.
 
@@ -71,9 +74,14 @@ class GraphModuleTransformation:
     def __init__(self, enable_graph_optimization: bool = False, enable_inductor: bool = False,
                  dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None, bucket_size_mb: float = 25.0,
                  passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False,
-                 inductor_comm_passes: bool = False, optimizer_parts: int = 4, prefetch_units: int = 1):
+                 inductor_comm_passes: bool = False, optimizer_parts: int = 4, prefetch_units: int = 1,
+                 inductor_options: Optional[dict] = None):
         if inductor_comm_passes and not enable_inductor:
             raise ValueError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
+        if inductor_options and not enable_inductor:
+            raise ValueError("GraphModuleTransformation: inductor_options need enable_inductor=True")
+        if enable_cudagraphs not in (True, False, "auto"):
+            raise ValueError(f"enable_cudagraphs must be True, False or 'auto', got {enable_cudagraphs!r}")
         if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
             raise ValueError(f"optimizer_parts must be an int >= 1 (1: one optimizer op), got {optimizer_parts!r}")
         if isinstance(prefetch_units, bool) or not isinstance(prefetch_units, int) or prefetch_units < 1:
@@ -84,6 +92,7 @@ class GraphModuleTransformation:
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units
+        self.inductor_options = check_inductor_options(inductor_options)
         chosen = (default_passes(optimizer_parts) if enable_graph_optimization else []) + list(passes)
         self.pass_manager = PassManager(chosen)  # validates declarations and order now, not mid-compile
         self.sharded_pass_manager = PassManager((sharded_passes() if enable_graph_optimization else []) + list(passes))
@@ -114,8 +123,13 @@ class GraphModuleTransformation:
 
     def compile_stage(self, label: str, gm: fx.GraphModule, args: tuple, num_user_outputs: int) -> Callable:
         """What runs one of the step's graphs (step/setup/main/cleanup): Inductor code, maybe as a CUDA graph."""
-        runner = compile_with_inductor(gm, args, label, self.inductor_comm_passes) if self.enable_inductor else gm
-        if self.enable_cudagraphs:
+        runner = (compile_with_inductor(gm, args, label, self.inductor_comm_passes, self.inductor_options)
+                  if self.enable_inductor else gm)
+        auto = self.enable_cudagraphs == "auto"
+        if auto and (reason := cudagraph_obstacle(gm, args)):
+            log.warning("spmd: the %s graph runs without CUDA graphs: %s", label, reason)
+        elif self.enable_cudagraphs:
             roles = [n.meta.get(ROLE) for n in gm.graph.nodes if n.op == "placeholder"]
-            runner = CudaGraphRunner(runner, [r in Role.STATIC for r in roles], num_user_outputs, label)
+            runner = CudaGraphRunner(runner, [r in Role.STATIC for r in roles], num_user_outputs, label,
+                                     fall_back=auto)
         return runner

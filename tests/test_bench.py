@@ -30,7 +30,7 @@ from spmd.tools.models import GPT
 
 MODES = ["single_eager", "ddp", "spmd_pipeline", "spmd_pipeline_cg"]
 SHARDED = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile", "simple_fsdp", "simple_fsdp_plain",
-           "spmd_fully_shard_cg"]
+           "spmd_fully_shard_cg", "spmd_shard_grad_op_cg"]
 TORCHTITAN_MISSING = bench_peers.simple_fsdp_unavailable()  # None when SimpleFSDP loads here (and in the bench)
 RUN_HERE = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile"] + \
     ([] if TORCHTITAN_MISSING else ["simple_fsdp_plain"])

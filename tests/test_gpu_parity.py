@@ -17,7 +17,7 @@ from spmd.passes import comm_fusion_with_concat, iter_move_grads_and_optimizers,
 from spmd import IterGraphModule
 from spmd.tools.models import GPT, MLP, GPTConfig
 from tests.dist import run_distributed
-from tests.parity import assert_params_close, ddp_copy, eager_step, lm_train_step
+from tests.parity import assert_params_close, ddp_copy, eager_step, lm_train_step, train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 WORLD_SIZE = min(2, torch.cuda.device_count())
@@ -74,7 +74,8 @@ def _itermove_pipeline(bucket_mb, inductor, cudagraphs):
     return transform
 
 
-def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, itermove=False, impl="fused"):
+def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, itermove=False, impl="fused",
+         default=False):
     device = torch.device("cuda", rank)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=128, frozen_pos_emb=True)
@@ -96,6 +97,8 @@ def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, ite
                                                     enable_inductor=inductor, enable_cudagraphs=cudagraphs)
     if itermove:
         transformation = _itermove_pipeline(0.5, inductor, cudagraphs)
+    if default:  # what spmd.compile chooses when given nothing: passes, Inductor, CUDA graphs
+        transformation = None
     # Inductor reassociates float math; Adam turns that into small parameter differences
     tol = {"atol": 1e-3, "rtol": 1e-3} if inductor else {"atol": 1e-4, "rtol": 1e-4}
 
@@ -109,6 +112,11 @@ def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, ite
         loss = train_step(model, optim, idx, idx.roll(-1, 1), last_train_step=(i == steps - 1))
         ref = eager_step(ddp, ddp_optim, idx, idx.roll(-1, 1))
         torch.testing.assert_close(loss, ref, **tol)
+    if default:
+        from spmd.cudagraphs import CudaGraphRunner
+
+        runner = next(iter(train_step.cache.values())).runner._runners["step"]
+        assert isinstance(runner, CudaGraphRunner) and runner.graph is not None and not runner.uncaptured
     worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp.module.parameters()))
     print(f"rank {rank}: max |param - DDP param| after {steps} steps = {worst:.2e}")
     assert_params_close(model, ddp, **tol)
@@ -129,6 +137,42 @@ def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, ite
         "foreach-inductor-pipeline-cudagraphs"])
 def test_gpt_adamw_avg_matches_ddp_on_gpus(optimize, inductor, cudagraphs, itermove, impl):
     run_distributed(_gpt, optimize, inductor, cudagraphs, itermove, impl, world_size=WORLD_SIZE, backend="nccl")
+
+
+def test_the_default_transformation_is_the_fast_path_and_matches_ddp_on_gpus():
+    run_distributed(_gpt, True, True, True, False, "fused", True, world_size=WORLD_SIZE, backend="nccl")
+
+
+def _default_without_cudagraphs(rank, world_size):
+    """A non-capturable optimizer keeps its step counters on the CPU: the default runs without CUDA
+    graphs, says why once, and still matches DDP."""
+    import logging
+
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=64).to(device)
+    ddp = ddp_copy(model, device_ids=[rank])
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01, foreach=True)
+    compiled = spmd.compile()(train_step)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("spmd.transformation").addHandler(handler)
+    try:
+        for i in range(3):
+            batch = torch.randn(16, 64, device=device)
+            compiled(model, optim, batch)
+            eager_step(ddp, ddp_optim, batch, grad_scale=world_size)
+    finally:
+        logging.getLogger("spmd.transformation").removeHandler(handler)
+    why = [r.getMessage() for r in records if "without CUDA graphs" in r.getMessage()]
+    assert len(why) == 1 and "capturable=True" in why[0], why
+    assert_params_close(model, ddp, atol=1e-4, rtol=1e-4)
+
+
+def test_the_default_says_why_it_runs_without_cudagraphs_and_matches_ddp():
+    run_distributed(_default_without_cudagraphs, world_size=WORLD_SIZE, backend="nccl")
 
 
 def _cudagraphs_follow_lr_and_reloaded_state(rank, world_size):

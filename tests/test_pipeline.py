@@ -11,6 +11,7 @@ import spmd
 from spmd.graph_utils import find_node, is_all_reduce
 from spmd.passes import applied_passes, graph_optimization_pass, pass_info, remove_copy_from_optimizer, schedule_comm_wait
 from spmd.tools.models import MLP
+from spmd.transformation import default_passes
 from tests.dist import run_distributed, single_process_group
 from tests.parity import assert_params_close, check_sgd_grad_sum, ddp_copy, eager_step, train_step
 
@@ -113,8 +114,10 @@ def test_dump_dir_env_var_turns_dumps_on_without_code_changes(tmp_path, monkeypa
         optim.zero_grad()
 
     train_step(model, optim, torch.randn(2, 4))
-    assert sorted(p.name for p in tmp_path.glob("*.py")) == ["00_traced.py", "01_setup.py", "02_main.py",
-                                                             "03_cleanup.py"]
+    # the CPU default runs our passes: the traced graph, one file per pass, then setup/main/cleanup
+    passes = [pass_info(p).name for p in default_passes()]
+    stages = ["traced", *passes, "setup", "main", "cleanup"]
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == [f"{i:02d}_{name}.py" for i, name in enumerate(stages)]
 
 
 def test_dumps_are_off_by_default(tmp_path, monkeypatch):

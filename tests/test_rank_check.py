@@ -81,7 +81,9 @@ def _extra_backward_on_one_rank(rank, world_size):
         optim.step()
         optim.zero_grad()
 
-    compiled = spmd.compile(parallel_mode=spmd.DataParallel("replicate", group=_short_timeout_group()))(step)
+    # the traced graph as it is (one all-reduce per gradient), so the message counts collectives per gradient
+    compiled = spmd.compile(parallel_mode=spmd.DataParallel("replicate", group=_short_timeout_group()),
+                            gm_transformation=spmd.GraphModuleTransformation())(step)
     start = time.perf_counter()
     with pytest.raises(SpmdCompileError) as info:
         compiled(model, optim, torch.randn(4, 8, dtype=torch.float64))

@@ -31,7 +31,14 @@ def _step(model, optim, idx, targets):
     return loss
 
 
-def _bf16_parity(rank, world_size, style, inductor):
+def _replayed_as_cuda_graph(step) -> bool:
+    from spmd.cudagraphs import CudaGraphRunner
+
+    runner = next(iter(step.cache.values())).runner._runners["step"]
+    return isinstance(runner, CudaGraphRunner) and runner.graph is not None and not runner.uncaptured
+
+
+def _bf16_parity(rank, world_size, style, lowering):
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world_size,))
     torch.manual_seed(0)
@@ -45,9 +52,12 @@ def _bf16_parity(rank, world_size, style, inductor):
     mode = spmd.DataParallel(style, wrap_policy={Block}, mp_policy=MP, mesh=mesh)
     spmd.shard(model, mode)
     lr = 2.0 ** -8
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    default = lowering == "default"  # spmd.compile's own choice: passes, Inductor, CUDA graphs
+    inductor = lowering != "graph"
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=default)
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=lr, fused=True)
-    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=inductor)
+    transformation = (None if default else
+                      spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=inductor))
     step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(_step)
     gen = torch.Generator().manual_seed(rank)
     steps = 4
@@ -61,6 +71,7 @@ def _bf16_parity(rank, world_size, style, inductor):
         ours, theirs = step(model, optim, idx, targets), _step(ref, ref_optim, idx, targets).detach()
         assert ours.dtype == theirs.dtype == torch.bfloat16
         torch.testing.assert_close(ours.float(), theirs.float(), atol=loss_tol, rtol=0)
+    assert _replayed_as_cuda_graph(step) == default
     mine, ref_params = full_params(model), full_params(ref)
     for name in mine:
         torch.testing.assert_close(mine[name], ref_params[name], atol=param_tol, rtol=0, msg=lambda m: f"{name}: {m}")
@@ -70,7 +81,7 @@ def _bf16_parity(rank, world_size, style, inductor):
         assert p.placements == q.placements and p.to_local().shape == q.to_local().shape, name
 
 
-@pytest.mark.parametrize("inductor", [False, True], ids=["graph", "inductor"])
+@pytest.mark.parametrize("lowering", ["graph", "inductor", "default"])
 @pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op"])
-def test_bf16_mixed_precision_matches_fsdp2_on_gpus(style, inductor):
-    run_distributed(_bf16_parity, style, inductor, world_size=WORLD_SIZE, backend="nccl")
+def test_bf16_mixed_precision_matches_fsdp2_on_gpus(style, lowering):
+    run_distributed(_bf16_parity, style, lowering, world_size=WORLD_SIZE, backend="nccl")

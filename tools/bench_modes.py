@@ -185,7 +185,7 @@ def ddp_ca(setup: Setup) -> Step:
 
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
-          optimizer_impl: Optional[str] = None, style: str = "replicate") -> Step:
+          optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False) -> Step:
     a = setup.args
     model = setup.model()
     if style == "replicate":
@@ -199,7 +199,10 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
     transformation = spmd.GraphModuleTransformation(
         enable_graph_optimization=optimize, bucket_size_mb=a.bucket_mb, optimizer_parts=a.optimizer_parts,
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
-        passes=passes, prefetch_units=a.prefetch_units)
+        passes=passes, prefetch_units=a.prefetch_units,
+        inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
+    if fast_default:  # what @spmd.compile() gives a user who asks for nothing
+        transformation = None
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
 
     def step(idx, targets, last_train_step=False):
@@ -230,6 +233,13 @@ def spmd_pipeline(setup: Setup) -> Step:
 def spmd_pipeline_cg(setup: Setup) -> Step:
     """spmd_pipeline replayed as CUDA graphs."""
     return _spmd(setup, optimize=True, cudagraphs=True)
+
+
+@register("spmd_default")
+def spmd_default(setup: Setup) -> Step:
+    """``@spmd.compile(parallel_mode=DataParallel("replicate"))`` with nothing else: the default path
+    (on a GPU: our passes, Inductor and CUDA graphs)."""
+    return _spmd(setup, optimize=True, fast_default=True)
 
 
 @graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],
@@ -338,6 +348,12 @@ def spmd_fully_shard_cg(setup: Setup) -> Step:
     return _spmd(setup, optimize=True, cudagraphs=True, style="fully_shard")
 
 
+@register("spmd_shard_grad_op_cg", sharded=True, unavailable=_needs_cuda("CUDA graphs"))
+def spmd_shard_grad_op_cg(setup: Setup) -> Step:
+    """spmd_shard_grad_op replayed as CUDA graphs."""
+    return _spmd(setup, optimize=True, cudagraphs=True, style="shard_grad_op")
+
+
 
 # ----------------------------------------------------------------------------- flags
 
@@ -379,9 +395,24 @@ def add_model_arguments(p: argparse.ArgumentParser, batch_help: str, batch_defau
                    help="pipeline: optimizer ops, one per trailing bucket (default 4; 1: one op)")
     s.add_argument("--prefetch-units", type=int, default=1,
                    help="sharded modes: units gathered ahead of the one computing (default 1)")
+    s.add_argument("--inductor-option", action="append", default=[], type=_inductor_option, metavar="NAME=VALUE",
+                   help="an Inductor config value for the spmd modes (repeatable; e.g. combo_kernels=True)")
     s.add_argument("--no-inductor", action="store_true",
                    help="run the step graphs op by op instead of through Inductor (tracing and passes only); "
                         "torch.compile modes use the aot_eager backend")
+
+
+def _inductor_option(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` -> (name, value), the value read as a Python literal (``True``, ``64``, ``'x'``)."""
+    import ast
+
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -390,6 +421,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     for name in ("layers", "dim", "heads", "seq", "vocab", "optimizer", "mp", "bucket_mb", "optimizer_parts",
                  "prefetch_units"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    for name, value in args.inductor_option:
+        out += ["--inductor-option", f"{name}={value!r}"]
     return out + [f"--{f.replace('_', '-')}" for f in ("no_autocast", "no_inductor") if getattr(args, f)]
 
 

@@ -335,6 +335,25 @@ def record_rank(rank: int, world: int, device: torch.device, args) -> int:
     return 0
 
 
+def _print_prediction(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .scaling import predict
+
+    steps = args.steps or max(1, len(step_annotations(load_trace_events(args.trace))))
+    rows = predict(args.trace, steps, [int(n) for n in args.predict.split(",")], args.gpus_per_node,
+                   args.inter_node_gbps)
+    table = Table(title=f"{os.path.basename(args.trace)}: predicted step at fixed batch per GPU ({steps} steps read)")
+    for key in rows[0]:
+        table.add_column(key.replace("_", " "), justify="right")
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    Console(width=200).print(table)
+    print("the first row is the traced machine as the model sees it; spmd/tools/scaling.py says what it assumes")
+    return 0
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description, p.epilog = __doc__, modes_help()
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -346,6 +365,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=2400, help="SVG width in pixels")
     p.add_argument("--window", default=None, metavar="START:END",
                    help="draw only this window, in ms from the start of the trace (figures stay whole-trace)")
+    sc = p.add_argument_group("--predict: a sharded mode's step at more GPUs, from TRACE (spmd.tools.scaling)")
+    sc.add_argument("--predict", default=None, metavar="N,N", help="GPU counts to predict (e.g. 8,64)")
+    sc.add_argument("--gpus-per-node", type=int, default=8, help="GPUs one NVLink domain holds (default 8)")
+    sc.add_argument("--inter-node-gbps", type=float, default=50.0,
+                    help="bus bandwidth per GPU across nodes, GB/s (default 50: one 400 Gb/s NIC per GPU)")
     rec = p.add_argument_group("--record: profile steps of spmd bench's modes first, then draw them")
     rec.add_argument("--record", action="store_true", help="record traces instead of reading TRACE")
     rec.add_argument("--modes", default="spmd_pipeline",
@@ -369,6 +393,8 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         return launch(record_rank, args, nproc=args.nproc)
     from rich.console import Console
 
+    if args.predict:
+        return _print_prediction(args)
     name = os.path.splitext(os.path.basename(args.trace))[0]
     figs = draw(args.trace, args.steps, args.out, name, args.width, window)
     Console().print(figures_table([(os.path.basename(args.trace), figs)]))
