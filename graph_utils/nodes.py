@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -66,6 +67,9 @@ def set_fake_val(node: fx.Node) -> None:
     """
     from torch._guards import detect_fake_mode
 
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and "val" in node.args[0].meta:
+        node.meta["val"] = node.args[0].meta["val"][node.args[1]]  # an element of a list result: no op to run
+        return
     vals = [n.meta["val"] for n in node.all_input_nodes if "val" in n.meta]
     mode = detect_fake_mode(vals)
     args = fx.node.map_arg(node.args, lambda n: n.meta["val"])

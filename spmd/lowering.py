@@ -30,6 +30,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._dispatch.python import enable_python_dispatcher
 
 from .graph_utils import lazy_graph_module
 from .graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
@@ -37,6 +39,7 @@ from .graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_a
 from ._torch_version import installed as installed_torch, tested_range
 from .compile_times import phase
 from .errors import SpmdCompileError
+from .inductor_decompose import decompose_for_inductor
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -169,14 +172,16 @@ def _view_of_copy_op(target):
     return view
 
 
-def prepare_for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` ready for ``compile_fx``; ``gm`` itself is not changed.
+def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.GraphModule:
+    """A copy of ``gm`` ready for Inductor; ``gm`` itself is not changed.
 
     * ``*_copy`` view ops (``detach_copy``, ``t_copy``, ...) left by our functionalization
       become the views they copy. Inductor has no lowering for some (``detach_copy``
-      runs as a real copy of every gradient); its own functionalization re-derives
-      the same values from the views.
+      runs as a real copy of every gradient). A view reads its base as it is when read,
+      as the graph run op by op does, and as AOT autograd's functionalization would
+      have re-derived it.
     * In-place fused optimizer ops become their ``opaque_inplace_op``.
+    * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -188,8 +193,42 @@ def prepare_for_inductor(gm: fx.GraphModule) -> fx.GraphModule:
             node.target = view
         elif _wrappable_fused_optimizer(node):
             node.target = opaque_inplace_op(node.target)
+    if decompose:
+        decompose_for_inductor(graph)
     graph.lint()
     return lazy_graph_module(gm, graph)
+
+
+def _inner_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
+    """Inductor's post-AOT half on ``gm`` (already functional and decomposed): joint-graph passes, then
+    ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace.
+    Returns a callable taking the graph's inputs positionally."""
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
+    from torch._inductor.utils import BoxedBool, output_node
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    # One fake mode for every value on the graph: our trace, the passes and the decompositions
+    # each made theirs, and Inductor's pattern passes combine values they read off the nodes.
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    with enable_python_dispatcher():
+        FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+    with V.set_fake_mode(mode):
+        gm = _recursive_joint_graph_passes(gm, input_device=device)
+    outputs = output_node(gm)
+    # every output is the user's (AOT would say the same of an inference graph): keep their strides
+    outputs.meta["user_visible_output_idxs"] = [
+        i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
+    compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
+
+    def run(*args):
+        return compiled(list(args))  # Inductor's boxed convention: it may clear the list it is given
+
+    return run
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
@@ -198,19 +237,22 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
 
     The graph updates parameters and optimizer state in place and is compiled as
     inference (no autograd), which is what it is: the backward is already in it.
+    Inductor's decompositions are applied node by node (``spmd.inductor_decompose``) and
+    the graph goes straight to ``compile_fx_inner``: AOT autograd's re-trace of the whole
+    step, which ``compile_fx`` would run first, has nothing left to do on a functional graph.
     Returns a callable taking the graph's inputs positionally and returning its outputs.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
     options (``check_inductor_options``).
     """
     from torch._inductor import config
-    from torch._inductor.compile_fx import compile_fx
 
     start = time.perf_counter()
-    with phase(f"inductor/{label}/prepare"):
-        prepared = prepare_for_inductor(gm)
-    with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes, options)), phase(f"inductor/{label}/compile_fx"):
-        compiled = compile_fx(prepared, list(example_inputs))
+    with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes, options)):
+        with phase(f"inductor/{label}/prepare"):
+            prepared = prepare_for_inductor(gm)
+        with phase(f"inductor/{label}/compile_fx"):
+            compiled = _inner_compile(prepared, list(example_inputs))
     log.info("spmd: Inductor compiled the %s graph (%d nodes) in %.1f s", label, len(gm.graph.nodes),
              time.perf_counter() - start)
     return compiled

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -57,13 +59,62 @@ def test_prepare_for_inductor_turns_copy_views_into_views_and_wraps_inplace_opti
     assert any(getattr(t, "_opname", "").endswith("_copy") and t.is_view is False for t in targets(gm.graph))
     assert aten._fused_adamw_.tensor_lr in targets(gm.graph)
 
-    prepared = prepare_for_inductor(gm)
+    prepared = prepare_for_inductor(gm, decompose=False)
     after = targets(prepared.graph)
     assert str(gm.graph) == before  # the input graph is not edited
     assert not [t for t in after if isinstance(t, torch._ops.OpOverload) and t._opname in ("detach_copy", "t_copy", "view_copy")]
     assert aten._fused_adamw_.tensor_lr not in after
     assert torch.ops.spmd_lowering.fused_adamw_tensor_lr.default in after
     assert len(after) == len(targets(gm.graph))
+
+
+def _op_counts(graph) -> Counter:
+    """How often each op is called, leaving out how in-place writes are spelled: AOT autograd writes an
+    in-place op as ``auto_functionalized`` + ``getitem`` + ``copy_`` back, we keep the in-place op."""
+    def spelling(target) -> bool:
+        name = str(target)
+        return (target in (operator.getitem, aten.copy_.default) or name.startswith("auto_functionalized")
+                or name.startswith("spmd_lowering."))
+
+    return Counter(str(n.target) for n in graph.nodes if n.op == "call_function" and not spelling(n.target))
+
+
+@pytest.mark.parametrize("step", [train_step, inplace_activation_step], ids=["optimizer-writes", "re-traced"])
+def test_inductor_compiles_what_aot_autograds_retrace_would_have_given_it(step, monkeypatch):
+    """``compile_with_inductor`` decomposes node by node instead of letting ``compile_fx`` re-trace the
+    whole step with AOT autograd: ``compile_fx_inner`` receives the same ops either way (so the same
+    kernels and numerics), only in-place writes are spelled differently."""
+    import torch._inductor.compile_fx as inductor
+    from torch._inductor.decomposition import select_decomp_table
+
+    from spmd.lowering import compile_with_inductor, inductor_config
+
+    transform, seen = _pipeline_igm(0.002)
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    x = torch.randn(4, 16)
+    received = []
+
+    def stop_before_codegen(gm, example_inputs, **kwargs):
+        received.append(gm)
+        raise RuntimeError("stop")
+
+    with single_process_group():
+        step_fn = spmd.compile(gm_transformation=transform)(step)
+        step_fn(model, optim, x)
+        state = step_fn.prepare_state((model, optim, x), {})
+        inputs = [*state.flat_tensors(), *state.hyper_tensors(), x]
+        gm = seen["igm"].logical_gm
+        monkeypatch.setattr(inductor, "compile_fx_inner", stop_before_codegen)
+        with pytest.raises(RuntimeError, match="stop"):
+            compile_with_inductor(gm, inputs)
+        with torch.no_grad(), torch._inductor.config.patch(inductor_config()), pytest.raises(RuntimeError, match="stop"):
+            inductor.compile_fx(prepare_for_inductor(gm, decompose=False), inputs, inner_compile=stop_before_codegen)
+    ours, aot = received
+    assert _op_counts(ours.graph) == _op_counts(aot.graph)
+    assert [n for n in gm.graph.nodes if n.op == "call_function" and n.target in select_decomp_table()]
+    assert _op_counts(ours.graph) != _op_counts(gm.graph)  # there was something to decompose
 
 
 def _comm_tokens_in_graph(graph) -> list[str]:
