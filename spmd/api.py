@@ -10,7 +10,6 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -27,59 +26,12 @@ from . import rank_check
 from .parallel import DataParallel
 from .optim_check import check_optimizers
 from .optim_state import ensure_optimizer_state
+from .compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
+from .state_check import StateCheck
 from .step_state import StepState, describe_changes, find_modules_and_optimizers, tensor_signature
 from .tracing import trace_train_step
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CompiledStep:
-    """One cache entry: the runnable graph and how to map the step's inputs onto it."""
-
-    runner: Callable
-    out_spec: pytree.TreeSpec
-    graph: fx.GraphModule  # the expanded graph, before the user transformation
-    hyper_tensors: list[torch.Tensor] = field(default_factory=list)  # kept across calls: CUDA graphs read them in place
-    hyper_values: list[float] = field(default_factory=list)
-    first_step: dict[int, float] = field(default_factory=dict)  # hyper slot -> its value for the first run only
-    compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
-
-    def hyper_inputs(self, state: StepState) -> list[torch.Tensor]:
-        """The graph's hyperparameter inputs for this call, refilled in place only where a value changed."""
-        values = state.hyper_values()
-        if self.first_step:
-            values = [self.first_step.get(i, v) for i, v in enumerate(values)]
-            self.first_step = {}
-        if values != self.hyper_values:
-            if not self.hyper_tensors:
-                self.hyper_tensors = state.hyper_tensors()
-                self.hyper_values = [float("nan")] * len(values)
-            for tensor, old, new in zip(self.hyper_tensors, self.hyper_values, values):
-                if old != new:
-                    tensor.fill_(new)
-            self.hyper_values = values
-        return self.hyper_tensors
-
-    def flush(self) -> None:
-        """Run the work this graph deferred to its next iteration, if any (no next iteration follows)."""
-        if isinstance(self.runner, IterGraphModule) and self.runner.pending:
-            with torch.no_grad():
-                self.runner.flush()
-
-
-def _first_step_slots(state: StepState, created: list) -> dict[int, float]:
-    """Hyperparameter slot -> the value the first run uses, for state created by ``ensure_optimizer_state``."""
-    index = {id(o): i for i, o in enumerate(state.optimizers)}
-    wanted = {(index[id(c.optim)], g, key): v for c in created for (g, key), v in c.first_step.items()}
-    return {k: wanted[(s.optim, s.group, s.key)] for k, s in enumerate(state.hyper_slots)
-            if (s.optim, s.group, s.key) in wanted}
-
-
-def _undo(created: list) -> None:
-    """Remove the optimizer state created for a trace (``spmd.optim_state.CreatedState``)."""
-    for made in created:
-        made.undo()
 
 
 def _input_name(path: tuple) -> str:
@@ -148,6 +100,7 @@ class CompiledTrainStep:
         self._last_compiled: Optional[CompiledStep] = None
         self._last_signature: Optional[dict[str, Any]] = None
         self._last_run: Optional[CompiledStep] = None
+        self._last_call: Optional[LastCall] = None  # what the last call saw, to recognise a repeat cheaply
 
     def _apply_overrides(self, modules: list[nn.Module]) -> None:
         for mod in modules:
@@ -187,7 +140,7 @@ class CompiledTrainStep:
                     self.fn, state, args, kwargs,
                     lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for))
         except BaseException:
-            _undo(created)
+            undo_created(created)
             raise
         with phase("expand"):
             gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order)
@@ -208,14 +161,17 @@ class CompiledTrainStep:
         start = time.perf_counter()
         times: dict[str, float] = {}
         created: list = []
+        transformation = self.transformation_for(state)
+        if hasattr(transformation, "before_trace"):  # e.g. start Inductor's compile workers while we trace
+            transformation.before_trace(state.params[0].device if state.params else torch.device("cpu"))
         try:
             with recording(times), recording_stages(self.dump_options()) as dump:
                 gm, traced, state, created = self.trace_and_expand(state, args, kwargs, **plan)
                 traced_at = time.perf_counter()
                 with phase("transform"):
-                    runner = self.transformation_for(state)(gm)
+                    runner = transformation(gm)
         except BaseException:
-            _undo(created)
+            undo_created(created)
             raise
         log.info("spmd: %s traced in %.1f s (%d nodes), transformed in %.1f s", self.__name__, traced_at - start,
                  len(gm.graph.nodes), time.perf_counter() - traced_at)
@@ -223,7 +179,7 @@ class CompiledTrainStep:
         if folder:  # the transformation built its own graphs from a copy: gm is still the traced graph
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
         entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
-                             first_step=_first_step_slots(state, created))
+                             first_step=first_step_slots(state, created))
         return entry, state, created
 
     def _compile_on_every_rank(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState]:
@@ -265,7 +221,7 @@ class CompiledTrainStep:
             with recording(times), phase("rank_check"):
                 reports = rank_check.exchange(local, group)
         if reports is not None:
-            _undo(created)
+            undo_created(created)
             if failure is not None:
                 raise failure
             # not repaired: name what the user's step does differently, not what the repair added
@@ -303,16 +259,18 @@ class CompiledTrainStep:
         and the step's own arguments' (``input 2``: shape, dtype, ... of a tensor; value of a number)."""
         sig = state.signature()
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
-            if isinstance(leaf, torch.Tensor):
-                value = tensor_signature(leaf)
-            elif isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
-                value = self._serial(leaf)
-            elif leaf is None or type(leaf) in (int, float, bool, str):
-                value = repr(leaf)
-            else:
-                value = f"{type(leaf).__name__}: {leaf!r}"
-            sig[_input_name(path)] = value
+            sig[_input_name(path)] = self._leaf_signature(leaf)
         return sig
+
+    def _leaf_signature(self, leaf: Any) -> Any:
+        """What the traced graph specialises on in one leaf of the step's arguments."""
+        if isinstance(leaf, torch.Tensor):
+            return tensor_signature(leaf)
+        if isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
+            return self._serial(leaf)
+        if leaf is None or type(leaf) in (int, float, bool, str):
+            return repr(leaf)
+        return f"{type(leaf).__name__}: {leaf!r}"
 
     def transformation_for(self, state: StepState) -> Callable:
         """The transformation a graph of ``state`` gets: the one given, else the default for its device."""
@@ -342,6 +300,40 @@ class CompiledTrainStep:
         return state
 
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        entry, flat, first_run = self._repeat_last_call(leaves, spec) or self._look_up(args, kwargs, leaves, spec)
+        flat += [t for t in leaves if isinstance(t, torch.Tensor)]
+        # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
+        with torch.no_grad(), recording(entry.compile_times), (
+                phase("first_run") if first_run else contextlib.nullcontext()):
+            if isinstance(entry.runner, IterGraphModule):
+                out = entry.runner(*flat, last_iter=last_train_step)
+            else:
+                out = entry.runner(*flat)
+        return pytree.tree_unflatten(list(out), entry.out_spec)
+
+    def _repeat_last_call(self, leaves: list, spec: pytree.TreeSpec) -> Optional[tuple[CompiledStep, list, bool]]:
+        """(entry, graph inputs before the user's tensors, False) when this call has the last call's
+        signature, else None: the same argument structure and leaf signatures (so the same modules
+        and optimizers), and nothing changed in their state (``StateCheck``)."""
+        last = self._last_call
+        if last is None or spec != last.spec or last.entry is not self._last_run:
+            return None
+        if list(map(self._leaf_signature, leaves)) != last.leaf_signatures:
+            return None
+        values = last.check.hypers_if_unchanged()
+        if values is None:
+            return None
+        return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], False
+
+    def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec
+                 ) -> tuple[CompiledStep, list, bool]:
+        """(entry, graph inputs before the user's tensors, whether it is the entry's first run), from
+        the full signature: the cached entry, or a new one compiled. Prepares new modules for their
+        first run. Remembers the call for ``_repeat_last_call`` when it ran the last call's entry
+        and did not follow a failed check (a state that changes on every call would pay for a
+        check on every call)."""
+        missed, self._last_call = self._last_call is not None, None
         state = self.prepare_state(args, kwargs)
         signature = self.signature(state, args, kwargs)
         key = tuple(signature.items())
@@ -355,23 +347,24 @@ class CompiledTrainStep:
             self._remember(key, entry, signature)
         else:
             self.cache.move_to_end(key)
-        if self._last_run is not None and self._last_run is not entry:
+        repeated = self._last_run is entry
+        if self._last_run is not None and not repeated:
             self._last_run.flush()  # its deferred updates land before another graph runs
         self._last_run = entry
         new_modules = [m for m in state.modules if m not in self._prepared]
         if new_modules:
             self.parallel_mode.before_first_run(state, new_modules)
             self._prepared.update(new_modules)
-        user_tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        flat = [*state.flat_tensors(), *entry.hyper_inputs(state), *user_tensors]
-        # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
-        with torch.no_grad(), recording(entry.compile_times), (
-                phase("first_run") if first_run else contextlib.nullcontext()):
-            if isinstance(entry.runner, IterGraphModule):
-                out = entry.runner(*flat, last_iter=last_train_step)
-            else:
-                out = entry.runner(*flat)
-        return pytree.tree_unflatten(list(out), entry.out_spec)
+        hypers = entry.hyper_inputs(state.hyper_values(), state)
+        if not repeated or missed:  # check the next call only after the same entry twice, and no failed check
+            return entry, [*state.flat_tensors(), *hypers], first_run
+        check = StateCheck(state, on_free=self._forget_last_call)
+        self._last_call = LastCall(entry, spec, list(map(self._leaf_signature, leaves)), check)
+        return entry, [*check.flat, *hypers], first_run
+
+    def _forget_last_call(self, _freed: Any = None) -> None:
+        """Drop ``_last_call`` (its tensors with it): one of its modules or optimizers was freed."""
+        self._last_call = None
 
 
 def compile(module_override: Optional[Sequence] = None, gm_transformation: Optional[Callable] = None,

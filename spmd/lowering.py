@@ -185,11 +185,14 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         view = _view_of_copy_op(node.target)
-        if view is not None:
+        if view is aten.lift_fresh.default:  # a constant made in the step (torch.tensor(2.0)): read it as it is
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        elif view is not None:
             node.target = view
         elif _wrappable_fused_optimizer(node):
             node.target = opaque_inplace_op(node.target)
@@ -197,6 +200,17 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
         decompose_for_inductor(graph)
     graph.lint()
     return lazy_graph_module(gm, graph)
+
+
+def start_compile_workers() -> None:
+    """Start Inductor's pool of Triton compile workers, as ``compile_fx`` does first thing for a GPU graph.
+
+    Until the pool answers, Inductor compiles each kernel in this process, one after another;
+    started while the step is traced, the workers are ready when its kernels are generated.
+    """
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.wakeup()
 
 
 def _inner_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:

@@ -58,6 +58,11 @@ def _spec(t: torch.Tensor):
     return t._spec if isinstance(t, DTensor) else None
 
 
+def sharding_signature(spec) -> tuple:
+    """What a graph specialises on in a DTensor's spec: its global shape, placements and mesh."""
+    return tuple(spec.shape), spec.placements, spec.mesh
+
+
 def find_modules_and_optimizers(args: tuple, kwargs: dict) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
     """The distinct modules and optimizers among the (flattened) arguments, in order."""
     modules, optimizers = [], []
@@ -237,12 +242,13 @@ class StepState:
             for name, t, spec in zip(names, tensors, specs):
                 sig[f"{kind} {name}"] = tensor_signature(local_tensor(t))
                 if spec is not None:
-                    sig[f"{kind} {name} sharding"] = (tuple(spec.shape), spec.placements, spec.mesh)
+                    sig[f"{kind} {name} sharding"] = sharding_signature(spec)
         for (o_idx, g_idx), items in self._group_items.items():
             optim = self.optimizers[o_idx]
             prefix = f"optimizer {o_idx} " if len(self.optimizers) > 1 else ""
             for what, value in group_signature(optim, optim.param_groups[g_idx], items).items():
                 sig[f"{prefix}param group {g_idx} {what}"] = value
+        sig["modules in training mode"] = training_modes(self.modules)
         sig["hyperparameter inputs"] = tuple((s.key, s.index, s.dtype, s.device) for s in self.hyper_slots)
         for name, layout in zip(self.param_names, self._state_layout):
             sig[f"optimizer state {name}"] = tuple(key for key, _ in layout)
@@ -250,6 +256,12 @@ class StepState:
                 if kind == "const":
                     sig[f"optimizer state {name}.{key}"] = repr(v)
         return sig
+
+
+def training_modes(modules: list[nn.Module]) -> tuple[bool, ...]:
+    """Each (sub)module's ``training`` flag, in ``modules()`` order: dropout, batch norm and any
+    ``if self.training`` trace differently after ``model.eval()`` or ``model.train()``."""
+    return tuple(m.training for mod in modules for m in mod.modules())
 
 
 TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")

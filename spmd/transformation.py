@@ -12,7 +12,7 @@ from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
 from .graph_utils import DumpOptions, request_dump
 from .graph_utils.meta import ROLE, UNIT, Role
 from .iter_graph_module import IterGraphModule
-from .lowering import check_inductor_options, compile_with_inductor
+from .lowering import check_inductor_options, compile_with_inductor, start_compile_workers
 from .passes import (
     PassManager, applied_passes, comm_fusion_with_concat, guard_unsharded_memory, pass_info,
     prefetch_unit_gathers, remove_copy_from_optimizer, schedule_comm_wait, schedule_reduce_scatter_waits,
@@ -109,6 +109,13 @@ class GraphModuleTransformation:
     def pass_manager_for(self, graph: fx.Graph) -> PassManager:
         """The pass manager for ``graph``: the sharded pipeline for a sharded mode's graph, else the default."""
         return self.sharded_pass_manager if is_sharded_graph(graph) else self.pass_manager
+
+    def before_trace(self, device) -> None:
+        """Called by ``spmd.compile`` before it traces a step whose parameters live on ``device``:
+        with Inductor on a GPU, Inductor's kernel-compile workers start now, while the step is
+        traced and optimized (``spmd.lowering.start_compile_workers``)."""
+        if self.enable_inductor and device.type == "cuda":
+            start_compile_workers()
 
     def __call__(self, gm: fx.GraphModule) -> IterGraphModule:
         request_dump(self.dump)

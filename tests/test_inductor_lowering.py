@@ -292,3 +292,31 @@ def test_a_missing_inductor_option_fails_loudly_unless_this_torch_may_lack_it(mo
         lowering.inductor_config()
     monkeypatch.setitem(lowering._ABSENT_BEFORE, "renamed_comm_reordering_option", (installed()[0] + 1, 0))
     assert "renamed_comm_reordering_option" not in lowering.inductor_config()
+
+
+def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch):
+    """spmd.compile calls ``before_trace(device)`` on a transformation that has it, before tracing; ours
+    then starts Inductor's compile workers for a GPU step (as compile_fx would, but seconds earlier)."""
+    import spmd.transformation as transformation_module
+
+    started = []
+    monkeypatch.setattr(transformation_module, "start_compile_workers", lambda: started.append(True))
+    spmd.GraphModuleTransformation(enable_inductor=True).before_trace(torch.device("cuda"))
+    spmd.GraphModuleTransformation(enable_inductor=True).before_trace(torch.device("cpu"))
+    spmd.GraphModuleTransformation().before_trace(torch.device("cuda"))
+    assert started == [True]
+
+    seen = []
+
+    class Recording:
+        def before_trace(self, device):
+            seen.append(("before_trace", device))
+
+        def __call__(self, gm):
+            seen.append(("transform", None))
+            return gm
+
+    model = MLP(layers=2, dim=8)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    spmd.compile(gm_transformation=Recording())(train_step)(model, optim, torch.randn(2, 8))
+    assert seen == [("before_trace", torch.device("cpu")), ("transform", None)]

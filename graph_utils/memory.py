@@ -1,0 +1,117 @@
+"""How many bytes a graph holds live at each node, run in graph order: a liveness estimate.
+
+Storages come from the FakeTensors in ``meta["val"]``, through torch's own
+``GraphAliasTracker`` (``torch._inductor.fx_passes.memory_estimator``): a view aliases its
+base and costs nothing, an in-place op writes into the storage it was given, and a
+storage is freed after the last node that reads it. Two facts of functional collectives
+are added, because fake tracing does not record them: ``wait_tensor`` returns the very
+tensor its collective produced (the fake one is a fresh storage), and a collective's
+input stays allocated until its wait (the communication reads it until then).
+
+Graph inputs (parameters, buffers, optimizer state, the batch) are never freed; values
+the graph returns live to its end. It ignores what a compiler does to the graph (fusion
+removes many temporaries, buffer reuse, the allocator's caching and fragmentation), so
+it says what dominates the peak and how a schedule moves it, not what a GPU measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch.fx as fx
+
+from .nodes import is_comm_node, is_wait_node
+
+
+@dataclass
+class LiveValue:
+    """One storage live at a node: the node that allocated it and its size."""
+
+    node: fx.Node
+    nbytes: int
+
+
+@dataclass
+class MemoryProfile:
+    """``live[i]``: bytes allocated right after ``nodes[i]`` ran (before the storages it read last
+    are freed); ``peak``/``peak_index``: the largest of them and the first node where it
+    happens; ``at_peak``: the storages live there, largest first; ``inputs``: bytes of the
+    graph's inputs (always live)."""
+
+    nodes: list[fx.Node]
+    live: list[int]
+    peak: int
+    peak_index: int
+    inputs: int
+    at_peak: list[LiveValue] = field(default_factory=list)
+
+    @property
+    def peak_node(self) -> fx.Node:
+        return self.nodes[self.peak_index]
+
+
+def _alias_tracker(nodes: list[fx.Node]):
+    """torch's ``GraphAliasTracker`` with the two collective facts above added."""
+    from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
+
+    class _Tracker(GraphAliasTracker):
+        def __init__(self, nodes):
+            self.same_as = {}  # a wait's fake storage -> its collective's: views of the wait alias the collective
+            super().__init__(nodes)
+
+        def _get_output_storages(self, node):
+            own = GraphAliasTracker._get_output_storages(node)
+            if is_wait_node(node) and node.args and isinstance(node.args[0], fx.Node):
+                result = self.node_to_output_storages[node.args[0]]  # the collective's own result
+                if len(own) == len(result) == 1:
+                    self.same_as[next(iter(own))] = next(iter(result))
+                return result
+            return type(own)(self.same_as.get(key, key) for key in own)
+
+        def _get_input_storages(self, node):
+            storages = super()._get_input_storages(node)
+            if is_wait_node(node) and node.args and isinstance(node.args[0], fx.Node) and is_comm_node(node.args[0]):
+                storages.update(super()._get_input_storages(node.args[0]))  # the collective read them until now
+            return storages
+
+    return _Tracker(nodes)
+
+
+def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], bool]] = None) -> MemoryProfile:
+    """The live bytes after each node of ``graph`` and what is live at the peak.
+
+    ``releasable(node)``: whether a storage ``node`` allocated may be freed after its last
+    use (default: everything but placeholders and ``get_attr``). Nodes without a tensor
+    ``meta["val"]`` allocate nothing.
+
+    Example::
+
+        prof = memory_profile(igm.graph)
+        print(prof.peak / 2**30, prof.peak_node.name, [(v.node.name, v.nbytes) for v in prof.at_peak[:5]])
+    """
+    releasable = releasable or (lambda n: n.op not in ("placeholder", "get_attr"))
+    nodes = list(graph.nodes)
+    tracker = _alias_tracker(nodes)
+    owner = tracker.storage_to_allocator
+    size = {key: int(key.storage.nbytes()) for key in owner}
+    live_set = {key for n in nodes if n.op in ("placeholder", "get_attr") for key in tracker.get_fresh_allocations(n)}
+    current = inputs = sum(size[k] for k in live_set)
+    live, peak, peak_index, peak_set = [], current, 0, set(live_set)
+    for i, node in enumerate(nodes):
+        if node.op not in ("placeholder", "get_attr", "output"):
+            for key in tracker.get_fresh_allocations(node):
+                if key not in live_set:
+                    live_set.add(key)
+                    current += size[key]
+        live.append(current)
+        if current > peak:
+            peak, peak_index, peak_set = current, i, set(live_set)
+        if node.op == "output":
+            continue
+        for key in tracker.get_storages_last_used(node):
+            if key in live_set and releasable(owner[key]):
+                live_set.discard(key)
+                current -= size[key]
+    at_peak = sorted((LiveValue(owner[k], size[k]) for k in peak_set), key=lambda v: -v.nbytes)
+    return MemoryProfile(nodes, live, peak, peak_index, inputs, at_peak)

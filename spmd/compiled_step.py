@@ -1,0 +1,74 @@
+"""One compiled signature of a train step (``CompiledStep``) and what a repeated call reuses of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .iter_graph_module import IterGraphModule
+from .state_check import StateCheck
+from .step_state import StepState
+
+
+@dataclass
+class CompiledStep:
+    """One cache entry: the runnable graph and how to map the step's inputs onto it."""
+
+    runner: Callable
+    out_spec: pytree.TreeSpec
+    graph: fx.GraphModule  # the expanded graph, before the user transformation
+    hyper_tensors: list[torch.Tensor] = field(default_factory=list)  # kept across calls: CUDA graphs read them in place
+    hyper_values: list[float] = field(default_factory=list)
+    first_step: dict[int, float] = field(default_factory=dict)  # hyper slot -> its value for the first run only
+    compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
+
+    def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:
+        """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled
+        in place only where a value changed. ``state`` makes the tensors on the entry's first run."""
+        if self.first_step:
+            values = [self.first_step.get(i, v) for i, v in enumerate(values)]
+            self.first_step = {}
+        if values != self.hyper_values:
+            if not self.hyper_tensors:
+                self.hyper_tensors = state.hyper_tensors()
+                self.hyper_values = [float("nan")] * len(values)
+            for tensor, old, new in zip(self.hyper_tensors, self.hyper_values, values):
+                if old != new:
+                    tensor.fill_(new)
+            self.hyper_values = values
+        return self.hyper_tensors
+
+    def flush(self) -> None:
+        """Run the work this graph deferred to its next iteration, if any (no next iteration follows)."""
+        if isinstance(self.runner, IterGraphModule) and self.runner.pending:
+            with torch.no_grad():
+                self.runner.flush()
+
+
+@dataclass
+class LastCall:
+    """A call ``CompiledTrainStep._repeat_last_call`` can recognise again: the entry it ran, the
+    structure and leaf signatures of its arguments, and a ``StateCheck`` of its modules and optimizers."""
+
+    entry: CompiledStep
+    spec: pytree.TreeSpec
+    leaf_signatures: list
+    check: StateCheck
+
+
+def first_step_slots(state: StepState, created: list) -> dict[int, float]:
+    """Hyperparameter slot -> the value the first run uses, for state created by ``ensure_optimizer_state``."""
+    index = {id(o): i for i, o in enumerate(state.optimizers)}
+    wanted = {(index[id(c.optim)], g, key): v for c in created for (g, key), v in c.first_step.items()}
+    return {k: wanted[(s.optim, s.group, s.key)] for k, s in enumerate(state.hyper_slots)
+            if (s.optim, s.group, s.key) in wanted}
+
+
+def undo_created(created: list) -> None:
+    """Remove the optimizer state created for a trace (``spmd.optim_state.CreatedState``)."""
+    for made in created:
+        made.undo()
