@@ -62,3 +62,54 @@ def test_memory_estimate_reports_each_modes_peak_and_sharding_lowers_it(capsys):
     assert "fully_shard: estimated peak" in out and "replicate: estimated peak" in out
     ratio = float(out.rsplit("estimated fully_shard / replicate:", 1)[1].split()[0])
     assert 0.3 < ratio < 1.0
+
+
+def _sharded_step_graph(style: str) -> fx.Graph:
+    """A 2-block GPT's step graph (fused AdamW, a vocabulary large beside its width, as a 1.3B GPT's
+    is) after the sharded passes, in a fake 2-rank group."""
+    import dataclasses
+
+    import spmd
+    from spmd.tools.models import GPT
+    from tests.shard_helpers import CFG, block_policy, optimizer, plain_step
+
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(CFG, vocab_size=4099)).double()
+    mode = spmd.DataParallel(style, wrap_policy=block_policy())
+    spmd.shard(model, mode)
+    optim = optimizer(model, "adamw")
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True)
+    step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(plain_step)
+    idx = torch.randint(0, 4099, (2, CFG.block_size), generator=torch.Generator().manual_seed(0))
+    args = (model, optim, idx, idx.roll(-1, 1))
+    gm, _, _, created = step.trace_and_expand(step.prepare_state(args, {}), args, {})
+    for made in created:
+        made.undo()
+    return transformation(gm).graph
+
+
+def test_fully_shards_root_copies_its_parameters_out_and_its_gather_buffer_dies_before_the_peak():
+    """The root keeps its parameters until the backward while the blocks reshard: each parameter is
+    copied out of the gathered buffer once (``spmd::copy_out``), every reader reads a copy, and at the
+    step's peak (the cross-entropy) the buffer is gone. shard_grad_op, where every unit keeps its
+    parameters, copies nothing out."""
+    from spmd.graph_utils.meta import KEEP
+    from spmd.graph_utils.units import LAYOUT_OPS, unit_gathers, wait_of
+
+    copy_out = torch.ops.spmd.copy_out.default
+    with fake_process_group(2):
+        graph = _sharded_step_graph("fully_shard")
+    root = next(g for g in unit_gathers(graph, "forward") if g.meta.get(KEEP))
+    readers, frontier = [], [wait_of(root)]
+    while frontier:  # everything that reads the buffer, through views
+        for user in frontier.pop().users:
+            (frontier if user.target in LAYOUT_OPS else readers).append(user)
+    assert len(readers) == 4 and all(r.target is copy_out for r in readers), "wte (tied), wpe, ln_f weight, bias"
+    prof = memory_profile(graph)
+    loss = next(n for n in graph.nodes if n.target is aten.nll_loss_forward.default)
+    assert prof.nodes.index(loss) <= prof.peak_index < prof.nodes.index(loss) + 20, "the peak is at the cross-entropy"
+    assert wait_of(root) not in {v.node for v in prof.at_peak}
+
+    with fake_process_group(2):
+        graph = _sharded_step_graph("shard_grad_op")
+    assert not [n for n in graph.nodes if n.target is copy_out]

@@ -185,10 +185,14 @@ def _cast_floats(tree: Any, dtype: Optional[torch.dtype]) -> Any:
         torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, tree)
 
 
-def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _Resharding) -> list:
+def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _Resharding,
+                copy_out: bool = False) -> list:
     """Register the unit's hooks: gather before forward, point modules back at the DTensors after it,
     and point them at gathered parameters again for the unit's backward (activation checkpointing
-    recomputes the forward there), as FSDP2's pre-backward hook does."""
+    recomputes the forward there), as FSDP2's pre-backward hook does. ``copy_out``: the unit keeps
+    its parameters while others reshard (fully_shard's root): copy them out of the gather buffer
+    (``shard_comm.copy_out``), so that one copy, not the buffer and Inductor's copies beside it,
+    lives until the backward."""
     cast_inputs = mp_policy.param_dtype if mp_policy is not None and mp_policy.cast_forward_inputs else None
     output_dtype = mp_policy.output_dtype if mp_policy is not None else None
     in_backward_of: set[int] = set()  # backward passes that have pointed this unit's modules at gathered tensors
@@ -196,7 +200,7 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
     def pre_forward(module, args, kwargs):
         for group in groups:
             fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, not unit.reshard_after_forward,
-                                     *group.leaves)
+                                     copy_out, *group.leaves)
             group.kept = list(fulls)
             if unit.reshard_after_forward:
                 resharding.register(group, group.kept)
@@ -277,7 +281,9 @@ def trace_context(dp, state: StepState, params: list[torch.Tensor],
                     "building the optimizer (spmd.explain does not shard for you)."
                 )
             for unit in plan.units:
-                handles += _unit_hooks(unit, _gather_groups(plan, unit, traced), plan.dp.mp_policy, resharding)
+                copy_out = not unit.reshard_after_forward and any(u.reshard_after_forward for u in plan.units)
+                handles += _unit_hooks(unit, _gather_groups(plan, unit, traced), plan.dp.mp_policy, resharding,
+                                       copy_out)
         with torch.autograd.graph.saved_tensors_hooks(resharding.pack, resharding.unpack):
             yield
     finally:

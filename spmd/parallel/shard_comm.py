@@ -49,6 +49,19 @@ def _(x, unit, phase, keep):
 UNIT_TAG = torch.ops.spmd.unit_tag.default
 
 
+@torch.library.custom_op("spmd::copy_out", mutates_args=())
+def copy_out(x: torch.Tensor) -> torch.Tensor:
+    """A gathered parameter copied out of its unit's gather buffer into storage of its own, as FSDP2
+    copies out: the buffer can die right after the gather. An opaque op, so Inductor makes the copy
+    where it stands instead of fusing it into each reader (and keeping the buffer for them)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@copy_out.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 @dataclass
 class ParamLayout:
     """How one parameter is sharded: global shape, this rank's rows, padded rows per shard, spec."""
@@ -114,10 +127,13 @@ def _div(t: torch.Tensor, factor: Optional[float]) -> torch.Tensor:
 
 
 def gather_unit(locals_: list[torch.Tensor], layouts: list[ParamLayout], groups: UnitGroups, unit: int,
-                phase: str, keep: bool = False) -> list[torch.Tensor]:
+                phase: str, keep: bool = False, copy: bool = False) -> list[torch.Tensor]:
     """The full parameters from their local shards: one all_gather over the shard group.
 
     ``keep``: the unit keeps them until the backward (it does not reshard after forward).
+    ``copy``: each is copied out of the gathered buffer (``copy_out``), which then dies here.
+    Otherwise a kept unit's buffer lives until the backward, and with it the copies Inductor
+    makes where a matmul reads a parameter interleaved in it (rank after rank).
     """
     shards = groups.shard_size
     flats = []
@@ -130,8 +146,9 @@ def gather_unit(locals_: list[torch.Tensor], layouts: list[ParamLayout], groups:
     flat = unit_tag(torch.cat(flats), unit, phase, keep)
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, shards, groups.shard_group))
     columns = gathered.view(shards, -1).split([lay.padded_rows * lay.row_numel for lay in layouts], dim=1)
-    return [col.reshape(shards * lay.padded_rows, *lay.shape[1:]).narrow(0, 0, lay.shape[0])
-            for col, lay in zip(columns, layouts)]
+    fulls = [col.reshape(shards * lay.padded_rows, *lay.shape[1:]).narrow(0, 0, lay.shape[0])
+             for col, lay in zip(columns, layouts)]
+    return [copy_out(f) for f in fulls] if copy else fulls
 
 
 def reduce_scatter_unit(grads: list[torch.Tensor], layouts: list[ParamLayout], groups: UnitGroups, unit: int
@@ -171,18 +188,19 @@ def in_backward() -> bool:
 class GatherUnit(torch.autograd.Function):
     """Forward: gather a unit's parameters (one dtype group). Backward: reduce-scatter their gradients.
 
-    Inputs are the unit's DTensor parameters; outputs their full (plain) tensors. Outputs
+    Inputs are the unit's DTensor parameters; outputs their full (plain) tensors (``keep``,
+    ``copy``: see ``gather_unit``). Outputs
     of frozen parameters are not differentiable; gradients that never arrive (a
     parameter the step did not use) are left out of the reduce-scatter, as FSDP2 does.
     """
 
     @staticmethod
-    def forward(ctx, layouts, groups, unit, keep, *params):
+    def forward(ctx, layouts, groups, unit, keep, copy, *params):
         ctx.layouts, ctx.groups, ctx.unit = layouts, groups, unit
         ctx.set_materialize_grads(False)
         phase = "backward" if in_backward() else "forward"
         fulls = gather_unit([p._local_tensor for p in params], layouts, groups, unit, phase,
-                            keep and phase == "forward")
+                            keep and phase == "forward", copy and phase == "forward")
         ctx.mark_non_differentiable(*[f for f, p in zip(fulls, params) if not p.requires_grad])
         ctx.trained = [p.requires_grad for p in params]
         return tuple(fulls)
@@ -199,7 +217,7 @@ class GatherUnit(torch.autograd.Function):
                                           ctx.groups, ctx.unit)
             for i, r in zip(indices, reduced):
                 out[i] = r
-        return (None, None, None, None, *out)
+        return (None, None, None, None, None, *out)
 
 
 def unit_groups(mesh) -> UnitGroups:
