@@ -25,6 +25,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .errors import SpmdCompileError
+
 log = logging.getLogger(__name__)
 
 
@@ -117,7 +119,14 @@ def decompose_for_inductor(graph: fx.Graph, table: Optional[dict] = None) -> Non
             continue
         key = (node.target, *(_leaf_key(a) for a in pytree.tree_leaves((node.args, node.kwargs))))
         if key not in traced:
-            traced[key] = _trace_decomposition(node, table, mode)
+            try:
+                traced[key] = _trace_decomposition(node, table, mode)
+            except Exception as err:
+                raise SpmdCompileError(
+                    f"spmd: Inductor's decomposition of {node.target} failed on node {node.name} "
+                    f"({type(err).__name__}: {err}). Run this step without Inductor "
+                    "(GraphModuleTransformation(enable_graph_optimization=True)) and report the op."
+                ) from err
         sub = traced[key]
         done = sub is not None and _splice(graph, node, sub, tensor_args)
         counts["decomposed" if done else "kept"] += 1

@@ -10,11 +10,16 @@ what our passes decided:
   collectives and waits). Collectives are issued, and waited on, in graph order.
 * In-place fused optimizer ops (``_fused_adamw_`` and friends, produced by
   ``remove_copy_from_optimizer``) are wrapped in opaque custom ops
-  (``spmd_lowering::*``). Inductor re-functionalizes its input; for an aten fused op
-  that means the functional variant, which clones every parameter, gradient and
-  moment buffer and copies them back. A custom op that mutates its arguments is
-  instead auto-functionalized, and Inductor's re-inplacing turns it back into the
-  in-place call on the graph inputs, with no copies.
+  (``spmd_lowering::*``) that declare their gradients read-only, which they are
+  without a grad scaler: Inductor calls them in place on the graph inputs and does not
+  treat the gradient buckets they read as written.
+
+The graph does not pass through ``compile_fx``'s AOT-autograd front end, which would
+re-trace the whole step only to apply Inductor's decompositions to a graph that is
+already functional: ``spmd.inductor_decompose`` applies them node by node and
+``_inner_compile`` runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
+``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
+graph means what it means when run op by op.
 
 The alternative, compiling the compute regions between collectives separately, keeps
 the schedule trivially but cuts fusion at every bucket boundary, materializes every
@@ -143,9 +148,10 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     """A custom op with ``op``'s schema, gradients read-only, that calls ``op``: Inductor keeps it in place.
 
     Gradients are declared read-only because they are: without ``grad_scale`` the
-    kernels only read them. Declared mutable, they would be auto-functionalized
-    too, and gradients are views into shared bucket buffers, read by several such
-    ops when the optimizer has several param groups; Inductor mishandles that (NaNs).
+    kernels only read them. Declared mutable, they would count as written, and
+    gradients are views into shared bucket buffers, read by several such ops when the
+    optimizer has several param groups (under AOT autograd's functionalization Inductor
+    mishandled that: NaNs).
     """
     if op not in _opaque_ops:
         name = f"{op._opname.strip('_')}_{op._overloadname}"

@@ -320,3 +320,17 @@ def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     spmd.compile(gm_transformation=Recording())(train_step)(model, optim, torch.randn(2, 8))
     assert seen == [("before_trace", torch.device("cpu")), ("transform", None)]
+
+
+def test_a_decomposition_that_fails_names_the_op_and_the_way_around_it():
+    """A decomposition that raises on our graph is an SpmdCompileError naming the op and the fix, not a
+    deep traceback from make_fx."""
+    from spmd.inductor_decompose import decompose_for_inductor
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: torch.relu(x) + 1, tracing_mode="fake")(torch.randn(4))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no decomposition today")
+
+    with pytest.raises(SpmdCompileError, match=r"aten\.relu\.default.*without Inductor"):
+        decompose_for_inductor(gm.graph, {aten.relu.default: broken})
