@@ -82,7 +82,7 @@ class StateCheck:
     optimizer's state, a name per tensor) costs far more than the step needs.
     ``hypers_if_unchanged`` instead compares what the state is made of (``_contents``)
     with what it was: names and types with ``==``, held objects by identity, non-tensor
-    optimizer state by ``repr`` and each tensor's ``TENSOR_FIELDS`` (and a DTensor's
+    optimizer state by ``repr`` and each tensor's ``TENSOR_FIELDS`` (and a DTensor's requires_grad and
     spec) as the signature does, and each param group's ``_group_facts``. Anything it
     cannot vouch for reads as changed: a module whose class lists its parameters in its
     own way is never vouched for.
@@ -105,7 +105,9 @@ class StateCheck:
         tensors = [*state.params, *state.buffers, *state.state_tensors]
         self.flat = state.flat_tensors()  # the graph's leading inputs, as ``StepState.flat_tensors``
         self._metadata = list(map(_METADATA, self.flat))
-        self._shardings = [(i, t, sharding_signature(t._spec)) for i, t in enumerate(tensors) if isinstance(t, DTensor)]
+        # a DTensor's spec and its own requires_grad (its local tensor, the graph input, never requires one)
+        self._shardings = [(i, t, (sharding_signature(t._spec), t.requires_grad))
+                           for i, t in enumerate(tensors) if isinstance(t, DTensor)]
         self._groups = [_group_facts(o, g)[0] for o in state.optimizers for g in o.param_groups]
 
     def hypers_if_unchanged(self) -> Optional[list[float]]:
@@ -124,7 +126,8 @@ class StateCheck:
             return None
         if list(map(_METADATA, self.flat)) != self._metadata:
             return None
-        if any(t._local_tensor is not self.flat[i] or sharding_signature(t._spec) != s for i, t, s in self._shardings):
+        if any(t._local_tensor is not self.flat[i] or (sharding_signature(t._spec), t.requires_grad) != s
+               for i, t, s in self._shardings):
             return None
         if any(p.grad is not None for p in self._params):
             return None

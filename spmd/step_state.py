@@ -240,7 +240,7 @@ class StepState:
                 ("buffer", self.buffer_names, self.buffers, [None] * len(self.buffers)),
                 ("optimizer state", self.state_names, self.state_tensors, self.state_specs)):
             for name, t, spec in zip(names, tensors, specs):
-                sig[f"{kind} {name}"] = tensor_signature(local_tensor(t))
+                sig[f"{kind} {name}"] = held_tensor_signature(t)
                 if spec is not None:
                     sig[f"{kind} {name} sharding"] = sharding_signature(spec)
         for (o_idx, g_idx), items in self._group_items.items():
@@ -271,6 +271,16 @@ def tensor_signature(t: torch.Tensor) -> tuple:
     """What a graph specialises on in one input tensor, as a plain tuple of ``TENSOR_FIELDS``
     (built for every tensor on every call, so as cheap as it gets)."""
     return tuple(t.shape), t.dtype, t.device, t.requires_grad
+
+
+def held_tensor_signature(t: torch.Tensor) -> tuple:
+    """``tensor_signature`` of a tensor the step's state holds: for a DTensor, its local tensor's
+    shape, dtype and device (the graph input) and the DTensor's own ``requires_grad`` (what the
+    step reads: a frozen sharded parameter gets no gradient; its local tensor never requires one)."""
+    if isinstance(t, DTensor):
+        local = t._local_tensor
+        return tuple(local.shape), local.dtype, local.device, t.requires_grad
+    return tensor_signature(t)
 
 
 def _is_tensor_signature(value: Any) -> bool:
