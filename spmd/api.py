@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .compile_times import phase, recording
 from .errors import SpmdCompileError
@@ -93,7 +94,8 @@ class CompiledTrainStep:
         self.cache: OrderedDict[tuple, CompiledStep] = OrderedDict()
         self.trace_count = 0
         self._overridden: weakref.WeakSet = weakref.WeakSet()
-        self._prepared: weakref.WeakSet = weakref.WeakSet()  # modules the parallel mode prepared
+        # parameters and buffers the parallel mode prepared, by identity: a swapped-in submodule's are new
+        self._prepared = WeakIdKeyDictionary()
         # Modules and optimizers by serial number, never reused (unlike id()): a new object is a new signature.
         self._serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._next_serial = itertools.count()
@@ -329,8 +331,8 @@ class CompiledTrainStep:
     def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec
                  ) -> tuple[CompiledStep, list, bool]:
         """(entry, graph inputs before the user's tensors, whether it is the entry's first run), from
-        the full signature: the cached entry, or a new one compiled. Prepares new modules for their
-        first run. Remembers the call for ``_repeat_last_call`` when it ran the last call's entry
+        the full signature: the cached entry, or a new one compiled. Prepares new parameters and
+        buffers (a new module's, a swapped-in submodule's) for their first run. Remembers the call for ``_repeat_last_call`` when it ran the last call's entry
         and did not follow a failed check (a state that changes on every call would pay for a
         check on every call)."""
         missed, self._last_call = self._last_call is not None, None
@@ -351,10 +353,10 @@ class CompiledTrainStep:
         if self._last_run is not None and not repeated:
             self._last_run.flush()  # its deferred updates land before another graph runs
         self._last_run = entry
-        new_modules = [m for m in state.modules if m not in self._prepared]
-        if new_modules:
-            self.parallel_mode.before_first_run(state, new_modules)
-            self._prepared.update(new_modules)
+        new_tensors = [t for t in (*state.params, *state.buffers) if t not in self._prepared]
+        if new_tensors:
+            self.parallel_mode.before_first_run(state, new_tensors)
+            self._prepared.update(dict.fromkeys(new_tensors, True))
         hypers = entry.hyper_inputs(state.hyper_values(), state)
         if not repeated or missed:  # check the next call only after the same entry twice, and no failed check
             return entry, [*state.flat_tensors(), *hypers], first_run

@@ -12,9 +12,10 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
 * ``expand(dp, gm, grad_order=None)``: turns the traced single-rank graph into the
   distributed one (e.g. an all_reduce per gradient); ``grad_order`` is the order every
   rank reduces gradients in when some rank computes no gradient for a parameter;
-* ``before_first_run(dp, state, modules)``: runs before the step first runs on
-  ``modules`` (those of ``state`` it has not run on before), after its graph was traced
-  and checked on every rank (e.g. make replicas equal).
+* ``before_first_run(dp, state, tensors)``: runs before the step first runs on
+  ``tensors`` (the parameters and buffers of ``state`` it has not run on before: a new
+  module's, a swapped-in submodule's), after its graph was traced and checked on every
+  rank (e.g. make replicas equal).
 
 ``DataParallel`` holds the settings and hands itself to the chosen mode.
 """
@@ -54,9 +55,9 @@ class DataParallel:
 
     Settings of the replicate style, named and defaulted as in DDP/FSDP:
 
-    * ``sync_module_states=True``: before a step first runs on a module, its parameters
-      (and buffers, with ``broadcast_buffers``) are overwritten with rank 0's, as DDP does
-      when it is built. ``False``: the ranks must build equal modules themselves.
+    * ``sync_module_states=True``: before a step first runs on a parameter (a new module's,
+      or a submodule's swapped in between steps), it is overwritten with rank 0's (buffers
+      too, with ``broadcast_buffers``), as DDP does when it is built. ``False``: the ranks must build equal modules themselves.
     * ``broadcast_buffers=True``: every forward of a module passed to the step starts from
       rank 0's buffers (one broadcast per dtype inside the graph), as DDP's default does;
       buffers updated in the forward (BatchNorm statistics) then differ per rank until the
@@ -140,9 +141,9 @@ class DataParallel:
         """What the mode does while the step is traced (``params``: the traced parameters)."""
         return self.mode.trace_context(self, state, params, zero_grads_for)
 
-    def before_first_run(self, state, modules: Sequence) -> None:
-        """Mode-specific work on ``modules`` (of ``state``) before a step first runs on them."""
-        self.mode.before_first_run(self, state, modules)
+    def before_first_run(self, state, tensors: Sequence) -> None:
+        """Mode-specific work on ``tensors`` (parameters and buffers of ``state``) before a step first runs on them."""
+        self.mode.before_first_run(self, state, tensors)
 
     def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
         """The traced single-rank graph, expanded for this mode (edited in place)."""

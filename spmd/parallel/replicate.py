@@ -2,8 +2,9 @@
 
 * ``trace_context``: while tracing, tag each gradient, and mark each forward's buffers
   (``broadcast_buffers``).
-* ``before_first_run``: a module the step has not run on before starts from rank 0's
-  parameters (and buffers, with ``broadcast_buffers``), as DDP makes it when it is built.
+* ``before_first_run``: parameters the step has not run on before (a new module's, a
+  submodule's swapped in between steps) start from rank 0's values (buffers too, with
+  ``broadcast_buffers``), as DDP makes them when it is built.
 * ``expand``: each ``spmd::tag_grad`` marker left by tracing becomes a functional
   all_reduce and its ``wait_tensor``, right where the gradient is produced in the
   backward. Each ``spmd::sync_buffers`` marker (before every forward of a module, with
@@ -22,7 +23,6 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-import torch.nn as nn
 
 from ..graph_utils import set_fake_val
 from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
@@ -49,17 +49,15 @@ def trace_context(dp, state, params, zero_grads_for: frozenset = frozenset()):
     return stack
 
 
-def before_first_run(dp, state, modules: Sequence[nn.Module]) -> None:
-    """With ``dp.sync_module_states``: overwrite ``modules``' parameters (and, with
-    ``dp.broadcast_buffers``, buffers) with rank 0's, as DDP does when it is built."""
+def before_first_run(dp, state, tensors: Sequence[torch.Tensor]) -> None:
+    """With ``dp.sync_module_states``: overwrite ``tensors`` (new parameters and buffers of
+    ``state``; buffers only with ``dp.broadcast_buffers``) with rank 0's, as DDP does when it
+    is built. Every rank passes the same tensors in the same order (``state``'s)."""
     group = dp.process_group()
     if not dp.sync_module_states or group is None or dist.get_world_size(group) == 1:
         return
-    tensors: dict[int, torch.Tensor] = {}
-    for mod in modules:
-        for t in [*mod.parameters(), *(mod.buffers() if dp.broadcast_buffers else ())]:
-            tensors.setdefault(id(t), t)
-    broadcast_from_rank0(list(tensors.values()), group)
+    buffers = {id(b) for b in state.buffers}
+    broadcast_from_rank0([t for t in tensors if dp.broadcast_buffers or id(t) not in buffers], group)
 
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:

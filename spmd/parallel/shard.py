@@ -45,7 +45,7 @@ from .policies import as_policy
 from .shard_comm import (
     UNIT_TAG, GatherUnit, ParamLayout, UnitGroups, gather_unit, in_backward, layout_of, unit_groups,
 )
-from .units import ShardPlan, Unit, shard, shard_plan
+from .units import ShardPlan, Unit, replaced_submodules, shard, shard_plan
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,15 @@ def prepare(dp, state: StepState) -> Optional[StepState]:
             raise SpmdCompileError(
                 f"spmd.compile: {type(mod).__name__} was sharded with {plan.dp.parallel_style} settings that differ "
                 f"from this step's parallel_mode. Pass the same DataParallel to spmd.shard and spmd.compile."
+            )
+        replaced = replaced_submodules(mod, plan) if plan is not None else []
+        if replaced:
+            raise SpmdCompileError(
+                f"spmd.compile: submodule {', '.join(replaced)} of the sharded {type(mod).__name__} was replaced after "
+                "spmd.shard: the new one holds plain (unsharded) parameters, and the sharding units still name the "
+                "old one's. Swap submodules before spmd.shard (build the model as it will train, then shard it and "
+                "build the optimizer), or keep the sharded submodule and load new values into its parameters "
+                "(load_state_dict with DTensors, or torch.distributed.checkpoint's set_model_state_dict)."
             )
     if not fresh:
         return None
@@ -291,7 +300,7 @@ def trace_context(dp, state: StepState, params: list[torch.Tensor],
             h.remove()
 
 
-def before_first_run(dp, state: StepState, modules) -> None:
+def before_first_run(dp, state: StepState, tensors) -> None:
     """Nothing: as with FSDP2, each rank keeps the shard it took of its own parameters."""
 
 

@@ -78,6 +78,21 @@ def shard_plan(model: nn.Module):
     return model.__dict__.get(PLAN_ATTR)
 
 
+def replaced_submodules(model: nn.Module, plan: ShardPlan) -> list[str]:
+    """Names of the submodules holding sharded parameters that ``model`` no longer holds
+    (replaced, e.g. ``model.fc = nn.Linear(...)``, after ``spmd.shard``): their units still
+    name the old modules' parameters."""
+    current = {id(m) for m in model.modules()}
+    replaced = []
+    for unit in plan.units:
+        for holders, name in zip(unit.params, unit.names):
+            mod, attr = holders[0]
+            fqn = name[: -len(attr) - 1] if name.endswith("." + attr) else ""
+            if id(mod) not in current and fqn not in replaced:
+                replaced.append(fqn)
+    return replaced
+
+
 def default_mesh(dp: "DataParallel") -> DeviceMesh:
     """``dp.mesh``, or a 1-D mesh over the whole world on this process's device type."""
     if dp.mesh is not None:
