@@ -27,20 +27,29 @@ def _lists_its_tables(cls: type) -> bool:
     return all(getattr(cls, name) is getattr(nn.Module, name) for name in _TABLE_WALKS)
 
 
-def _contents(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[list, list]:
+def _tensor_attribute_names(module: nn.Module) -> list[str]:
+    return [key for key, value in vars(module).items() if isinstance(value, torch.Tensor)]
+
+
+def _contents(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+              attributes: list[list[str]]) -> tuple[list, list]:
     """(keys, held): what a ``StepState`` of these is built from.
 
     ``keys`` (compared with ``==``): each module's type and ``training`` flag, the names in
-    its parameter, buffer and submodule tables, and the lengths of every table, group and
-    state dict.
-    ``held`` (compared by identity): what those tables hold, each param group and its
-    parameters, each parameter with optimizer state, its state dict and the state's values.
+    its parameter, buffer and submodule tables, the number of its attributes, and the
+    lengths of every table, group and state dict.
+    ``held`` (compared by identity): what those tables hold, each module's tensor attributes
+    (``attributes``: their names, module by module), each param group and its parameters,
+    each parameter with optimizer state, its state dict and the state's values.
     """
     keys: list = []
     held: list = []
-    for mod in modules:
+    for mod, names in zip(modules, attributes):
         keys.append(type(mod))
         keys.append(mod.training)
+        attrs = vars(mod)
+        keys.append(len(attrs))
+        held += [attrs.get(name) for name in names]
         for table in (mod._parameters, mod._buffers, mod._modules):
             keys += table
             keys.append(len(table))
@@ -85,7 +94,8 @@ class StateCheck:
     optimizer state by ``repr`` and each tensor's ``TENSOR_FIELDS`` (and a DTensor's requires_grad and
     spec) as the signature does, and each param group's ``_group_facts``. Anything it
     cannot vouch for reads as changed: a module whose class lists its parameters in its
-    own way is never vouched for.
+    own way is never vouched for. A module's tensor attributes (read as buffers) are held by
+    name; an attribute added or removed changes the module's attribute count.
 
     It references the modules and optimizers weakly (``on_free`` is called when one is
     freed), but holds what they hold (submodules, tensors): drop the check to let those go.
@@ -98,7 +108,8 @@ class StateCheck:
         self._n_modules = len(state.modules)
         self._submodules = list(below.values())
         self._vouched = all(map(_lists_its_tables, {type(m) for m in (*state.modules, *self._submodules)}))
-        self._keys, self._held = _contents([*state.modules, *self._submodules], state.optimizers)
+        self._attributes = list(map(_tensor_attribute_names, (*state.modules, *self._submodules)))
+        self._keys, self._held = _contents([*state.modules, *self._submodules], state.optimizers, self._attributes)
         self._consts = [(st, key, repr(v)) for o in state.optimizers for st in o.state.values()
                         for key, v in st.items() if not isinstance(v, torch.Tensor)]
         self._params = state.params
@@ -119,7 +130,7 @@ class StateCheck:
         if not self._vouched or any(obj is None for obj in owners):
             return None
         modules, optimizers = owners[:self._n_modules], owners[self._n_modules:]
-        keys, held = _contents([*modules, *self._submodules], optimizers)
+        keys, held = _contents([*modules, *self._submodules], optimizers, self._attributes)
         if keys != self._keys or len(held) != len(self._held) or not all(map(operator.is_, held, self._held)):
             return None
         if any(repr(st[key]) != before for st, key, before in self._consts):

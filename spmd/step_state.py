@@ -4,7 +4,8 @@
 arguments and lays their tensors out in one fixed order (parameters, buffers,
 optimizer state), which is the order of the compiled graph's leading inputs. The
 real tensors are passed to the graph on every call, so updates land in place and
-edits the user makes between steps are always seen.
+edits the user makes between steps are always seen. A module's plain tensor attribute
+(neither parameter nor buffer) counts as a buffer: a graph input, in the signature.
 
 A ``DTensor`` (a sharded parameter or its optimizer state) enters the graph as its
 local tensor; tracing wraps the traced local tensor back into a ``DTensor`` with the
@@ -89,6 +90,8 @@ class StepState:
         self.param_names: list[str] = []
         self.buffers: list[torch.Tensor] = []
         self.buffer_names: list[str] = []
+        # a plain tensor attribute of a module (``self.scale = torch.tensor(2.0)``) is read like a buffer
+        self.buffer_is_attribute: list[bool] = []
         self._param_index: dict[int, int] = {}
         self._buffer_index: dict[int, int] = {}
         self._module_params: list[tuple[nn.Module, list[tuple[str, int]]]] = []
@@ -104,11 +107,13 @@ class StepState:
                 names.append((name, self._param_index[id(p)]))
             self._module_params.append((mod, names))
             bnames = []
-            for name, b in mod.named_buffers(remove_duplicate=False):
+            named = list(mod.named_buffers(remove_duplicate=False))
+            for k, (name, b) in enumerate([*named, *tensor_attributes(mod)]):
                 if id(b) not in self._buffer_index:
                     self._buffer_index[id(b)] = len(self.buffers)
                     self.buffers.append(b)
                     self.buffer_names.append(prefix + name)
+                    self.buffer_is_attribute.append(k >= len(named))
                 bnames.append((name, self._buffer_index[id(b)]))
             self._module_buffers[id(mod)] = bnames
 
@@ -235,11 +240,13 @@ class StepState:
         DTensor adds its global shape, placements and mesh.
         """
         sig: dict[str, Any] = {}
-        for kind, names, tensors, specs in (
-                ("parameter", self.param_names, self.params, self.param_specs),
-                ("buffer", self.buffer_names, self.buffers, [None] * len(self.buffers)),
-                ("optimizer state", self.state_names, self.state_tensors, self.state_specs)):
-            for name, t, spec in zip(names, tensors, specs):
+        buffer_kinds = ["tensor attribute" if a else "buffer" for a in self.buffer_is_attribute]
+        for kinds, names, tensors, specs in (
+                (["parameter"] * len(self.params), self.param_names, self.params, self.param_specs),
+                (buffer_kinds, self.buffer_names, self.buffers, [None] * len(self.buffers)),
+                (["optimizer state"] * len(self.state_tensors), self.state_names, self.state_tensors,
+                 self.state_specs)):
+            for kind, name, t, spec in zip(kinds, names, tensors, specs):
                 sig[f"{kind} {name}"] = held_tensor_signature(t)
                 if spec is not None:
                     sig[f"{kind} {name} sharding"] = sharding_signature(spec)
@@ -256,6 +263,15 @@ class StepState:
                 if kind == "const":
                     sig[f"optimizer state {name}.{key}"] = repr(v)
         return sig
+
+
+def tensor_attributes(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each plain tensor attribute of ``module`` and its submodules (neither a
+    parameter nor a buffer, e.g. ``self.scale = torch.tensor(2.0)``): the step reads them as it
+    reads buffers, as graph inputs."""
+    return [(f"{prefix}.{key}" if prefix else key, value)
+            for prefix, sub in module.named_modules(remove_duplicate=False)
+            for key, value in vars(sub).items() if isinstance(value, torch.Tensor) and not isinstance(value, DTensor)]
 
 
 def training_modes(modules: list[nn.Module]) -> tuple[bool, ...]:

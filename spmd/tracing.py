@@ -15,6 +15,8 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    are the optimizer's (the usual step), ``spmd.direct_functionalize`` rewrites those
    nodes in place of a second trace; anything else is re-traced under ``functionalize``.
 
+The trace leaves the user's objects as it found them (``spmd.user_objects``).
+
 Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input; ``graph_utils.meta``) and
 ``meta[NAME]`` so passes never infer roles from positions.
 """
@@ -42,6 +44,7 @@ from .errors import SpmdCompileError
 from .hyperparams import HyperMode, TracedHyper, hyper_items, learned
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState
+from .user_objects import reachable_objects, untouched
 
 # --- the traced result ------------------------------------------------------------
 
@@ -317,13 +320,15 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     hook = register_optimizer_step_pre_hook(refuse_unknown_optimizer)
     first_hyper = n_params + n_buffers + n_state
     try:
-        for _ in range(len(hyper_values) + 1):
-            with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
-                impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
-            read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
-            if not read:
-                break
-            _specialise(state, read)  # the graph reads them as numbers: trace again with their values
+        # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
+        with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)):
+            for _ in range(len(hyper_values) + 1):
+                with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
+                    impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
+                read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
+                if not read:
+                    break
+                _specialise(state, read)  # the graph reads them as numbers: trace again with their values
     except SpmdCompileError:
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know

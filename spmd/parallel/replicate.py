@@ -56,8 +56,10 @@ def before_first_run(dp, state, tensors: Sequence[torch.Tensor]) -> None:
     group = dp.process_group()
     if not dp.sync_module_states or group is None or dist.get_world_size(group) == 1:
         return
-    buffers = {id(b) for b in state.buffers}
-    broadcast_from_rank0([t for t in tensors if dp.broadcast_buffers or id(t) not in buffers], group)
+    # DDP syncs parameters and buffers only, never a plain tensor attribute
+    buffers = {id(b): attribute for b, attribute in zip(state.buffers, state.buffer_is_attribute)}
+    broadcast_from_rank0([t for t in tensors if id(t) not in buffers
+                          or (dp.broadcast_buffers and not buffers[id(t)])], group)
 
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
