@@ -49,7 +49,8 @@ def _contents(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer],
         keys.append(mod.training)
         attrs = vars(mod)
         keys.append(len(attrs))
-        held += [attrs.get(name) for name in names]
+        if names:
+            held += [attrs.get(name) for name in names]
         for table in (mod._parameters, mod._buffers, mod._modules):
             keys += table
             keys.append(len(table))

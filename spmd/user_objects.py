@@ -3,7 +3,7 @@
 Tracing runs the user's step on fake tensors. Whatever the step stores on an object it can
 reach would keep a fake tensor after the trace: a module caching an activation
 (``self.cache = h.detach()``), a ``GradScaler`` creating its scale lazily, a dict of
-per-optimizer state filled in. Eager use of the object then fails, and a retrace mixes two
+per-optimizer state filled in, a global list the step appends its loss to. Eager use of the object then fails, and a retrace mixes two
 fake modes. ``untouched(objects)`` records each object's attributes, and the dicts and lists
 under them, before the trace; after it, succeeded or raised, it puts back every attribute
 and container the trace left holding a fake tensor, every tensor attribute it rebound and
@@ -54,13 +54,18 @@ def _referenced(fn: Callable) -> Iterator[Any]:
 def reachable_objects(fn: Callable, args: tuple, kwargs: dict, modules: list[nn.Module],
                       optimizers: list[torch.optim.Optimizer]) -> list[Any]:
     """The objects a step ``fn(*args, **kwargs)`` can store into: its arguments' objects, every
-    (sub)module, its optimizers, and the objects its closure and globals hold (e.g. a GradScaler)."""
+    (sub)module, its optimizers, and the objects, dicts and lists its closure and globals
+    hold (e.g. a GradScaler, a list of losses)."""
     found: dict[int, Any] = {}
-    for obj in [*pytree.tree_leaves((args, kwargs)), *modules, *optimizers, *_referenced(fn)]:
+    referenced = list(_referenced(fn))
+    for obj in [*pytree.tree_leaves((args, kwargs)), *modules, *optimizers, *referenced]:
         if not hasattr(obj, "__dict__") or isinstance(obj, _NOT_USER_OBJECTS):
             continue
         for o in obj.modules() if isinstance(obj, nn.Module) else (obj,):
             found.setdefault(id(o), o)
+    for obj in referenced:  # e.g. a list the step appends its loss to
+        if type(obj) in (dict, list):
+            found.setdefault(id(obj), obj)
     return list(found.values())
 
 
@@ -80,10 +85,10 @@ class _Snapshot:
     """Each object's attributes and the containers under them, as they were."""
 
     def __init__(self, objects: list[Any]):
-        self.attributes = [(obj, dict(vars(obj))) for obj in objects]
+        self.attributes = [(obj, dict(vars(obj))) for obj in objects if not isinstance(obj, (dict, list))]
         self.containers: dict[int, tuple[Any, Any]] = {}
-        for _, saved in self.attributes:
-            for value in saved.values():
+        for obj in objects:
+            for value in vars(obj).values() if hasattr(obj, "__dict__") else (obj,):
                 self._record(value, _DEPTH)
 
     def _record(self, value: Any, depth: int) -> None:

@@ -115,6 +115,27 @@ def test_a_grad_scaler_in_the_steps_globals_is_left_real(used_before):
     _eager_scaled_step(model, optim)
 
 
+history: list = []
+
+
+def logging_step(model, optim, x):
+    loss = model(x).square().mean()
+    history.append(loss.detach())  # eager code appends every step; the graph cannot
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_global_list_the_step_appends_to_holds_no_fake_tensor():
+    history.clear()
+    history.append(torch.zeros((), dtype=F64))
+    before = list(history)
+    model = nn.Linear(4, 4, dtype=F64)
+    spmd.compile()(logging_step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4, dtype=F64))
+    assert len(history) == 1 and history[0] is before[0]
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()
