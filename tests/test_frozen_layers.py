@@ -48,8 +48,8 @@ def _train_through_a_freeze(rank, step, model, ref_step, ref, optim, ref_optim):
 
 
 def _replicate(rank, world_size):
-    model = gpt()
-    ref = gpt()
+    model = gpt(n_layer=1)
+    ref = gpt(n_layer=1)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=LR)
     step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(lm_train_step)
@@ -63,7 +63,7 @@ def test_replicate_freeze_and_unfreeze_match_ddp():
 
 
 def _sharded(rank, world_size, style):
-    model = gpt()
+    model = gpt(n_layer=1)
     ref = fsdp2_twin(model, reshard_after_forward=style == "fully_shard")
     mode = spmd.DataParallel(style, wrap_policy=block_policy())
     spmd.shard(model, mode)
