@@ -332,9 +332,9 @@ class CompiledTrainStep:
                  ) -> tuple[CompiledStep, list, bool]:
         """(entry, graph inputs before the user's tensors, whether it is the entry's first run), from
         the full signature: the cached entry, or a new one compiled. Prepares new parameters and
-        buffers (a new module's, a swapped-in submodule's) for their first run. Remembers the call for ``_repeat_last_call`` when it ran the last call's entry
-        and did not follow a failed check (a state that changes on every call would pay for a
-        check on every call)."""
+        buffers (a new module's, a swapped-in submodule's) for their first run. Remembers the
+        call for ``_repeat_last_call`` when it ran the last call's entry and did not follow a
+        failed check (a state that changes on every call would pay for a check on every call)."""
         missed, self._last_call = self._last_call is not None, None
         state = self.prepare_state(args, kwargs)
         signature = self.signature(state, args, kwargs)

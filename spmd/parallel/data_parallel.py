@@ -57,7 +57,8 @@ class DataParallel:
 
     * ``sync_module_states=True``: before a step first runs on a parameter (a new module's,
       or a submodule's swapped in between steps), it is overwritten with rank 0's (buffers
-      too, with ``broadcast_buffers``), as DDP does when it is built. ``False``: the ranks must build equal modules themselves.
+      too, with ``broadcast_buffers``), as DDP does when it is built. ``False``: the ranks
+      must build equal modules themselves.
     * ``broadcast_buffers=True``: every forward of a module passed to the step starts from
       rank 0's buffers (one broadcast per dtype inside the graph), as DDP's default does;
       buffers updated in the forward (BatchNorm statistics) then differ per rank until the
@@ -142,7 +143,7 @@ class DataParallel:
         return self.mode.trace_context(self, state, params, zero_grads_for)
 
     def before_first_run(self, state, tensors: Sequence) -> None:
-        """Mode-specific work on ``tensors`` (parameters and buffers of ``state``) before a step first runs on them."""
+        """Mode-specific work on ``tensors`` (parameters, buffers of ``state``) before the step first uses them."""
         self.mode.before_first_run(self, state, tensors)
 
     def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
