@@ -3,12 +3,12 @@
 Tracing runs the user's step on fake tensors. Whatever the step stores on an object it can
 reach would keep a fake tensor after the trace: a module caching an activation
 (``self.cache = h.detach()``), a ``GradScaler`` creating its scale lazily, a dict of
-per-optimizer state filled in, a global list the step appends its loss to. Eager use of the object then fails, and a retrace mixes two
-fake modes. ``untouched(objects)`` records each object's attributes, and the dicts and lists
-under them, before the trace; after it, succeeded or raised, it puts back every attribute
-and container the trace left holding a fake tensor, every tensor attribute it rebound and
-every attribute it deleted. Other writes (a flag such as ``Optimizer._opt_called``) stay, as
-eager would leave them.
+per-optimizer state filled in, a global list the step appends its loss to. Eager use of the
+object then fails, and a retrace mixes two fake modes. ``untouched(objects)`` records each
+object's attributes, and the dicts and lists under them, before the trace; after it,
+succeeded or raised, it puts back every attribute and container the trace left holding a
+fake tensor, every tensor attribute it rebound and every attribute it deleted. Other writes
+(a flag such as ``Optimizer._opt_called``) stay, as eager would leave them.
 """
 
 from __future__ import annotations
