@@ -29,11 +29,16 @@ log = logging.getLogger(__name__)
 
 
 def cudagraph_obstacle(gm: fx.GraphModule, args: tuple) -> Optional[str]:
-    """Why ``gm`` cannot run as a CUDA graph with inputs ``args`` (the first input not on the GPU), or None."""
+    """Why ``gm`` cannot run as a CUDA graph with inputs ``args`` (the first input it reads not on the
+    GPU), or None. An input the graph never reads does not count (e.g. a module's tensor attribute
+    that ``model.to("cuda")`` left on the CPU, read like a buffer but unused)."""
     if not torch.cuda.is_available():
         return "no CUDA GPU"
-    names = [(n.meta.get(NAME), n.meta.get(ROLE)) for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [(n.meta.get(NAME), n.meta.get(ROLE)) for n in placeholders]
     for i, a in enumerate(args):
+        if i < len(placeholders) and not placeholders[i].users:
+            continue
         if isinstance(a, torch.Tensor) and a.device.type != "cuda":
             name, role = names[i] if i < len(names) else (None, None)
             what = f"input {name or i} (shape {tuple(a.shape)}) is on {a.device}"
