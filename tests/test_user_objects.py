@@ -175,3 +175,32 @@ def _tensor_attribute(rank, world_size):
 
 def test_a_tensor_attribute_is_read_like_a_buffer_and_trains_like_ddp():
     run_distributed(_tensor_attribute)
+
+
+class KeepsACopy(nn.Module):
+    """Keeps a plain tensor it never reads in forward (as Hugging Face's rotary embeddings keep
+    ``original_inv_freq``): ``model.to("cuda")`` leaves it on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.original = torch.arange(4.0)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_unread_tensor_attribute_on_the_cpu_keeps_cuda_graphs(caplog):
+    torch.manual_seed(0)
+    model = KeepsACopy().cuda()
+    ref = copy.deepcopy(model)
+    assert model.original.device.type == "cpu"
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-3, capturable=True) for m in (model, ref))
+    step = spmd.compile()(train_step)
+    for _ in range(4):
+        x = torch.randn(8, 16, device="cuda")
+        torch.testing.assert_close(step(model, optim, x), train_step(ref, ref_optim, x).detach(),
+                                   atol=1e-5, rtol=1e-5)
+    assert not [r for r in caplog.records if "without CUDA graphs" in r.getMessage()], caplog.text
