@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .amp_scaler import GradScaler, ensure_scale, find_scalers, scaler_signature
 from .compile_times import phase, recording
 from .errors import SpmdCompileError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
@@ -134,11 +135,12 @@ class CompiledTrainStep:
                     if made is not None:
                         created.append(made)
             if created:  # state was just created: lay it out again
-                state = StepState(state.modules, state.optimizers)
+                state = StepState(state.modules, state.optimizers, state.scalers)
             with phase("trace"):
                 traced = trace_train_step(
                     self.fn, state, args, kwargs,
-                    lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for))
+                    lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for),
+                    found_inf_group=self.parallel_mode.process_group())
         except BaseException:
             undo_created(created)
             raise
@@ -268,6 +270,8 @@ class CompiledTrainStep:
             return tensor_signature(leaf)
         if isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
             return self._serial(leaf)
+        if isinstance(leaf, GradScaler):
+            return self._serial(leaf), scaler_signature(leaf)
         if leaf is None or type(leaf) in (int, float, bool, str):
             return repr(leaf)
         return f"{type(leaf).__name__}: {leaf!r}"
@@ -289,7 +293,9 @@ class CompiledTrainStep:
         """Find the step's modules and optimizers, apply overrides, and check no stray gradients."""
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
-        state = StepState(modules, optimizers)
+        scalers = find_scalers(args, kwargs)
+        ensure_scale(scalers, next(iter(modules[0].parameters()), torch.empty(0)).device)
+        state = StepState(modules, optimizers, scalers)
         with_grad = [n for n, p in zip(state.param_names, state.params) if p.grad is not None]
         if with_grad:
             raise SpmdCompileError(
