@@ -33,6 +33,8 @@ import torch.utils._pytree as pytree
 from torch.amp import GradScaler
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
+from .errors import SpmdCompileError
+
 SCALER_TENSORS = ("_scale", "_growth_tracker")  # the step state of one scaler, in graph order
 
 
@@ -112,7 +114,23 @@ def traced_scalers(scalers: list[GradScaler], traced: list[torch.Tensor],
     per-optimizer stages, and the methods.
     """
     saved = []
+    known = {id(s) for s in scalers}
+    checks = {name: getattr(GradScaler, name) for name in ("scale", "_check_scale_growth_tracker")}
+
+    def refuse_unknown(method):
+        def checked(self, *args, **kwargs):
+            if self.is_enabled() and id(self) not in known:
+                raise SpmdCompileError(
+                    "spmd.compile: train_step uses a torch.amp.GradScaler that is not among its arguments, so "
+                    "its scale cannot be a graph input updated in place. Pass the scaler to train_step, e.g. "
+                    "train_step(model, optim, scaler, batch)."
+                )
+            return method(self, *args, **kwargs)
+        return checked
+
     try:
+        for name, method in checks.items():
+            setattr(GradScaler, name, refuse_unknown(method))
         for k, scaler in enumerate(scalers):
             saved.append((scaler, scaler._scale, scaler._growth_tracker, scaler._per_optimizer_states))
             scaler._scale, scaler._growth_tracker = traced[2 * k], traced[2 * k + 1]
@@ -128,6 +146,8 @@ def traced_scalers(scalers: list[GradScaler], traced: list[torch.Tensor],
             scaler._maybe_opt_step = _step_unless_found_inf
         yield
     finally:
+        for name, method in checks.items():
+            setattr(GradScaler, name, method)
         for scaler, scale, tracker, per_optimizer in saved:
             scaler._scale, scaler._growth_tracker, scaler._per_optimizer_states = scale, tracker, per_optimizer
             for name in ("_unscale_grads_", "_maybe_opt_step"):

@@ -17,6 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from tests.dist import run_distributed
 from tests.parity import ddp_copy
 
@@ -54,14 +58,27 @@ def _batches(rank, dtype, steps=len(SCALES)):
         yield x, y
 
 
-def _parity(rank, world_size, impl, clip, autocast):
+def _fsdp2_twin(model):
+    ref = copy.deepcopy(model)
+    for layer in ref:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(ref)
+
+
+def _parity(rank, world_size, impl, clip, autocast, style="replicate"):
+    """The step through spmd and through the eager reference (DDP, or FSDP2 for ``fully_shard``), side by side."""
     dtype = torch.float32 if autocast else torch.float64
     model = _mlp(dtype)
-    ddp = ddp_copy(model)
+    if style == "replicate":
+        ddp, mode = ddp_copy(model), REPLICATE
+    else:
+        ddp, mode = _fsdp2_twin(model), spmd.DataParallel(style, wrap_policy={nn.Linear})
+        spmd.shard(model, mode)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **impl)
     ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, **impl)
     scaler, ddp_scaler = torch.amp.GradScaler("cpu", **SETTINGS), torch.amp.GradScaler("cpu", **SETTINGS)
-    step = spmd.compile(parallel_mode=REPLICATE)(amp_step)
+    step = spmd.compile(parallel_mode=mode)(amp_step)
     # fused AdamW runs eager's kernel: bit for bit; the traced foreach update differs in the last bits
     atol = 0.0 if impl.get("fused") else 1e-13
     for i, (x, y) in enumerate(_batches(rank, dtype)):
@@ -73,17 +90,25 @@ def _parity(rank, world_size, impl, clip, autocast):
         assert scaler._get_growth_tracker() == ddp_scaler._get_growth_tracker()
         unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         assert unchanged == (i == INF_STEP), f"step {i}: skipped={unchanged}"
-        for p, q in zip(model.parameters(), ddp.module.parameters()):
-            torch.testing.assert_close(p, q, atol=atol, rtol=0)
-    for p, q in zip(model.parameters(), ddp.module.parameters()):  # optimizer state too: a skip keeps it
+        for p, q in zip(model.parameters(), _reference(ddp).parameters()):
+            torch.testing.assert_close(_full(p), _full(q), atol=atol, rtol=0)
+    for p, q in zip(model.parameters(), _reference(ddp).parameters()):  # optimizer state too: a skip keeps it
         for key, value in optim.state[p].items():
-            torch.testing.assert_close(value, ddp_optim.state[q][key], atol=atol, rtol=0, msg=key)
+            torch.testing.assert_close(_full(value), _full(ddp_optim.state[q][key]), atol=atol, rtol=0, msg=key)
     assert step.trace_count == 1
     (entry,) = step.cache.values()
     targets = [n.target for n in entry.graph.graph.nodes]
     assert torch.ops.aten._local_scalar_dense.default not in targets  # no host sync
     maxes = [n for n in entry.graph.graph.nodes if "all_reduce" in str(n.target) and "max" in n.args]
-    assert len(maxes) == 1, "found_inf is agreed on across ranks by one all_reduce MAX"
+    assert maxes, "found_inf is agreed on across ranks by an all_reduce MAX"
+
+
+def _reference(model):
+    return model.module if isinstance(model, DDP) else model
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 @pytest.mark.parametrize("impl", [{"fused": True}, {"foreach": False}], ids=["fused", "single_tensor"])
@@ -97,3 +122,7 @@ def test_unscale_then_clip_grad_norm_matches_ddp():
 
 def test_fp16_autocast_with_grad_scaler_matches_ddp():
     run_distributed(_parity, {"fused": True}, False, True)
+
+
+def test_fully_shard_with_grad_scaler_matches_fsdp2():
+    run_distributed(_parity, {"fused": True}, True, False, "fully_shard")
