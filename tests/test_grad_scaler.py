@@ -126,3 +126,51 @@ def test_fp16_autocast_with_grad_scaler_matches_ddp():
 
 def test_fully_shard_with_grad_scaler_matches_fsdp2():
     run_distributed(_parity, {"fused": True}, True, False, "fully_shard")
+
+
+def _gpu_parity(rank, world_size, impl):
+    """fp16 autocast on the GPU, ``spmd.compile``'s default (Inductor, CUDA graphs), against DDP + GradScaler."""
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 16)).to(device)
+    ddp = ddp_copy(model, device_ids=[rank])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, **impl)
+    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=1e-3, capturable=True, **impl)
+    scaler, ddp_scaler = torch.amp.GradScaler("cuda", **SETTINGS), torch.amp.GradScaler("cuda", **SETTINGS)
+    step = spmd.compile(parallel_mode=REPLICATE)(amp_step_cuda)
+    gen = torch.Generator(device=device).manual_seed(rank)
+    for i in range(len(SCALES)):
+        x = torch.randn(32, 64, device=device, generator=gen)
+        y = torch.randn(32, 16, device=device, generator=gen)
+        if i == INF_STEP and rank == world_size - 1:
+            x[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = step(model, optim, scaler, x, y)
+        ddp_loss = amp_step_cuda(ddp, ddp_optim, ddp_scaler, x, y)
+        torch.testing.assert_close(loss, ddp_loss.detach(), atol=1e-3, rtol=1e-3, equal_nan=True)
+        assert scaler.get_scale() == ddp_scaler.get_scale() == SCALES[i], (i, scaler.get_scale())
+        unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        assert unchanged == (i == INF_STEP), f"step {i}: skipped={unchanged}"
+    for p, q in zip(model.parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-3, rtol=1e-3)
+    from spmd.cudagraphs import CudaGraphRunner
+
+    runner = next(iter(step.cache.values())).runner._runners["step"]
+    assert isinstance(runner, CudaGraphRunner) and runner.graph is not None and not runner.uncaptured
+
+
+def amp_step_cuda(model, optim, scaler, x, y):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = F.mse_loss(model(x).float(), y)
+    scaler.scale(loss).backward()
+    scaler.step(optim)
+    scaler.update()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", [{"fused": True}, {"foreach": True}], ids=["fused", "foreach"])
+def test_fp16_grad_scaler_with_cuda_graphs_matches_ddp(impl):
+    run_distributed(_gpu_parity, impl, world_size=min(2, torch.cuda.device_count()), backend="nccl")
