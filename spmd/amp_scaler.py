@@ -38,13 +38,31 @@ from .errors import SpmdCompileError
 SCALER_TENSORS = ("_scale", "_growth_tracker")  # the step state of one scaler, in graph order
 
 
-def find_scalers(args: tuple, kwargs: dict) -> list[GradScaler]:
-    """The distinct enabled ``GradScaler``s among the step's (flattened) arguments, in order.
+def closure_scalers(fn) -> list[GradScaler]:
+    """The ``GradScaler``s ``fn`` reaches by name: in its closure, or globals its code names.
 
-    A disabled scaler is left out: its methods do nothing but call ``optimizer.step()``.
+    A cheap look (a few dict reads, done on every call so that a rebound name is seen); a
+    scaler reached any other way (an attribute, a helper function) is refused while tracing.
     """
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # a cell not yet bound
+            pass
+    found = [*cells, *map(fn.__globals__.get, code.co_names)]
+    return [v for v in found if isinstance(v, GradScaler)]
+
+
+def step_scalers(fn, args: tuple, kwargs: dict) -> list[GradScaler]:
+    """The distinct enabled ``GradScaler``s of a step: among its (flattened) arguments, then in
+    ``closure_scalers(fn)``. A disabled scaler is left out: its methods only call ``optimizer.step()``."""
     found: list[GradScaler] = []
-    for leaf in pytree.tree_leaves((args, kwargs)):
+    for leaf in [*pytree.tree_leaves((args, kwargs)), *closure_scalers(fn)]:
         if isinstance(leaf, GradScaler) and leaf.is_enabled() and all(leaf is not s for s in found):
             found.append(leaf)
     return found
@@ -121,9 +139,9 @@ def traced_scalers(scalers: list[GradScaler], traced: list[torch.Tensor],
         def checked(self, *args, **kwargs):
             if self.is_enabled() and id(self) not in known:
                 raise SpmdCompileError(
-                    "spmd.compile: train_step uses a torch.amp.GradScaler that is not among its arguments, so "
-                    "its scale cannot be a graph input updated in place. Pass the scaler to train_step, e.g. "
-                    "train_step(model, optim, scaler, batch)."
+                    "spmd.compile: train_step uses a torch.amp.GradScaler that is neither among its arguments nor "
+                    "named in its code (a global or a closure variable), so its scale cannot be a graph input "
+                    "updated in place. Pass the scaler to train_step, e.g. train_step(model, optim, scaler, batch)."
                 )
             return method(self, *args, **kwargs)
         return checked

@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .amp_scaler import GradScaler, ensure_scale, find_scalers, scaler_signature
+from .amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
 from .compile_times import phase, recording
 from .errors import SpmdCompileError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
@@ -293,7 +293,7 @@ class CompiledTrainStep:
         """Find the step's modules and optimizers, apply overrides, and check no stray gradients."""
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
-        scalers = find_scalers(args, kwargs)
+        scalers = step_scalers(self.fn, args, kwargs)
         ensure_scale(scalers, next(iter(modules[0].parameters()), torch.empty(0)).device)
         state = StepState(modules, optimizers, scalers)
         with_grad = [n for n, p in zip(state.param_names, state.params) if p.grad is not None]
@@ -307,7 +307,8 @@ class CompiledTrainStep:
 
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        entry, flat, first_run = self._repeat_last_call(leaves, spec) or self._look_up(args, kwargs, leaves, spec)
+        signed = [*leaves, *closure_scalers(self.fn)]  # what the step depends on besides its state
+        entry, flat, first_run = self._repeat_last_call(signed, spec) or self._look_up(args, kwargs, signed, spec)
         flat += [t for t in leaves if isinstance(t, torch.Tensor)]
         # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
         with torch.no_grad(), recording(entry.compile_times), (

@@ -174,3 +174,78 @@ def amp_step_cuda(model, optim, scaler, x, y):
 @pytest.mark.parametrize("impl", [{"fused": True}, {"foreach": True}], ids=["fused", "foreach"])
 def test_fp16_grad_scaler_with_cuda_graphs_matches_ddp(impl):
     run_distributed(_gpu_parity, impl, world_size=min(2, torch.cuda.device_count()), backend="nccl")
+
+
+def _train_side_by_side(step, scalers, change=None, pass_scaler=True, rank=1):
+    """Run compiled ``step`` and eager ``amp_step`` on twin float64 models with ``scalers`` (compiled
+    side's, eager side's) over the steps of ``_batches``, checking losses, scaler state and parameters;
+    ``change(scaler)`` runs on both scalers after step 1. ``pass_scaler=False``: the compiled step
+    reaches its scaler by itself (its scaler argument is None). ``rank`` 1's batches overflow at ``INF_STEP``."""
+    model = _mlp(torch.float64)
+    ref = copy.deepcopy(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for i, (x, y) in enumerate(_batches(rank, torch.float64)):
+        loss = step(model, optim, scalers[0] if pass_scaler else None, x, y)
+        ref_loss = amp_step(ref, ref_optim, scalers[1], x, y)
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=0, rtol=0, equal_nan=True)
+        assert scalers[0].state_dict() == scalers[1].state_dict(), i
+        if i == 1 and change is not None:
+            for s in scalers:
+                change(s)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def _scalers(**kwargs):
+    return torch.amp.GradScaler("cpu", **kwargs), torch.amp.GradScaler("cpu", **kwargs)
+
+
+def test_changing_a_scaler_setting_retraces_and_matches_eager():
+    step = spmd.compile()(amp_step)
+    _train_side_by_side(step, _scalers(**SETTINGS), change=lambda s: s.set_backoff_factor(0.125))
+    assert step.trace_count == 2  # the backoff factor is a constant of the graph
+
+
+def test_disabled_scaler_is_a_plain_step():
+    step = spmd.compile()(amp_step)
+    scalers = _scalers(enabled=False)
+    _train_side_by_side(step, scalers, rank=0)
+    assert not hasattr(scalers[0], "_scale") and step.trace_count == 1
+
+
+def global_scaler_step(model, optim, _none, x, y):
+    return amp_step(model, optim, GLOBAL_SCALER, x, y)
+
+
+def test_scaler_in_a_closure_or_a_global_is_traced():
+    global GLOBAL_SCALER
+    scalers = _scalers(**SETTINGS)
+    scaler = scalers[0]
+
+    def closure_step(model, optim, _none, x, y):
+        return amp_step(model, optim, scaler, x, y)
+
+    _train_side_by_side(spmd.compile()(closure_step), scalers, pass_scaler=False)
+    GLOBAL_SCALER, _ = scalers = _scalers(**SETTINGS)
+    _train_side_by_side(spmd.compile()(global_scaler_step), scalers, pass_scaler=False)
+
+
+class _Holder:
+    def __init__(self, scaler):
+        self.scaler = scaler
+
+
+def _holder_step(model, optim, holder, x, y):
+    return amp_step(model, optim, holder.scaler, x, y)
+
+
+def test_scaler_reached_through_an_attribute_is_refused_and_left_as_it_was():
+    model = _mlp(torch.float64)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = next(_batches(0, torch.float64))
+    with pytest.raises(spmd.SpmdCompileError, match="Pass the scaler to train_step"):
+        spmd.compile()(_holder_step)(model, optim, _Holder(scaler), x, y)
+    assert scaler._scale is None and not scaler._per_optimizer_states and not optim.state
+    assert all(p.grad is None for p in model.parameters())
