@@ -64,6 +64,12 @@ def step_scalers(fn, args: tuple, kwargs: dict) -> list[GradScaler]:
     found: list[GradScaler] = []
     for leaf in [*pytree.tree_leaves((args, kwargs)), *closure_scalers(fn)]:
         if isinstance(leaf, GradScaler) and leaf.is_enabled() and all(leaf is not s for s in found):
+            if type(leaf)._maybe_opt_step is not GradScaler._maybe_opt_step:
+                raise SpmdCompileError(
+                    f"spmd.compile: {type(leaf).__name__} overrides GradScaler._maybe_opt_step, the decision to "
+                    "skip a step, which spmd replaces with tensor ops to keep it in the graph. Use "
+                    "torch.amp.GradScaler itself, or keep the step's skipping logic in GradScaler's hands."
+                )
             found.append(leaf)
     return found
 

@@ -249,3 +249,18 @@ def test_scaler_reached_through_an_attribute_is_refused_and_left_as_it_was():
         spmd.compile()(_holder_step)(model, optim, _Holder(scaler), x, y)
     assert scaler._scale is None and not scaler._per_optimizer_states and not optim.state
     assert all(p.grad is None for p in model.parameters())
+
+
+class _OwnSkipScaler(torch.amp.GradScaler):
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)  # never skips: spmd must not replace this silently
+
+
+def test_scaler_with_its_own_skip_decision_is_refused():
+    model = _mlp(torch.float64)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = _OwnSkipScaler("cpu")
+    x, y = next(_batches(0, torch.float64))
+    with pytest.raises(spmd.SpmdCompileError, match="_OwnSkipScaler overrides GradScaler._maybe_opt_step"):
+        spmd.compile()(amp_step)(model, optim, scaler, x, y)
+    assert scaler._scale is None and not optim.state
