@@ -1,20 +1,24 @@
 """``torch.amp.GradScaler`` inside a compiled step: its scale and its skipped steps as graph ops.
 
 A step written for DDP (``scaler.scale(loss).backward()``, ``scaler.step(optim)``,
-``scaler.update()``) is traced as it is, with three changes while it is traced
-(``traced_scalers``):
+``scaler.update()``, optionally ``scaler.unscale_(optim)`` before clipping) is traced as it
+is. The scalers it uses are found among its arguments or by name in its code
+(``step_scalers``); while it is traced (``traced_scalers``):
 
-* the scaler's ``_scale`` and ``_growth_tracker`` are the traced step-state inputs
+* each scaler's ``_scale`` and ``_growth_tracker`` are traced step-state inputs
   (``StepState`` lays them out after the optimizer state, so the graph updates them in
   place, and a CUDA graph reads them where they are);
-* each inf/NaN check (``_amp_foreach_non_finite_check_and_unscale_``, in ``unscale_``,
-  ``step`` and the fused optimizers' check) is followed by an all_reduce MAX of its
-  ``found_inf`` over the data-parallel group, so every rank skips the same steps (DDP's
-  gradients agree already; a sharded rank sees only its shard);
-* ``scaler.step`` runs ``optimizer.step()`` unconditionally and then puts back every
-  parameter and optimizer state tensor where ``found_inf`` is set (``torch.where``),
-  instead of eager's ``found_inf.item()`` and a Python ``if``: the same values with no host
-  sync, so the step can be one CUDA graph.
+* each inf/NaN check (``_unscale_grads_``: in ``unscale_``, in ``step``, and the check before a
+  fused optimizer's step) is followed by an all_reduce MAX of its ``found_inf`` over the
+  data-parallel group, so every rank skips the same steps (DDP's gradients agree already; a
+  sharded rank checks only its shard);
+* ``GradScaler._maybe_opt_step`` (eager: ``if not found_inf.item(): optimizer.step()``, a host
+  sync) runs ``optimizer.step()`` and then puts back every parameter and optimizer state
+  tensor it wrote where ``found_inf`` is set (``torch.where``): the same values, no host sync.
+  A fused optimizer (``_step_supports_amp_scaling``) never gets there: its kernels take
+  ``grad_scale`` and ``found_inf`` and skip by themselves, as in eager;
+* a scaler found neither way is refused by name before it changes (eager would create its
+  scale inside the trace).
 
 ``update()`` needs nothing: ``torch._amp_update_scale_`` is an ordinary in-place op on the
 traced scale. The growth and backoff settings are constants of the graph
@@ -84,10 +88,12 @@ def scaler_signature(scaler: GradScaler) -> tuple:
     return (scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval)
 
 
-def ensure_scale(scalers: list[GradScaler], device: torch.device) -> None:
-    """Create each scaler's scale and growth tracker now, on ``device`` (the parameters'), as
-    ``scaler.scale`` would on its first eager call: they must exist before the trace to be its
-    inputs. The scaler is as it was in every other respect (``get_scale``, ``state_dict``)."""
+def ensure_scale(scalers: list[GradScaler], modules: list[torch.nn.Module]) -> None:
+    """Create each scaler's scale and growth tracker now, on the device of the first parameter of
+    ``modules``, as ``scaler.scale(loss)`` would on its first eager call: they must exist before the
+    trace to be its inputs. The scaler is as it was in every other respect (``get_scale``, ``state_dict``)."""
+    params = (p for mod in modules for p in mod.parameters())
+    device = getattr(next(params, None), "device", torch.device("cpu"))
     for scaler in scalers:
         if scaler._scale is None:
             scaler._lazy_init_scale_growth_tracker(device if device.type == scaler._device
@@ -157,7 +163,8 @@ def traced_scalers(scalers: list[GradScaler], traced: list[torch.Tensor],
             setattr(GradScaler, name, refuse_unknown(method))
         for k, scaler in enumerate(scalers):
             saved.append((scaler, scaler._scale, scaler._growth_tracker, scaler._per_optimizer_states))
-            scaler._scale, scaler._growth_tracker = traced[2 * k], traced[2 * k + 1]
+            for j, name in enumerate(SCALER_TENSORS):
+                setattr(scaler, name, traced[len(SCALER_TENSORS) * k + j])
             scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
             unscale = type(scaler)._unscale_grads_.__get__(scaler)
 

@@ -294,7 +294,7 @@ class CompiledTrainStep:
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
         scalers = step_scalers(self.fn, args, kwargs)
-        ensure_scale(scalers, next(iter(modules[0].parameters()), torch.empty(0)).device)
+        ensure_scale(scalers, modules)
         state = StepState(modules, optimizers, scalers)
         with_grad = [n for n, p in zip(state.param_names, state.params) if p.grad is not None]
         if with_grad:

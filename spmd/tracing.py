@@ -37,7 +37,7 @@ from .graph_utils import lazy_graph_modules, make_lazy
 from .graph_utils.meta import NAME, ROLE, Role
 from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
-from .amp_scaler import traced_scalers
+from .amp_scaler import SCALER_TENSORS, traced_scalers
 from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
 from .errors import SpmdCompileError
@@ -282,8 +282,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             numbers = [t for t, as_number in zip(state_tensors, state.state_read_as_number) if as_number]
             stack.enter_context(_hyper_mode_in_steps(HyperMode(traced_hypers, numbers)))
             stack.enter_context(mode_context(params))
-            stack.enter_context(traced_scalers(state.scalers, state_tensors[n_state - 2 * len(state.scalers):],
-                                               found_inf_group))
+            scaler_tensors = state_tensors[n_state - len(SCALER_TENSORS) * len(state.scalers):]  # they come last
+            stack.enter_context(traced_scalers(state.scalers, scaler_tensors, found_inf_group))
             out = fn(*call_args, **call_kwargs)
             _check_state_updated_in_place(state, before, states)
             leftover = [state.param_names[i] for i, p in enumerate(params) if p.grad is not None]
