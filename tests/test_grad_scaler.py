@@ -264,3 +264,35 @@ def test_scaler_with_its_own_skip_decision_is_refused():
     with pytest.raises(spmd.SpmdCompileError, match="_OwnSkipScaler overrides GradScaler._maybe_opt_step"):
         spmd.compile()(amp_step)(model, optim, scaler, x, y)
     assert scaler._scale is None and not optim.state
+
+
+def two_optimizer_step(model, optims, scaler, x, y):
+    loss = F.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    for optim in optims:
+        scaler.step(optim)
+    scaler.update()
+    for optim in optims:
+        optim.zero_grad()
+    return loss
+
+
+def test_one_scaler_two_optimizers_fused_and_not_skip_together():
+    model = _mlp(torch.float64)
+    ref = copy.deepcopy(model)
+
+    def optimizers(m):  # the first layer fused (its kernel skips), the last one by torch.where
+        return (torch.optim.AdamW(m[0].parameters(), lr=1e-2, fused=True),
+                torch.optim.SGD(m[2].parameters(), lr=1e-2, momentum=0.9))
+
+    optims, ref_optims = optimizers(model), optimizers(ref)
+    scaler, ref_scaler = _scalers(**SETTINGS)
+    step = spmd.compile()(two_optimizer_step)
+    for i, (x, y) in enumerate(_batches(1, torch.float64)):
+        before = [p.detach().clone() for p in model.parameters()]
+        step(model, optims, scaler, x, y)
+        two_optimizer_step(ref, ref_optims, ref_scaler, x, y)
+        assert scaler.get_scale() == ref_scaler.get_scale() == SCALES[i]
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) == (i == INF_STEP)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-15, rtol=0)  # SGD's traced update: last bits
