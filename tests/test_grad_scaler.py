@@ -296,3 +296,26 @@ def test_one_scaler_two_optimizers_fused_and_not_skip_together():
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) == (i == INF_STEP)
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, atol=1e-15, rtol=0)  # SGD's traced update: last bits
+
+
+def _branching_step(model, optim, scaler, x, y):
+    loss = F.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optim)
+    scaler.update()
+    optim.zero_grad()
+    if scaler.get_scale() > 1:  # reads a tensor's value: cannot be traced
+        return loss
+    return loss * 0
+
+
+def test_failed_trace_leaves_the_scaler_real():
+    model = _mlp(torch.float64)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    x, y = next(_batches(0, torch.float64))
+    with pytest.raises(spmd.SpmdCompileError, match="reads the value of a tensor"):
+        spmd.compile()(_branching_step)(model, optim, scaler, x, y)
+    assert scaler.get_scale() == 8.0 and scaler._get_growth_tracker() == 0  # real tensors, not fake ones
+    assert not scaler._per_optimizer_states and "_maybe_opt_step" not in vars(scaler)
+    assert _branching_step(model, optim, scaler, x, y) is not None  # eager use still works
