@@ -58,12 +58,13 @@ def _batches(rank, dtype, steps=len(SCALES)):
         yield x, y
 
 
-def _fsdp2_twin(model):
+def _fsdp2_twin(model, style):
     ref = copy.deepcopy(model)
+    reshard = style == "fully_shard"  # shard_grad_op: FSDP2 without resharding after forward
     for layer in ref:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    return fully_shard(ref)
+            fully_shard(layer, reshard_after_forward=reshard)
+    return fully_shard(ref, reshard_after_forward=reshard)
 
 
 def _parity(rank, world_size, impl, clip, autocast, style="replicate"):
@@ -73,8 +74,9 @@ def _parity(rank, world_size, impl, clip, autocast, style="replicate"):
     if style == "replicate":
         ddp, mode = ddp_copy(model), REPLICATE
     else:
-        ddp, mode = _fsdp2_twin(model), spmd.DataParallel(style, wrap_policy={nn.Linear})
+        ddp, mode = _fsdp2_twin(model, style), spmd.DataParallel(style, wrap_policy={nn.Linear})
         spmd.shard(model, mode)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **impl)
     ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, **impl)
     scaler, ddp_scaler = torch.amp.GradScaler("cpu", **SETTINGS), torch.amp.GradScaler("cpu", **SETTINGS)
@@ -124,8 +126,9 @@ def test_fp16_autocast_with_grad_scaler_matches_ddp():
     run_distributed(_parity, {"fused": True}, False, True)
 
 
-def test_fully_shard_with_grad_scaler_matches_fsdp2():
-    run_distributed(_parity, {"fused": True}, True, False, "fully_shard")
+@pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op"])
+def test_sharded_step_with_grad_scaler_matches_fsdp2(style):
+    run_distributed(_parity, {"fused": True}, True, False, style)
 
 
 def _gpu_parity(rank, world_size, impl):
