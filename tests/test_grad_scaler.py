@@ -126,9 +126,10 @@ def test_fp16_autocast_with_grad_scaler_matches_ddp():
     run_distributed(_parity, {"fused": True}, False, True)
 
 
-@pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op"])
-def test_sharded_step_with_grad_scaler_matches_fsdp2(style):
-    run_distributed(_parity, {"fused": True}, True, False, style)
+@pytest.mark.parametrize("style,impl", [("fully_shard", {"foreach": False}), ("shard_grad_op", {"fused": True})],
+                         ids=["fully_shard-single_tensor", "shard_grad_op-fused"])
+def test_sharded_step_with_grad_scaler_matches_fsdp2(style, impl):
+    run_distributed(_parity, impl, True, False, style)
 
 
 def _gpu_parity(rank, world_size, impl):
