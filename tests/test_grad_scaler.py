@@ -33,7 +33,7 @@ INF_STEP = 2
 def amp_step(model, optim, scaler, x, y, clip=False, autocast=False):
     """A DDP-style fp16 step (``clip``: unscale_, clip_grad_norm_ on unscaled gradients, then step)."""
     with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-        loss = F.mse_loss(model(x).float(), y)
+        loss = F.mse_loss(model(x).to(y.dtype), y)  # autocast: the fp16 output, the loss in y's dtype
     scaler.scale(loss).backward()
     if clip:
         scaler.unscale_(optim)
@@ -52,7 +52,7 @@ def _mlp(dtype):
 def _batches(rank, dtype, steps=len(SCALES)):
     gen = torch.Generator().manual_seed(rank)
     for i in range(steps):
-        x, y = torch.randn(4, 8, generator=gen, dtype=dtype), torch.randn(4, 4, generator=gen)
+        x, y = torch.randn(4, 8, generator=gen, dtype=dtype), torch.randn(4, 4, generator=gen, dtype=dtype)
         if i == INF_STEP and rank == 1:
             x[0, 0] = float("inf")  # only this rank's gradients overflow; every rank must skip
         yield x, y
@@ -68,35 +68,35 @@ def _fsdp2_twin(model, style):
 
 
 def _parity(rank, world_size, impl, clip, autocast, style="replicate"):
-    """The step through spmd and through the eager reference (DDP, or FSDP2 for ``fully_shard``), side by side."""
+    """The step through spmd and through the eager reference (DDP; FSDP2 for a sharded ``style``), side by side."""
     dtype = torch.float32 if autocast else torch.float64
     model = _mlp(dtype)
     if style == "replicate":
-        ddp, mode = ddp_copy(model), REPLICATE
+        ref, mode = ddp_copy(model), REPLICATE
     else:
-        ddp, mode = _fsdp2_twin(model, style), spmd.DataParallel(style, wrap_policy={nn.Linear})
+        ref, mode = _fsdp2_twin(model, style), spmd.DataParallel(style, wrap_policy={nn.Linear})
         spmd.shard(model, mode)
         assert all(isinstance(p, DTensor) for p in model.parameters())
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **impl)
-    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.1, **impl)
-    scaler, ddp_scaler = torch.amp.GradScaler("cpu", **SETTINGS), torch.amp.GradScaler("cpu", **SETTINGS)
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, **impl)
+    scaler, ref_scaler = _scalers(**SETTINGS)
     step = spmd.compile(parallel_mode=mode)(amp_step)
     # fused AdamW runs eager's kernel: bit for bit; the traced foreach update differs in the last bits
     atol = 0.0 if impl.get("fused") else 1e-13
     for i, (x, y) in enumerate(_batches(rank, dtype)):
         before = [p.detach().clone() for p in model.parameters()]
         loss = step(model, optim, scaler, x, y, clip, autocast)
-        ddp_loss = amp_step(ddp, ddp_optim, ddp_scaler, x, y, clip, autocast)
-        torch.testing.assert_close(loss, ddp_loss.detach(), atol=atol, rtol=0, equal_nan=True)
-        assert scaler.get_scale() == ddp_scaler.get_scale() == SCALES[i], (i, scaler.get_scale())
-        assert scaler._get_growth_tracker() == ddp_scaler._get_growth_tracker()
+        ref_loss = amp_step(ref, ref_optim, ref_scaler, x, y, clip, autocast)
+        torch.testing.assert_close(loss, ref_loss.detach(), atol=atol, rtol=0, equal_nan=True)
+        assert scaler.get_scale() == ref_scaler.get_scale() == SCALES[i], (i, scaler.get_scale())
+        assert scaler._get_growth_tracker() == ref_scaler._get_growth_tracker()
         unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
         assert unchanged == (i == INF_STEP), f"step {i}: skipped={unchanged}"
-        for p, q in zip(model.parameters(), _reference(ddp).parameters()):
+        for p, q in zip(model.parameters(), _reference(ref).parameters()):
             torch.testing.assert_close(_full(p), _full(q), atol=atol, rtol=0)
-    for p, q in zip(model.parameters(), _reference(ddp).parameters()):  # optimizer state too: a skip keeps it
+    for p, q in zip(model.parameters(), _reference(ref).parameters()):  # optimizer state too: a skip keeps it
         for key, value in optim.state[p].items():
-            torch.testing.assert_close(_full(value), _full(ddp_optim.state[q][key]), atol=atol, rtol=0, msg=key)
+            torch.testing.assert_close(_full(value), _full(ref_optim.state[q][key]), atol=atol, rtol=0, msg=key)
     assert step.trace_count == 1
     (entry,) = step.cache.values()
     targets = [n.target for n in entry.graph.graph.nodes]
