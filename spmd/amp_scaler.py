@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.amp import GradScaler
+from torch.distributed import _functional_collectives as funcol
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from .errors import SpmdCompileError
@@ -104,8 +105,6 @@ def _all_reduce_max(found_infs: dict, group: Optional[dist.ProcessGroup]) -> Non
     """Overwrite each ``found_inf`` with its maximum over ``group`` (a functional collective in the trace)."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    from torch.distributed import _functional_collectives as funcol
-
     for found in found_infs.values():
         found.copy_(funcol.all_reduce(found, "max", group))
 
