@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
 from .compile_times import phase, recording
 from .errors import SpmdCompileError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
@@ -136,11 +137,12 @@ class CompiledTrainStep:
                     if made is not None:
                         created.append(made)
             if created:  # state was just created: lay it out again
-                state = StepState(state.modules, state.optimizers)
+                state = StepState(state.modules, state.optimizers, state.scalers)
             with phase("trace"):
                 traced = trace_train_step(
                     self.fn, state, args, kwargs,
-                    lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for))
+                    lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for),
+                    found_inf_group=self.parallel_mode.process_group())
         except BaseException:
             undo_created(created)
             raise
@@ -270,6 +272,8 @@ class CompiledTrainStep:
             return tensor_signature(leaf)
         if isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
             return self._serial(leaf)
+        if isinstance(leaf, GradScaler):
+            return self._serial(leaf), scaler_signature(leaf)
         if leaf is None or type(leaf) in (int, float, bool, str):
             return repr(leaf)
         return f"{type(leaf).__name__}: {leaf!r}"
@@ -291,7 +295,9 @@ class CompiledTrainStep:
         """Find the step's modules and optimizers, apply overrides, and check no stray gradients."""
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
-        state = StepState(modules, optimizers)
+        scalers = step_scalers(self.fn, args, kwargs)
+        ensure_scale(scalers, modules)
+        state = StepState(modules, optimizers, scalers)
         with_grad = [n for n, p in zip(state.param_names, state.params) if p.grad is not None]
         if with_grad:
             raise SpmdCompileError(
@@ -303,7 +309,8 @@ class CompiledTrainStep:
 
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        entry, flat, first_run = self._repeat_last_call(leaves, spec) or self._look_up(args, kwargs, leaves, spec)
+        signed = [*leaves, *closure_scalers(self.fn)]  # what the step depends on besides its state
+        entry, flat, first_run = self._repeat_last_call(signed, spec) or self._look_up(args, kwargs, signed, spec)
         flat += [t for t in leaves if isinstance(t, torch.Tensor)]
         # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
         with torch.no_grad(), recording(entry.compile_times), (

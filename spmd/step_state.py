@@ -15,13 +15,14 @@ same spec (``as_dtensors``), so the step sees what it sees in eager mode.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from .amp_scaler import SCALER_TENSORS, scaler_signature
 from .errors import SpmdCompileError
 from .hyperparams import group_signature, hyper_items, read
 
@@ -83,9 +84,10 @@ def find_modules_and_optimizers(args: tuple, kwargs: dict) -> tuple[list[nn.Modu
 class StepState:
     """The parameters, buffers and optimizer state of one compiled train step, in graph order."""
 
-    def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
+    def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], scalers: Sequence = ()):
         self.modules = modules
         self.optimizers = optimizers
+        self.scalers = list(scalers)  # enabled GradScalers: their tensors follow the optimizer state
         self.params: list[torch.Tensor] = []
         self.param_names: list[str] = []
         self.buffers: list[torch.Tensor] = []
@@ -165,6 +167,11 @@ class StepState:
                 else:
                     layout.append((key, ("const", value)))
             self._state_layout.append(layout)
+        for k, scaler in enumerate(self.scalers):
+            for key in SCALER_TENSORS:
+                self.state_tensors.append(getattr(scaler, key))
+                self.state_names.append(f"scaler{k}.{key.lstrip('_')}")
+                self.state_read_as_number.append(False)
         self.state_specs = [_spec(t) for t in self.state_tensors]
         self._group_items = {(o, g): hyper_items(group) for o, optim in enumerate(optimizers)
                              for g, group in enumerate(optim.param_groups)}
@@ -255,6 +262,8 @@ class StepState:
             prefix = f"optimizer {o_idx} " if len(self.optimizers) > 1 else ""
             for what, value in group_signature(optim, optim.param_groups[g_idx], items).items():
                 sig[f"{prefix}param group {g_idx} {what}"] = value
+        for k, scaler in enumerate(self.scalers):
+            sig[f"grad scaler {k} settings"] = scaler_signature(scaler)
         sig["modules in training mode"] = training_modes(self.modules)
         sig["hyperparameter inputs"] = tuple((s.key, s.index, s.dtype, s.device) for s in self.hyper_slots)
         for name, layout in zip(self.param_names, self._state_layout):

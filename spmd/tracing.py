@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed import ProcessGroup
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -38,6 +39,7 @@ from .graph_utils import lazy_graph_modules, make_lazy
 from .graph_utils.meta import NAME, ROLE, Role
 from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
+from .amp_scaler import SCALER_TENSORS, traced_scalers
 from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
 from .errors import SpmdCompileError
@@ -244,7 +246,7 @@ ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 
 
 def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
-                       mode_context: ModeContext | None = None,
+                       mode_context: ModeContext | None = None, found_inf_group: Optional[ProcessGroup] = None,
                        ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor]]:
     """Stage 1: ``fn(*args, **kwargs)`` as a graph of aten ops, some in place (see the module docstring).
 
@@ -252,7 +254,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     (parameters, buffers, optimizer state, hyperparameters, user tensors). Running the graph
     on the real tensors performs the step. ``mode_context(params)``, given the traced
     parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
-    mode's hooks (default: none).
+    mode's hooks (default: none). ``found_inf_group``: the group over which the step's GradScalers
+    agree on skipping a step (``spmd.amp_scaler``).
     """
     mode_context = mode_context or (lambda params: contextlib.nullcontext())
     register_missing_fused_optimizer_metas()
@@ -282,6 +285,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             numbers = [t for t, as_number in zip(state_tensors, state.state_read_as_number) if as_number]
             stack.enter_context(_hyper_mode_in_steps(HyperMode(traced_hypers, numbers)))
             stack.enter_context(mode_context(params))
+            scaler_tensors = state_tensors[n_state - len(SCALER_TENSORS) * len(state.scalers):]  # they come last
+            stack.enter_context(traced_scalers(state.scalers, scaler_tensors, found_inf_group))
             out = fn(*call_args, **call_kwargs)
             _check_state_updated_in_place(state, before, states)
             leftover = [state.param_names[i] for i, p in enumerate(params) if p.grad is not None]
@@ -343,12 +348,13 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
 
 
 def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
-                     mode_context: ModeContext | None = None) -> TracedStep:
+                     mode_context: ModeContext | None = None,
+                     found_inf_group: Optional[ProcessGroup] = None) -> TracedStep:
     """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph.
 
-    ``mode_context``: the parallel mode's hooks around ``fn`` (see ``capture_train_step``).
+    ``mode_context`` and ``found_inf_group``: see ``capture_train_step``.
     """
-    impure, out_spec, flat_inputs = capture_train_step(fn, state, args, kwargs, mode_context)
+    impure, out_spec, flat_inputs = capture_train_step(fn, state, args, kwargs, mode_context, found_inf_group)
 
     def replay(*flat):
         return _FunctionalFusedOptim(impure).run(*flat)
