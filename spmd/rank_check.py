@@ -1,14 +1,15 @@
-"""Before a newly traced step first runs, the ranks check that they will issue the same collectives.
+"""The ranks check that they will issue the same collectives before a graph runs.
 
 A rank whose graph differs from the others' (a branch on the rank or on data, a parameter
 that gets no gradient on one rank, a model built differently) would block in the first
 collective that does not match, or pair up tensors that do not belong together. So
-before the first run each rank sends one fixed-size tensor with one all_gather: whether
-it compiled, and a fingerprint of its parameter and buffer shapes and of its collective
-sequence (op, dtype, element count, group and what it carries, in order, in every graph
-it may run). Only when they differ do the ranks exchange the details; each rank then
-computes the same ``SpmdCompileError`` from them, naming the ranks and the first
-difference in the user's terms.
+before a graph runs each rank posts, with one all_reduce of a few integers
+(``same_everywhere``), whether it compiled and a fingerprint of its parameter and buffer
+shapes and of its collective sequence (op, dtype, element count, group role and what it
+carries, in order, in every graph it may run). Only when they differ do the ranks exchange
+the details (``gather_reports``); each rank then computes the same ``SpmdCompileError``
+from them, naming the ranks and the first difference in the user's terms.
+``spmd.rank_agreement`` runs this on every call.
 
 One difference is repaired instead of refused, as DDP's ``find_unused_parameters=True``
 does: a parameter some ranks compute a gradient for and others do not
@@ -61,10 +62,19 @@ class RankReport:
     param_names: list[str] = field(default_factory=list)
 
     def fingerprint(self) -> list[int]:
-        """[failed, 126 bits of a hash of structure and collectives, number of collectives]."""
-        digest = hashlib.sha256(repr((self.structure, [astuple(c) for c in self.collectives])).encode()).digest()
-        halves = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
-        return [int(self.error is not None), *halves, len(self.collectives)]
+        """[failed, two 62-bit halves of a sha256 of structure and collectives, number of collectives].
+
+        Computed once per report (a report describes one compiled step, which does not change):
+        a repeated call posts it without hashing again. Stable across processes and ranks: no
+        Python ``hash()``, object ids or process-group names go into it.
+        """
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            text = repr((self.structure, [astuple(c) for c in self.collectives]))
+            digest = hashlib.sha256(text.encode()).digest()
+            halves = [int.from_bytes(digest[k:k + 8], "little") >> 2 for k in (0, 8)]
+            cached = self.__dict__["_fingerprint"] = [int(self.error is not None), *halves, len(self.collectives)]
+        return cached
 
 
 def _what(node: fx.Node, param_names: Sequence[str]) -> str:
@@ -137,21 +147,34 @@ def _device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def same_everywhere(local: RankReport, group: dist.ProcessGroup) -> bool:
+    """True when every rank of ``group`` posts the same fingerprint and none failed.
+
+    One all_reduce (MAX) of the fingerprint and its negation, seven integers: a rank's
+    values equal every other's exactly when the maximum equals the minimum.
+    """
+    fp = local.fingerprint()
+    both = torch.tensor([*fp, *(-v for v in fp)], dtype=torch.int64, device=_device(group))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    top = both.tolist()
+    n = len(fp)
+    return top[0] == 0 and all(top[k] == -top[n + k] for k in range(n))
+
+
+def gather_reports(local: RankReport, group: dist.ProcessGroup) -> list[RankReport]:
+    """Every rank's report, in rank order (``all_gather_object``)."""
+    reports: list[Optional[RankReport]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, local, group=group)
+    return reports
+
+
 def exchange(local: RankReport, group: dist.ProcessGroup) -> Optional[list[RankReport]]:
     """None when every rank of ``group`` compiled the same thing; else every rank's report.
 
-    One all_gather of ``fingerprint()`` (4 integers) per rank; the reports themselves
-    travel (``all_gather_object``) only when the fingerprints differ or a rank failed.
+    ``same_everywhere`` first; the reports themselves travel only when fingerprints differ
+    or a rank failed.
     """
-    mine = torch.tensor(local.fingerprint(), dtype=torch.int64, device=_device(group))
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [tuple(t.tolist()) for t in gathered]
-    if all(row == rows[0] for row in rows) and rows[0][0] == 0:
-        return None
-    reports: list[Optional[RankReport]] = [None] * len(rows)
-    dist.all_gather_object(reports, local, group=group)
-    return reports
+    return None if same_everywhere(local, group) else gather_reports(local, group)
 
 
 def zero_gradient_plan(reports: Sequence[RankReport]) -> Optional[list[tuple[int, int]]]:
