@@ -3,6 +3,7 @@ fails) never hangs the others: it trains as DDP / FSDP2 do, or every rank raises
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn as nn
 import spmd
 from spmd import SpmdCompileError
 from spmd.tools.models import MLP
-from tests.dist import run_distributed
+from tests.dist import run_distributed, single_process_group
 from tests.parity import assert_params_close, ddp_copy, lm_train_step, square_mean_step
 from tests.shard_helpers import CFG, batches, block_policy, fsdp2_twin, gpt, max_param_diff, optimizer, plain_step
 
@@ -180,3 +181,48 @@ def _retrace_that_truly_differs(rank, world_size, case):
 @pytest.mark.parametrize("case", sorted(_MISMATCHES))
 def test_a_retrace_on_one_rank_that_truly_differs_raises_on_every_rank_without_hanging(case):
     run_distributed(_retrace_that_truly_differs, case)
+
+
+def test_agreement_on_a_group_of_one_only_when_asked():
+    """One rank has nothing to agree with; ``agree_across_ranks=True`` runs the exchange anyway
+    (to measure it), and a retrace then still trains as eager does."""
+    with single_process_group():
+        torch.manual_seed(0)
+        model = MLP(layers=2, dim=8).to(F64)
+        ref = copy.deepcopy(model)
+        optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.125, momentum=0.875) for m in (model, ref))
+        plain = spmd.compile()(square_mean_step)
+        forced = spmd.compile()(square_mean_step)
+        forced.agree_across_ranks = True
+        for rows in _rows(1):
+            x = torch.randn(rows, 8, dtype=F64)
+            torch.testing.assert_close(forced(model, optim, x), square_mean_step(ref, ref_optim, x), **TOL)
+        assert_params_close(model, ref, **TOL)
+        assert plain._agreement_group() is None
+        assert dist.get_backend(forced._agreement_group()) == "gloo"
+        assert forced.trace_count == 2
+
+
+def _uneven_on_gpus(rank, world_size):
+    """The uneven last batch on NCCL ranks with Inductor and CUDA graphs; the agreement runs over its gloo
+    group even on one GPU (``agree_across_ranks=True``), where rank 0 alone retraces."""
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8).to(device)
+    ddp = ddp_copy(model, device_ids=[rank])
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(square_mean_step)
+    step.agree_across_ranks = True
+    data = torch.Generator().manual_seed(10 + rank)
+    for rows in _rows(1 if rank == world_size - 1 else 0):  # the last rank's batch is smaller once (rank 0's on one GPU)
+        x = torch.randn(rows, 8, generator=data).to(device)
+        torch.testing.assert_close(step(model, optim, x), square_mean_step(ddp, ddp_optim, x), atol=1e-5, rtol=1e-5)
+    assert_params_close(model, ddp, atol=1e-5, rtol=1e-5)
+    assert step._agreement_group() is not None and dist.get_backend(step._agreement_group()) == "gloo"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_uneven_last_batch_on_nccl_matches_ddp():
+    run_distributed(_uneven_on_gpus, world_size=min(2, torch.cuda.device_count()), backend="nccl")
