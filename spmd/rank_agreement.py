@@ -68,11 +68,15 @@ class Candidate:
     fresh: bool = False  # compiled for this call: it runs for the first time
 
     def report(self) -> rank_check.RankReport:
-        """This rank's report, made once per compiled step (``CompiledStep.report``)."""
+        """This rank's report, made once per compiled step (``CompiledStep.report``); one that cannot
+        be made turns the candidate into a failed one, so this rank still takes part."""
+        if self.error is None and self.entry.report is None:
+            try:
+                self.entry.report = rank_check.report(self.state, self.entry.graph, self.entry.runner)
+            except Exception as err:
+                self.entry, self.state, self.error = None, None, err
         if self.error is not None:
             return rank_check.RankReport(error=f"{type(self.error).__name__}: {self.error}")
-        if self.entry.report is None:
-            self.entry.report = rank_check.report(self.state, self.entry.graph, self.entry.runner)
         return self.entry.report
 
 
