@@ -61,6 +61,9 @@ class RankReport:
     grad_keys: list[tuple[int, int]] = field(default_factory=list)  # (parameter, occurrence) per gradient reduce
     param_names: list[str] = field(default_factory=list)
 
+    def __getstate__(self) -> dict:  # what other ranks receive: the fields, without the posted tensor
+        return {k: v for k, v in self.__dict__.items() if k != "_posted"}
+
     def fingerprint(self) -> list[int]:
         """[failed, two 62-bit halves of a sha256 of structure and collectives, number of collectives].
 
@@ -153,11 +156,15 @@ def same_everywhere(local: RankReport, group: dist.ProcessGroup) -> bool:
     One all_reduce (MAX) of the fingerprint and its negation, seven integers: a rank's
     values equal every other's exactly when the maximum equals the minimum.
     """
-    fp = local.fingerprint()
-    both = torch.tensor([*fp, *(-v for v in fp)], dtype=torch.int64, device=_device(group))
+    device = _device(group)
+    posted = local.__dict__.get("_posted")  # made once per report: a repeated call only copies it
+    if posted is None or posted.device != device:
+        fp = local.fingerprint()
+        posted = local.__dict__["_posted"] = torch.tensor([*fp, *(-v for v in fp)], dtype=torch.int64, device=device)
+    both = posted.clone()
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     top = both.tolist()
-    n = len(fp)
+    n = len(top) // 2
     return top[0] == 0 and all(top[k] == -top[n + k] for k in range(n))
 
 
