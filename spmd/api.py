@@ -347,12 +347,14 @@ class CompiledTrainStep:
         created, times = [], {}
         try:
             state = self.prepare_state(args, kwargs)
-            key = tuple(self.signature(state, args, kwargs).items())
+            signature = self.signature(state, args, kwargs)
+            key = tuple(signature.items())
             candidate = rank_agreement.Candidate(self.cache.get(key), state)
             if candidate.entry is None:
                 state = self.parallel_mode.prepare(state) or state  # a mode may replace parameters (lazy sharding)
                 entry, state, created = self._compile(state, args, kwargs)
-                candidate = rank_agreement.Candidate(entry, state, fresh=True)
+                changes = describe_changes(self._last_signature, signature) if self._last_signature else []
+                candidate = rank_agreement.Candidate(entry, state, fresh=True, retraced="; ".join(changes))
         except Exception as err:
             if group is None:
                 raise

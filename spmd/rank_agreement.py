@@ -21,7 +21,7 @@ own, so it costs no device synchronisation where the step's group is NCCL).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -66,6 +66,7 @@ class Candidate:
     state: Optional[StepState] = None
     error: Optional[Exception] = None
     fresh: bool = False  # compiled for this call: it runs for the first time
+    retraced: str = ""   # why it was compiled for this call, for the error the ranks raise
 
     def report(self) -> rank_check.RankReport:
         """This rank's report, made once per compiled step (``CompiledStep.report``); one that cannot
@@ -97,9 +98,9 @@ def agree(group: dist.ProcessGroup, candidate: Candidate,
     that their fingerprints differ, so the reports are exchanged at once.
     """
     local = candidate.report()
-    reports = rank_check.gather_reports(local, group) if compared else rank_check.exchange(local, group)
-    if reports is None:
+    if not compared and rank_check.same_everywhere(local, group):
         return candidate
+    reports = rank_check.gather_reports(replace(local, retraced=candidate.retraced), group)
     first = reports
     order = rank_check.zero_gradient_plan(reports)
     if order is not None:

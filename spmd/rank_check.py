@@ -60,6 +60,7 @@ class RankReport:
     collectives: list[Collective] = field(default_factory=list)
     grad_keys: list[tuple[int, int]] = field(default_factory=list)  # (parameter, occurrence) per gradient reduce
     param_names: list[str] = field(default_factory=list)
+    retraced: str = ""  # why this rank traced for this call, if it did ("input 2 shape (4, 8) -> (3, 8)")
 
     def __getstate__(self) -> dict:  # what other ranks receive: the fields, without the posted tensor
         return {k: v for k, v in self.__dict__.items() if k != "_posted"}
@@ -228,15 +229,18 @@ def mismatch_error(reports: Sequence[RankReport]) -> SpmdCompileError:
            "branch on the rank or on data around module calls or backward() in train_step. (A parameter "
            "that only some ranks use is handled: it gets a zero gradient where it is unused.)")
     head = f"spmd.compile: train_step differs between ranks ({_ranks(differ)} from rank 0), so running it would hang"
+    retraced = "".join(f" Rank {k} traced the step again for this call ({r.retraced})."
+                       for k, r in enumerate(reports) if r.retraced)
     if other.structure != ref.structure:
-        return SpmdCompileError(f"{head}: {_structure_difference(ref.structure, other.structure, differ[0])}. {fix}")
+        return SpmdCompileError(
+            f"{head}: {_structure_difference(ref.structure, other.structure, differ[0])}.{retraced} {fix}")
     lines = []
     for k in differ:
         ours, theirs = {p for p, _ in ref.grad_keys}, {p for p, _ in reports[k].grad_keys}
         lines += [f"rank {k} computes no gradient for {ref.param_names[p]}" for p in sorted(ours - theirs)]
         lines += [f"rank 0 computes no gradient for {ref.param_names[p]}" for p in sorted(theirs - ours)]
     lines.append(_first_difference(ref.collectives, other.collectives, differ[0]))
-    return SpmdCompileError(f"{head}: {'; '.join(lines)}. {fix}")
+    return SpmdCompileError(f"{head}: {'; '.join(lines)}.{retraced} {fix}")
 
 
 def _structure_difference(ref: list[tuple], other: list[tuple], rank: int) -> str:

@@ -170,6 +170,7 @@ def _retrace_that_truly_differs(rank, world_size, case):
     dist.all_gather_object(messages, message)
     if case == "collectives":
         assert messages[0] == messages[1], "every rank raises the same error"
+        assert "Rank 1 traced the step again for this call (input 2 shape (4, 8) -> (3, 8))" in message, message
     for p, q in zip(model.parameters(), before):  # nothing ran
         assert torch.equal(p, q) and p.grad is None
     assert all(torch.equal(v, optim.state[model.mod[0].weight][k]) for k, v in state_before.items())
