@@ -17,6 +17,10 @@ own, so it costs no device synchronisation where the step's group is NCCL).
   parameter that no rank uses in a call gets no gradient, as under DDP.
   Otherwise every rank raises the same ``SpmdCompileError`` naming the ranks and the first
   difference; a rank whose own trace failed raises its own error.
+
+The fingerprint covers every graph an entry may run; with nodes moved across iterations
+(``IterGraphModule``: setup, main, cleanup, flush) it does not say which of them runs this
+call, so ranks that switch entries at different calls are not told apart there.
 """
 
 from __future__ import annotations

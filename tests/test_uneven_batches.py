@@ -67,6 +67,38 @@ def test_fully_shard_uneven_last_batch_matches_fsdp2():
     run_distributed(_fully_shard_uneven)
 
 
+def _branch_on_short_batch(model, optim, idx, targets):
+    loss = model(idx, targets)
+    if idx.shape[0] < 2 and loss > 0:  # reads a value: the trace for a short batch fails
+        loss = loss * 2
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _fully_shard_failed_retrace(rank, world_size):
+    model = gpt(n_layer=1)
+    ref = fsdp2_twin(model)
+    mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
+    spmd.shard(model, mode)
+    optim, ref_optim = optimizer(model, "sgd"), optimizer(ref, "sgd")
+    step = spmd.compile(parallel_mode=mode)(_branch_on_short_batch)
+    for k, (idx, targets) in enumerate(batches(rank, 4)):
+        if k == 2:  # rank 1's short batch fails to trace: no rank runs this step
+            expected = "branches on or reads the value" if rank == 1 else "failed to compile on rank 1"
+            with pytest.raises(SpmdCompileError, match=expected):
+                step(model, optim, idx[:1] if rank == 1 else idx, targets[:1] if rank == 1 else targets)
+            continue
+        ours, theirs = step(model, optim, idx, targets), plain_step(ref, ref_optim, idx, targets)
+        torch.testing.assert_close(ours, theirs.detach(), **TOL)
+    assert max_param_diff(model, ref) <= TOL["atol"], "the failed step changed nothing; training went on exactly"
+
+
+def test_fully_shard_retrace_failing_on_one_rank_raises_everywhere_and_training_goes_on():
+    run_distributed(_fully_shard_failed_retrace)
+
+
 def _sequence_length_on_one_rank(rank, world_size):
     model = gpt(n_layer=1)
     ddp = ddp_copy(model)
