@@ -24,7 +24,7 @@ from .compile_times import phase, recording
 from .errors import SpmdCompileError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .iter_graph_module import IterGraphModule
-from . import rank_check
+from . import rank_agreement
 from .parallel import DataParallel
 from .optim_check import check_optimizers
 from .optim_state import ensure_optimizer_state
@@ -83,6 +83,10 @@ class CompiledTrainStep:
 
     cache_size = 16          # compiled signatures kept; the least recently used one is dropped first
     retrace_warning_at = 8   # traces after which a step that keeps retracing is warned about, once
+    # Before every call the ranks agree on the graph they run (spmd.rank_agreement). None: where the
+    # step's group has several ranks. True: on a group of one too, to measure what it costs. False:
+    # never, to measure a call without it (a rank that then retraces alone hangs the others).
+    agree_across_ranks: Optional[bool] = None
 
     def __init__(self, fn: Callable, module_override: Optional[Sequence] = None,
                  gm_transformation: Optional[Callable] = None, parallel_mode: Optional[DataParallel] = None):
@@ -104,6 +108,8 @@ class CompiledTrainStep:
         self._last_signature: Optional[dict[str, Any]] = None
         self._last_run: Optional[CompiledStep] = None
         self._last_call: Optional[LastCall] = None  # what the last call saw, to recognise a repeat cheaply
+        self._side_group: Optional[dist.ProcessGroup] = None  # see _agreement_group
+        self._side_resolved = False
 
     def _apply_overrides(self, modules: list[nn.Module]) -> None:
         for mod in modules:
@@ -186,53 +192,49 @@ class CompiledTrainStep:
                              first_step=first_step_slots(state, created))
         return entry, state, created
 
-    def _compile_on_every_rank(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState]:
-        """Compile this signature; with several ranks, check they all compiled the same collectives first.
+    def _agree(self, candidate: rank_agreement.Candidate, group: dist.ProcessGroup, compared: bool,
+               created: list, args: tuple, kwargs: dict, times: dict) -> rank_agreement.Candidate:
+        """What every rank runs this call (``rank_agreement.agree``), or the same error on every rank.
 
-        Every rank takes part in the check even when its own compile failed, so no rank
-        waits forever for another. When ranks differ only in which parameters get a
-        gradient, the ranks lacking one trace again with zero gradients for them
-        (``rank_check.zero_gradient_plan``). Otherwise every rank raises the same error,
-        before anything ran, with any optimizer state created for the trace removed.
+        When ranks differ only in which parameters get a gradient, this rank, if it lacks one,
+        runs a variant of its entry that reduces a zero gradient for them in the common order
+        (``rank_check.zero_gradient_plan``), traced once per plan and kept with the entry. The
+        entry itself stays what is posted first on every call: a parameter no rank uses gets no
+        gradient, as under DDP. On an error, the optimizer state created for this call's traces
+        (``created``) is removed again.
         """
-        group = self.parallel_mode.process_group()
-        if group is None or dist.get_world_size(group) == 1:
-            entry, state, _ = self._compile(state, args, kwargs)
-            return entry, state
-        created: list = []
-
-        def attempt(state: StepState, **plan):
-            """(entry and state, or None; this rank's error, or None; this rank's report)."""
+        def with_zero_grads(zero_grads_for: frozenset, grad_order: list) -> rank_agreement.Candidate:
+            plain = candidate.entry
+            variant = plain.variants.get((zero_grads_for, tuple(grad_order)))
+            if variant is not None:
+                return rank_agreement.Candidate(variant, candidate.state)
             try:
-                entry, state, new = self._compile(state, args, kwargs, **plan)
+                variant, state, new = self._compile(candidate.state, args, kwargs,
+                                                    zero_grads_for=zero_grads_for, grad_order=grad_order)
             except Exception as err:  # the other ranks learn of it, then it is raised here
-                return None, err, rank_check.RankReport(error=f"{type(err).__name__}: {err}")
+                return rank_agreement.Candidate(error=err)
             created.extend(new)
-            return (entry, state), None, rank_check.report(state, entry.graph, entry.runner)
+            if not variant.first_step:  # the variant runs first, on the state the entry's trace created
+                variant.first_step, plain.first_step = plain.first_step, {}
+            plain.variants[(zero_grads_for, tuple(grad_order))] = variant
+            return rank_agreement.Candidate(variant, state, fresh=True)
 
-        times: dict[str, float] = {}  # the check's own time, for the entry's compile_times
-        compiled, failure, local = attempt(state)
-        with recording(times), phase("rank_check"):
-            reports = first = rank_check.exchange(local, group)
-        order = rank_check.zero_gradient_plan(reports) if reports is not None else None
-        if order is not None:
-            zero_grads_for = frozenset(p for p, n in order if (p, n) not in set(local.grad_keys))
-            if zero_grads_for:
-                first_step = compiled[0].first_step  # the retrace finds the optimizer state created already
-                compiled, failure, local = attempt(compiled[1], zero_grads_for=zero_grads_for, grad_order=order)
-                if compiled is not None and not compiled[0].first_step:
-                    compiled[0].first_step = first_step
+        try:
             with recording(times), phase("rank_check"):
-                reports = rank_check.exchange(local, group)
-        if reports is not None:
+                return rank_agreement.agree(group, candidate, with_zero_grads, compared)
+        except BaseException:
             undo_created(created)
-            if failure is not None:
-                raise failure
-            # not repaired: name what the user's step does differently, not what the repair added
-            raise rank_check.mismatch_error(reports if any(r.error for r in reports) else first)
-        entry, state = compiled
-        entry.compile_times.update(times)
-        return entry, state
+            raise
+
+    def _agreement_group(self) -> Optional[dist.ProcessGroup]:
+        """The gloo group this step's ranks agree over before every call (``spmd.rank_agreement``),
+        or None (one rank, or ``agree_across_ranks=False``); made on the first call."""
+        if not self._side_resolved:
+            wanted = self.agree_across_ranks
+            self._side_group = None if wanted is False else rank_agreement.side_group(
+                self.parallel_mode.process_group(), on_one_rank=bool(wanted))
+            self._side_resolved = True
+        return self._side_group
 
     def _remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any]) -> None:
         """Cache ``entry``, count the trace, and say why the step retraced (warning once when it keeps doing so)."""
@@ -310,7 +312,12 @@ class CompiledTrainStep:
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         signed = [*leaves, *closure_scalers(self.fn)]  # what the step depends on besides its state
-        entry, flat, first_run = self._repeat_last_call(signed, spec) or self._look_up(args, kwargs, signed, spec)
+        group = self._agreement_group()
+        found = self._repeat_last_call(signed, spec)
+        compared = found is not None and group is not None and not rank_agreement.agreed(found[0], group)
+        if found is None or compared:  # a rank that runs another graph this call: compare in detail
+            found = self._look_up(args, kwargs, signed, spec, group, compared)
+        entry, flat, first_run = found
         flat += [t for t in leaves if isinstance(t, torch.Tensor)]
         # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
         with torch.no_grad(), recording(entry.compile_times), (
@@ -335,27 +342,41 @@ class CompiledTrainStep:
             return None
         return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], False
 
-    def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec
+    def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec,
+                 group: Optional[dist.ProcessGroup] = None, compared: bool = False
                  ) -> tuple[CompiledStep, list, bool]:
         """(entry, graph inputs before the user's tensors, whether it is the entry's first run), from
-        the full signature: the cached entry, or a new one compiled. Prepares new parameters and
-        buffers (a new module's, a swapped-in submodule's) for their first run. Remembers the
-        call for ``_repeat_last_call`` when it ran the last call's entry and did not follow a
-        failed check (a state that changes on every call would pay for a check on every call)."""
+        the full signature: the cached entry, or a new one compiled. With ``group``, the ranks then
+        agree on what runs (``_agree``; ``compared``: they already found that they differ), this rank
+        taking part even when its own lookup or trace failed. Prepares new parameters and buffers (a
+        new module's, a swapped-in submodule's) for their first run. Remembers the call for
+        ``_repeat_last_call`` when it ran the last call's entry and did not follow a failed check (a
+        state that changes on every call would pay for a check on every call)."""
         missed, self._last_call = self._last_call is not None, None
-        state = self.prepare_state(args, kwargs)
-        signature = self.signature(state, args, kwargs)
-        key = tuple(signature.items())
-        entry = self.cache.get(key)
-        first_run = entry is None
-        if first_run:
-            state = self.parallel_mode.prepare(state) or state  # a mode may replace parameters (lazy sharding)
-            entry, state = self._compile_on_every_rank(state, args, kwargs)
-            signature = self.signature(state, args, kwargs)  # compiling may have created optimizer state
+        created, times = [], {}
+        try:
+            state = self.prepare_state(args, kwargs)
+            signature = self.signature(state, args, kwargs)
             key = tuple(signature.items())
-            self._remember(key, entry, signature)
+            candidate = rank_agreement.Candidate(self.cache.get(key), state)
+            if candidate.entry is None:
+                state = self.parallel_mode.prepare(state) or state  # a mode may replace parameters (lazy sharding)
+                entry, state, created = self._compile(state, args, kwargs)
+                changes = describe_changes(self._last_signature, signature) if self._last_signature else []
+                candidate = rank_agreement.Candidate(entry, state, fresh=True, retraced="; ".join(changes))
+        except Exception as err:
+            if group is None:
+                raise
+            candidate = rank_agreement.Candidate(error=err)
+        agreed = candidate if group is None else self._agree(candidate, group, compared, created, args, kwargs, times)
+        if candidate.fresh:
+            signature = self.signature(candidate.state, args, kwargs)  # compiling may have created optimizer state
+            candidate.entry.compile_times.update(times)
+            self._remember(tuple(signature.items()), candidate.entry, signature)
         else:
             self.cache.move_to_end(key)
+        entry, state, first_run = agreed.entry, agreed.state, agreed.fresh
+        missed = missed or entry is not candidate.entry  # a variant: the entry is posted first again next call
         repeated = self._last_run is entry
         if self._last_run is not None and not repeated:
             self._last_run.flush()  # its deferred updates land before another graph runs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -25,6 +25,10 @@ class CompiledStep:
     hyper_values: list[float] = field(default_factory=list)
     first_step: dict[int, float] = field(default_factory=dict)  # hyper slot -> its value for the first run only
     compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
+    report: Any = None  # what the ranks compare before it runs (rank_check.RankReport), made once
+    # (zero_grads_for, grad_order) -> this step with zero gradients where other ranks compute one
+    # (spmd.rank_agreement); each variant is traced once, when the ranks first need it
+    variants: dict[tuple, "CompiledStep"] = field(default_factory=dict)
 
     def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:
         """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled

@@ -1,14 +1,15 @@
-"""Before a newly traced step first runs, the ranks check that they will issue the same collectives.
+"""The ranks check that they will issue the same collectives before a graph runs.
 
 A rank whose graph differs from the others' (a branch on the rank or on data, a parameter
 that gets no gradient on one rank, a model built differently) would block in the first
 collective that does not match, or pair up tensors that do not belong together. So
-before the first run each rank sends one fixed-size tensor with one all_gather: whether
-it compiled, and a fingerprint of its parameter and buffer shapes and of its collective
-sequence (op, dtype, element count, group and what it carries, in order, in every graph
-it may run). Only when they differ do the ranks exchange the details; each rank then
-computes the same ``SpmdCompileError`` from them, naming the ranks and the first
-difference in the user's terms.
+before a graph runs each rank posts, with one all_reduce of a few integers
+(``same_everywhere``), whether it compiled and a fingerprint of its parameter and buffer
+shapes and of its collective sequence (op, dtype, element count, group role and what it
+carries, in order, in every graph it may run). Only when they differ do the ranks exchange
+the details (``gather_reports``); each rank then computes the same ``SpmdCompileError``
+from them, naming the ranks and the first difference in the user's terms.
+``spmd.rank_agreement`` runs this on every call.
 
 One difference is repaired instead of refused, as DDP's ``find_unused_parameters=True``
 does: a parameter some ranks compute a gradient for and others do not
@@ -59,12 +60,25 @@ class RankReport:
     collectives: list[Collective] = field(default_factory=list)
     grad_keys: list[tuple[int, int]] = field(default_factory=list)  # (parameter, occurrence) per gradient reduce
     param_names: list[str] = field(default_factory=list)
+    retraced: str = ""  # why this rank traced for this call, if it did ("input 2 shape (4, 8) -> (3, 8)")
+
+    def __getstate__(self) -> dict:  # what other ranks receive: the fields, without the posted tensor
+        return {k: v for k, v in self.__dict__.items() if k != "_posted"}
 
     def fingerprint(self) -> list[int]:
-        """[failed, 126 bits of a hash of structure and collectives, number of collectives]."""
-        digest = hashlib.sha256(repr((self.structure, [astuple(c) for c in self.collectives])).encode()).digest()
-        halves = [int.from_bytes(digest[k:k + 8], "little", signed=True) for k in (0, 8)]
-        return [int(self.error is not None), *halves, len(self.collectives)]
+        """[failed, two 62-bit halves of a sha256 of structure and collectives, number of collectives].
+
+        Computed once per report (a report describes one compiled step, which does not change):
+        a repeated call posts it without hashing again. Stable across processes and ranks: no
+        Python ``hash()``, object ids or process-group names go into it.
+        """
+        cached = self.__dict__.get("_fingerprint")
+        if cached is None:
+            text = repr((self.structure, [astuple(c) for c in self.collectives]))
+            digest = hashlib.sha256(text.encode()).digest()
+            halves = [int.from_bytes(digest[k:k + 8], "little") >> 2 for k in (0, 8)]
+            cached = self.__dict__["_fingerprint"] = [int(self.error is not None), *halves, len(self.collectives)]
+        return cached
 
 
 def _what(node: fx.Node, param_names: Sequence[str]) -> str:
@@ -137,21 +151,38 @@ def _device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def same_everywhere(local: RankReport, group: dist.ProcessGroup) -> bool:
+    """True when every rank of ``group`` posts the same fingerprint and none failed.
+
+    One all_reduce (MAX) of the fingerprint and its negation, seven integers: a rank's
+    values equal every other's exactly when the maximum equals the minimum.
+    """
+    device = _device(group)
+    posted = local.__dict__.get("_posted")  # made once per report: a repeated call only copies it
+    if posted is None or posted.device != device:
+        fp = local.fingerprint()
+        posted = local.__dict__["_posted"] = torch.tensor([*fp, *(-v for v in fp)], dtype=torch.int64, device=device)
+    both = posted.clone()
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    top = both.tolist()
+    n = len(top) // 2
+    return top[0] == 0 and all(top[k] == -top[n + k] for k in range(n))
+
+
+def gather_reports(local: RankReport, group: dist.ProcessGroup) -> list[RankReport]:
+    """Every rank's report, in rank order (``all_gather_object``)."""
+    reports: list[Optional[RankReport]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, local, group=group)
+    return reports
+
+
 def exchange(local: RankReport, group: dist.ProcessGroup) -> Optional[list[RankReport]]:
     """None when every rank of ``group`` compiled the same thing; else every rank's report.
 
-    One all_gather of ``fingerprint()`` (4 integers) per rank; the reports themselves
-    travel (``all_gather_object``) only when the fingerprints differ or a rank failed.
+    ``same_everywhere`` first; the reports themselves travel only when fingerprints differ
+    or a rank failed.
     """
-    mine = torch.tensor(local.fingerprint(), dtype=torch.int64, device=_device(group))
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [tuple(t.tolist()) for t in gathered]
-    if all(row == rows[0] for row in rows) and rows[0][0] == 0:
-        return None
-    reports: list[Optional[RankReport]] = [None] * len(rows)
-    dist.all_gather_object(reports, local, group=group)
-    return reports
+    return None if same_everywhere(local, group) else gather_reports(local, group)
 
 
 def zero_gradient_plan(reports: Sequence[RankReport]) -> Optional[list[tuple[int, int]]]:
@@ -198,15 +229,18 @@ def mismatch_error(reports: Sequence[RankReport]) -> SpmdCompileError:
            "branch on the rank or on data around module calls or backward() in train_step. (A parameter "
            "that only some ranks use is handled: it gets a zero gradient where it is unused.)")
     head = f"spmd.compile: train_step differs between ranks ({_ranks(differ)} from rank 0), so running it would hang"
+    retraced = "".join(f" Rank {k} traced the step again for this call ({r.retraced})."
+                       for k, r in enumerate(reports) if r.retraced)
     if other.structure != ref.structure:
-        return SpmdCompileError(f"{head}: {_structure_difference(ref.structure, other.structure, differ[0])}. {fix}")
+        return SpmdCompileError(
+            f"{head}: {_structure_difference(ref.structure, other.structure, differ[0])}.{retraced} {fix}")
     lines = []
     for k in differ:
         ours, theirs = {p for p, _ in ref.grad_keys}, {p for p, _ in reports[k].grad_keys}
         lines += [f"rank {k} computes no gradient for {ref.param_names[p]}" for p in sorted(ours - theirs)]
         lines += [f"rank 0 computes no gradient for {ref.param_names[p]}" for p in sorted(theirs - ours)]
     lines.append(_first_difference(ref.collectives, other.collectives, differ[0]))
-    return SpmdCompileError(f"{head}: {'; '.join(lines)}. {fix}")
+    return SpmdCompileError(f"{head}: {'; '.join(lines)}.{retraced} {fix}")
 
 
 def _structure_difference(ref: list[tuple], other: list[tuple], rank: int) -> str:
