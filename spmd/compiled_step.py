@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .accumulation import GradPlan
 from .iter_graph_module import IterGraphModule
 from .state_check import StateCheck
 from .step_state import StepState
@@ -25,6 +26,7 @@ class CompiledStep:
     hyper_values: list[float] = field(default_factory=list)
     first_step: dict[int, float] = field(default_factory=dict)  # hyper slot -> its value for the first run only
     compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
+    grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.accumulation)
 
     def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:
         """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled
