@@ -50,22 +50,22 @@ def train_lm(model, optim, idx, targets):
     return loss
 
 
-def _compiled(mode=None):
-    kwargs = {"gm_transformation": spmd.GraphModuleTransformation()}
+def _compiled(mode=None, passes=False):
+    kwargs = {"gm_transformation": spmd.GraphModuleTransformation(enable_graph_optimization=passes)}
     if mode is not None:
         kwargs["parallel_mode"] = mode
     return spmd.compile(**kwargs)(accum_mse if mode is None or not mode.is_sharded else accum_lm), \
         spmd.compile(**kwargs)(train_mse if mode is None or not mode.is_sharded else train_lm)
 
 
-def _replicate_vs_ddp_no_sync(rank, world_size, k):
+def _replicate_vs_ddp_no_sync(rank, world_size, k, passes):
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16)
     ddp = DDP(copy.deepcopy(model))
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01)
-    accum_step, train_step = _compiled(spmd.DataParallel("replicate", grad_reduce="avg"))
+    accum_step, train_step = _compiled(spmd.DataParallel("replicate", grad_reduce="avg"), passes)
     torch.manual_seed(rank)
     worst = 0.0
     for step in range(3):
@@ -90,18 +90,18 @@ def _replicate_vs_ddp_no_sync(rank, world_size, k):
         print(f"replicate k={k}: max |loss diff| {worst:.3g}, max |param diff| {params:.3g}")
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_replicate_accumulation_matches_ddp_no_sync(k):
-    run_distributed(_replicate_vs_ddp_no_sync, k)
+@pytest.mark.parametrize("k,passes", [(2, False), (3, True)])
+def test_replicate_accumulation_matches_ddp_no_sync(k, passes):
+    run_distributed(_replicate_vs_ddp_no_sync, k, passes)
 
 
-def _sharded_vs_fsdp2(rank, world_size, style):
+def _sharded_vs_fsdp2(rank, world_size, style, passes):
     model = gpt(torch.float64)
     ref = fsdp2_twin(model, reshard_after_forward=style == "fully_shard")
     mode = spmd.DataParallel(style, wrap_policy=block_policy())
     spmd.shard(model, mode)
     optim, ref_optim = optimizer(model, "adamw"), optimizer(ref, "adamw")
-    accum_step, train_step = _compiled(mode)
+    accum_step, train_step = _compiled(mode, passes)
     worst, k = 0.0, 3
     for i, (idx, targets) in enumerate(batches(rank, 2 * k)):
         last = i % k == k - 1
@@ -122,9 +122,8 @@ def _sharded_vs_fsdp2(rank, world_size, style):
         print(f"{style} k={k}: max |loss diff| {worst:.3g}, max |param diff| {params:.3g}")
 
 
-@pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op"])
-def test_sharded_accumulation_matches_fsdp2(style):
-    run_distributed(_sharded_vs_fsdp2, style)
+def test_sharded_accumulation_matches_fsdp2():
+    run_distributed(_sharded_vs_fsdp2, "fully_shard", True)
 
 
 def test_fast_path_sees_gradients_present_or_absent():
