@@ -29,6 +29,7 @@ from .optim_check import check_optimizers
 from .optim_state import ensure_optimizer_state
 from .compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .state_check import StateCheck
+from .step_outputs import rewrap
 from .step_state import StepState, describe_changes, find_modules_and_optimizers, tensor_signature
 from .tracing import trace_train_step
 
@@ -180,7 +181,8 @@ class CompiledTrainStep:
         if folder:  # the transformation built its own graphs from a copy: gm is still the traced graph
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
         entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
-                             first_step=first_step_slots(state, created), grads=traced.grads)
+                             first_step=first_step_slots(state, created), grads=traced.grads,
+                             dtensors=traced.dtensors)
         return entry, state, created
 
     def _compile_on_every_rank(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState]:
@@ -316,6 +318,8 @@ class CompiledTrainStep:
             n = len(out) - len(grads.outputs)
             grads.leave(params, out[n:])
             out = out[:n]
+        if entry.dtensors:
+            out = rewrap(out, entry.dtensors)
         return pytree.tree_unflatten(out, entry.out_spec)
 
     def _repeat_last_call(self, leaves: list, spec: pytree.TreeSpec

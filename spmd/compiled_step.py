@@ -27,6 +27,7 @@ class CompiledStep:
     first_step: dict[int, float] = field(default_factory=dict)  # hyper slot -> its value for the first run only
     compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
     grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.accumulation)
+    dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.step_outputs)
 
     def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:
         """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled

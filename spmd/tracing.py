@@ -44,6 +44,7 @@ from .errors import SpmdCompileError
 from .hyperparams import HyperMode, TracedHyper, hyper_items, learned
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState, local_tensor
+from .step_outputs import graph_outputs
 
 # --- the traced result ------------------------------------------------------------
 
@@ -59,6 +60,7 @@ class TracedStep:
     gm: torch.fx.GraphModule
     out_spec: pytree.TreeSpec
     grads: GradPlan = field(default_factory=GradPlan)  # the gradients it takes and leaves (``spmd.accumulation``)
+    dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.step_outputs``)
 
 
 @contextlib.contextmanager
@@ -250,12 +252,13 @@ ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 
 def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                        mode_context: ModeContext | None = None,
-                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan]:
+                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan, dict]:
     """Stage 1: ``fn(*args, **kwargs)`` as a graph of aten ops, some in place (see the module docstring).
 
     Returns the graph, the spec of ``fn``'s flattened return value, the graph's inputs
     (parameters, buffers, optimizer state, hyperparameters, user tensors, gradients held on
-    entry) and the ``GradPlan`` (``spmd.accumulation``). Running the graph
+    entry), the ``GradPlan`` (``spmd.accumulation``) and the DTensor specs of the outputs
+    (``spmd.step_outputs``). Running the graph
     on the real tensors performs the step. ``mode_context(params)``, given the traced
     parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
     mode's hooks (default: none).
@@ -303,12 +306,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         out_holder["spec"], out_holder["grads"] = out_spec, plan
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
             raise _data_dependent_error()
-        bad = [type(v).__name__ for v in flat_out if v is not None and not isinstance(v, (torch.Tensor, int, float, bool))]
-        if bad:
-            raise SpmdCompileError(
-                f"spmd.compile: train_step returns values of type {bad}; return tensors or Python numbers."
-            )
-        return [v.detach() if isinstance(v, torch.Tensor) else v for v in flat_out] + [g.detach() for g in left]
+        values, out_holder["dtensors"] = graph_outputs(flat_out, getattr(fn, "__name__", "train_step"))
+        return values + [g.detach() for g in left]
 
     hyper_values = state.hyper_tensors()
     n_flat = n_params + n_buffers + n_state
@@ -346,7 +345,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     finally:
         hook.remove()
 
-    return impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)], out_holder["grads"]
+    return (impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)], out_holder["grads"],
+            out_holder["dtensors"])
 
 
 def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
@@ -355,7 +355,7 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
 
     ``mode_context``: the parallel mode's hooks around ``fn`` (see ``capture_train_step``).
     """
-    impure, out_spec, flat_inputs, grads = capture_train_step(fn, state, args, kwargs, mode_context)
+    impure, out_spec, flat_inputs, grads, dtensors = capture_train_step(fn, state, args, kwargs, mode_context)
 
     def replay(*flat):
         return _FunctionalFusedOptim(impure).run(*flat)
@@ -380,4 +380,4 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
     pure.meta[LEAVES_GRADS] = bool(grads.outputs)
-    return TracedStep(gm=pure, out_spec=out_spec, grads=grads)
+    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors)
