@@ -238,7 +238,10 @@ class CompiledTrainStep:
         self.trace_count += 1
         if self._last_signature is not None:
             changes = describe_changes(self._last_signature, signature) or ["nothing in its signature"]
-            log.warning("spmd.compile: %s retraced (trace %d): %s", self.__name__, self.trace_count, "; ".join(changes))
+            # gradients held on entry or not: an accumulation loop's expected second graph (spmd.accumulation)
+            level = logging.INFO if all(c.startswith("gradient of ") for c in changes) else logging.WARNING
+            log.log(level, "spmd.compile: %s retraced (trace %d): %s", self.__name__, self.trace_count,
+                    "; ".join(changes))
             if self.trace_count == self.retrace_warning_at:
                 warnings.warn(
                     f"spmd.compile: {self.__name__} has been traced {self.trace_count} times; each trace costs "

@@ -3,8 +3,8 @@
 A step returns any pytree of tensors, Python numbers and None. A ``DTensor`` (what a
 sharded step's ``clip_grad_norm_`` returns, as under FSDP2) leaves the graph as its local
 tensor and is wrapped again, with the same mesh and placements, after the run: the caller
-gets what eager FSDP2 gives (a ``Partial`` norm included: ``.full_tensor()`` reduces it
-then, as in eager). Anything else (another tensor subclass, strings, objects) is refused
+gets what eager FSDP2 gives (a partial value included: ``.full_tensor()`` reduces it then,
+as in eager). Anything else (another tensor subclass, strings, objects) is refused
 while tracing, naming its type.
 """
 
