@@ -15,7 +15,7 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    are the optimizer's (the usual step), ``spmd.direct_functionalize`` rewrites those
    nodes in place of a second trace; anything else is re-traced under ``functionalize``.
 
-Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input; ``graph_utils.meta``) and
+Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input, grad; ``graph_utils.meta``) and
 ``meta[NAME]`` so passes never infer roles from positions.
 """
 
@@ -37,7 +37,7 @@ from .graph_utils import lazy_graph_modules, make_lazy
 from .graph_utils.meta import NAME, ROLE, Role
 from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
-from .accumulation import GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads, LEAVES_GRADS
+from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
 from .errors import SpmdCompileError
