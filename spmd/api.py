@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
+from .accumulation import grads_on_entry, grads_signature
 from .compile_times import phase, recording
 from .errors import SpmdCompileError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
@@ -30,6 +31,7 @@ from .optim_check import check_optimizers
 from .optim_state import ensure_optimizer_state
 from .compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .state_check import StateCheck
+from .step_outputs import rewrap
 from .step_state import StepState, describe_changes, find_modules_and_optimizers, tensor_signature
 from .tracing import trace_train_step
 
@@ -189,7 +191,8 @@ class CompiledTrainStep:
         if folder:  # the transformation built its own graphs from a copy: gm is still the traced graph
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
         entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
-                             first_step=first_step_slots(state, created))
+                             first_step=first_step_slots(state, created), grads=traced.grads,
+                             dtensors=traced.dtensors)
         return entry, state, created
 
     def _agree(self, candidate: rank_agreement.Candidate, group: dist.ProcessGroup, compared: bool,
@@ -241,7 +244,10 @@ class CompiledTrainStep:
         self.trace_count += 1
         if self._last_signature is not None:
             changes = describe_changes(self._last_signature, signature) or ["nothing in its signature"]
-            log.warning("spmd.compile: %s retraced (trace %d): %s", self.__name__, self.trace_count, "; ".join(changes))
+            # gradients held on entry or not: an accumulation loop's expected second graph (spmd.accumulation)
+            level = logging.INFO if all(c.startswith("gradient of ") for c in changes) else logging.WARNING
+            log.log(level, "spmd.compile: %s retraced (trace %d): %s", self.__name__, self.trace_count,
+                    "; ".join(changes))
             if self.trace_count == self.retrace_warning_at:
                 warnings.warn(
                     f"spmd.compile: {self.__name__} has been traced {self.trace_count} times; each trace costs "
@@ -264,6 +270,7 @@ class CompiledTrainStep:
         """Everything the traced graph specialises on, by name: the state's (``StepState.signature``)
         and the step's own arguments' (``input 2``: shape, dtype, ... of a tensor; value of a number)."""
         sig = state.signature()
+        sig.update(grads_signature(state.param_names, state.params))
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             sig[_input_name(path)] = self._leaf_signature(leaf)
         return sig
@@ -294,19 +301,14 @@ class CompiledTrainStep:
         return getattr(self.gm_transformation, "dump", None) or DumpOptions.resolve()
 
     def prepare_state(self, args: tuple, kwargs: dict) -> StepState:
-        """Find the step's modules and optimizers, apply overrides, and check no stray gradients."""
+        """Find the step's modules and optimizers, apply overrides, and check the gradients they hold
+        can be taken as graph inputs (``spmd.accumulation``)."""
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
         scalers = step_scalers(self.fn, args, kwargs)
         ensure_scale(scalers, modules)
         state = StepState(modules, optimizers, scalers)
-        with_grad = [n for n, p in zip(state.param_names, state.params) if p.grad is not None]
-        if with_grad:
-            raise SpmdCompileError(
-                f"spmd.compile: parameters {with_grad[:3]}{'...' if len(with_grad) > 3 else ''} hold gradients "
-                "from outside the compiled step, which it would ignore. Call optim.zero_grad() (set_to_none) "
-                "before calling the compiled train_step."
-            )
+        grads_on_entry(state.param_names, state.params)  # gradients held now are graph inputs: refuse odd ones
         return state
 
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
@@ -317,8 +319,11 @@ class CompiledTrainStep:
         compared = found is not None and group is not None and not rank_agreement.agreed(found[0], group)
         if found is None or compared:  # a rank that runs another graph this call: compare in detail
             found = self._look_up(args, kwargs, signed, spec, group, compared)
-        entry, flat, first_run = found
+        entry, flat, first_run, params = found
         flat += [t for t in leaves if isinstance(t, torch.Tensor)]
+        grads = entry.grads
+        if grads:
+            flat += grads.entry_grads(params)
         # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
         with torch.no_grad(), recording(entry.compile_times), (
                 phase("first_run") if first_run else contextlib.nullcontext()):
@@ -326,10 +331,18 @@ class CompiledTrainStep:
                 out = entry.runner(*flat, last_iter=last_train_step)
             else:
                 out = entry.runner(*flat)
-        return pytree.tree_unflatten(list(out), entry.out_spec)
+        out = list(out)
+        if grads:
+            n = len(out) - len(grads.outputs)
+            grads.leave(params, out[n:])
+            out = out[:n]
+        if entry.dtensors:
+            out = rewrap(out, entry.dtensors)
+        return pytree.tree_unflatten(out, entry.out_spec)
 
-    def _repeat_last_call(self, leaves: list, spec: pytree.TreeSpec) -> Optional[tuple[CompiledStep, list, bool]]:
-        """(entry, graph inputs before the user's tensors, False) when this call has the last call's
+    def _repeat_last_call(self, leaves: list, spec: pytree.TreeSpec
+                          ) -> Optional[tuple[CompiledStep, list, bool, list]]:
+        """(entry, graph inputs before the user's tensors, False, parameters) when this call has the last call's
         signature, else None: the same argument structure and leaf signatures (so the same modules
         and optimizers), and nothing changed in their state (``StateCheck``)."""
         last = self._last_call
@@ -340,12 +353,13 @@ class CompiledTrainStep:
         values = last.check.hypers_if_unchanged()
         if values is None:
             return None
-        return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], False
+        return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], False, last.check.params
 
     def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec,
                  group: Optional[dist.ProcessGroup] = None, compared: bool = False
-                 ) -> tuple[CompiledStep, list, bool]:
-        """(entry, graph inputs before the user's tensors, whether it is the entry's first run), from
+                 ) -> tuple[CompiledStep, list, bool, list]:
+        """(entry, graph inputs before the user's tensors, whether it is the entry's first run, the
+        parameters), from
         the full signature: the cached entry, or a new one compiled. With ``group``, the ranks then
         agree on what runs (``_agree``; ``compared``: they already found that they differ), this rank
         taking part even when its own lookup or trace failed. Prepares new parameters and buffers (a
@@ -387,10 +401,10 @@ class CompiledTrainStep:
             self._prepared.update(dict.fromkeys(new_tensors, True))
         hypers = entry.hyper_inputs(state.hyper_values(), state)
         if not repeated or missed:  # check the next call only after the same entry twice, and no failed check
-            return entry, [*state.flat_tensors(), *hypers], first_run
+            return entry, [*state.flat_tensors(), *hypers], first_run, state.params
         check = StateCheck(state, on_free=self._forget_last_call)
         self._last_call = LastCall(entry, spec, list(map(self._leaf_signature, leaves)), check)
-        return entry, [*check.flat, *hypers], first_run
+        return entry, [*check.flat, *hypers], first_run, state.params
 
     def _forget_last_call(self, _freed: Any = None) -> None:
         """Drop ``_last_call`` (its tensors with it): one of its modules or optimizers was freed."""

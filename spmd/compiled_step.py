@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .accumulation import GradPlan
 from .iter_graph_module import IterGraphModule
 from .state_check import StateCheck
 from .step_state import StepState
@@ -29,6 +30,8 @@ class CompiledStep:
     # (zero_grads_for, grad_order) -> this step with zero gradients where other ranks compute one
     # (spmd.rank_agreement); each variant is traced once, when the ranks first need it
     variants: dict[tuple, "CompiledStep"] = field(default_factory=dict)
+    grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.accumulation)
+    dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.step_outputs)
 
     def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:
         """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled

@@ -130,7 +130,7 @@ def _traced_run(optim, params, weights) -> list[torch.Tensor]:
     module.params = nn.ParameterList([p for ps in params for p in ps])
     created = ensure_optimizer_state(optim)
     state = StepState([module], [optim])
-    graph, _, _ = capture_train_step(_probe_step, state, (module, optim, weights[0]), {})
+    graph, *_ = capture_train_step(_probe_step, state, (module, optim, weights[0]), {})
     first = created.first_step if created is not None else {}
     for step, ws in enumerate(weights):
         _schedule(optim, step)

@@ -71,6 +71,12 @@ def _contents(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer],
     return keys, held
 
 
+def _grad_key(p: torch.Tensor) -> Optional[tuple]:
+    """What a graph specialises on in ``p``'s gradient (``accumulation.grads_signature``), or None."""
+    g = p.grad
+    return None if g is None else (g.shape, g.dtype, g.device, type(g))
+
+
 def _dtype_of(value: Any) -> Optional[torch.dtype]:
     return value.dtype if torch.is_tensor(value) else None
 
@@ -113,7 +119,8 @@ class StateCheck:
         self._keys, self._held = _contents([*state.modules, *self._submodules], state.optimizers, self._attributes)
         self._consts = [(st, key, repr(v)) for o in state.optimizers for st in o.state.values()
                         for key, v in st.items() if not isinstance(v, torch.Tensor)]
-        self._params = state.params
+        self.params = state.params
+        self._grads = list(map(_grad_key, self.params))
         tensors = [*state.params, *state.buffers, *state.state_tensors]
         self.flat = state.flat_tensors()  # the graph's leading inputs, as ``StepState.flat_tensors``
         self._metadata = list(map(_METADATA, self.flat))
@@ -125,7 +132,8 @@ class StateCheck:
     def hypers_if_unchanged(self) -> Optional[list[float]]:
         """``StepState.hyper_values()`` of the state now if nothing else about it changed, else None.
 
-        Also None while a parameter holds a gradient (``CompiledTrainStep.prepare_state`` refuses that).
+        Also None when which parameters hold a gradient, or its metadata, changed: a graph takes
+        the gradients held on entry as inputs (``spmd.accumulation``).
         """
         owners = [ref() for ref in self._owners]
         if not self._vouched or any(obj is None for obj in owners):
@@ -141,7 +149,7 @@ class StateCheck:
         if any(t._local_tensor is not self.flat[i] or (sharding_signature(t._spec), t.requires_grad) != s
                for i, t, s in self._shardings):
             return None
-        if any(p.grad is not None for p in self._params):
+        if list(map(_grad_key, self.params)) != self._grads:
             return None
         groups, values = [], []
         for optim in optimizers:

@@ -17,7 +17,7 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
 
 The trace leaves the user's objects as it found them (``spmd.user_objects``).
 
-Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input; ``graph_utils.meta``) and
+Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input, grad; ``graph_utils.meta``) and
 ``meta[NAME]`` so passes never infer roles from positions.
 """
 
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -40,6 +41,7 @@ from .graph_utils.meta import NAME, ROLE, Role
 from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
 from .amp_scaler import SCALER_TENSORS, traced_scalers
+from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
 from .errors import SpmdCompileError
@@ -47,6 +49,8 @@ from .hyperparams import HyperMode, TracedHyper, hyper_items, learned
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState
 from .user_objects import reachable_objects, untouched
+from .step_state import StepState, local_tensor
+from .step_outputs import graph_outputs
 
 # --- the traced result ------------------------------------------------------------
 
@@ -61,6 +65,8 @@ class TracedStep:
 
     gm: torch.fx.GraphModule
     out_spec: pytree.TreeSpec
+    grads: GradPlan = field(default_factory=GradPlan)  # the gradients it takes and leaves (``spmd.accumulation``)
+    dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.step_outputs``)
 
 
 @contextlib.contextmanager
@@ -132,6 +138,11 @@ def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Itera
             for group, old in zip(optim.param_groups, groups):
                 group.clear()
                 group.update(old)
+
+
+def _grad_spec(param: torch.Tensor):
+    """The DTensor spec of ``param``'s gradient, or None for a plain one."""
+    return param.grad._spec if isinstance(param.grad, DTensor) else None
 
 
 def _data_dependent_error() -> SpmdCompileError:
@@ -247,11 +258,13 @@ ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 
 def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                        mode_context: ModeContext | None = None, found_inf_group: Optional[ProcessGroup] = None,
-                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor]]:
+                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan, dict]:
     """Stage 1: ``fn(*args, **kwargs)`` as a graph of aten ops, some in place (see the module docstring).
 
-    Returns the graph, the spec of ``fn``'s flattened return value, and the graph's inputs
-    (parameters, buffers, optimizer state, hyperparameters, user tensors). Running the graph
+    Returns the graph, the spec of ``fn``'s flattened return value, the graph's inputs
+    (parameters, buffers, optimizer state, hyperparameters, user tensors, gradients held on
+    entry), the ``GradPlan`` (``spmd.accumulation``) and the DTensor specs of the outputs
+    (``spmd.step_outputs``). Running the graph
     on the real tensors performs the step. ``mode_context(params)``, given the traced
     parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
     mode's hooks (default: none). ``found_inf_group``: the group over which the step's GradScalers
@@ -267,8 +280,16 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
 
     out_holder: dict[str, Any] = {}
 
-    def whole_step(params, buffers, state_tensors, hypers, inputs):
+    grads_in = grads_on_entry(state.param_names, state.params)
+    stepped: list = []  # optimizers whose step() the trace called
+
+    def whole_step(params, buffers, state_tensors, hypers, inputs, grads):
         params = state.as_dtensors(params, state.param_specs, state.param_trained)
+        grads = state.as_dtensors(grads, [_grad_spec(state.params[i]) for i in grads_in])
+        stepped.clear()
+        entry = {i: mark_entry_grad(g) for i, g in zip(grads_in, grads)}
+        for i, g in entry.items():
+            params[i].grad = g
         state_tensors = state.as_dtensors(state_tensors, state.state_specs)
         states = state.rebuild_optimizer_states(state_tensors, params)
         flat = list(flat_user)
@@ -289,32 +310,23 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             stack.enter_context(traced_scalers(state.scalers, scaler_tensors, found_inf_group))
             out = fn(*call_args, **call_kwargs)
             _check_state_updated_in_place(state, before, states)
-            leftover = [state.param_names[i] for i, p in enumerate(params) if p.grad is not None]
-        if leftover:
-            raise SpmdCompileError(
-                "spmd.compile: after train_step returns, these parameters still hold gradients: "
-                f"{leftover[:5]}{'...' if len(leftover) > 5 else ''}. Gradients cannot be carried "
-                "between compiled steps; call optim.zero_grad() (set_to_none=True, the default) at the end of train_step."
-            )
+            plan, left = plan_left_grads(state.param_names, entry, params, bool(stepped))
         flat_out, out_spec = pytree.tree_flatten(out)
-        out_holder["spec"] = out_spec
+        out_holder["spec"], out_holder["grads"] = out_spec, plan
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
             raise _data_dependent_error()
-        bad = [type(v).__name__ for v in flat_out if v is not None and not isinstance(v, (torch.Tensor, int, float, bool))]
-        if bad:
-            raise SpmdCompileError(
-                f"spmd.compile: train_step returns values of type {bad}; return tensors or Python numbers."
-            )
-        return [v.detach() if isinstance(v, torch.Tensor) else v for v in flat_out]
+        values, out_holder["dtensors"] = graph_outputs(flat_out, getattr(fn, "__name__", "train_step"))
+        return values + [g.detach() for g in left]
 
     hyper_values = state.hyper_tensors()
     n_flat = n_params + n_buffers + n_state
     flat_state = state.flat_tensors()  # local tensors of DTensors
     inputs = (flat_state[:n_params], flat_state[n_params:n_params + n_buffers], flat_state[n_params + n_buffers:n_flat],
-              hyper_values, user_tensors)
+              hyper_values, user_tensors, [local_tensor(state.params[i].grad) for i in grads_in])
     known = {id(o) for o in state.optimizers}
 
     def refuse_unknown_optimizer(optim, args, kwargs):
+        stepped.append(optim)
         if id(optim) not in known:
             raise SpmdCompileError(
                 f"spmd.compile: train_step calls .step() on a {type(optim).__name__} that is not among its "
@@ -344,7 +356,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     finally:
         hook.remove()
 
-    return impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)]
+    return (impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)], out_holder["grads"],
+            out_holder["dtensors"])
 
 
 def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
@@ -354,7 +367,8 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
 
     ``mode_context`` and ``found_inf_group``: see ``capture_train_step``.
     """
-    impure, out_spec, flat_inputs = capture_train_step(fn, state, args, kwargs, mode_context, found_inf_group)
+    impure, out_spec, flat_inputs, grads, dtensors = capture_train_step(fn, state, args, kwargs, mode_context,
+                                                                        found_inf_group)
 
     def replay(*flat):
         return _FunctionalFusedOptim(impure).run(*flat)
@@ -364,12 +378,13 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
         if pure is None:
             pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"),
                            tracing_mode="fake")(*flat_inputs)
-    n_inputs = len(flat_inputs) - len(state.flat_tensors()) - len(state.hyper_slots)
+    n_inputs = len(flat_inputs) - len(state.flat_tensors()) - len(state.hyper_slots) - len(grads.inputs)
     roles = ([Role.PARAM] * len(state.params) + [Role.BUFFER] * len(state.buffers)
              + [Role.STATE] * len(state.state_tensors)
-             + [Role.HYPER] * len(state.hyper_slots) + [Role.INPUT] * n_inputs)
+             + [Role.HYPER] * len(state.hyper_slots) + [Role.INPUT] * n_inputs + [Role.GRAD] * len(grads.inputs))
     names = (list(state.param_names) + list(state.buffer_names) + list(state.state_names)
-             + [s.name for s in state.hyper_slots] + [f"input_{k}" for k in range(n_inputs)])
+             + [s.name for s in state.hyper_slots] + [f"input_{k}" for k in range(n_inputs)]
+             + [f"{state.param_names[i]}.grad" for i in grads.inputs])
     for node, role, name in zip(pure.graph.find_nodes(op="placeholder"), roles, names):
         node.meta[ROLE] = role
         node.meta[NAME] = name
@@ -377,4 +392,5 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     output = next(n for n in reversed(pure.graph.nodes) if n.op == "output")
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
-    return TracedStep(gm=pure, out_spec=out_spec)
+    pure.meta[LEAVES_GRADS] = bool(grads.outputs)
+    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors)

@@ -244,12 +244,18 @@ def test_a_removed_parameter_after_fast_calls_raises_as_before():
         twins.step(twins.model, twins.optim, torch.randn(5, 4, dtype=F64))
 
 
-def test_a_stray_gradient_after_fast_calls_raises_as_before():
+def test_a_gradient_set_after_fast_calls_is_a_new_signature_and_accumulates_as_eager():
     twins = _Twins()
     _warm(twins)
-    twins.model.scale.grad = torch.ones(4, dtype=F64)
-    with pytest.raises(SpmdCompileError, match="hold gradients from outside"):
-        twins.step(twins.model, twins.optim, torch.randn(5, 4, dtype=F64))
+    traces = twins.step.trace_count
+    for p in (twins.model.scale, twins.ref.scale):
+        p.grad = torch.ones(4, dtype=F64)
+    twins.run()  # the graph takes scale's gradient as an input and adds the new one to it
+    assert twins.step.trace_count == traces + 1
+    twins.assert_params_match()
+    twins.run()  # no gradient again: the first graph, no retrace
+    assert twins.step.trace_count == traces + 1
+    twins.assert_params_match()
 
 
 def test_a_scheduler_changes_hyperparameters_on_the_fast_path_without_retracing():

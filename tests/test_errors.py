@@ -133,9 +133,11 @@ def test_optimizer_not_passed_as_argument():
     _assert_unchanged(model, optim, snap)
 
 
-def test_gradients_from_outside_the_step_are_refused():
+def test_gradients_from_outside_the_step_that_it_cannot_take_are_refused():
     model, optim = _model_and_optim(warm=True)
     model(torch.randn(2, 4)).sum().backward()
+    p = next(model.parameters())
+    p.grad = p.grad.to_sparse()  # a graph input cannot be sparse
 
     @spmd.compile()
     def step(model, optim, x):
@@ -143,8 +145,10 @@ def test_gradients_from_outside_the_step_are_refused():
         optim.step()
         optim.zero_grad()
 
-    with pytest.raises(SpmdCompileError, match="hold gradients"):
+    before = [q.detach().clone() for q in model.parameters()]
+    with pytest.raises(SpmdCompileError, match="holds a gradient the compiled step cannot take"):
         step(model, optim, torch.randn(3, 4))
+    assert all(torch.equal(q, b) for q, b in zip(model.parameters(), before)) and p.grad.is_sparse
 
 
 def test_unimplemented_parallel_style_raises():

@@ -7,7 +7,8 @@
   ``broadcast_buffers``), as DDP makes them when it is built.
 * ``expand``: each ``spmd::tag_grad`` marker left by tracing becomes a functional
   all_reduce and its ``wait_tensor``, right where the gradient is produced in the
-  backward. Each ``spmd::sync_buffers`` marker (before every forward of a module, with
+  backward (none in a step that leaves its gradients for a later call, as under
+  ``DDP.no_sync()``: ``spmd.accumulation``). Each ``spmd::sync_buffers`` marker (before every forward of a module, with
   ``broadcast_buffers``) becomes one broadcast from rank 0 per dtype of the module's
   buffers, as DDP broadcasts them before each forward.
 """
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..accumulation import LEAVES_GRADS
 from ..graph_utils import set_fake_val
 from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
 from .replicate_markers import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
@@ -103,9 +105,10 @@ def expand(dp, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]
     if grad_order is not None:
         place_zero_gradients(graph, grad_order)
     world_size = dist.get_world_size(group) if group is not None else 1
+    no_sync = gm.meta.get(LEAVES_GRADS, False)  # gradients kept for a later call reduce there, as DDP.no_sync()
     for tag in [n for n in graph.nodes if n.op == "call_function" and n.target is TAG_GRAD]:
         grad = tag.args[0]
-        if group is None:
+        if group is None or no_sync:
             tag.replace_all_uses_with(grad)
             graph.erase_node(tag)
             continue

@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from ..accumulation import take_entry_grad
+
 @torch.library.custom_op("spmd::tag_grad", mutates_args=())
 def tag_grad(grad: torch.Tensor, param_index: int) -> torch.Tensor:
     """Identity marker on the gradient of trained parameter ``param_index``."""
@@ -83,7 +85,8 @@ class _ZeroGradsForUnused:
     def fill(self) -> None:
         for i in sorted(self.indices - self.seen):
             p = self.params[i]
-            zero = tag_grad(torch.zeros_like(p), i)
+            old = take_entry_grad(p)
+            zero = tag_grad(torch.zeros_like(p) if old is None else old + torch.zeros_like(p), i)
             p.grad = zero if p.grad is None else p.grad + zero
         self.seen, self.queued = set(), False
 
@@ -93,13 +96,15 @@ def tag_gradients(state, params: list[torch.Tensor],
     """Tag each trained parameter's gradient with ``spmd::tag_grad`` (what replicate expands).
 
     ``zero_grads_for``: indices of trained parameters that get a zero gradient in a backward
-    that computes none for them (``_ZeroGradsForUnused``).
+    that computes none for them (``_ZeroGradsForUnused``). A gradient the parameter held when
+    the step was called (``spmd.accumulation``) is added to its first new one before the tag.
     """
     unused = _ZeroGradsForUnused(params, frozenset(zero_grads_for))
 
     def on_grad(g, i):
         unused.on_grad(i)
-        return tag_grad(g, i)
+        old = take_entry_grad(params[i])  # accumulated in earlier calls: reduce the sum, as DDP does
+        return tag_grad(g if old is None else old + g, i)
 
     for i, p in enumerate(params):
         if state.param_trained[i]:

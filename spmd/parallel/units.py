@@ -160,7 +160,9 @@ def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
     optimizer. Units come from ``mode.wrap_policy`` (FSDP's semantics); each parameter
     becomes a ``DTensor`` sharded on dim 0 over ``mode.mesh`` (default: the whole world).
     A model built on the meta device stays there: ``model.to_empty(device=...)`` then
-    allocates only this rank's shards. Returns ``model``.
+    allocates only this rank's shards. Outside the compiled step the model runs eagerly as
+    FSDP2's does, each unit gathered for its forward and resharded after
+    (``eager_hooks``). Returns ``model``.
 
     Example::
 
@@ -213,4 +215,7 @@ def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
                 if b is not None and b.device.type not in ("meta", device.type):
                     mod._buffers[name] = b.to(device)
     model.__dict__[PLAN_ATTR] = plan
+    from .eager_hooks import install  # imports the mode's gather, which imports this module
+
+    install(model, plan)  # eager forward/backward outside the compiled step, as under FSDP2
     return model
