@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -227,7 +228,7 @@ def print_plan_tables(plan: Plan) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # piped: wide, so no cell is cut short
     console.print(f"[bold]parameters[/]: {plan.params:,} ({plan.trainable_params:,} trained), "
                   f"{plan.param_bytes / 2**20:.2f} MiB")
     if plan.buckets:

@@ -209,3 +209,19 @@ def test_dump_shows_an_attribute_found_nowhere_by_name_with_a_warning(tmp_path):
         with pytest.warns(RuntimeWarning, match="elsewhere_constant by name only"):
             record_stage("probe", graph, torch.nn.Module())
     assert "elsewhere_constant" in rec.stages["01_probe"].code
+
+
+def test_cli_prints_whole_numbers_and_names_when_piped(dump, tmp_path, capsys, monkeypatch):
+    folder, _ = dump
+    long_name = "01_a_custom_pass_with_a_long_name_as_users_write_them"
+    for path in folder.iterdir():  # the dump with its first pass renamed and a large byte count
+        stem, rest = path.name.split(".", 1)
+        target = tmp_path / (f"{long_name}.{rest}" if stem.startswith("01_") else path.name)
+        target.write_text(path.read_text())
+    summary = json.loads((tmp_path / f"{long_name}.json").read_text())
+    summary["comm_bytes"] = 123_456_789_012
+    (tmp_path / f"{long_name}.json").write_text(json.dumps(summary))
+    monkeypatch.delenv("COLUMNS", raising=False)  # as in a pipe or a CI log: not a terminal, no width set
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert long_name in out and "123,456,789,012" in out and "…" not in out
