@@ -8,16 +8,22 @@
 custom transformation's passes are dumped too; a ``GraphModuleTransformation`` with
 ``dump_graphs=True`` turns the recording on with ``request_dump`` even when it is
 wrapped in a user's function. When dumping is off, ``record_stage`` returns at once.
+
+A dump is a debugging aid and never breaks a compile: a snapshot that cannot be taken is
+skipped with a warning, and a ``get_attr`` whose value is nowhere to be found (a constant
+that lives on another module of the step) is dumped by name with a stand-in value.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -85,6 +91,44 @@ def record_stage(name: str, graph: fx.Graph, root: nn.Module) -> None:
     recording = _active.get()
     if recording is None or not recording.options.enabled:
         return
-    snapshot = fx.Graph()
-    snapshot.output(snapshot.graph_copy(graph, {}))
-    recording.stages[f"{len(recording.stages) + 1:02d}_{name}"] = lazy_graph_module(root, snapshot)
+    stem = f"{len(recording.stages) + 1:02d}_{name}"
+    try:
+        snapshot = fx.Graph()
+        snapshot.output(snapshot.graph_copy(graph, {}))
+        recording.stages[stem] = lazy_graph_module(attribute_values(graph, root), snapshot)
+    except Exception as e:  # a debugging aid: never fail the compile it observes
+        warnings.warn(f"spmd: graph dump skipped stage {stem} ({type(e).__name__}: {e}); the step compiles as "
+                      "usual.", RuntimeWarning, stacklevel=2)
+
+
+def attribute_values(graph: fx.Graph, root: nn.Module) -> dict[str, object]:
+    """The value of each ``get_attr`` target of ``graph``: from the module owning the graph, else ``root``.
+
+    A value found on neither (a constant held by another module of the step) becomes an
+    empty tensor, with one warning naming it: the dump shows the graph, not the value.
+    """
+    values, missing = {}, []
+    for node in graph.nodes:
+        if node.op != "get_attr" or node.target in values:
+            continue
+        for module in (graph.owning_module, root):
+            try:
+                values[node.target] = _get_dotted(module, node.target)
+                break
+            except AttributeError:
+                continue
+        else:
+            values[node.target] = torch.empty(0)
+            missing.append(node.target)
+    if missing:
+        warnings.warn(f"spmd: graph dump shows {', '.join(missing)} by name only (its value lives on another "
+                      "module of the step).", RuntimeWarning, stacklevel=3)
+    return values
+
+
+def _get_dotted(module: Optional[nn.Module], target: str) -> object:
+    if module is None:
+        raise AttributeError(target)
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -135,16 +136,23 @@ def dump_graphs_to_files(graphs: dict[str, fx.GraphModule], folder: str) -> list
     dump folder without torch (see ``spmd inspect``).
 
     Returns the paths written. ``graphs`` maps a file stem (e.g. ``"03_main"``) to a module.
+    A file that cannot be written is skipped with a warning: a dump never fails a compile.
     """
     os.makedirs(folder, exist_ok=True)
     paths = []
     for name, gm in graphs.items():
         stem = os.path.join(folder, name)
-        with open(stem + ".py", "w") as f:
-            f.write(gm.code)
-        with open(stem + ".graph.txt", "w") as f:
-            f.write(str(gm.graph))
-        with open(stem + ".json", "w") as f:
-            json.dump({**graph_summary(gm.graph), "node_list": node_records(gm.graph)}, f, indent=1)
-        paths += [stem + ".py", stem + ".graph.txt", stem + ".json"]
+        writers = ((".py", lambda: gm.code), (".graph.txt", lambda: str(gm.graph)),
+                   (".json", lambda: json.dumps({**graph_summary(gm.graph), "node_list": node_records(gm.graph)},
+                                                indent=1)))
+        for suffix, text in writers:
+            try:
+                content = text()
+                with open(stem + suffix, "w") as f:
+                    f.write(content)
+            except Exception as e:  # noqa: BLE001 - a debugging aid: never fail the compile it observes
+                warnings.warn(f"spmd: graph dump skipped {stem + suffix} ({type(e).__name__}: {e}).",
+                              RuntimeWarning, stacklevel=2)
+                continue
+            paths.append(stem + suffix)
     return paths

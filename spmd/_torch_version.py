@@ -1,7 +1,11 @@
-"""The torch versions spmd is tested with, and the warning when another one is installed.
+"""The torch versions spmd is tested with, the warning when another one is installed, and
+every difference between those versions that spmd's code must know about.
 
 spmd reads private torch APIs (make_fx internals, Inductor's config, functional
-collectives), which change between releases without notice.
+collectives), which change between releases without notice. CI runs the whole suite on
+the oldest and the newest version of ``TESTED``. Where a tested version behaves
+differently, the fact is recorded here, named for the version that changed it, and the
+code that depends on it reads it from here.
 """
 
 from __future__ import annotations
@@ -10,7 +14,14 @@ import warnings
 
 import torch
 
-TESTED = ((2, 11), (2, 13))  # inclusive range of (major, minor)
+TESTED = ((2, 11), (2, 15))  # inclusive range of (major, minor)
+
+# Inductor options spmd sets that older tested versions lack: option -> first (major, minor) that has it.
+# torch 2.14 added aten_distributed_optimizations.enable_simple_overlap and turned it on by default: it
+# moves collectives' waits, so spmd switches it off (spmd.lowering) where it exists.
+INDUCTOR_OPTION_SINCE = {
+    "aten_distributed_optimizations.enable_simple_overlap": (2, 14),
+}
 
 
 def installed() -> tuple[int, int]:
@@ -19,7 +30,7 @@ def installed() -> tuple[int, int]:
 
 
 def tested_range() -> str:
-    """``"2.11 to 2.13"``: the torch versions in ``TESTED``."""
+    """``"2.11 to 2.15"``: the torch versions in ``TESTED``."""
     (lo, hi) = TESTED
     return f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
 

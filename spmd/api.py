@@ -97,7 +97,8 @@ class CompiledTrainStep:
         self.module_override = list(module_override or [])
         self.gm_transformation = gm_transformation  # None: default_transformation for the parameters' device
         self._defaults: dict[str, Callable] = {}
-        self.parallel_mode = parallel_mode or DataParallel("replicate")
+        # No parallel_mode: the seed's semantics, summed gradients (its reference tests rely on them).
+        self.parallel_mode = parallel_mode or DataParallel("replicate", grad_reduce="sum")
         self.cache: OrderedDict[tuple, CompiledStep] = OrderedDict()
         self.trace_count = 0
         self._overridden: weakref.WeakSet = weakref.WeakSet()
@@ -433,6 +434,9 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     every numeric optimizer hyperparameter (lr, betas, momentum, ...) is a graph input
     too, so schedulers change it without a retrace. Each optimizer is checked against
     eager before its first trace (``spmd.optim_check``) and refused if not traced exactly.
+
+    ``DataParallel("replicate")`` averages gradients over ranks, as DDP does; without a
+    ``parallel_mode`` the step sums them (the seed's semantics: gradients x world size).
     """
 
     def decorator(fn: Callable) -> CompiledTrainStep:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from .graph_utils import find_node, is_all_reduce, is_comm_node, is_wait_node, tensor_bytes
 from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, UNIT
@@ -13,6 +15,7 @@ from .passes import PassManager, pass_info
 
 from .api import CompiledTrainStep
 from .iter_graph_module import IterGraphModule
+from .parallel.units import shard_plan
 from .transformation import GraphModuleTransformation
 
 TINY_ALL_REDUCE_BYTES = 1 << 20  # an all_reduce under 1 MiB is dominated by latency
@@ -40,15 +43,47 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
 
 
+# Why each built-in pass is in its pipeline: what the step gains from it. What a pass does is
+# the first sentence of its docstring (``pass_summary``); a user's pass shows only that.
+PASS_PURPOSE = {
+    "comm_fusion_with_concat": "fewer, larger all_reduces: each collective's fixed latency is paid once per bucket",
+    "schedule_comm_wait": "the backward keeps computing while a bucket is reduced, instead of waiting at once",
+    "split_optimizer_per_bucket": "the update of the buckets reduced first starts while the last bucket is reduced",
+    "remove_copy_from_optimizer": "no copy of every parameter and optimizer state back into place after the update",
+    "iter_move_grads_and_optimizers": "the last bucket's reduction and update overlap the next step's forward",
+    "prefetch_unit_gathers": "a unit's parameters arrive before it runs: gathers overlap the previous unit's compute",
+    "schedule_reduce_scatter_waits": "gradient reduce-scatters overlap the backward of the units before them",
+    "split_optimizer_per_unit": "each unit's update runs as soon as its gradients are reduced",
+    "guard_unsharded_memory": "refuses a schedule that would hold too many units' full parameters at once",
+}
+
+
+def pass_summary(fn: Any) -> str:
+    """The first sentence of a pass's docstring: what it does."""
+    doc = " ".join((getattr(fn, "__doc__", None) or "").strip().split("\n\n")[0].split()).replace("``", "")
+    return doc.split(". ")[0].rstrip(".") if doc else ""
+
+
 def _pass_rows(manager: PassManager, pass_args: dict) -> list[dict[str, Any]]:
     rows = []
     for p in manager.order:
         info = pass_info(p)
         args = dict(p.keywords) if hasattr(p, "keywords") else dict(pass_args.get(p, {}))
-        rows.append({"pass": info.name, "args": args,
+        rows.append({"pass": info.name, "args": args, "does": pass_summary(info.fn),
+                     "why": PASS_PURPOSE.get(info.name, ""),
                      "prerequisites": [pass_info(q).name for q in info.prerequisites],
                      "apply_after": [pass_info(q).name for q in info.apply_after]})
     return rows
+
+
+def unit_names(modules) -> dict[int, str]:
+    """Sharding unit index -> the unit module's fully qualified name ("(root)" for the model itself)."""
+    names = {}
+    for module in modules:
+        plan = shard_plan(module)
+        for unit in plan.units if plan is not None else ():
+            names.setdefault(unit.index, unit.fqn or "(root)")
+    return names
 
 
 def _buckets(graph) -> list[Bucket]:
@@ -68,8 +103,10 @@ _OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coa
              "broadcast": "broadcast"}
 
 
-def collective_rows(graph) -> list[dict[str, Any]]:
+def collective_rows(graph, names: Optional[dict[int, str]] = None) -> list[dict[str, Any]]:
     """Every collective in graph order: op, phase, bytes (of its result), and the unit or gradient bucket it serves.
+
+    ``unit`` is the unit's index, ``unit_name`` its module's name from ``names`` (``unit_names``).
 
     A sharded mode labels its collectives' phase; a gradient all_reduce (``GRAD_OF``/``BUCKET``)
     is "backward". Any other collective (e.g. ``clip_grad_norm_``'s) is "forward" before the
@@ -93,7 +130,8 @@ def collective_rows(graph) -> list[dict[str, Any]]:
                   else tensor_bytes(n))
         bucket = n.meta.get(BUCKET) or ([n.meta[GRAD_OF]] if GRAD_OF in n.meta else None)
         rows.append({"op": _OP_NAMES.get(n.target.overloadpacket.__name__, n.target.overloadpacket.__name__),
-                     "phase": phase, "bytes": nbytes, "unit": n.meta.get(UNIT), "bucket": bucket, "name": n.name})
+                     "phase": phase, "bytes": nbytes, "unit": n.meta.get(UNIT),
+                     "unit_name": (names or {}).get(n.meta.get(UNIT)), "bucket": bucket, "name": n.name})
     return rows
 
 
@@ -132,13 +170,15 @@ def _warnings(plan: Plan, optimized: bool, single_tensor_adam: bool = False) -> 
     return warn
 
 
-def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwargs) -> Plan:
+def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = None, **kwargs) -> Plan:
     """Trace ``train_step`` on these arguments and report the plan, without running a step.
 
     Returns (and prints with rich) parameters and bytes, gradient buckets and their sizes,
-    every collective of the step (``Plan.collectives``: op, phase, bytes, unit or bucket), the
-    pass pipeline in order with its constraints, cross-iteration moves, and warnings
-    for what will run slowly. Parameters and optimizer state are left as they were
+    every collective of the step (``Plan.collectives``: op, phase, bytes, unit by module name
+    or bucket), the pass pipeline in order with what each pass does, why it is there and its
+    constraints, cross-iteration moves, and warnings for what will run slowly.
+    ``print_plan``: None (default) prints on rank 0 only, so a multi-rank job prints one plan;
+    True prints on this rank, False nowhere. Parameters and optimizer state are left as they were
     (optimizer state created for the trace is removed again).
 
     Example::
@@ -170,21 +210,25 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: bool = True, **kwa
         trainable_params=sum(p.numel() for p in params.values() if p.requires_grad),
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         buckets=_buckets(igm.graph),
-        collectives=collective_rows(igm.graph),
+        collectives=collective_rows(igm.graph, unit_names(state.modules)),
         passes=_pass_rows(manager, pass_args),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )
     plan.warnings = _warnings(plan, optimized=bool(plan.passes), single_tensor_adam=_single_tensor_adam(state.optimizers))
-    if print_plan:
+    if print_plan or (print_plan is None and _rank() == 0):
         print_plan_tables(plan)
     return plan
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def print_plan_tables(plan: Plan) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # piped: wide, so no cell is cut short
     console.print(f"[bold]parameters[/]: {plan.params:,} ({plan.trainable_params:,} trained), "
                   f"{plan.param_bytes / 2**20:.2f} MiB")
     if plan.buckets:
@@ -198,16 +242,18 @@ def print_plan_tables(plan: Plan) -> None:
     for col in ("#", "op", "phase", "MiB", "unit / bucket"):
         table.add_column(col, justify="right")
     for i, c in enumerate(plan.collectives):
-        owner = f"unit {c['unit']}" if c["unit"] is not None else (f"{len(c['bucket'])} gradients" if c["bucket"]
-                                                                    else "-")
+        if c["unit"] is not None:
+            owner = c["unit_name"] or f"unit {c['unit']}"
+        else:
+            owner = f"{len(c['bucket'])} gradients" if c["bucket"] else "-"
         table.add_row(str(i), c["op"], c["phase"], f"{c['bytes'] / 2**20:.3f}", owner)
     console.print(table)
     table = Table(title="pass pipeline (in order)")
-    for col in ("pass", "args", "prerequisites", "apply after"):
+    for col in ("pass", "what it does", "why it is here", "args", "runs after"):
         table.add_column(col)
     for row in plan.passes:
-        table.add_row(row["pass"], str(row["args"] or ""), ", ".join(row["prerequisites"]) or "-",
-                      ", ".join(row["apply_after"]) or "-")
+        after = list(dict.fromkeys(row["prerequisites"] + row["apply_after"]))
+        table.add_row(row["pass"], row["does"], row["why"] or "-", str(row["args"] or ""), ", ".join(after) or "-")
     console.print(table)
     for m in plan.moves:
         console.print(f"moved to the next iteration: {m['nodes']} nodes before {m['target']} "

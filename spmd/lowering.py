@@ -41,7 +41,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from .graph_utils import lazy_graph_module
 from .graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
 
-from ._torch_version import installed as installed_torch, tested_range
+from ._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from .compile_times import phase
 from .errors import SpmdCompileError
 from .inductor_decompose import decompose_for_inductor
@@ -58,11 +58,9 @@ _INDUCTOR_CONFIG = {
     "aten_distributed_optimizations.enable_overlap_scheduling": False,
     "aten_distributed_optimizations.enable_simple_overlap": False,
 }
-# Options of the tables here that a supported torch may lack: name -> first (major, minor) expected to have it.
-# Newer Inductor comm passes we switch off where they exist (simple_overlap moves waits; newer than 2.13).
-_ABSENT_BEFORE = {
-    "aten_distributed_optimizations.enable_simple_overlap": (2, 14),
-}
+# Options of the tables here that a supported torch may lack: name -> first (major, minor) expected to have it
+# (spmd._torch_version keeps every such version fact).
+_ABSENT_BEFORE = INDUCTOR_OPTION_SINCE
 
 _OPAQUE_NAMESPACE = "spmd_lowering"
 _opaque_lib = torch.library.Library(_OPAQUE_NAMESPACE, "FRAGMENT")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,23 @@ def test_demo_trains_on_two_cpu_processes_names_each_mode_and_matches_ddp(tmp_pa
     dump = tmp_path / "dump"
     assert (dump / "00_traced.py").exists() and any(dump.glob("*_main.py")) and "spmd inspect dump" in out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]  # nothing else written to the working folder
+    # the progress line and the table show the same loss: the mean over ranks
+    progress_loss = re.search(r"eager DDP copy: step 3, mean loss (\d+\.\d+)", out).group(1)
+    table_loss = re.search(r"eager DDP\s*│\s*(\d+\.\d+)", out).group(1)
+    assert f"{float(table_loss):.4f}" == progress_loss, (progress_loss, table_loss)
+    assert "On CPU spmd runs its step graph without Inductor" in out  # says what the step times measure
+    for noise in ("Failed to initialize NumPy", "leaked semaphore", "Warning"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_numpy_is_a_dependency_so_tracing_does_not_warn_about_it():
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^dependencies = \[.*"numpy[">=<\d.,]*"', text, flags=re.M)
+
+
+def test_demo_buckets_like_ddp_on_cpu_and_small_on_gpu():
+    assert demo.bucket_size_mb(on_gpu=False) == 25.0  # DDP's bucket_cap_mb: one gloo all_reduce for this model
+    assert demo.bucket_size_mb(on_gpu=True) < 1
 
 
 def test_demo_dumps_only_when_asked(monkeypatch):

@@ -69,3 +69,46 @@ def test_explain_warns_when_adam_runs_single_tensor_and_not_otherwise():
         assert any("single-tensor" in w and "fused=True" in w for w in plan_for(**single_tensor).warnings)
     for split in ({"fused": True}, {"foreach": True}):
         assert not any("single-tensor" in w for w in plan_for(**split).warnings)
+
+
+def test_explain_names_sharding_units_by_module_and_says_what_each_pass_does(capsys, monkeypatch):
+    from tests.shard_helpers import batches, block_policy, gpt, optimizer, plain_step
+
+    monkeypatch.setenv("COLUMNS", "250")
+    model = gpt()
+    mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
+    with single_process_group():
+        spmd.shard(model, mode)
+        step = spmd.compile(parallel_mode=mode, gm_transformation=spmd.GraphModuleTransformation(
+            enable_graph_optimization=True))(plain_step)
+        plan = spmd.explain(step, model, optimizer(model, "adamw"), *next(batches(0, 1)))
+    assert {c["unit_name"] for c in plan.collectives} == {"blocks.0", "blocks.1", "(root)"}
+    out = capsys.readouterr().out
+    assert "blocks.0" in out and "unit 0" not in out
+    for row in plan.passes:  # every built-in pass says what it does and why it is in the pipeline
+        assert row["does"] and row["why"], row
+    prefetch = next(r for r in plan.passes if r["pass"] == "prefetch_unit_gathers")
+    assert prefetch["does"].startswith("Issue each unit's gather depth gathers early") and "Issue each" in out
+
+
+def _explain_prints_once(rank, world_size):
+    import contextlib
+    import io
+
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = _step(spmd.GraphModuleTransformation(enable_graph_optimization=True))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        spmd.explain(step, model, optim, torch.randn(4, 8))
+    assert ("pass pipeline" in printed.getvalue()) == (rank == 0), (rank, printed.getvalue())
+    with contextlib.redirect_stdout(printed):  # print_plan=True: this rank prints whatever its rank
+        spmd.explain(step, model, optim, torch.randn(4, 8), print_plan=True)
+    assert "pass pipeline" in printed.getvalue()
+
+
+def test_explain_prints_on_rank_0_only_by_default():
+    from tests.dist import run_distributed
+
+    run_distributed(_explain_prints_once)

@@ -161,3 +161,67 @@ def test_cli_prints_table_diff_node_and_exits_2_on_bad_input(dump, tmp_path, cap
         assert cli.main(["inspect", *args]) == 2
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err
+
+
+class _ScaledByConstant(torch.nn.Module):
+    """A forward that creates a constant tensor (as HF GPT-2 / Qwen2 do): the traced graph reads it by get_attr."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.lin(x) * torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+
+def test_dump_of_a_step_reading_a_constant_tensor_dumps_every_stage_and_trains_as_eager(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPMD_DUMP_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, batches = _ScaledByConstant(), [torch.randn(3, 2, dtype=torch.float64) for _ in range(2)]
+    eager = _ScaledByConstant()
+    eager.load_state_dict(model.state_dict())
+    optim, eager_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+
+    @spmd.compile()
+    def train_step(model, optim, batch):
+        model(batch).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    for x in batches:
+        train_step(model, optim, x)
+        eager(x).sum().backward()
+        eager_optim.step()
+        eager_optim.zero_grad()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    stems = sorted(p.stem for p in tmp_path.glob("*.py"))
+    assert stems[0] == "00_traced" and stems[-3:] == ["05_setup", "06_main", "07_cleanup"] and len(stems) == 8
+    assert "_tensor_constant0" in (tmp_path / "01_comm_fusion_with_concat.py").read_text()
+
+
+def test_dump_shows_an_attribute_found_nowhere_by_name_with_a_warning(tmp_path):
+    from spmd.graph_utils import DumpOptions, record_stage, recording_stages
+
+    graph = torch.fx.Graph()
+    graph.output(graph.get_attr("elsewhere_constant"))
+    with recording_stages(DumpOptions(enabled=True, folder=str(tmp_path))) as rec:
+        with pytest.warns(RuntimeWarning, match="elsewhere_constant by name only"):
+            record_stage("probe", graph, torch.nn.Module())
+    assert "elsewhere_constant" in rec.stages["01_probe"].code
+
+
+def test_cli_prints_whole_numbers_and_names_when_piped(dump, tmp_path, capsys, monkeypatch):
+    folder, _ = dump
+    long_name = "01_a_custom_pass_with_a_long_name_as_users_write_them"
+    for path in folder.iterdir():  # the dump with its first pass renamed and a large byte count
+        stem, rest = path.name.split(".", 1)
+        target = tmp_path / (f"{long_name}.{rest}" if stem.startswith("01_") else path.name)
+        target.write_text(path.read_text())
+    summary = json.loads((tmp_path / f"{long_name}.json").read_text())
+    summary["comm_bytes"] = 123_456_789_012
+    (tmp_path / f"{long_name}.json").write_text(json.dumps(summary))
+    monkeypatch.delenv("COLUMNS", raising=False)  # as in a pipe or a CI log: not a terminal, no width set
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert long_name in out and "123,456,789,012" in out and "…" not in out

@@ -167,3 +167,23 @@ def _edits_shapes_schedulers(rank, world_size):
 
 def test_edits_schedulers_and_shape_changes():
     run_distributed(_edits_shapes_schedulers)
+
+
+def _default_replicate_is_ddp(rank, world_size, impl):
+    """DataParallel("replicate") with no grad_reduce, plain SGD (lr-sensitive) in float64: DDP to 1e-12."""
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16).to(torch.float64)
+    ddp = ddp_copy(model)
+    optim, ddp_optim = (torch.optim.SGD(m.parameters(), lr=0.1, **{impl: True}) for m in (model, ddp))
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"))(train_step)
+    torch.manual_seed(rank)
+    for i in range(3):
+        batch = torch.randn(8, 16, dtype=torch.float64)
+        loss = step(model, optim, batch, last_train_step=(i == 2))
+        torch.testing.assert_close(loss, eager_step(ddp, ddp_optim, batch), atol=1e-12, rtol=0)
+    assert_params_close(model, ddp, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_default_replicate_averages_gradients_as_ddp_with_plain_sgd(impl):
+    run_distributed(_default_replicate_is_ddp, impl)

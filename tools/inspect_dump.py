@@ -240,9 +240,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
-    from rich.console import Console
+    from .bench_report import console_for_logs
 
-    console = Console()
+    console = console_for_logs()  # piped: wide, so no number is cut short
     try:
         stages = load_dump(args.dump_dir)
         if args.node:

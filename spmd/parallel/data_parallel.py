@@ -38,10 +38,13 @@ _SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy", "mesh")
 class DataParallel:
     """How a train step is spread over ranks.
 
-    ``DataParallel("replicate", grad_reduce="sum" | "avg", group=None)``: each rank
-    passes its own local batch (as with DDP); gradients are summed (or averaged) over
-    ``group`` (default: the default process group). ``"avg"`` divides each gradient by
-    the world size before the sum, exactly as DDP does, on every backend.
+    ``DataParallel("replicate", grad_reduce="avg" | "sum", group=None)``: each rank
+    passes its own local batch (as with DDP); gradients are averaged (or summed) over
+    ``group`` (default: the default process group). ``"avg"``, the default, divides each
+    gradient by the world size before the sum, exactly as DDP does, on every backend, so
+    an optimizer's lr means what it means under DDP. ``"sum"`` keeps the seed's semantics
+    (gradients x world size against DDP); ``spmd.compile()`` without a ``parallel_mode``
+    uses it.
 
     ``DataParallel("fully_shard" | "shard_grad_op" | "hybrid_shard", wrap_policy=None,
     reshard_after_forward=None, mp_policy=None, mesh=None)``: FSDP2's sharded data
@@ -69,7 +72,7 @@ class DataParallel:
     """
 
     parallel_style: str = "replicate"
-    grad_reduce: Optional[str] = None  # replicate: "sum" (default) or "avg"
+    grad_reduce: Optional[str] = None  # replicate: "avg" (None: the default, as DDP) or "sum"
     group: Optional[dist.ProcessGroup] = None
     wrap_policy: Any = None
     reshard_after_forward: Optional[bool] = None
@@ -106,6 +109,11 @@ class DataParallel:
     @property
     def is_sharded(self) -> bool:
         return self.parallel_style != "replicate"
+
+    @property
+    def resolved_grad_reduce(self) -> str:
+        """``grad_reduce``, or replicate's default "avg" (DDP's)."""
+        return self.grad_reduce or "avg"
 
     @property
     def resolved_reshard_after_forward(self) -> bool:

@@ -114,7 +114,7 @@ def expand(dp, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]
             continue
         # issue the collective as soon as the gradient exists
         with graph.inserting_after(grad):
-            if dp.grad_reduce == "avg" and world_size > 1:
+            if dp.resolved_grad_reduce == "avg" and world_size > 1:
                 grad = graph.call_function(aten.div.Scalar, (grad, world_size))
                 set_fake_val(grad)
         with graph.inserting_after(grad):
