@@ -200,7 +200,7 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
     def pre_forward(module, args, kwargs):
         for group in groups:
             fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, not unit.reshard_after_forward,
-                                     copy_out, *group.leaves)
+                                     copy_out, None, *group.leaves)
             group.kept = list(fulls)
             if unit.reshard_after_forward:
                 resharding.register(group, group.kept)
@@ -217,9 +217,13 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
             return None
         in_backward_of.add(task)
         for group in groups:
-            if unit.reshard_after_forward:  # requires_grad as in the forward, so a recompute saves the same tensors
-                fulls = [f.detach().requires_grad_(leaf.requires_grad)
-                         for f, leaf in zip(resharding.regather(group), group.leaves)]
+            if unit.reshard_after_forward:
+                # tied to the parameters through a GatherUnit: a reentrant checkpoint recomputes the forward
+                # and runs its own backward from these tensors, whose gradients must reach the reduce-scatter
+                # (a non-reentrant one only keeps the tensors its recompute saves, which match the forward's)
+                with torch.enable_grad():
+                    fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, False, False,
+                                             resharding.regather(group), *group.leaves)
             else:
                 fulls = group.kept
             group.point_modules_at(fulls)

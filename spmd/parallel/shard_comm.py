@@ -189,18 +189,23 @@ class GatherUnit(torch.autograd.Function):
     """Forward: gather a unit's parameters (one dtype group). Backward: reduce-scatter their gradients.
 
     Inputs are the unit's DTensor parameters; outputs their full (plain) tensors (``keep``,
-    ``copy``: see ``gather_unit``). Outputs
+    ``copy``: see ``gather_unit``). ``gathered``: the full tensors gathered already (a
+    resharded unit's parameters gathered again in the backward); the outputs are then views
+    of them, so their gradients still reach the reduce-scatter. Outputs
     of frozen parameters are not differentiable; gradients that never arrive (a
     parameter the step did not use) are left out of the reduce-scatter, as FSDP2 does.
     """
 
     @staticmethod
-    def forward(ctx, layouts, groups, unit, keep, copy, *params):
+    def forward(ctx, layouts, groups, unit, keep, copy, gathered, *params):
         ctx.layouts, ctx.groups, ctx.unit = layouts, groups, unit
         ctx.set_materialize_grads(False)
         phase = "backward" if in_backward() else "forward"
-        fulls = gather_unit([p._local_tensor for p in params], layouts, groups, unit, phase,
-                            keep and phase == "forward", copy and phase == "forward")
+        if gathered is not None:
+            fulls = [g.view_as(g) for g in gathered]
+        else:
+            fulls = gather_unit([p._local_tensor for p in params], layouts, groups, unit, phase,
+                                keep and phase == "forward", copy and phase == "forward")
         ctx.mark_non_differentiable(*[f for f, p in zip(fulls, params) if not p.requires_grad])
         ctx.trained = [p.requires_grad for p in params]
         return tuple(fulls)
@@ -217,7 +222,7 @@ class GatherUnit(torch.autograd.Function):
                                           ctx.groups, ctx.unit)
             for i, r in zip(indices, reduced):
                 out[i] = r
-        return (None, None, None, None, None, *out)
+        return (None, None, None, None, None, None, *out)
 
 
 def unit_groups(mesh) -> UnitGroups:
