@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import SpmdCompileError
 from ..graph_utils import is_comm_node, is_wait_node
-from ..graph_utils.meta import KEEP, PHASE, UNIT
+from ..graph_utils.meta import CARRIES, KEEP, PHASE, UNIT
 from ..step_state import StepState
 from .policies import as_policy
 from .shard_comm import (
@@ -242,10 +242,11 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
             unit.module.register_forward_hook(post_forward)]
 
 
-def _gather_groups(plan: ShardPlan, unit: Unit, traced: set[int]) -> list[_GatherGroup]:
+def _gather_groups(plan: ShardPlan, unit: Unit, traced: dict[int, int]) -> list[_GatherGroup]:
     """The unit's parameters grouped by gather dtype, each with its traced stand-ins and layouts.
 
-    Tracing has pointed the modules at the stand-ins already (``traced``: their ids).
+    Tracing has pointed the modules at the stand-ins already (``traced``: their ids, and their
+    positions among the step's parameters).
     """
     groups = unit_groups(plan.mesh)
     by_dtype: dict[torch.dtype, _GatherGroup] = {}
@@ -261,7 +262,7 @@ def _gather_groups(plan: ShardPlan, unit: Unit, traced: set[int]) -> list[_Gathe
                 "replaced by a plain tensor after spmd.shard?). Load state into the sharded parameters "
                 "(set_state_dict, load_state_dict) instead of replacing them."
             )
-        lay = layout_of(p, plan.dp.mp_policy)
+        lay = layout_of(p, plan.dp.mp_policy, traced[id(p)])
         group = by_dtype.setdefault(lay.gather_dtype, _GatherGroup(unit, [], [], [], groups))
         group.holders.append(holders)
         group.leaves.append(p)
@@ -273,7 +274,7 @@ def _gather_groups(plan: ShardPlan, unit: Unit, traced: set[int]) -> list[_Gathe
 def trace_context(dp, state: StepState, params: list[torch.Tensor],
                   zero_grads_for: frozenset = frozenset()) -> Iterator[None]:
     """While the step is traced: each unit gathers, reduce-scatters and reshards as FSDP2's would."""
-    traced = {id(p) for p in params}
+    traced = {id(p): i for i, p in enumerate(params)}
     resharding = _Resharding()
     handles = []
     try:
@@ -300,18 +301,19 @@ def before_first_run(dp, state: StepState, modules) -> None:
 
 
 def expand(dp, gm: fx.GraphModule, grad_order=None) -> fx.GraphModule:
-    """Move each ``spmd::unit_tag`` onto its collective (``meta[UNIT]``, ``meta[PHASE]``, ``meta[KEEP]``), drop the tags.
+    """Move each ``spmd::unit_tag`` onto its collective (``meta[UNIT]``, ``PHASE``, ``KEEP``, ``CARRIES``), drop the tags.
 
     The collectives were traced in place (``trace_context``); this only labels them, and
     their waits, so passes and ``spmd.explain`` can tell units and phases apart.
     """
     graph = gm.graph
     for tag in [n for n in graph.nodes if n.op == "call_function" and n.target is UNIT_TAG]:
-        _, unit, phase, keep = tag.args
+        _, unit, phase, keep, carries = tag.args
         for comm in [u for u in tag.users if is_comm_node(u)]:
             for node in (comm, *[w for w in comm.users if is_wait_node(w)]):
                 node.meta[UNIT] = unit
                 node.meta[PHASE] = phase
+                node.meta[CARRIES] = list(carries)
                 if keep:
                     node.meta[KEEP] = True
         tag.replace_all_uses_with(tag.args[0])
