@@ -5,10 +5,14 @@ every rank, so both fail at the same point of the graph), after some units' or b
 gradients are reduced and before the last: with the default pipeline, which starts each
 unit's (bucket's) optimizer update early, the updates must not have written anything yet.
 Checked for replicate (one bucket, and several buckets split per bucket), fully_shard and
-shard_grad_op on 2 gloo ranks; the step then runs again as usual.
+shard_grad_op on 2 gloo ranks; the step then runs again as usual. And with a peer killed in
+the backward: the survivor's next collective fails, and its state is as it was.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ from spmd.graph_utils.optimizer_ops import written_inputs
 from tests.dist import run_distributed, single_process_group
 from tests.shard_helpers import batches, block_policy, gpt, optimizer, plain_step
 
-_ARMED = [False]
+_ARMED = [False]  # True: raise; "exit": this process dies
 
 
 @torch.library.custom_op("spmd_test::tripwire", mutates_args=())
@@ -30,6 +34,8 @@ def tripwire(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("spmd_test::trip", mutates_args=())
 def trip(grad: torch.Tensor) -> torch.Tensor:
+    if _ARMED[0] == "exit":
+        os._exit(7)
     if _ARMED[0]:
         raise RuntimeError("tripwire: a failure injected in the backward")
     return grad.clone()
@@ -53,7 +59,8 @@ def _snapshot(model, optim) -> dict[str, torch.Tensor]:
     return out
 
 
-def _failed_step_changes_nothing(rank, world_size, style, bucket_mb):
+def _build(style, bucket_mb):
+    """A tiny GPT with the tripwire on its token embedding, its optimizer, and its compiled step."""
     model = gpt(torch.float64)
     model.wte.register_forward_hook(lambda mod, args, out: tripwire(out))
     if style == "replicate":
@@ -64,7 +71,11 @@ def _failed_step_changes_nothing(rank, world_size, style, bucket_mb):
     optim = optimizer(model, "adamw")
     transformation = None if bucket_mb is None else spmd.GraphModuleTransformation(
         enable_graph_optimization=True, bucket_size_mb=bucket_mb)
-    step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(plain_step)
+    return model, optim, spmd.compile(parallel_mode=mode, gm_transformation=transformation)(plain_step)
+
+
+def _failed_step_changes_nothing(rank, world_size, style, bucket_mb):
+    model, optim, step = _build(style, bucket_mb)
     data = list(batches(rank, 2))
     step(model, optim, *data[0])
     before = _snapshot(model, optim)
@@ -92,6 +103,37 @@ def _cases(rank, world_size):
 
 def test_a_step_failing_in_the_backward_changes_nothing():
     run_distributed(_cases)
+
+
+def _peer_dies(rank, world_size, style, bucket_mb, report):
+    model, optim, step = _build(style, bucket_mb)
+    data = list(batches(rank, 2))
+    step(model, optim, *data[0])
+    before = _snapshot(model, optim)
+    _ARMED[0] = "exit" if rank == 1 else False
+    try:
+        step(model, optim, *data[1])
+        error = None
+    except Exception as err:  # gloo: the dead peer's connection is closed
+        error = f"{type(err).__name__}: {err}"[:200]
+    after = _snapshot(model, optim)
+    with open(report, "w") as f:
+        json.dump({"error": error, "changed": [k for k in before if not torch.equal(before[k], after[k])]}, f)
+
+
+def test_a_peer_killed_in_the_backward_leaves_the_survivor_unchanged(tmp_path, monkeypatch):
+    """fully_shard: the blocks' reduce-scatters complete before the peer dies, the root's fails."""
+    import tests.dist as pool_module
+
+    style, bucket_mb = "fully_shard", None
+    monkeypatch.setattr(pool_module, "_GRACE_S", 120.0)  # the survivor reports before the pool is stopped
+    report = str(tmp_path / "rank0.json")
+    with pytest.raises(pool_module.DistributedTestFailure, match="rank 1 died"):
+        run_distributed(_peer_dies, style, bucket_mb, report)
+    with open(report) as f:
+        result = json.load(f)
+    assert result["error"], "the survivor's step did not fail"
+    assert result["changed"] == [], f"{style}: the failed step wrote {result['changed']} ({result['error']})"
 
 
 @pytest.fixture(scope="module")
