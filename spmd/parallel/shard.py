@@ -16,7 +16,9 @@ FSDP2 makes it behave, so the traced graph holds every collective at its place:
   from the new storage. The forward's gathered parameters die after the forward;
 * a hook on the unit's outputs points its modules at gathered parameters again when
   the unit's backward starts (FSDP2's pre-backward), for a forward that activation
-  checkpointing recomputes there; the end of the backward points them back.
+  checkpointing recomputes there; the end of the backward points them back. Those
+  tensors come out of a ``GatherUnit`` too, so a reentrant checkpoint, which runs a
+  backward of its own from the recomputed forward, still reduce-scatters their gradients.
 
 ``expand`` then only reads the tags: each collective gets its unit and phase in
 ``node.meta`` (``graph_utils.meta.UNIT``, ``PHASE``).
