@@ -112,9 +112,10 @@ def _is_list_op(node: fx.Node) -> bool:
     return node.op == "call_function" and (is_foreach(node.target) or is_fused_optimizer(node.target))
 
 
-def _element_ancestors(node: fx.Node, element: Optional[int]) -> set[fx.Node]:
+def _element_ancestors(node: fx.Node, element: Optional[int], stops: set[fx.Node]) -> set[fx.Node]:
     """The nodes the value of ``node`` (its ``element``-th list entry for a list op) depends on,
-    following fused/foreach ops element-wise."""
+    following fused/foreach ops element-wise and not looking past ``stops`` (the gradient
+    collectives' waits: what lies behind them is the whole backward)."""
     seen: set[tuple[fx.Node, Optional[int]]] = set()
     nodes: set[fx.Node] = set()
     stack: list[tuple[fx.Node, tuple]] = [(node, () if element is None else (element,))]
@@ -125,6 +126,8 @@ def _element_ancestors(node: fx.Node, element: Optional[int]) -> set[fx.Node]:
             continue
         seen.add(key)
         nodes.add(n)
+        if n in stops:
+            continue
         if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
             stack.append((n.args[0], (n.args[1], *path)))
         elif _is_list_op(n) and path:
@@ -173,6 +176,7 @@ def gradient_gaps(graph: fx.Graph, trained: Iterable[int], optimized: Iterable[i
     read = _ancestors(sinks)
     roots = _read_roots(graph, params)
     optimized = set(optimized)
+    stops = set().union(*carriers.values())
     gaps = []
     for i in sorted(set(trained)):
         if i >= len(params) or not any(r in read for r in roots[i]):
@@ -180,7 +184,8 @@ def gradient_gaps(graph: fx.Graph, trained: Iterable[int], optimized: Iterable[i
         name = params[i].meta.get(NAME, params[i].name)
         if i not in carriers:
             gaps.append(Gap(i, name, "not reduced"))
-        elif i in optimized and not any(carriers[i] & _element_ancestors(v, e) for v, e in _updates(graph, params[i])):
+        elif i in optimized and not any(carriers[i] & _element_ancestors(v, e, stops)
+                                          for v, e in _updates(graph, params[i])):
             gaps.append(Gap(i, name, "not applied"))
     return gaps
 

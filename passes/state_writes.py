@@ -14,6 +14,7 @@ gradients are reduced.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch.fx as fx
 
@@ -34,11 +35,14 @@ def _owned(node: fx.Node) -> bool:
     return node.op == "placeholder" and node.meta.get(ROLE) in Role.PERSISTENT
 
 
-def early_writes(graph: fx.Graph) -> tuple[list[fx.Node], fx.Node | None]:
-    """(the nodes that must move after the last wait, that wait): every write into a parameter,
-    buffer or optimizer-state placeholder placed before the graph's last ``wait_tensor``, and
-    every node before it that reads such a write's result (through def-use edges, or by reading
-    a placeholder written before it), in graph order. ([], None) when nothing is early."""
+def early_writes(graph: fx.Graph) -> tuple[list[fx.Node], Optional[fx.Node]]:
+    """(the nodes that must move after the last wait, that wait; None when the graph has none).
+
+    The nodes: every write into a parameter, buffer or optimizer-state placeholder placed
+    before the graph's last ``wait_tensor``, and every node before that wait which must stay
+    after such a write: it reads the write's result (a def-use edge, or a tensor a moving
+    node wrote in place) or writes a tensor a moving node reads. In graph order.
+    """
     nodes = list(graph.nodes)
     waits = [i for i, n in enumerate(nodes) if is_wait_node(n)]
     if not waits:
@@ -46,13 +50,16 @@ def early_writes(graph: fx.Graph) -> tuple[list[fx.Node], fx.Node | None]:
     last = waits[-1]
     moved: list[fx.Node] = []
     moving: set[fx.Node] = set()
-    written: set[fx.Node] = set()  # placeholders a moving node writes
+    written: set[fx.Node] = set()  # tensors the moving nodes write
+    read: set[fx.Node] = set()     # tensors the moving nodes read
     for node in nodes[:last]:
-        writes = [w for w in written_inputs(node) if _owned(w)]
-        if writes or any(a in moving or a in written for a in node.all_input_nodes):
+        writes = written_inputs(node)
+        if (any(_owned(w) for w in writes) or any(a in moving or a in written for a in node.all_input_nodes)
+                or any(w in read for w in writes)):
             moved.append(node)
             moving.add(node)
             written.update(writes)
+            read.update(node.all_input_nodes)
     return moved, nodes[last]
 
 
