@@ -41,14 +41,16 @@ def early_writes(graph: fx.Graph) -> tuple[list[fx.Node], Optional[fx.Node]]:
     The nodes: every write into a parameter, buffer or optimizer-state placeholder placed
     before the graph's last ``wait_tensor``, and every node before that wait which must stay
     after such a write: it reads the write's result (a def-use edge, or a tensor a moving
-    node wrote in place) or writes a tensor a moving node reads. In graph order.
+    node wrote in place) or writes a tensor a moving node reads; then every pure node read
+    only by moving nodes or by writes after the wait (a functional update that a ``copy_`` at
+    the end writes back: Inductor would turn the pair into an in-place write where the update
+    is computed). In graph order.
     """
     nodes = list(graph.nodes)
     waits = [i for i, n in enumerate(nodes) if is_wait_node(n)]
     if not waits:
         return [], None
     last = waits[-1]
-    moved: list[fx.Node] = []
     moving: set[fx.Node] = set()
     written: set[fx.Node] = set()  # tensors the moving nodes write
     read: set[fx.Node] = set()     # tensors the moving nodes read
@@ -56,11 +58,16 @@ def early_writes(graph: fx.Graph) -> tuple[list[fx.Node], Optional[fx.Node]]:
         writes = written_inputs(node)
         if (any(_owned(w) for w in writes) or any(a in moving or a in written for a in node.all_input_nodes)
                 or any(w in read for w in writes)):
-            moved.append(node)
             moving.add(node)
             written.update(writes)
             read.update(node.all_input_nodes)
-    return moved, nodes[last]
+    late_writes = {n for n in nodes[last:] if any(_owned(w) for w in written_inputs(n))}
+    for node in reversed(nodes[:last]):  # and the updates only they or the writes at the end read
+        if (node not in moving and node.op == "call_function" and node.users and not is_comm_node(node)
+                and not is_wait_node(node) and not node.is_impure()
+                and all(u in moving or u in late_writes for u in node.users)):
+            moving.add(node)
+    return [n for n in nodes[:last] if n in moving], nodes[last]
 
 
 @graph_optimization_pass(apply_after=[split_optimizer_per_unit, split_optimizer_per_bucket,

@@ -59,9 +59,10 @@ def _snapshot(model, optim) -> dict[str, torch.Tensor]:
     return out
 
 
-def _build(style, bucket_mb):
-    """A tiny GPT with the tripwire on its token embedding, its optimizer, and its compiled step."""
-    model = gpt(torch.float64)
+def _build(style, bucket_mb, device="cpu", inductor=False):
+    """A tiny GPT with the tripwire on its token embedding, its optimizer, and its compiled step
+    (the default transformation, or our passes with ``bucket_mb`` buckets, through Inductor if asked)."""
+    model = gpt(torch.float32 if inductor else torch.float64).to(device)
     model.wte.register_forward_hook(lambda mod, args, out: tripwire(out))
     if style == "replicate":
         mode = spmd.DataParallel("replicate")
@@ -69,14 +70,14 @@ def _build(style, bucket_mb):
         mode = spmd.DataParallel(style, wrap_policy=block_policy())
         spmd.shard(model, mode)
     optim = optimizer(model, "adamw")
-    transformation = None if bucket_mb is None else spmd.GraphModuleTransformation(
-        enable_graph_optimization=True, bucket_size_mb=bucket_mb)
+    transformation = None if bucket_mb is None and not inductor else spmd.GraphModuleTransformation(
+        enable_graph_optimization=True, bucket_size_mb=bucket_mb or 25, enable_inductor=inductor)
     return model, optim, spmd.compile(parallel_mode=mode, gm_transformation=transformation)(plain_step)
 
 
-def _failed_step_changes_nothing(rank, world_size, style, bucket_mb):
-    model, optim, step = _build(style, bucket_mb)
-    data = list(batches(rank, 2))
+def _failed_step_changes_nothing(rank, world_size, style, bucket_mb, device="cpu", inductor=False):
+    model, optim, step = _build(style, bucket_mb, device, inductor)
+    data = [tuple(t.to(device) for t in batch) for batch in batches(rank, 2)]
     step(model, optim, *data[0])
     before = _snapshot(model, optim)
     _ARMED[0] = True
@@ -177,3 +178,18 @@ def test_no_state_is_written_before_the_last_collective_completes(group, style):
     assert early_writes(graph)[0] == []
     written = [n for n in graph.nodes for w in written_inputs(n) if w.op == "placeholder"]
     assert written, "the optimizer still writes in place"
+
+
+def _through_inductor(rank, world_size):
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    for style, bucket_mb in (("fully_shard", None), ("shard_grad_op", None), ("replicate", 0.002)):
+        _failed_step_changes_nothing(rank, world_size, style, bucket_mb, device, inductor=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_step_changes_nothing_through_inductor_on_gpus():
+    """Inductor keeps the optimizer's in-place writes after the last wait (NCCL; no CUDA graphs, whose
+    replay runs no Python to raise)."""
+    run_distributed(_through_inductor, world_size=min(2, torch.cuda.device_count()), backend="nccl")
