@@ -16,6 +16,8 @@ spelled in one place.
   or ``"optimizer"`` (set by the sharded modes' expansion; ``explain`` infers the rest).
 * ``KEEP``: True on a forward gather whose unit keeps its parameters gathered until the
   backward (it does not reshard after forward: the root, shard_grad_op's units).
+* ``CARRIES``: on a sharded mode's gather or reduce-scatter (and its wait), the indices of the
+  parameters whose shards or gradients it carries, in order.
 * ``SYNCED_BUFFERS``: on a buffer broadcast (``broadcast_buffers``) and its wait, the names
   of the buffers it carries.
 """
@@ -30,6 +32,7 @@ UNIT = "spmd_unit"
 PHASE = "spmd_phase"
 KEEP = "spmd_keep"
 SYNCED_BUFFERS = "spmd_synced_buffers"
+CARRIES = "spmd_carries"
 
 
 class Role:

@@ -19,6 +19,7 @@ from .shard_memory import UnshardedMemoryError, guard_unsharded_memory, unsharde
 from .shard_optimizer import split_optimizer_per_unit
 from .shard_prefetch import prefetch_unit_gathers
 from .shard_reduce_scatter import schedule_reduce_scatter_waits
+from .state_writes import defer_state_writes, early_writes
 
 __all__ = [
     "ForeachAddBlock", "ForeachChain", "IterationGraph", "IterMoveError", "PassOrderError", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
@@ -26,5 +27,5 @@ __all__ = [
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
     "remove_copy_from_optimizer", "schedule_comm_wait", "split_fused_optimizer", "split_optimizer_per_bucket",
     "UnshardedMemoryError", "guard_unsharded_memory", "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
-    "split_optimizer_per_unit", "unsharded_peak",
+    "split_optimizer_per_unit", "unsharded_peak", "defer_state_writes", "early_writes",
 ]

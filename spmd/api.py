@@ -27,6 +27,7 @@ from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .iter_graph_module import IterGraphModule
 from . import rank_agreement
 from .parallel import DataParallel
+from .parallel.grad_check import refuse_untrained_parameters
 from .optim_check import check_optimizers
 from .optim_state import ensure_optimizer_state
 from .compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
@@ -152,11 +153,12 @@ class CompiledTrainStep:
                     self.fn, state, args, kwargs,
                     lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for),
                     found_inf_group=self.parallel_mode.process_group())
+            with phase("expand"):
+                gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order)
+                refuse_untrained_parameters(self.parallel_mode, gm, state)
         except BaseException:
             undo_created(created)
             raise
-        with phase("expand"):
-            gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order)
         for override in self.module_override:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
         return gm, traced, state, created

@@ -14,7 +14,7 @@ from .graph_utils.meta import ROLE, UNIT, Role
 from .iter_graph_module import IterGraphModule
 from .lowering import check_inductor_options, compile_with_inductor, start_compile_workers
 from .passes import (
-    PassManager, applied_passes, comm_fusion_with_concat, guard_unsharded_memory, pass_info,
+    PassManager, applied_passes, comm_fusion_with_concat, defer_state_writes, guard_unsharded_memory, pass_info,
     prefetch_unit_gathers, remove_copy_from_optimizer, schedule_comm_wait, schedule_reduce_scatter_waits,
     split_optimizer_per_bucket, split_optimizer_per_unit,
 )
@@ -24,16 +24,18 @@ log = logging.getLogger(__name__)
 
 def default_passes(optimizer_parts: int = 4) -> list[Callable]:
     """Our pipeline: comm fusion -> comm-wait scheduling -> optimizer split per trailing bucket
-    (only when ``optimizer_parts`` > 1) -> optimizer copy removal."""
+    (only when ``optimizer_parts`` > 1) -> optimizer copy removal -> state writes after the last
+    collective (a step that fails changes nothing)."""
     split = [split_optimizer_per_bucket] if optimizer_parts > 1 else []
-    return [comm_fusion_with_concat, schedule_comm_wait, *split, remove_copy_from_optimizer]
+    return [comm_fusion_with_concat, schedule_comm_wait, *split, remove_copy_from_optimizer, defer_state_writes]
 
 
 def sharded_passes() -> list[Callable]:
     """The pipeline for a sharded mode's graph: gathers prefetched, reduce-scatter waits placed, one optimizer
-    update per unit right after its reduction, the unsharded-memory check, optimizer copy removal."""
+    update per unit, the unsharded-memory check, optimizer copy removal, state writes after the last
+    collective (a step that fails changes nothing)."""
     return [prefetch_unit_gathers, schedule_reduce_scatter_waits, split_optimizer_per_unit, guard_unsharded_memory,
-            remove_copy_from_optimizer]
+            remove_copy_from_optimizer, defer_state_writes]
 
 
 def is_sharded_graph(graph: fx.Graph) -> bool:

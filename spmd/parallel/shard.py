@@ -16,7 +16,9 @@ FSDP2 makes it behave, so the traced graph holds every collective at its place:
   from the new storage. The forward's gathered parameters die after the forward;
 * a hook on the unit's outputs points its modules at gathered parameters again when
   the unit's backward starts (FSDP2's pre-backward), for a forward that activation
-  checkpointing recomputes there; the end of the backward points them back.
+  checkpointing recomputes there; the end of the backward points them back. Those
+  tensors come out of a ``GatherUnit`` too, so a reentrant checkpoint, which runs a
+  backward of its own from the recomputed forward, still reduce-scatters their gradients.
 
 ``expand`` then only reads the tags: each collective gets its unit and phase in
 ``node.meta`` (``graph_utils.meta.UNIT``, ``PHASE``).
@@ -39,7 +41,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..errors import SpmdCompileError
 from ..graph_utils import is_comm_node, is_wait_node
-from ..graph_utils.meta import KEEP, PHASE, UNIT
+from ..graph_utils.meta import CARRIES, KEEP, PHASE, UNIT
 from ..step_state import StepState
 from .policies import as_policy
 from .shard_comm import (
@@ -209,7 +211,7 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
     def pre_forward(module, args, kwargs):
         for group in groups:
             fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, not unit.reshard_after_forward,
-                                     copy_out, *group.leaves)
+                                     copy_out, None, *group.leaves)
             group.kept = list(fulls)
             if unit.reshard_after_forward:
                 resharding.register(group, group.kept)
@@ -226,9 +228,13 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
             return None
         in_backward_of.add(task)
         for group in groups:
-            if unit.reshard_after_forward:  # requires_grad as in the forward, so a recompute saves the same tensors
-                fulls = [f.detach().requires_grad_(leaf.requires_grad)
-                         for f, leaf in zip(resharding.regather(group), group.leaves)]
+            if unit.reshard_after_forward:
+                # tied to the parameters through a GatherUnit: a reentrant checkpoint recomputes the forward
+                # and runs its own backward from these tensors, whose gradients must reach the reduce-scatter
+                # (a non-reentrant one only keeps the tensors its recompute saves, which match the forward's)
+                with torch.enable_grad():
+                    fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, False, False,
+                                             resharding.regather(group), *group.leaves)
             else:
                 fulls = group.kept
             group.point_modules_at(fulls)
@@ -247,10 +253,11 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
             unit.module.register_forward_hook(post_forward)]
 
 
-def _gather_groups(plan: ShardPlan, unit: Unit, traced: set[int]) -> list[_GatherGroup]:
+def _gather_groups(plan: ShardPlan, unit: Unit, traced: dict[int, int]) -> list[_GatherGroup]:
     """The unit's parameters grouped by gather dtype, each with its traced stand-ins and layouts.
 
-    Tracing has pointed the modules at the stand-ins already (``traced``: their ids).
+    Tracing has pointed the modules at the stand-ins already (``traced``: their ids, and their
+    positions among the step's parameters).
     """
     groups = unit_groups(plan.mesh)
     by_dtype: dict[torch.dtype, _GatherGroup] = {}
@@ -266,7 +273,7 @@ def _gather_groups(plan: ShardPlan, unit: Unit, traced: set[int]) -> list[_Gathe
                 "replaced by a plain tensor after spmd.shard?). Load state into the sharded parameters "
                 "(set_state_dict, load_state_dict) instead of replacing them."
             )
-        lay = layout_of(p, plan.dp.mp_policy)
+        lay = layout_of(p, plan.dp.mp_policy, traced[id(p)])
         group = by_dtype.setdefault(lay.gather_dtype, _GatherGroup(unit, [], [], [], groups))
         group.holders.append(holders)
         group.leaves.append(p)
@@ -278,7 +285,7 @@ def _gather_groups(plan: ShardPlan, unit: Unit, traced: set[int]) -> list[_Gathe
 def trace_context(dp, state: StepState, params: list[torch.Tensor],
                   zero_grads_for: frozenset = frozenset()) -> Iterator[None]:
     """While the step is traced: each unit gathers, reduce-scatters and reshards as FSDP2's would."""
-    traced = {id(p) for p in params}
+    traced = {id(p): i for i, p in enumerate(params)}
     resharding = _Resharding()
     handles = []
     try:
@@ -305,18 +312,19 @@ def before_first_run(dp, state: StepState, tensors) -> None:
 
 
 def expand(dp, gm: fx.GraphModule, grad_order=None) -> fx.GraphModule:
-    """Move each ``spmd::unit_tag`` onto its collective (``meta[UNIT]``, ``meta[PHASE]``, ``meta[KEEP]``), drop the tags.
+    """Move each ``spmd::unit_tag`` onto its collective (``meta[UNIT]``, ``PHASE``, ``KEEP``, ``CARRIES``), drop the tags.
 
     The collectives were traced in place (``trace_context``); this only labels them, and
     their waits, so passes and ``spmd.explain`` can tell units and phases apart.
     """
     graph = gm.graph
     for tag in [n for n in graph.nodes if n.op == "call_function" and n.target is UNIT_TAG]:
-        _, unit, phase, keep = tag.args
+        _, unit, phase, keep, carries = tag.args
         for comm in [u for u in tag.users if is_comm_node(u)]:
             for node in (comm, *[w for w in comm.users if is_wait_node(w)]):
                 node.meta[UNIT] = unit
                 node.meta[PHASE] = phase
+                node.meta[CARRIES] = list(carries)
                 if keep:
                     node.meta[KEEP] = True
         tag.replace_all_uses_with(tag.args[0])

@@ -35,14 +35,15 @@ c10d = torch.ops._c10d_functional
 
 
 @torch.library.custom_op("spmd::unit_tag", mutates_args=())
-def unit_tag(x: torch.Tensor, unit: int, phase: str, keep: bool) -> torch.Tensor:
-    """Identity marker on a sharded mode's collective input: its unit, phase, and whether a gather's
-    parameters are kept until the backward (removed by ``expand``)."""
+def unit_tag(x: torch.Tensor, unit: int, phase: str, keep: bool, carries: list[int]) -> torch.Tensor:
+    """Identity marker on a sharded mode's collective input: its unit, phase, whether a gather's
+    parameters are kept until the backward, and the indices of the parameters whose shards or
+    gradients it carries, in order (removed by ``expand``)."""
     return x.clone()
 
 
 @unit_tag.register_fake
-def _(x, unit, phase, keep):
+def _(x, unit, phase, keep, carries):
     return torch.empty_like(x)
 
 
@@ -73,6 +74,7 @@ class ParamLayout:
     orig_dtype: torch.dtype
     param_dtype: Optional[torch.dtype]   # None: gathered in orig_dtype (FSDP2's clamping)
     reduce_dtype: Optional[torch.dtype]  # None: reduced in the gradient's dtype
+    index: int = -1                      # the parameter's position among the step's parameters
 
     @property
     def row_numel(self) -> int:
@@ -93,7 +95,7 @@ class UnitGroups:
     replicate_size: int = 1
 
 
-def layout_of(param: DTensor, mp_policy) -> ParamLayout:
+def layout_of(param: DTensor, mp_policy, index: int = -1) -> ParamLayout:
     """``param``'s layout; dtypes clamped as FSDP2's ``init_dtype_attrs`` clamps them."""
     spec = param._spec
     shards = spec.mesh.size(spec.mesh.ndim - 1)
@@ -105,7 +107,7 @@ def layout_of(param: DTensor, mp_policy) -> ParamLayout:
     if param_dtype == orig or not orig.is_floating_point:
         param_dtype = None
     return ParamLayout(param.shape, param._local_tensor.size(0), math.ceil(param.shape[0] / shards), spec, orig,
-                       param_dtype, reduce_dtype)
+                       param_dtype, reduce_dtype, index)
 
 
 def divide_factors(reduce_dtype: torch.dtype, world: int) -> tuple[Optional[float], Optional[float], str]:
@@ -143,7 +145,7 @@ def gather_unit(locals_: list[torch.Tensor], layouts: list[ParamLayout], groups:
         if lay.local_rows < lay.padded_rows:
             t = torch.cat([t, t.new_zeros((lay.padded_rows - lay.local_rows, *lay.shape[1:]))])
         flats.append(t.reshape(-1))
-    flat = unit_tag(torch.cat(flats), unit, phase, keep)
+    flat = unit_tag(torch.cat(flats), unit, phase, keep, [lay.index for lay in layouts])
     gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, shards, groups.shard_group))
     columns = gathered.view(shards, -1).split([lay.padded_rows * lay.row_numel for lay in layouts], dim=1)
     fulls = [col.reshape(shards * lay.padded_rows, *lay.shape[1:]).narrow(0, 0, lay.shape[0])
@@ -165,10 +167,12 @@ def reduce_scatter_unit(grads: list[torch.Tensor], layouts: list[ParamLayout], g
             g = torch.cat([g, g.new_zeros((full_rows - g.size(0), *lay.shape[1:]))])
         rows.append(g.reshape(shards, -1))
     flat = _div(torch.cat(rows, dim=1).reshape(-1), pre)
-    out = c10d.wait_tensor(c10d.reduce_scatter_tensor(unit_tag(flat, unit, "backward", False), op, shards,
+    carries = [lay.index for lay in layouts]
+    out = c10d.wait_tensor(c10d.reduce_scatter_tensor(unit_tag(flat, unit, "backward", False, carries), op, shards,
                                                       groups.shard_group))
     if groups.replicate_group is not None:
-        out = c10d.wait_tensor(c10d.all_reduce(unit_tag(out, unit, "backward", False), op, groups.replicate_group))
+        out = c10d.wait_tensor(c10d.all_reduce(unit_tag(out, unit, "backward", False, carries), op,
+                                               groups.replicate_group))
     out = _div(out, post)
     pieces = out.split([lay.padded_rows * lay.row_numel for lay in layouts])
     result = []
@@ -189,18 +193,23 @@ class GatherUnit(torch.autograd.Function):
     """Forward: gather a unit's parameters (one dtype group). Backward: reduce-scatter their gradients.
 
     Inputs are the unit's DTensor parameters; outputs their full (plain) tensors (``keep``,
-    ``copy``: see ``gather_unit``). Outputs
+    ``copy``: see ``gather_unit``). ``gathered``: the full tensors gathered already (a
+    resharded unit's parameters gathered again in the backward); the outputs are then views
+    of them, so their gradients still reach the reduce-scatter. Outputs
     of frozen parameters are not differentiable; gradients that never arrive (a
     parameter the step did not use) are left out of the reduce-scatter, as FSDP2 does.
     """
 
     @staticmethod
-    def forward(ctx, layouts, groups, unit, keep, copy, *params):
+    def forward(ctx, layouts, groups, unit, keep, copy, gathered, *params):
         ctx.layouts, ctx.groups, ctx.unit = layouts, groups, unit
         ctx.set_materialize_grads(False)
         phase = "backward" if in_backward() else "forward"
-        fulls = gather_unit([p._local_tensor for p in params], layouts, groups, unit, phase,
-                            keep and phase == "forward", copy and phase == "forward")
+        if gathered is not None:
+            fulls = [g.view_as(g) for g in gathered]
+        else:
+            fulls = gather_unit([p._local_tensor for p in params], layouts, groups, unit, phase,
+                                keep and phase == "forward", copy and phase == "forward")
         ctx.mark_non_differentiable(*[f for f, p in zip(fulls, params) if not p.requires_grad])
         ctx.trained = [p.requires_grad for p in params]
         return tuple(fulls)
@@ -217,7 +226,7 @@ class GatherUnit(torch.autograd.Function):
                                           ctx.groups, ctx.unit)
             for i, r in zip(indices, reduced):
                 out[i] = r
-        return (None, None, None, None, None, *out)
+        return (None, None, None, None, None, None, *out)
 
 
 def unit_groups(mesh) -> UnitGroups:
