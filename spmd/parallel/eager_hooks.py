@@ -51,7 +51,7 @@ def _gather(plan: ShardPlan, unit: Unit, params: list[DTensor]) -> list[torch.Te
         by_dtype.setdefault(lay.gather_dtype, []).append(i)
     fulls: list[Any] = [None] * len(params)
     for indices in by_dtype.values():
-        out = GatherUnit.apply([layouts[i] for i in indices], groups, unit.index, False, False,
+        out = GatherUnit.apply([layouts[i] for i in indices], groups, unit.index, False, False, None,
                                *[params[i] for i in indices])
         for i, t in zip(indices, out):
             fulls[i] = t

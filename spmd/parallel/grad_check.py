@@ -7,6 +7,7 @@ its optimizer update, would silently stay where it is while the loss still falls
 
 from __future__ import annotations
 
+from ..accumulation import LEAVES_GRADS
 from ..errors import SpmdCompileError
 from ..graph_utils.grad_coverage import gradient_gaps
 from ..step_state import StepState
@@ -17,9 +18,11 @@ def refuse_untrained_parameters(dp, gm, state: StepState) -> None:
 
     Frozen parameters, parameters the step does not read, and (for the update) parameters
     no optimizer holds are not checked: eager gives them no update either. Without a
-    process group a replicate step reduces nothing, so there is nothing to check.
+    process group a replicate step reduces nothing, so there is nothing to check, and
+    neither does a replicate step that leaves its gradients for a later call (``no_sync``,
+    ``spmd.accumulation``): the step that updates reduces them.
     """
-    if not dp.is_sharded and dp.process_group() is None:
+    if not dp.is_sharded and (dp.process_group() is None or gm.meta.get(LEAVES_GRADS, False)):
         return
     trained = [i for i, t in enumerate(state.param_trained) if t]
     optimized = {i for groups in state.group_param_indices for group in groups for i in group}
