@@ -19,11 +19,12 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .compile_times import phase, recording
-from .errors import SpmdCompileError
+from .errors import SpmdCompileError, SpmdConfigError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .iter_graph_module import IterGraphModule
 from . import rank_check
 from .parallel import DataParallel
+from .parallel.data_parallel import as_data_parallel
 from .optim_check import check_optimizers
 from .optim_state import ensure_optimizer_state
 from .compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
@@ -89,7 +90,7 @@ class CompiledTrainStep:
         self.module_override = list(module_override or [])
         self.gm_transformation = gm_transformation  # None: default_transformation for the parameters' device
         self._defaults: dict[str, Callable] = {}
-        self.parallel_mode = parallel_mode or DataParallel("replicate")
+        self.parallel_mode = as_data_parallel(parallel_mode)
         self.cache: OrderedDict[tuple, CompiledStep] = OrderedDict()
         self.trace_count = 0
         self._overridden: weakref.WeakSet = weakref.WeakSet()
@@ -170,6 +171,7 @@ class CompiledTrainStep:
                 traced_at = time.perf_counter()
                 with phase("transform"):
                     runner = transformation(gm)
+                _check_runner(transformation, runner)
         except BaseException:
             undo_created(created)
             raise
@@ -367,6 +369,16 @@ class CompiledTrainStep:
         self._last_call = None
 
 
+def _check_runner(transformation: Callable, runner: Any) -> None:
+    """Refuse a transformation's result that cannot run the step, before the step is cached or runs."""
+    if not callable(runner):
+        name = getattr(transformation, "__name__", type(transformation).__name__)
+        raise SpmdConfigError(
+            f"spmd.compile: gm_transformation {name} returned {type(runner).__name__} {runner!r}, not a callable. "
+            "It must return what runs the step: the fx.GraphModule it was given (edited or not), an "
+            "IterGraphModule, or a compiled callable taking the same inputs.")
+
+
 def compile(module_override: Optional[Sequence] = None, gm_transformation: Optional[Callable] = None,
             parallel_mode: Optional[DataParallel] = None) -> Callable[[Callable], CompiledTrainStep]:
     """Compile a whole train step (forward, backward, optimizer step) into one graph.
@@ -389,9 +401,37 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     every numeric optimizer hyperparameter (lr, betas, momentum, ...) is a graph input
     too, so schedulers change it without a retrace. Each optimizer is checked against
     eager before its first trace (``spmd.optim_check``) and refused if not traced exactly.
+
+    ``parallel_mode``: an ``spmd.DataParallel``, or a style's name (``"replicate"`` is
+    ``DataParallel("replicate")``); default replicate. ``gm_transformation``: a callable
+    from the expanded ``fx.GraphModule`` to what runs it (default: ``default_transformation``).
+    ``@spmd.compile`` without parentheses compiles with the defaults. A wrong argument raises
+    ``spmd.SpmdConfigError`` here, where it is written.
     """
 
+    if callable(module_override) and not isinstance(module_override, (list, tuple)):
+        if gm_transformation is None and parallel_mode is None:  # ``@spmd.compile`` without parentheses
+            return CompiledTrainStep(module_override)
+        raise SpmdConfigError("spmd.compile: module_override must be a list of overrides, got the callable "
+                              f"{module_override!r}; pass options by name, e.g. spmd.compile(gm_transformation=...).")
+    _check_compile_arguments(module_override, gm_transformation)
+    mode = as_data_parallel(parallel_mode)
+
     def decorator(fn: Callable) -> CompiledTrainStep:
-        return CompiledTrainStep(fn, module_override, gm_transformation, parallel_mode)
+        if not callable(fn):
+            raise SpmdConfigError(f"spmd.compile: decorates a train step function, got {type(fn).__name__} {fn!r}.")
+        return CompiledTrainStep(fn, module_override, gm_transformation, mode)
 
     return decorator
+
+
+def _check_compile_arguments(module_override: Any, gm_transformation: Any) -> None:
+    """Refuse, where ``spmd.compile(...)`` is written, arguments it cannot use (``SpmdConfigError``)."""
+    if module_override is not None and not isinstance(module_override, (list, tuple)):
+        raise SpmdConfigError(f"spmd.compile: module_override must be a list of overrides, got "
+                              f"{type(module_override).__name__} {module_override!r}.")
+    if gm_transformation is not None and not callable(gm_transformation):
+        raise SpmdConfigError(
+            f"spmd.compile: gm_transformation must be a callable taking the expanded fx.GraphModule and returning "
+            f"a callable (e.g. spmd.GraphModuleTransformation(...)), got {type(gm_transformation).__name__} "
+            f"{gm_transformation!r}.")

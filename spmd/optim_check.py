@@ -56,10 +56,19 @@ def _device(optim: torch.optim.Optimizer) -> torch.device:
     return torch.device("cpu") if device.type == "meta" else device
 
 
+def _kind(group: dict, key: str, index) -> tuple:
+    """What the traced math depends on in one hyperparameter's type: a Python number, or a tensor of
+    some dtype and device (eager computes with a tensor lr in its dtype, with a float in float64)."""
+    value = group[key] if index is None else group[key][index]
+    return (value.dtype, value.device.type) if torch.is_tensor(value) else (type(value).__name__,)
+
+
 def _config(optim: torch.optim.Optimizer) -> tuple:
-    """What a verdict holds for: the class, float64 or not, the device, and per group its flags
-    and which hyperparameters are 0 or negative."""
-    groups = tuple((flags(g), tuple((k, i, v == 0, v < 0) for k, i, v in hyper_items(g))) for g in optim.param_groups)
+    """What a verdict holds for: everything the probe's outcome depends on. The class, float64 or
+    not, the device, and per group its flags, and for each hyperparameter whether it is 0 or
+    negative and its type (``_kind``)."""
+    groups = tuple((flags(g), tuple((k, i, v == 0, v < 0, _kind(g, k, i)) for k, i, v in hyper_items(g)))
+                   for g in optim.param_groups)
     return type(optim), _float64(optim), _device(optim), groups
 
 
