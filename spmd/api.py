@@ -291,6 +291,8 @@ class CompiledTrainStep:
         """Find the step's modules and optimizers, apply overrides, and check no stray gradients."""
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
+        _check_materialized(modules)
+        _check_optimizers_follow_modules(modules, optimizers)
         state = StepState(modules, optimizers)
         with_grad = [n for n, p in zip(state.param_names, state.params) if p.grad is not None]
         if with_grad:
@@ -367,6 +369,39 @@ class CompiledTrainStep:
     def _forget_last_call(self, _freed: Any = None) -> None:
         """Drop ``_last_call`` (its tensors with it): one of its modules or optimizers was freed."""
         self._last_call = None
+
+
+def _check_materialized(modules: list[nn.Module]) -> None:
+    """Refuse parameters or buffers left on the meta device: a step cannot compute with them."""
+    on_meta = [f"{name} ({'parameter' if kind else 'buffer'})" for mod in modules
+               for kind, named in ((True, mod.named_parameters()), (False, mod.named_buffers())) for name, t in named
+               if t.is_meta]
+    if on_meta:
+        others = sorted({t.device.type for mod in modules for t in (*mod.parameters(), *mod.buffers()) if not t.is_meta})
+        also = f" (the rest of the model is on {', '.join(others)})" if others else ""
+        raise SpmdCompileError(
+            f"spmd.compile: {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the meta device{also}: they have "
+            "no values to train. Materialize the model before calling the compiled step: model.to_empty(device=...) "
+            "and initialize it (e.g. model.reset_parameters() per module), or load a state dict with assign=True."
+        )
+
+
+def _check_optimizers_follow_modules(modules: list[nn.Module], optimizers: list) -> None:
+    """Refuse, naming the fix, an optimizer that holds a sharded model's parameters as they were before
+    ``spmd.shard`` replaced them."""
+    from torch.distributed.tensor import DTensor
+
+    params = {id(p) for mod in modules for p in mod.parameters()}
+    sharded = any(isinstance(p, DTensor) for mod in modules for p in mod.parameters())
+    for optim in optimizers:
+        stray = [p for g in optim.param_groups for p in g["params"] if id(p) not in params]
+        if sharded and stray and not any(isinstance(p, DTensor) for p in stray):
+            raise SpmdCompileError(
+                f"spmd.compile: the {type(optim).__name__} was built before spmd.shard replaced the model's "
+                "parameters with sharded ones, so it holds the old, unsharded parameters. Build the optimizer after "
+                "spmd.shard(model, mode), as with FSDP2's fully_shard: spmd.shard(model, mode); "
+                "optim = torch.optim.AdamW(model.parameters(), ...)."
+            )
 
 
 def _check_runner(transformation: Callable, runner: Any) -> None:

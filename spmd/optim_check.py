@@ -216,5 +216,16 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
                 f"spmd.compile: {type(optim).__name__}({settings}) cannot be compiled exactly: {why}. spmd checks "
                 "every optimizer against eager before tracing it; these pass with their usual settings: "
                 f"{KNOWN_EXACT} (torch.optim). Use one of them, or another implementation "
-                "(foreach=True / fused=True) of this one."
+                f"(foreach=True / fused=True) of this one.{_tensor_hint(optim)}"
             )
+
+
+def _tensor_hint(optim: torch.optim.Optimizer) -> str:
+    """A sentence naming the hyperparameters given as tensors of a dtype other than float64, if any:
+    eager computes with those in their own dtype, which the traced step does not follow everywhere."""
+    named = sorted({f"{k} (a {str(v.dtype).replace('torch.', '')} tensor)" for g in optim.param_groups
+                    for k, v in g.items() if torch.is_tensor(v) and v.dim() == 0 and v.dtype != torch.float64})
+    if not named:
+        return ""
+    return (f" Its param groups hold {', '.join(named)}: give them as Python floats or float64 tensors "
+            "(e.g. group['lr'] = float(lr)), which every optimizer above takes exactly.")

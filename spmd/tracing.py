@@ -42,6 +42,7 @@ from .errors import SpmdCompileError
 from .hyperparams import HyperMode, TracedHyper, hyper_items, learned
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState
+from .trace_errors import reporting
 
 # --- the traced result ------------------------------------------------------------
 
@@ -337,6 +338,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     return impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)]
 
 
+@reporting  # torch's errors for untraceable steps in the user's terms (spmd.trace_errors)
 def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                      mode_context: ModeContext | None = None) -> TracedStep:
     """Capture ``fn(*args, **kwargs)`` (forward, backward, optimizer step) as one pure graph.
