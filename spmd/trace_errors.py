@@ -73,20 +73,35 @@ def translate(err: BaseException) -> Optional[SpmdCompileError]:
 
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
+_TEXT_PLUMBING = tuple(os.path.join(os.path.dirname(torch.__file__), f) for f in ("_tensor.py", "_tensor_str.py",
+                                                                                    "overrides.py"))
 
 
-def _warn_at_user_code(message: str) -> bool:
-    """Warn (once per place) at the innermost frame outside torch and spmd, where the user's code
-    is; False, warning nothing, when there is none (torch's own code asked)."""
+def _warn_at(frame, message: str) -> None:
+    """Warn once per place, attributed to ``frame``'s line."""
+    warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _warn_at_user_code(message: str) -> None:
+    """Warn at the innermost frame outside torch and spmd: the user's call into spmd."""
     frame = sys._getframe(1)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith(_LIBRARIES):
-            warnings.warn_explicit(message, UserWarning, path, frame.f_lineno, module=frame.f_globals.get("__name__"),
-                                   registry=frame.f_globals.setdefault("__warningregistry__", {}))
-            return True
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
         frame = frame.f_back
-    return False
+    if frame is not None:
+        _warn_at(frame, message)
+
+
+def _text_asked_by_user() -> Optional[object]:
+    """The user's frame when the user's own code asked for a tensor's text (``print(t)``, ``str(t)``,
+    ``f'{t}'``: only torch's repr and format plumbing in between), else None (torch asked)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in _TEXT_PLUMBING:
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_filename.startswith(_LIBRARIES):
+        return None
+    return frame
 
 
 @contextlib.contextmanager
@@ -97,10 +112,12 @@ def _warn_on_text() -> Iterator[None]:
     had_own = "__repr__" in FakeTensor.__dict__
 
     def __repr__(self, *args, **kwargs):
-        _warn_at_user_code(
-            "spmd.compile: train_step turns a tensor into text (print(loss), str(t), f'{t}') while it is traced: "
-            "it printed a placeholder (FakeTensor) once, and later calls, which run the compiled graph, print "
-            "nothing. Return the tensor and print it after the step: loss = train_step(...); print(loss).")
+        frame = _text_asked_by_user()
+        if frame is not None:
+            _warn_at(frame, "spmd.compile: train_step turns a tensor into text (print(loss), str(t), f'{t}') while "
+                     "it is traced: it printed a placeholder (FakeTensor) once, and later calls, which run the "
+                     "compiled graph, print nothing. Return the tensor and print it after the step: "
+                     "loss = train_step(...); print(loss).")
         return torch.Tensor.__repr__(self, *args, **kwargs)
 
     if had_own:  # a newer torch with its own repr: leave it alone
