@@ -30,12 +30,59 @@ def _split(args, kwargs, position: int, name: str):
     return None, tuple(args), dict(kwargs)
 
 
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _reduced(*tensors) -> bool:
+    """True for tensors of one reduced-precision dtype: their kernels compute in float32 and round once."""
+    return all(isinstance(t, torch.Tensor) and t.dtype in _REDUCED and t.dtype == tensors[0].dtype for t in tensors)
+
+
+def _opmath(scalar: torch.Tensor, like: torch.Tensor, cpu_rounds: bool = False) -> torch.Tensor:
+    """``scalar`` as the kernel for reduced-precision ``like`` reads a Python number: as float32 (its
+    compute type), on ``like``'s device; with ``cpu_rounds``, CPU kernels round it to ``like``'s dtype first
+    (add's and sub's ``alpha``)."""
+    if cpu_rounds and like.device.type == "cpu":
+        scalar = scalar.to(like.dtype)
+    return scalar.to(device=like.device, dtype=torch.float32)
+
+
+def _rounded_once(func, target: torch.Tensor, value: torch.Tensor):
+    """``value`` (computed in float32) rounded once to ``target``'s dtype; written into ``target`` if ``func`` is in place."""
+    out = value.to(target.dtype)
+    return target.copy_(out) if _inplace(func) else out
+
+
+def _inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _each(func, firsts, results):
+    """A foreach op's result from per-element ``results``: written into ``firsts`` if it is in place."""
+    return None if _inplace(func) else list(results)
+
+
+def _alpha_reduced(func, a, b, alpha):
+    """``a + alpha * b`` (``-`` for sub) for float16/bfloat16 ``a`` and ``b``, as their kernel: in float32, rounded once."""
+    scaled = b.float() * _opmath(alpha, a, cpu_rounds=True)
+    name = getattr(func, "__name__", "")
+    return _rounded_once(func, a, a.float() - scaled if "sub" in name else a.float() + scaled)
+
+
 def _alpha(func, args, kwargs):
-    """``a.add(b, alpha=t)`` -> ``a.add(b * t)`` (also sub, and the foreach list forms)."""
+    """``a.add(b, alpha=t)`` -> ``a.add(b * t)`` (also sub, and the foreach list forms). In float16 and
+    bfloat16, the kernel's own arithmetic: float32, one rounding (``_alpha_reduced``)."""
     alpha, args, kwargs = _split(args, kwargs, 2, "alpha")
     if not is_scalar_tensor(alpha) or len(args) < 2:
         return NotImplemented
     other = args[1]
+    if not kwargs and len(args) == 2:
+        if isinstance(other, torch.Tensor) and _reduced(args[0], other):
+            return _alpha_reduced(func, args[0], other, alpha)
+        if (isinstance(other, (list, tuple)) and isinstance(args[0], (list, tuple)) and len(other) == len(args[0])
+                and all(_reduced(a, b) for a, b in zip(args[0], other))):
+            return _each(func, args[0], [_alpha_reduced(func, a, b, alpha) for a, b in zip(args[0], other)])
     if isinstance(other, (list, tuple)):
         scaled = torch._foreach_mul(other, alpha)
     elif isinstance(other, torch.Tensor):
@@ -55,6 +102,10 @@ def _elementwise_value(combine: Callable, inplace: bool, foreach: bool) -> Calla
         if not is_scalar_tensor(value) or len(args) != 3 or kwargs:
             return NotImplemented
         self_, t1, t2 = args
+        if foreach and all(_reduced(*ts) for ts in zip(self_, t1, t2)):
+            return _each(func, self_, [_value_reduced(func, combine, *ts, value) for ts in zip(self_, t1, t2)])
+        if not foreach and _reduced(self_, t1, t2):
+            return _value_reduced(func, combine, self_, t1, t2, value)
         if foreach:
             term = combine(torch._foreach_mul(t1, value), t2)
             return (torch._foreach_add_ if inplace else torch._foreach_add)(self_, term)
@@ -62,6 +113,15 @@ def _elementwise_value(combine: Callable, inplace: bool, foreach: bool) -> Calla
         return self_.add_(term) if inplace else self_.add(term)
 
     return rewrite
+
+
+_FLOAT_COMBINE = {torch._foreach_mul: torch.mul, torch._foreach_div: torch.div}
+
+
+def _value_reduced(func, combine, self_, t1, t2, value):
+    """``self + (value * t1) <combine> t2`` for float16/bfloat16 tensors, as the kernel: in float32, rounded once."""
+    combine = _FLOAT_COMBINE.get(combine, combine)
+    return _rounded_once(func, self_, self_.float() + combine(t1.float() * _opmath(value, self_), t2.float()))
 
 
 def _per_element(scalar: torch.Tensor, like: list, dtype: bool = False) -> list:
@@ -83,6 +143,9 @@ def _foreach_weight(func, args, kwargs):
     weight, args, kwargs = _split(args, kwargs, 2, "weight")
     if not is_scalar_tensor(weight) or len(args) != 2:
         return NotImplemented
+    if not kwargs and all(_reduced(a, b) for a, b in zip(*args)):  # the kernel: float32, one rounding
+        return _each(func, args[0], [_rounded_once(func, a, a.float().lerp(b.float(), _opmath(weight, a)))
+                                     for a, b in zip(*args)])
     return func(args[0], args[1], _per_element(weight, args[0], dtype=True), **kwargs)
 
 
