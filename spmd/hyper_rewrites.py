@@ -149,6 +149,21 @@ def _foreach_weight(func, args, kwargs):
     return func(args[0], args[1], _per_element(weight, args[0], dtype=True), **kwargs)
 
 
+def _lerp_weight(func, args, kwargs):
+    """``a.lerp(b, t)`` with a 0-dim tensor weight, as the kernel computes it with a number: for float16 and
+    bfloat16 in float32, rounded once (given a tensor weight, the kernel would round it to their dtype);
+    otherwise with the weight in the tensors' dtype."""
+    weight, args, kwargs = _split(args, kwargs, 2, "weight")
+    if not is_scalar_tensor(weight) or len(args) != 2 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
+        return NotImplemented
+    a, b = args
+    if _reduced(a, b):
+        return _rounded_once(func, a, a.float().lerp(b.float(), _opmath(weight, a)))
+    if weight.dtype != a.dtype and a.is_floating_point():  # a number is read in the tensor's dtype
+        return func(a, b, weight.to(device=a.device, dtype=a.dtype))
+    return NotImplemented
+
+
 def _foreach_scalar(func, args, kwargs):
     """A foreach op given a 0-dim tensor scalar -> its list form, that tensor at every position.
 
@@ -191,6 +206,7 @@ def _rewrites() -> dict[Any, Callable]:
         table[torch._foreach_addcmul_ if name == "addcmul" else torch._foreach_addcdiv_] = \
             _elementwise_value(fcombine, True, foreach=True)
     table[torch._foreach_lerp] = table[torch._foreach_lerp_] = _foreach_weight
+    table[torch.Tensor.lerp] = table[torch.Tensor.lerp_] = table[torch.lerp] = _lerp_weight
     for name in ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max"):
         rewrite = {"add": _foreach_add_sub, "sub": _foreach_add_sub, "pow": _foreach_pow}.get(name, _foreach_scalar)
         for n in (f"_foreach_{name}", f"_foreach_{name}_"):

@@ -39,7 +39,7 @@ from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, writte
 from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
 from .errors import SpmdCompileError
-from .hyperparams import HyperMode, TracedHyper, hyper_items, learned
+from .hyperparams import HyperMode, TracedHyper, hyper_items, learned, traced_capturable
 from .optim_meta import register_missing_fused_optimizer_metas
 from .step_state import StepState
 from .trace_errors import reporting
@@ -115,7 +115,7 @@ def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Itera
                         by_index[i] for i in range(len(by_index)))
                 if "capturable" in group:
                     # The capturable path is tensor math throughout (the step counter stays on the graph).
-                    group["capturable"] = True
+                    group["capturable"] = traced_capturable(optim, group)
                 indices = state.group_param_indices[o_idx][g_idx]
                 group["params"] = [params[i] for i in indices]
                 for i in indices:
