@@ -6,6 +6,10 @@ would read it as a number (a data-dependent ``item()`` in a trace) or reject it.
 ``REWRITES`` maps each such op to a function that computes the same arithmetic with the
 tensor as a tensor operand, as the op's kernel computes it; ``spmd.hyperparams.HyperMode``
 applies it (a rewrite returns ``NotImplemented`` where the call needs none).
+
+One op becomes several, and each would round its result: for float16 and bfloat16 tensors
+a rewrite computes in float32 and rounds once, as the kernel does with its number (a CPU
+``add``/``sub`` kernel rounds its ``alpha`` to the tensor's dtype first; a CUDA one does not).
 """
 
 from __future__ import annotations
@@ -58,9 +62,9 @@ def _inplace(func) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def _each(func, firsts, results):
-    """A foreach op's result from per-element ``results``: written into ``firsts`` if it is in place."""
-    return None if _inplace(func) else list(results)
+def _each(func, results: list):
+    """A foreach op's result from its per-element ``results`` (already written in place if ``func`` is in place)."""
+    return None if _inplace(func) else results
 
 
 def _alpha_reduced(func, a, b, alpha):
@@ -82,7 +86,7 @@ def _alpha(func, args, kwargs):
             return _alpha_reduced(func, args[0], other, alpha)
         if (isinstance(other, (list, tuple)) and isinstance(args[0], (list, tuple)) and len(other) == len(args[0])
                 and all(_reduced(a, b) for a, b in zip(args[0], other))):
-            return _each(func, args[0], [_alpha_reduced(func, a, b, alpha) for a, b in zip(args[0], other)])
+            return _each(func, [_alpha_reduced(func, a, b, alpha) for a, b in zip(args[0], other)])
     if isinstance(other, (list, tuple)):
         scaled = torch._foreach_mul(other, alpha)
     elif isinstance(other, torch.Tensor):
@@ -103,7 +107,7 @@ def _elementwise_value(combine: Callable, inplace: bool, foreach: bool) -> Calla
             return NotImplemented
         self_, t1, t2 = args
         if foreach and all(_reduced(*ts) for ts in zip(self_, t1, t2)):
-            return _each(func, self_, [_value_reduced(func, combine, *ts, value) for ts in zip(self_, t1, t2)])
+            return _each(func, [_value_reduced(func, combine, *ts, value) for ts in zip(self_, t1, t2)])
         if not foreach and _reduced(self_, t1, t2):
             return _value_reduced(func, combine, self_, t1, t2, value)
         if foreach:
@@ -144,9 +148,13 @@ def _foreach_weight(func, args, kwargs):
     if not is_scalar_tensor(weight) or len(args) != 2:
         return NotImplemented
     if not kwargs and all(_reduced(a, b) for a, b in zip(*args)):  # the kernel: float32, one rounding
-        return _each(func, args[0], [_rounded_once(func, a, a.float().lerp(b.float(), _opmath(weight, a)))
-                                     for a, b in zip(*args)])
+        return _each(func, [_lerp_reduced(func, a, b, weight) for a, b in zip(*args)])
     return func(args[0], args[1], _per_element(weight, args[0], dtype=True), **kwargs)
+
+
+def _lerp_reduced(func, a, b, weight):
+    """``a.lerp(b, weight)`` for float16/bfloat16 tensors, as the kernel computes it: in float32, rounded once."""
+    return _rounded_once(func, a, a.float().lerp(b.float(), _opmath(weight, a)))
 
 
 def _lerp_weight(func, args, kwargs):
@@ -158,7 +166,7 @@ def _lerp_weight(func, args, kwargs):
         return NotImplemented
     a, b = args
     if _reduced(a, b):
-        return _rounded_once(func, a, a.float().lerp(b.float(), _opmath(weight, a)))
+        return _lerp_reduced(func, a, b, weight)
     if weight.dtype != a.dtype and a.is_floating_point():  # a number is read in the tensor's dtype
         return func(a, b, weight.to(device=a.device, dtype=a.dtype))
     return NotImplemented

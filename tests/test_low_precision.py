@@ -108,3 +108,28 @@ def test_probe_verdict_depends_on_the_lr_type():
     model64 = _float64_model()
     step(model64, torch.optim.AdamW(model64.parameters(), lr=torch.tensor(0.01, dtype=torch.float64)),
          torch.randn(4, 8, dtype=torch.float64))
+
+
+# CUDA compiles `a + alpha * b` to one fused multiply-add where the traced step rounds the product to float32
+# first: at most a rounding step of the parameters apart, where the CPU matches bit for bit.
+GPU_CASES = [("sgd-momentum", 1.0), ("adamw-single", 1.0), ("adamw-fused", 0.0), ("adamw-foreach", FOREACH_ULPS)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("optim, ulps", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_float16_parameters_on_gpu_update_as_eager(optim, ulps):
+    """One GPU, no process group, the exact graph (no Inductor): CUDA kernels read a number in float32
+    (CPU ones round add's alpha to the tensor's dtype first); the traced step follows the device's."""
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=64).to("cuda", torch.float16)
+    ref = MLP(layers=2, dim=64).to("cuda", torch.float16)
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = OPTIMS[optim](model.parameters()), OPTIMS[optim](ref.parameters())
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True))(train_step)
+    for _ in range(4):
+        x = torch.randn(8, 64, device="cuda").half()
+        step(model, opt, x)
+        eager_step(ref, ref_opt, x)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _ulps(p, q) <= ulps, f"{name}: {_ulps(p, q):.3g} ulps from eager"
