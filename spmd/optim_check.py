@@ -11,7 +11,9 @@ would) and once eagerly from empty state (a fused CUDA kernel's lr rounded to fl
 both, as the traced step hands it over). Parameters and state must agree to float64
 rounding; otherwise the step is refused with an ``SpmdCompileError`` naming the optimizer,
 the difference and the optimizers known to pass, before anything of the user's runs or
-changes. Verdicts are cached per process.
+changes. Verdicts are cached per process, keyed on everything the probe's outcome depends on
+(``_config``: class, flags, device, float64 or not, and each hyperparameter's sign and type: a
+float32 tensor lr is checked apart from a float lr).
 """
 
 from __future__ import annotations
