@@ -8,8 +8,10 @@ tensor as a tensor operand, as the op's kernel computes it; ``spmd.hyperparams.H
 applies it (a rewrite returns ``NotImplemented`` where the call needs none).
 
 One op becomes several, and each would round its result: for float16 and bfloat16 tensors
-a rewrite computes in float32 and rounds once, as the kernel does with its number (a CPU
-``add``/``sub`` kernel rounds its ``alpha`` to the tensor's dtype first; a CUDA one does not).
+a rewrite runs the float32 kernel of the same arithmetic (``addcmul``, ``addcdiv``, ``lerp``,
+whose multiply-adds are fused as the reduced-precision kernels fuse theirs) and rounds once,
+as the kernel does with its number (a CPU ``add``/``sub`` kernel rounds its ``alpha`` to the
+tensor's dtype first; a CUDA one does not).
 """
 
 from __future__ import annotations
@@ -68,10 +70,10 @@ def _each(func, results: list):
 
 
 def _alpha_reduced(func, a, b, alpha):
-    """``a + alpha * b`` (``-`` for sub) for float16/bfloat16 ``a`` and ``b``, as their kernel: in float32, rounded once."""
-    scaled = b.float() * _opmath(alpha, a, cpu_rounds=True)
-    name = getattr(func, "__name__", "")
-    return _rounded_once(func, a, a.float() - scaled if "sub" in name else a.float() + scaled)
+    """``a + alpha * b`` (``-`` for sub) for float16/bfloat16 ``a`` and ``b``, as their kernel: in float32
+    (a multiply-add, as the float32 ``addcmul`` kernel fuses it), rounded once."""
+    sign = -1 if "sub" in getattr(func, "__name__", "") else 1
+    return _rounded_once(func, a, torch.addcmul(a.float(), b.float(), _opmath(alpha, a, cpu_rounds=True), value=sign))
 
 
 def _alpha(func, args, kwargs):
@@ -119,13 +121,14 @@ def _elementwise_value(combine: Callable, inplace: bool, foreach: bool) -> Calla
     return rewrite
 
 
-_FLOAT_COMBINE = {torch._foreach_mul: torch.mul, torch._foreach_div: torch.div}
+_FLOAT_OP = {torch._foreach_mul: torch.addcmul, torch.mul: torch.addcmul, torch._foreach_div: torch.addcdiv,
+             torch.div: torch.addcdiv}
 
 
 def _value_reduced(func, combine, self_, t1, t2, value):
-    """``self + (value * t1) <combine> t2`` for float16/bfloat16 tensors, as the kernel: in float32, rounded once."""
-    combine = _FLOAT_COMBINE.get(combine, combine)
-    return _rounded_once(func, self_, self_.float() + combine(t1.float() * _opmath(value, self_), t2.float()))
+    """``self + (value * t1) <combine> t2`` for float16/bfloat16 tensors, as the kernel: the float32 kernel
+    on ``value * t1`` (it fuses the multiply-add as theirs does), rounded once."""
+    return _rounded_once(func, self_, _FLOAT_OP[combine](self_.float(), t1.float() * _opmath(value, self_), t2.float()))
 
 
 def _per_element(scalar: torch.Tensor, like: list, dtype: bool = False) -> list:

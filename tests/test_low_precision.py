@@ -110,8 +110,8 @@ def test_probe_verdict_depends_on_the_lr_type():
          torch.randn(4, 8, dtype=torch.float64))
 
 
-# CUDA compiles `a + alpha * b` to one fused multiply-add where the traced step rounds the product to float32
-# first: at most a rounding step of the parameters apart, where the CPU matches bit for bit.
+# The traced update runs the float32 kernels (fused multiply-adds as the device's own kernels fuse them):
+# bit for bit expected, one rounding step of the parameters allowed until measured on a GPU.
 GPU_CASES = [("sgd-momentum", 1.0), ("adamw-single", 1.0), ("adamw-fused", 0.0), ("adamw-foreach", FOREACH_ULPS)]
 
 
