@@ -76,19 +76,39 @@ def _alpha_reduced(func, a, b, alpha):
     return _rounded_once(func, a, torch.addcmul(a.float(), b.float(), _opmath(alpha, a, cpu_rounds=True), value=sign))
 
 
+def _multiply_add(func, a, b, alpha):
+    """``a + alpha * b`` (``-`` for sub) as ``addcmul``, whose kernel fuses the multiply-add as ``add``'s
+    does with a number (``a + (b * alpha)`` would round twice); float16/bfloat16: ``_alpha_reduced``."""
+    if _reduced(a, b):
+        return _alpha_reduced(func, a, b, alpha)
+    sign = -1 if "sub" in getattr(func, "__name__", "") else 1
+    scale = alpha.to(device=a.device, dtype=a.dtype)
+    return a.addcmul_(b, scale, value=sign) if _inplace(func) else torch.addcmul(a, b, scale, value=sign)
+
+
+def _floating_pair(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()
+            and a.dtype == b.dtype and b.shape == torch.broadcast_shapes(a.shape, b.shape) == a.shape)
+
+
 def _alpha(func, args, kwargs):
-    """``a.add(b, alpha=t)`` -> ``a.add(b * t)`` (also sub, and the foreach list forms). In float16 and
-    bfloat16, the kernel's own arithmetic: float32, one rounding (``_alpha_reduced``)."""
+    """``a.add(b, alpha=t)`` -> ``a + t * b`` computed as the kernel computes it, one fused multiply-add
+    (``_multiply_add``; also sub, and the foreach list forms as ``_foreach_addcmul``); otherwise
+    ``a.add(b * t)``."""
     alpha, args, kwargs = _split(args, kwargs, 2, "alpha")
     if not is_scalar_tensor(alpha) or len(args) < 2:
         return NotImplemented
     other = args[1]
     if not kwargs and len(args) == 2:
-        if isinstance(other, torch.Tensor) and _reduced(args[0], other):
-            return _alpha_reduced(func, args[0], other, alpha)
+        if _floating_pair(args[0], other):
+            return _multiply_add(func, args[0], other, alpha)
         if (isinstance(other, (list, tuple)) and isinstance(args[0], (list, tuple)) and len(other) == len(args[0])
-                and all(_reduced(a, b) for a, b in zip(args[0], other))):
-            return _each(func, [_alpha_reduced(func, a, b, alpha) for a, b in zip(args[0], other)])
+                and all(_floating_pair(a, b) for a, b in zip(args[0], other))):
+            if any(_reduced(a) for a in args[0]):
+                return _each(func, [_multiply_add(func, a, b, alpha) for a, b in zip(args[0], other)])
+            addcmul = torch._foreach_addcmul_ if _inplace(func) else torch._foreach_addcmul
+            sign = -1 if "sub" in getattr(func, "__name__", "") else 1
+            return addcmul(args[0], other, _per_element(alpha, args[0], dtype=True), value=sign)
     if isinstance(other, (list, tuple)):
         scaled = torch._foreach_mul(other, alpha)
     elif isinstance(other, torch.Tensor):
