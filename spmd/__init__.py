@@ -5,7 +5,7 @@ from ._torch_version import warn_if_untested
 warn_if_untested()
 
 from .api import CompiledTrainStep, compile
-from .errors import SpmdCompileError
+from .errors import SpmdCompileError, SpmdConfigError
 from .explain import Plan, explain
 from .iter_graph_module import IterGraph, IterGraphModule, IterMoveError
 from .parallel import DataParallel, shard
@@ -13,5 +13,5 @@ from .transformation import GraphModuleTransformation
 
 __all__ = [
     "CompiledTrainStep", "DataParallel", "GraphModuleTransformation", "IterGraph", "IterGraphModule",
-    "IterMoveError", "Plan", "SpmdCompileError", "compile", "explain", "shard",
+    "IterMoveError", "Plan", "SpmdCompileError", "SpmdConfigError", "compile", "explain", "shard",
 ]

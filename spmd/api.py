@@ -22,12 +22,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
 from .accumulation import grads_on_entry, grads_signature
 from .compile_times import phase, recording
-from .errors import SpmdCompileError
+from .errors import SpmdCompileError, SpmdConfigError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .iter_graph_module import IterGraphModule
 from . import rank_agreement
 from .parallel import DataParallel
 from .parallel.grad_check import refuse_untrained_parameters
+from .parallel.data_parallel import as_data_parallel
 from .optim_check import check_optimizers
 from .optim_state import ensure_optimizer_state
 from .compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
@@ -99,7 +100,7 @@ class CompiledTrainStep:
         self.gm_transformation = gm_transformation  # None: default_transformation for the parameters' device
         self._defaults: dict[str, Callable] = {}
         # No parallel_mode: the seed's semantics, summed gradients (its reference tests rely on them).
-        self.parallel_mode = parallel_mode or DataParallel("replicate", grad_reduce="sum")
+        self.parallel_mode = as_data_parallel(parallel_mode)
         self.cache: OrderedDict[tuple, CompiledStep] = OrderedDict()
         self.trace_count = 0
         self._overridden: weakref.WeakSet = weakref.WeakSet()
@@ -185,6 +186,7 @@ class CompiledTrainStep:
                 traced_at = time.perf_counter()
                 with phase("transform"):
                     runner = transformation(gm)
+                _check_runner(transformation, runner)
         except BaseException:
             undo_created(created)
             raise
@@ -308,6 +310,8 @@ class CompiledTrainStep:
         can be taken as graph inputs (``spmd.accumulation``)."""
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
+        _check_materialized(modules)
+        _check_optimizers_follow_modules(modules, optimizers)
         scalers = step_scalers(self.fn, args, kwargs)
         ensure_scale(scalers, modules)
         state = StepState(modules, optimizers, scalers)
@@ -414,6 +418,49 @@ class CompiledTrainStep:
         self._last_call = None
 
 
+def _check_materialized(modules: list[nn.Module]) -> None:
+    """Refuse parameters or buffers left on the meta device: a step cannot compute with them."""
+    on_meta = [f"{name} ({'parameter' if kind else 'buffer'})" for mod in modules
+               for kind, named in ((True, mod.named_parameters()), (False, mod.named_buffers())) for name, t in named
+               if t.is_meta]
+    if on_meta:
+        others = sorted({t.device.type for mod in modules for t in (*mod.parameters(), *mod.buffers()) if not t.is_meta})
+        also = f" (the rest of the model is on {', '.join(others)})" if others else ""
+        raise SpmdCompileError(
+            f"spmd.compile: {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the meta device{also}: they have "
+            "no values to train. Materialize the model before calling the compiled step: model.to_empty(device=...) "
+            "and initialize it (e.g. model.reset_parameters() per module), or load a state dict with assign=True."
+        )
+
+
+def _check_optimizers_follow_modules(modules: list[nn.Module], optimizers: list) -> None:
+    """Refuse, naming the fix, an optimizer that holds a sharded model's parameters as they were before
+    ``spmd.shard`` replaced them."""
+    from torch.distributed.tensor import DTensor
+
+    params = {id(p) for mod in modules for p in mod.parameters()}
+    sharded = any(isinstance(p, DTensor) for mod in modules for p in mod.parameters())
+    for optim in optimizers:
+        stray = [p for g in optim.param_groups for p in g["params"] if id(p) not in params]
+        if sharded and stray and not any(isinstance(p, DTensor) for p in stray):
+            raise SpmdCompileError(
+                f"spmd.compile: the {type(optim).__name__} was built before spmd.shard replaced the model's "
+                "parameters with sharded ones, so it holds the old, unsharded parameters. Build the optimizer after "
+                "spmd.shard(model, mode), as with FSDP2's fully_shard: spmd.shard(model, mode); "
+                "optim = torch.optim.AdamW(model.parameters(), ...)."
+            )
+
+
+def _check_runner(transformation: Callable, runner: Any) -> None:
+    """Refuse a transformation's result that cannot run the step, before the step is cached or runs."""
+    if not callable(runner):
+        name = getattr(transformation, "__name__", type(transformation).__name__)
+        raise SpmdConfigError(
+            f"spmd.compile: gm_transformation {name} returned {type(runner).__name__} {runner!r}, not a callable. "
+            "It must return what runs the step: the fx.GraphModule it was given (edited or not), an "
+            "IterGraphModule, or a compiled callable taking the same inputs.")
+
+
 def compile(module_override: Optional[Sequence] = None, gm_transformation: Optional[Callable] = None,
             parallel_mode: Optional[DataParallel] = None) -> Callable[[Callable], CompiledTrainStep]:
     """Compile a whole train step (forward, backward, optimizer step) into one graph.
@@ -437,11 +484,38 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     too, so schedulers change it without a retrace. Each optimizer is checked against
     eager before its first trace (``spmd.optim_check``) and refused if not traced exactly.
 
-    ``DataParallel("replicate")`` averages gradients over ranks, as DDP does; without a
-    ``parallel_mode`` the step sums them (the seed's semantics: gradients x world size).
+    ``parallel_mode``: an ``spmd.DataParallel``, or a style's name (``"replicate"`` is
+    ``DataParallel("replicate")``, which averages gradients over ranks as DDP
+    does); without one the step sums them (the seed's semantics: gradients x world size).
+    ``gm_transformation``: a callable
+    from the expanded ``fx.GraphModule`` to what runs it (default: ``default_transformation``).
+    ``@spmd.compile`` without parentheses compiles with the defaults. A wrong argument raises
+    ``spmd.SpmdConfigError`` here, where it is written.
     """
 
+    if callable(module_override) and not isinstance(module_override, (list, tuple)):
+        if gm_transformation is None and parallel_mode is None:  # ``@spmd.compile`` without parentheses
+            return CompiledTrainStep(module_override)
+        raise SpmdConfigError("spmd.compile: module_override must be a list of overrides, got the callable "
+                              f"{module_override!r}; pass options by name, e.g. spmd.compile(gm_transformation=...).")
+    _check_compile_arguments(module_override, gm_transformation)
+    mode = as_data_parallel(parallel_mode)
+
     def decorator(fn: Callable) -> CompiledTrainStep:
-        return CompiledTrainStep(fn, module_override, gm_transformation, parallel_mode)
+        if not callable(fn):
+            raise SpmdConfigError(f"spmd.compile: decorates a train step function, got {type(fn).__name__} {fn!r}.")
+        return CompiledTrainStep(fn, module_override, gm_transformation, mode)
 
     return decorator
+
+
+def _check_compile_arguments(module_override: Any, gm_transformation: Any) -> None:
+    """Refuse, where ``spmd.compile(...)`` is written, arguments it cannot use (``SpmdConfigError``)."""
+    if module_override is not None and not isinstance(module_override, (list, tuple)):
+        raise SpmdConfigError(f"spmd.compile: module_override must be a list of overrides, got "
+                              f"{type(module_override).__name__} {module_override!r}.")
+    if gm_transformation is not None and not callable(gm_transformation):
+        raise SpmdConfigError(
+            f"spmd.compile: gm_transformation must be a callable taking the expanded fx.GraphModule and returning "
+            f"a callable (e.g. spmd.GraphModuleTransformation(...)), got {type(gm_transformation).__name__} "
+            f"{gm_transformation!r}.")

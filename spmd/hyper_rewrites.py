@@ -6,6 +6,12 @@ would read it as a number (a data-dependent ``item()`` in a trace) or reject it.
 ``REWRITES`` maps each such op to a function that computes the same arithmetic with the
 tensor as a tensor operand, as the op's kernel computes it; ``spmd.hyperparams.HyperMode``
 applies it (a rewrite returns ``NotImplemented`` where the call needs none).
+
+One op becomes several, and each would round its result: for float16 and bfloat16 tensors
+a rewrite runs the float32 kernel of the same arithmetic (``addcmul``, ``addcdiv``, ``lerp``,
+whose multiply-adds are fused as the reduced-precision kernels fuse theirs) and rounds once,
+as the kernel does with its number (a CPU ``add``/``sub`` kernel rounds its ``alpha`` to the
+tensor's dtype first; a CUDA one does not).
 """
 
 from __future__ import annotations
@@ -30,12 +36,79 @@ def _split(args, kwargs, position: int, name: str):
     return None, tuple(args), dict(kwargs)
 
 
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _reduced(*tensors) -> bool:
+    """True for tensors of one reduced-precision dtype: their kernels compute in float32 and round once."""
+    return all(isinstance(t, torch.Tensor) and t.dtype in _REDUCED and t.dtype == tensors[0].dtype for t in tensors)
+
+
+def _opmath(scalar: torch.Tensor, like: torch.Tensor, cpu_rounds: bool = False) -> torch.Tensor:
+    """``scalar`` as the kernel for reduced-precision ``like`` reads a Python number: as float32 (its
+    compute type), on ``like``'s device; with ``cpu_rounds``, CPU kernels round it to ``like``'s dtype first
+    (add's and sub's ``alpha``)."""
+    if cpu_rounds and like.device.type == "cpu":
+        scalar = scalar.to(like.dtype)
+    return scalar.to(device=like.device, dtype=torch.float32)
+
+
+def _rounded_once(func, target: torch.Tensor, value: torch.Tensor):
+    """``value`` (computed in float32) rounded once to ``target``'s dtype; written into ``target`` if ``func`` is in place."""
+    out = value.to(target.dtype)
+    return target.copy_(out) if _inplace(func) else out
+
+
+def _inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _each(func, results: list):
+    """A foreach op's result from its per-element ``results`` (already written in place if ``func`` is in place)."""
+    return None if _inplace(func) else results
+
+
+def _alpha_reduced(func, a, b, alpha):
+    """``a + alpha * b`` (``-`` for sub) for float16/bfloat16 ``a`` and ``b``, as their kernel: in float32
+    (a multiply-add, as the float32 ``addcmul`` kernel fuses it), rounded once."""
+    sign = -1 if "sub" in getattr(func, "__name__", "") else 1
+    return _rounded_once(func, a, torch.addcmul(a.float(), b.float(), _opmath(alpha, a, cpu_rounds=True), value=sign))
+
+
+def _multiply_add(func, a, b, alpha):
+    """``a + alpha * b`` (``-`` for sub) as ``addcmul``, whose kernel fuses the multiply-add as ``add``'s
+    does with a number (``a + (b * alpha)`` would round twice); float16/bfloat16: ``_alpha_reduced``."""
+    if _reduced(a, b):
+        return _alpha_reduced(func, a, b, alpha)
+    sign = -1 if "sub" in getattr(func, "__name__", "") else 1
+    scale = alpha.to(device=a.device, dtype=a.dtype)
+    return a.addcmul_(b, scale, value=sign) if _inplace(func) else torch.addcmul(a, b, scale, value=sign)
+
+
+def _floating_pair(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()
+            and a.dtype == b.dtype and b.shape == torch.broadcast_shapes(a.shape, b.shape) == a.shape)
+
+
 def _alpha(func, args, kwargs):
-    """``a.add(b, alpha=t)`` -> ``a.add(b * t)`` (also sub, and the foreach list forms)."""
+    """``a.add(b, alpha=t)`` -> ``a + t * b`` computed as the kernel computes it, one fused multiply-add
+    (``_multiply_add``; also sub, and the foreach list forms as ``_foreach_addcmul``); otherwise
+    ``a.add(b * t)``."""
     alpha, args, kwargs = _split(args, kwargs, 2, "alpha")
     if not is_scalar_tensor(alpha) or len(args) < 2:
         return NotImplemented
     other = args[1]
+    if not kwargs and len(args) == 2:
+        if _floating_pair(args[0], other):
+            return _multiply_add(func, args[0], other, alpha)
+        if (isinstance(other, (list, tuple)) and isinstance(args[0], (list, tuple)) and len(other) == len(args[0])
+                and all(_floating_pair(a, b) for a, b in zip(args[0], other))):
+            if any(_reduced(a) for a in args[0]):
+                return _each(func, [_multiply_add(func, a, b, alpha) for a, b in zip(args[0], other)])
+            addcmul = torch._foreach_addcmul_ if _inplace(func) else torch._foreach_addcmul
+            sign = -1 if "sub" in getattr(func, "__name__", "") else 1
+            return addcmul(args[0], other, _per_element(alpha, args[0], dtype=True), value=sign)
     if isinstance(other, (list, tuple)):
         scaled = torch._foreach_mul(other, alpha)
     elif isinstance(other, torch.Tensor):
@@ -55,6 +128,10 @@ def _elementwise_value(combine: Callable, inplace: bool, foreach: bool) -> Calla
         if not is_scalar_tensor(value) or len(args) != 3 or kwargs:
             return NotImplemented
         self_, t1, t2 = args
+        if foreach and all(_reduced(*ts) for ts in zip(self_, t1, t2)):
+            return _each(func, [_value_reduced(func, combine, *ts, value) for ts in zip(self_, t1, t2)])
+        if not foreach and _reduced(self_, t1, t2):
+            return _value_reduced(func, combine, self_, t1, t2, value)
         if foreach:
             term = combine(torch._foreach_mul(t1, value), t2)
             return (torch._foreach_add_ if inplace else torch._foreach_add)(self_, term)
@@ -62,6 +139,16 @@ def _elementwise_value(combine: Callable, inplace: bool, foreach: bool) -> Calla
         return self_.add_(term) if inplace else self_.add(term)
 
     return rewrite
+
+
+_FLOAT_OP = {torch._foreach_mul: torch.addcmul, torch.mul: torch.addcmul, torch._foreach_div: torch.addcdiv,
+             torch.div: torch.addcdiv}
+
+
+def _value_reduced(func, combine, self_, t1, t2, value):
+    """``self + (value * t1) <combine> t2`` for float16/bfloat16 tensors, as the kernel: the float32 kernel
+    on ``value * t1`` (it fuses the multiply-add as theirs does), rounded once."""
+    return _rounded_once(func, self_, _FLOAT_OP[combine](self_.float(), t1.float() * _opmath(value, self_), t2.float()))
 
 
 def _per_element(scalar: torch.Tensor, like: list, dtype: bool = False) -> list:
@@ -83,7 +170,29 @@ def _foreach_weight(func, args, kwargs):
     weight, args, kwargs = _split(args, kwargs, 2, "weight")
     if not is_scalar_tensor(weight) or len(args) != 2:
         return NotImplemented
+    if not kwargs and all(_reduced(a, b) for a, b in zip(*args)):  # the kernel: float32, one rounding
+        return _each(func, [_lerp_reduced(func, a, b, weight) for a, b in zip(*args)])
     return func(args[0], args[1], _per_element(weight, args[0], dtype=True), **kwargs)
+
+
+def _lerp_reduced(func, a, b, weight):
+    """``a.lerp(b, weight)`` for float16/bfloat16 tensors, as the kernel computes it: in float32, rounded once."""
+    return _rounded_once(func, a, a.float().lerp(b.float(), _opmath(weight, a)))
+
+
+def _lerp_weight(func, args, kwargs):
+    """``a.lerp(b, t)`` with a 0-dim tensor weight, as the kernel computes it with a number: for float16 and
+    bfloat16 in float32, rounded once (given a tensor weight, the kernel would round it to their dtype);
+    otherwise with the weight in the tensors' dtype."""
+    weight, args, kwargs = _split(args, kwargs, 2, "weight")
+    if not is_scalar_tensor(weight) or len(args) != 2 or kwargs or not all(isinstance(t, torch.Tensor) for t in args):
+        return NotImplemented
+    a, b = args
+    if _reduced(a, b):
+        return _lerp_reduced(func, a, b, weight)
+    if weight.dtype != a.dtype and a.is_floating_point():  # a number is read in the tensor's dtype
+        return func(a, b, weight.to(device=a.device, dtype=a.dtype))
+    return NotImplemented
 
 
 def _foreach_scalar(func, args, kwargs):
@@ -128,6 +237,7 @@ def _rewrites() -> dict[Any, Callable]:
         table[torch._foreach_addcmul_ if name == "addcmul" else torch._foreach_addcdiv_] = \
             _elementwise_value(fcombine, True, foreach=True)
     table[torch._foreach_lerp] = table[torch._foreach_lerp_] = _foreach_weight
+    table[torch.Tensor.lerp] = table[torch.Tensor.lerp_] = table[torch.lerp] = _lerp_weight
     for name in ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max"):
         rewrite = {"add": _foreach_add_sub, "sub": _foreach_add_sub, "pow": _foreach_pow}.get(name, _foreach_scalar)
         for n in (f"_foreach_{name}", f"_foreach_{name}_"):

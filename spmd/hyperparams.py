@@ -90,6 +90,21 @@ def flags(group: dict, items: Optional[list] = None) -> tuple:
     return tuple((k, repr(v)) for k, v in sorted(group.items()) if k != "params" and k not in numeric)
 
 
+# Optimizers whose single-tensor, non-capturable step traces as tensor math as written (under
+# compile torch's ``_get_value`` hands it the step counter as a tensor), so the trace keeps eager's
+# arrangement of the update and rounds as eager does in every dtype. Others trace their capturable
+# arrangement, the same update computed on tensors (some read a value otherwise: RAdam, ASGD).
+_EAGER_ARRANGEMENT = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def traced_capturable(optim: torch.optim.Optimizer, group: dict) -> bool:
+    """The ``capturable`` flag ``group`` is traced with (its ``foreach`` already resolved): False
+    where eager's own non-capturable code traces (``_EAGER_ARRANGEMENT``), else True."""
+    eager = (type(optim) in _EAGER_ARRANGEMENT and not group.get("foreach") and not group.get("fused")
+             and not group.get("differentiable") and not group.get("capturable"))
+    return not eager
+
+
 # --- what traces learned ----------------------------------------------------------------
 
 _COMPARE = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
@@ -205,6 +220,8 @@ class HyperMode(TorchFunctionMode):
                 name = _COMPARISONS[func]
                 h.facts.guards.add((h.key, h.index, name, float(args[1])))
                 return _COMPARE[name](h.value, args[1])
+        if func is torch.Tensor.to and args and self._hyper(args[0]) is not None:
+            return self._moved_only(args, kwargs)
         if args and self._hyper(args[0]) is not None:
             h = self._hyper(args[0])
             if func is torch.Tensor.__bool__:
@@ -243,6 +260,24 @@ class HyperMode(TorchFunctionMode):
             made = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
             self.numbers.update(map(id, made))
             self._alive += made
+        return out
+
+    def _moved_only(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``hyper.to(device, dtype)``: eager holds a Python number there, which optimizer code converts
+        only when it is a tensor (Adam's ``beta1.to(param.dtype)``); rounding it to a parameter's
+        dtype would change the math. It moves to the device and keeps its dtype."""
+        t = args[0]
+        device = kwargs.get("device")
+        for a in args[1:]:
+            if isinstance(a, (torch.device, str)):
+                device = a
+            elif isinstance(a, torch.Tensor):
+                device = a.device
+        if device is None or torch.device(device) == t.device:
+            return t
+        out = t.to(torch.device(device))
+        self.numbers.add(id(out))
+        self._alive.append(out)
         return out
 
     def _as_python_numbers(self, tensors: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -11,7 +11,9 @@ would) and once eagerly from empty state (a fused CUDA kernel's lr rounded to fl
 both, as the traced step hands it over). Parameters and state must agree to float64
 rounding; otherwise the step is refused with an ``SpmdCompileError`` naming the optimizer,
 the difference and the optimizers known to pass, before anything of the user's runs or
-changes. Verdicts are cached per process.
+changes. Verdicts are cached per process, keyed on everything the probe's outcome depends on
+(``_config``: class, flags, device, float64 or not, and each hyperparameter's sign and type: a
+float32 tensor lr is checked apart from a float lr).
 """
 
 from __future__ import annotations
@@ -56,10 +58,19 @@ def _device(optim: torch.optim.Optimizer) -> torch.device:
     return torch.device("cpu") if device.type == "meta" else device
 
 
+def _kind(group: dict, key: str, index) -> tuple:
+    """What the traced math depends on in one hyperparameter's type: a Python number, or a tensor of
+    some dtype and device (eager computes with a tensor lr in its dtype, with a float in float64)."""
+    value = group[key] if index is None else group[key][index]
+    return (value.dtype, value.device.type) if torch.is_tensor(value) else (type(value).__name__,)
+
+
 def _config(optim: torch.optim.Optimizer) -> tuple:
-    """What a verdict holds for: the class, float64 or not, the device, and per group its flags
-    and which hyperparameters are 0 or negative."""
-    groups = tuple((flags(g), tuple((k, i, v == 0, v < 0) for k, i, v in hyper_items(g))) for g in optim.param_groups)
+    """What a verdict holds for: everything the probe's outcome depends on. The class, float64 or
+    not, the device, and per group its flags, and for each hyperparameter whether it is 0 or
+    negative and its type (``_kind``)."""
+    groups = tuple((flags(g), tuple((k, i, v == 0, v < 0, _kind(g, k, i)) for k, i, v in hyper_items(g)))
+                   for g in optim.param_groups)
     return type(optim), _float64(optim), _device(optim), groups
 
 
@@ -207,5 +218,16 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
                 f"spmd.compile: {type(optim).__name__}({settings}) cannot be compiled exactly: {why}. spmd checks "
                 "every optimizer against eager before tracing it; these pass with their usual settings: "
                 f"{KNOWN_EXACT} (torch.optim). Use one of them, or another implementation "
-                "(foreach=True / fused=True) of this one."
+                f"(foreach=True / fused=True) of this one.{_tensor_hint(optim)}"
             )
+
+
+def _tensor_hint(optim: torch.optim.Optimizer) -> str:
+    """A sentence naming the hyperparameters given as tensors of a dtype other than float64, if any:
+    eager computes with those in their own dtype, which the traced step does not follow everywhere."""
+    named = sorted({f"{k} (a {str(v.dtype).replace('torch.', '')} tensor)" for g in optim.param_groups
+                    for k, v in g.items() if torch.is_tensor(v) and v.dim() == 0 and v.dtype != torch.float64})
+    if not named:
+        return ""
+    return (f" Its param groups hold {', '.join(named)}: give them as Python floats or float64 tensors "
+            "(e.g. group['lr'] = float(lr)), which every optimizer above takes exactly.")

@@ -45,12 +45,12 @@ from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_gra
 from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
 from .errors import SpmdCompileError
-from .hyperparams import HyperMode, TracedHyper, hyper_items, learned
+from .hyperparams import HyperMode, TracedHyper, hyper_items, learned, traced_capturable
 from .optim_meta import register_missing_fused_optimizer_metas
-from .step_state import StepState
 from .user_objects import reachable_objects, untouched
 from .step_state import StepState, local_tensor
 from .step_outputs import graph_outputs
+from .trace_errors import reporting
 
 # --- the traced result ------------------------------------------------------------
 
@@ -125,7 +125,7 @@ def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Itera
                         by_index[i] for i in range(len(by_index)))
                 if "capturable" in group:
                     # The capturable path is tensor math throughout (the step counter stays on the graph).
-                    group["capturable"] = True
+                    group["capturable"] = traced_capturable(optim, group)
                 indices = state.group_param_indices[o_idx][g_idx]
                 group["params"] = [params[i] for i in indices]
                 for i in indices:
@@ -360,6 +360,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             out_holder["dtensors"])
 
 
+@reporting  # torch's errors for untraceable steps in the user's terms (spmd.trace_errors)
 def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                      mode_context: ModeContext | None = None,
                      found_inf_group: Optional[ProcessGroup] = None) -> TracedStep:

@@ -152,7 +152,7 @@ def test_gradients_from_outside_the_step_that_it_cannot_take_are_refused():
 
 
 def test_unimplemented_parallel_style_raises():
-    with pytest.raises(NotImplementedError, match="replicate"):
+    with pytest.raises(spmd.SpmdConfigError, match="replicate"):
         spmd.DataParallel("zero3")
 
 

@@ -114,18 +114,18 @@ def test_custom_policy_settings_per_unit():
 
 
 def test_options_that_do_not_apply_to_the_style_raise():
-    with pytest.raises(ValueError, match="sharded styles"):
+    with pytest.raises(spmd.SpmdConfigError, match="sharded styles"):
         spmd.DataParallel("replicate", wrap_policy={Block})
-    with pytest.raises(ValueError, match="grad_reduce and group apply to replicate"):
+    with pytest.raises(spmd.SpmdConfigError, match="grad_reduce and group apply to replicate"):
         spmd.DataParallel("fully_shard", grad_reduce="avg")
     for option in ("sync_module_states", "broadcast_buffers"):
-        with pytest.raises(ValueError, match="keeps each rank's own shard and buffers"):
+        with pytest.raises(spmd.SpmdConfigError, match="keeps each rank's own shard and buffers"):
             spmd.DataParallel("hybrid_shard", **{option: False})
-    with pytest.raises(ValueError, match="must be True or False"):
+    with pytest.raises(spmd.SpmdConfigError, match="must be True or False"):
         spmd.DataParallel("replicate", broadcast_buffers="yes")
-    with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
+    with pytest.raises(spmd.SpmdConfigError, match="MixedPrecisionPolicy"):
         spmd.DataParallel("fully_shard", mp_policy="bf16")
-    with pytest.raises(TypeError, match="wrap_policy"):
+    with pytest.raises(spmd.SpmdConfigError, match="wrap_policy"):
         spmd.DataParallel("fully_shard", wrap_policy=42)
     assert spmd.DataParallel("shard_grad_op").resolved_reshard_after_forward is False
     assert spmd.DataParallel("hybrid_shard").resolved_reshard_after_forward is True

@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 import torch.fx as fx
 
+from ..errors import SpmdConfigError
 from . import replicate, shard
 
 STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
@@ -82,29 +83,36 @@ class DataParallel:
     broadcast_buffers: bool = True
 
     def __post_init__(self):
-        if self.parallel_style not in STYLES:
-            raise NotImplementedError(
-                f"spmd.DataParallel: parallel_style={self.parallel_style!r} is not implemented; "
-                f"choose one of {sorted(STYLES)}."
+        """Refuse a setting spmd does not accept, here where it is written (``SpmdConfigError``)."""
+        if not isinstance(self.parallel_style, str) or self.parallel_style not in STYLES:
+            raise SpmdConfigError(
+                f"spmd.DataParallel: parallel_style={self.parallel_style!r} is not a parallel style; "
+                f"choose one of {sorted(STYLES)}, e.g. spmd.DataParallel('replicate')."
             )
         if self.grad_reduce not in (None, "sum", "avg"):
-            raise ValueError(f"spmd.DataParallel: grad_reduce must be 'sum' or 'avg', got {self.grad_reduce!r}")
+            raise SpmdConfigError(f"spmd.DataParallel: grad_reduce must be 'sum' or 'avg', got {self.grad_reduce!r}")
         for name in ("sync_module_states", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"spmd.DataParallel: {name} must be True or False, got {getattr(self, name)!r}")
+                raise SpmdConfigError(f"spmd.DataParallel: {name} must be True or False, got {getattr(self, name)!r}")
+        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
+            raise SpmdConfigError(f"spmd.DataParallel: group must be a torch.distributed.ProcessGroup (e.g. from "
+                                  f"dist.new_group), got {self.group!r}")
         if not self.is_sharded:
             given = [k for k in _SHARD_OPTIONS if getattr(self, k) is not None]
             if given:
-                raise ValueError(f"spmd.DataParallel: {given} apply to the sharded styles (fully_shard, shard_grad_op, "
-                                 "hybrid_shard), not to replicate. Drop them or choose a sharded style.")
+                raise SpmdConfigError(f"spmd.DataParallel: {given} apply to the sharded styles (fully_shard, "
+                                      "shard_grad_op, hybrid_shard), not to replicate. Drop them or choose a sharded style.")
         elif self.grad_reduce is not None or self.group is not None:
-            raise ValueError(f"spmd.DataParallel: grad_reduce and group apply to replicate; {self.parallel_style} "
-                             "averages gradients as FSDP2 does, over mesh=. Drop them.")
+            raise SpmdConfigError(f"spmd.DataParallel: grad_reduce and group apply to replicate; {self.parallel_style} "
+                                  "averages gradients as FSDP2 does, over mesh=. Drop them.")
         elif not (self.sync_module_states and self.broadcast_buffers):
-            raise ValueError(f"spmd.DataParallel: sync_module_states and broadcast_buffers apply to replicate; "
-                             f"{self.parallel_style}, as FSDP2, keeps each rank's own shard and buffers. Drop them.")
+            raise SpmdConfigError(f"spmd.DataParallel: sync_module_states and broadcast_buffers apply to replicate; "
+                                  f"{self.parallel_style}, as FSDP2, keeps each rank's own shard and buffers. Drop them.")
         else:
-            shard.validate_options(self)
+            try:
+                shard.validate_options(self)
+            except (TypeError, ValueError) as err:  # the sharded style's own checks, as one error type
+                raise SpmdConfigError(str(err)) from None
 
     @property
     def is_sharded(self) -> bool:
@@ -157,3 +165,21 @@ class DataParallel:
     def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
         """The traced single-rank graph, expanded for this mode (edited in place)."""
         return self.mode.expand(self, gm, grad_order)
+
+
+def as_data_parallel(mode: Any) -> DataParallel:
+    """``spmd.compile``'s ``parallel_mode``: a ``DataParallel``, a style's name (``"replicate"`` is
+    ``DataParallel("replicate")``: nothing else to choose there, so the name is accepted), or None
+    (replicate summing gradients: the seed's semantics, which its reference tests rely on, where an
+    explicit ``DataParallel("replicate")`` averages as DDP does). Anything else is an ``SpmdConfigError``."""
+    if mode is None:
+        return DataParallel("replicate", grad_reduce="sum")
+    if isinstance(mode, DataParallel):
+        return mode
+    if isinstance(mode, str):
+        if mode not in STYLES:
+            raise SpmdConfigError(f"spmd.compile: parallel_mode={mode!r} is not a parallel style; pass "
+                                  f"spmd.DataParallel(style) with style one of {sorted(STYLES)}.")
+        return DataParallel(mode)
+    raise SpmdConfigError(f"spmd.compile: parallel_mode must be an spmd.DataParallel, got {type(mode).__name__} "
+                          f"{mode!r}; e.g. parallel_mode=spmd.DataParallel('replicate').")

@@ -1,0 +1,195 @@
+"""What the user hears when the step does something a traced graph cannot hold.
+
+A train step runs once, on fake tensors, while it is traced; torch then fails deep inside
+with messages about its own machinery (``SymIntArrayRef expected to contain only concrete
+integers``, ``FakeTensor.__format__``), or, worse, does not fail: ``print(loss)`` prints a
+placeholder once and never again. ``reporting`` wraps the tracer so that:
+
+* the errors torch raises for steps that cannot be one graph become ``SpmdCompileError``s
+  naming the cause and the fix (``translate``): shapes that depend on tensor values
+  (``nonzero``, ``x[mask]``), a tensor formatted as text, tensors on two devices;
+* a tensor turned into text by the user's code while tracing (``print(loss)``) warns, once
+  per place, that it printed a placeholder and will print nothing on later calls;
+* a step that returns a parameter, buffer or optimizer state tensor warns that the caller
+  gets a copy of its value after the step, where eager would give the live tensor;
+* torch's own log of the failed fake kernel (a long traceback on stderr) stays quiet while
+  the error is translated; the original error remains the ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import re
+import sys
+import warnings
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.fx as fx
+
+from .errors import SpmdCompileError
+from .graph_utils.meta import NAME, ROLE, Role
+
+_DATA_DEPENDENT_SHAPE = ("SymIntArrayRef expected to contain only concrete integers", "DynamicOutputShapeException",
+                         "dynamic output shape", "unbacked symint", "Could not guard on data-dependent expression u",
+                         "aten.nonzero", "aten.masked_select", "aten._unique")
+
+
+def data_dependent_shape_error() -> SpmdCompileError:
+    return SpmdCompileError(
+        "spmd.compile: train_step makes a tensor whose shape depends on tensor values (nonzero, boolean-mask "
+        "indexing x[mask], masked_select, unique, ...); a compiled step is one graph in which every shape is fixed "
+        "when it is traced. Keep shapes fixed: compute on every element and mask the result, e.g. "
+        "torch.where(mask, x, 0).sum() or (x * mask).sum() / mask.sum() instead of x[mask].sum()."
+    )
+
+
+def translate(err: BaseException) -> Optional[SpmdCompileError]:
+    """An ``SpmdCompileError`` naming the cause and the fix for an error torch raised while the step
+    was traced, or None when ``err`` is not one this module knows."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorDeviceMismatchError
+
+    text = str(err)
+    if isinstance(err, DynamicOutputShapeException) or any(m in text for m in _DATA_DEPENDENT_SHAPE):
+        return data_dependent_shape_error()
+    if isinstance(err, TypeError) and "FakeTensor.__format__" in text:
+        return SpmdCompileError(
+            "spmd.compile: train_step formats a tensor as text (e.g. f'{loss:.3f}') while it is traced, when the "
+            "tensor has no value yet. Return the tensor and format it after the step: "
+            "loss = train_step(...); print(f'{loss.item():.3f}')."
+        )
+    if isinstance(err, FakeTensorDeviceMismatchError) or "Expected all tensors to be on the same device" in text:
+        devices = sorted(set(re.findall(r"\b(cpu|meta|cuda(?::\d+)?|mps|xpu)\b", text)))
+        return SpmdCompileError(
+            f"spmd.compile: train_step computes with tensors on different devices ({' and '.join(devices)}). Move "
+            "the batch to the model's device before calling train_step, and keep the model's parameters and "
+            "buffers on one device (materialize a model built on the meta device first: "
+            "model.to_empty(device=...) and initialize it, or load a state dict with assign=True)."
+        )
+    return None
+
+
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
+_TEXT_PLUMBING = tuple(os.path.join(os.path.dirname(torch.__file__), f) for f in ("_tensor.py", "_tensor_str.py",
+                                                                                    "overrides.py"))
+
+
+def _warn_at(frame, message: str) -> None:
+    """Warn once per place, attributed to ``frame``'s line."""
+    warnings.warn_explicit(message, UserWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _warn_at_user_code(message: str) -> None:
+    """Warn at the innermost frame outside torch and spmd: the user's call into spmd."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame = frame.f_back
+    if frame is not None:
+        _warn_at(frame, message)
+
+
+def _text_asked_by_user() -> Optional[object]:
+    """The user's frame when the user's own code asked for a tensor's text (``print(t)``, ``str(t)``,
+    ``f'{t}'``: only torch's repr and format plumbing in between), else None (torch asked)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in _TEXT_PLUMBING:
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_filename.startswith(_LIBRARIES):
+        return None
+    return frame
+
+
+@contextlib.contextmanager
+def _warn_on_text() -> Iterator[None]:
+    """Warn where the user's code turns a traced tensor into text (``print(loss)``, ``str(t)``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    had_own = "__repr__" in FakeTensor.__dict__
+
+    def __repr__(self, *args, **kwargs):
+        frame = _text_asked_by_user()
+        if frame is not None:
+            _warn_at(frame, "spmd.compile: train_step turns a tensor into text (print(loss), str(t), f'{t}') while "
+                     "it is traced: it printed a placeholder (FakeTensor) once, and later calls, which run the "
+                     "compiled graph, print nothing. Return the tensor and print it after the step: "
+                     "loss = train_step(...); print(loss).")
+        return torch.Tensor.__repr__(self, *args, **kwargs)
+
+    if had_own:  # a newer torch with its own repr: leave it alone
+        yield
+        return
+    FakeTensor.__repr__ = __repr__
+    try:
+        yield
+    finally:
+        del FakeTensor.__repr__
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.detach_copy.default, torch.ops.aten.alias.default,
+            torch.ops.aten.alias_copy.default}
+
+
+def returned_state(gm: fx.GraphModule) -> list[str]:
+    """Names of the parameters, buffers and optimizer state tensors that ``gm`` (a traced step,
+    placeholders tagged with ``ROLE`` and ``NAME``) returns, as they are after the step."""
+    owned = {n: n.meta.get(NAME) for n in gm.graph.find_nodes(op="placeholder")
+             if n.meta.get(ROLE) in (Role.PARAM, Role.BUFFER, Role.STATE)}
+    for copy in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+        if copy.args[0] in owned and isinstance(copy.args[1], fx.Node):
+            owned[copy.args[1]] = owned[copy.args[0]]
+    names = []
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    for value in output.args[0]:
+        while isinstance(value, fx.Node) and value.target in _ALIASES and value not in owned:
+            value = value.args[0]
+        if isinstance(value, fx.Node) and value in owned:
+            names.append(owned[value])
+    return names
+
+
+def _warn_returned_state(gm: fx.GraphModule, fn: Callable) -> None:
+    names = returned_state(gm)
+    if names:
+        shown = ", ".join(map(str, names[:3])) + ("..." if len(names) > 3 else "")
+        _warn_at_user_code(
+            f"spmd.compile: {getattr(fn, '__name__', 'train_step')} returns {shown}, which the model or optimizer "
+            "owns. Each call returns a new tensor holding its value after the step (eager would return the live "
+            "tensor itself): read the model or optimizer for the live one, e.g. model.fc.weight.")
+
+
+def reporting(trace: Callable) -> Callable:
+    """Wrap ``trace(fn, state, args, kwargs, ...)`` (``spmd.tracing.trace_train_step``) as the module
+    docstring says; the traced result is returned unchanged."""
+
+    @functools.wraps(trace)
+    def traced_with_reports(fn, *args, **kwargs):
+        try:
+            with _warn_on_text(), _quiet("torch._subclasses.fake_tensor"):
+                traced = trace(fn, *args, **kwargs)
+        except SpmdCompileError:
+            raise
+        except Exception as err:
+            better = translate(err)
+            if better is None:
+                raise
+            raise better from err
+        _warn_returned_state(traced.gm, fn)
+        return traced
+
+    return traced_with_reports

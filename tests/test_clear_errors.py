@@ -1,0 +1,150 @@
+"""Ordinary mistakes in a train step or in spmd's settings get an error (or a warning) naming the cause
+and the fix, never torch's internals; a refused step changes nothing the user owns."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd
+from spmd import SpmdCompileError, SpmdConfigError
+from spmd.tools.models import MLP
+from tests.dist import single_process_group
+from tests.parity import train_step
+from tests.test_errors import _assert_unchanged, _snapshot
+
+
+def _model_and_adam():
+    torch.manual_seed(0)
+    model = MLP(2, 4)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _masked(model, optim, x):
+    out = model(x)
+    loss = out[out > 0].sum()  # a shape that depends on values
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _formatted(model, optim, x):
+    loss = model(x).sum()
+    label = f"loss {loss:.3f}"  # noqa: F841  (reads the value)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("step, match", [
+    (_masked, r"shape depends on tensor values .* torch.where\(mask, x, 0\)"),
+    (_formatted, r"formats a tensor as text .* print\(f'\{loss.item\(\):.3f\}'\)"),
+], ids=["boolean-mask", "f-string"])
+def test_untraceable_step_names_cause_and_fix_and_touches_nothing(step, match):
+    model, optim = _model_and_adam()
+    snap = _snapshot(model, optim)
+    with pytest.raises(SpmdCompileError, match=match) as info:
+        spmd.compile()(step)(model, optim, torch.randn(8, 4))
+    assert "FakeTensor" not in str(info.value) and "SymInt" not in str(info.value)
+    _assert_unchanged(model, optim, snap)
+
+
+def _printing(model, optim, x):
+    loss = model(x).sum()
+    print(loss)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_print_in_the_step_warns_that_it_prints_once(capsys):
+    model, optim = _model_and_adam()
+    step = spmd.compile()(_printing)
+    with pytest.warns(UserWarning, match=r"printed a placeholder \(FakeTensor\) once.*print nothing") as record:
+        step(model, optim, torch.randn(8, 4))
+    assert record[0].filename == __file__  # at the user's print, not inside spmd or torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(model, optim, torch.randn(8, 4))  # no trace, no warning
+    assert capsys.readouterr().out.count("FakeTensor") == 1
+
+
+def _returns_state(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    first = next(iter(optim.state.values()))
+    return loss, model.mod[0].weight, first["exp_avg"]
+
+
+def test_returned_parameter_and_state_are_copies_and_say_so():
+    model, optim = _model_and_adam()
+    step = spmd.compile()(_returns_state)
+    with pytest.warns(UserWarning, match=r"returns mod.0.weight, .*exp_avg.*a new tensor holding its value"):
+        _, weight, exp_avg = step(model, optim, torch.randn(8, 4))
+    # what holds: the values are the live tensors' values after the step; the objects are new
+    assert torch.equal(weight, model.mod[0].weight) and weight is not model.mod[0].weight
+    assert torch.equal(exp_avg, next(iter(optim.state.values()))["exp_avg"])
+
+
+def test_model_partly_on_meta_is_refused_naming_the_parameters():
+    model, _ = _model_and_adam()
+    with torch.device("meta"):
+        model.mod[2] = nn.Linear(4, 4)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(SpmdCompileError, match=r"mod.2.weight.*meta device \(the rest of the model is on cpu\)"
+                                               r".*to_empty"):
+        spmd.compile()(train_step)(model, optim, torch.randn(8, 4))
+    assert not optim.state
+
+
+def test_optimizer_built_before_shard_is_told_to_build_it_after():
+    model, optim = _model_and_adam()  # built before spmd.shard: holds the unsharded parameters
+    mode = spmd.DataParallel("fully_shard")
+    with single_process_group():
+        spmd.shard(model, mode)
+        with pytest.raises(SpmdCompileError, match=r"built before spmd.shard.*Build the optimizer after"):
+            spmd.compile(parallel_mode=mode)(train_step)(model, optim, torch.randn(8, 4))
+    assert not optim.state
+
+
+def test_transformation_returning_no_callable_is_refused_and_undoes_the_state():
+    model, optim = _model_and_adam()
+    snap = _snapshot(model, optim)
+    step = spmd.compile(gm_transformation=lambda gm: None)(train_step)
+    with pytest.raises(SpmdConfigError, match=r"returned NoneType None, not a callable"):
+        step(model, optim, torch.randn(8, 4))
+    _assert_unchanged(model, optim, snap)  # the Adam state created for the trace is gone
+    assert not step.cache
+
+
+def test_parallel_mode_by_name_is_the_data_parallel_of_that_name():
+    assert spmd.compile(parallel_mode="replicate")(train_step).parallel_mode == spmd.DataParallel("replicate")
+    assert spmd.compile(parallel_mode="fully_shard")(train_step).parallel_mode == spmd.DataParallel("fully_shard")
+    model, optim = _model_and_adam()
+    bare = spmd.compile(train_step)  # like @spmd.compile without parentheses
+    assert isinstance(bare, spmd.CompiledTrainStep)
+    bare(model, optim, torch.randn(8, 4))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: spmd.compile(parallel_mode="ddp"), r"parallel_mode='ddp' is not a parallel style"),
+    (lambda: spmd.compile(parallel_mode=object()), r"parallel_mode must be an spmd.DataParallel"),
+    (lambda: spmd.compile(gm_transformation="inductor"), r"gm_transformation must be a callable"),
+    (lambda: spmd.compile(module_override=3), r"module_override must be a list"),
+    (lambda: spmd.DataParallel("zero3"), r"parallel_style='zero3' is not a parallel style"),
+    (lambda: spmd.DataParallel("replicate", grad_reduce="mean"), r"grad_reduce must be 'sum' or 'avg'"),
+    (lambda: spmd.DataParallel("replicate", group=0), r"group must be a torch.distributed.ProcessGroup"),
+    (lambda: spmd.DataParallel("fully_shard", mp_policy="bf16"), r"MixedPrecisionPolicy"),
+], ids=["unknown-style-name", "mode-type", "transformation", "override", "style", "grad-reduce", "group", "mp"])
+def test_configuration_mistakes_are_one_error_type(call, match):
+    with pytest.raises(SpmdConfigError, match=match) as info:
+        call()
+    assert isinstance(info.value, ValueError)  # SpmdConfigError is a ValueError

@@ -1,0 +1,135 @@
+"""Low-precision parameters and tensor hyperparameters update as eager does.
+
+float16 / bfloat16 parameters without autocast, 2 gloo ranks against eager DDP: SGD (with and
+without momentum) and fused AdamW match bit for bit; foreach and single-tensor AdamW stay within
+a few units in the last place of eager (the traced step computes AdamW in torch's capturable
+arrangement, which rounds its intermediates differently). The CPU kernels round only once where
+they vectorize; the models here have tensors whose sizes are multiples of the vector width, as
+in any real model but the smallest (in eager's scalar tail, eager itself rounds twice).
+
+Tensor learning rates: a float32 tensor lr in a float64 model trains SGD bit for bit as eager; AdamW
+with one is refused (its traced update differs by float32 rounding) with an error naming the
+fix, and the optimizer probe's verdict depends on the lr's type, so a float lr in the same
+process is not refused with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd
+from spmd import SpmdCompileError
+from spmd.tools.models import MLP
+from tests.dist import run_distributed
+from tests.parity import ddp_copy, eager_step, train_step
+
+AVG = spmd.DataParallel("replicate", grad_reduce="avg")
+OPTIMS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-3, fused=True),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-3, foreach=True),
+    "adamw-single": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-3, foreach=False),
+}
+BITWISE = ("sgd", "sgd-momentum", "adamw-fused", "adamw-single")
+FOREACH_ULPS = 20  # foreach AdamW (traced in torch's capturable arrangement): what holds after these steps
+CASES = [(torch.float16, "sgd-momentum"), (torch.float16, "adamw-single"), (torch.float16, "adamw-foreach"),
+         (torch.bfloat16, "sgd"), (torch.bfloat16, "adamw-fused"), (torch.bfloat16, "adamw-single")]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference between ``a`` and ``b``, in units in the last place of ``b``'s dtype at
+    ``b``'s largest magnitude (a parameter's rounding step, not that of its elements near zero)."""
+    return float((a.double() - b.double()).abs().max() / (torch.finfo(b.dtype).eps * b.double().abs().max()))
+
+
+def _low_precision(rank, world_size):
+    """Each of ``CASES`` for 4 steps against eager DDP; the failures, all reported together."""
+    failures = []
+    for dtype, optim in CASES:
+        torch.manual_seed(0)
+        model = MLP(layers=2, dim=64).to(dtype)  # sizes 4096 and 64: whole vectors on every CPU
+        ddp = ddp_copy(model)
+        opt, ddp_opt = OPTIMS[optim](model.parameters()), OPTIMS[optim](ddp.parameters())
+        step = spmd.compile(parallel_mode=AVG)(train_step)  # the CPU default: our passes, no Inductor
+        gen = torch.Generator().manual_seed(rank)
+        for i in range(4):
+            x = torch.randn(8, 64, generator=gen).to(dtype)
+            loss, ref = step(model, opt, x), eager_step(ddp, ddp_opt, x)
+            if (i == 0 or optim in BITWISE) and not torch.equal(loss, ref):
+                failures.append(f"{dtype} {optim} step {i}: loss {loss} != eager's {ref}")
+        for (name, p), q in zip(model.named_parameters(), ddp.module.parameters()):
+            ulps = _ulps(p, q)
+            if ulps > (0 if optim in BITWISE else FOREACH_ULPS):
+                failures.append(f"{dtype} {optim} {name}: {ulps:.3g} ulps from eager DDP")
+    assert not failures, "\n".join(failures)
+
+
+def test_low_precision_parameters_update_as_eager_ddp():
+    run_distributed(_low_precision)
+
+
+def _float64_model():
+    torch.manual_seed(0)
+    return MLP(layers=2, dim=8).double()
+
+
+def test_float32_tensor_lr_trains_sgd_as_eager_in_float64():
+    model = _float64_model()
+    ref = _float64_model()
+    make = lambda ps: torch.optim.SGD(ps, lr=torch.tensor(0.05), momentum=0.9)  # noqa: E731
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    step = spmd.compile()(train_step)
+    for i in range(6):
+        if i == 3:  # set into param_groups mid-training, as a scheduler of tensors would
+            for o in (opt, ref_opt):
+                o.param_groups[0]["lr"] = torch.tensor(0.02)
+        x = torch.randn(4, 8, dtype=torch.float64)
+        torch.testing.assert_close(step(model, opt, x), eager_step(ref, ref_opt, x), rtol=0, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_probe_verdict_depends_on_the_lr_type():
+    step = spmd.compile()(train_step)
+    model = _float64_model()
+    tensor_lr = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+    with pytest.raises(SpmdCompileError, match=r"lr \(a float32 tensor\): give them as Python floats or float64"):
+        step(model, tensor_lr, torch.randn(4, 8, dtype=torch.float64))
+    assert not tensor_lr.state
+    # the same class and settings with a float lr, in the same process: checked on its own, and exact
+    model, ref = _float64_model(), _float64_model()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, ref))
+    for _ in range(3):
+        x = torch.randn(4, 8, dtype=torch.float64)
+        torch.testing.assert_close(step(model, opt, x), eager_step(ref, ref_opt, x), rtol=0, atol=1e-14)
+    # a float64 tensor lr is taken too
+    model64 = _float64_model()
+    step(model64, torch.optim.AdamW(model64.parameters(), lr=torch.tensor(0.01, dtype=torch.float64)),
+         torch.randn(4, 8, dtype=torch.float64))
+
+
+# The traced update runs the float32 kernels (fused multiply-adds as the device's own kernels fuse them):
+# bit for bit expected, one rounding step of the parameters allowed until measured on a GPU.
+GPU_CASES = [("sgd-momentum", 1.0), ("adamw-single", 1.0), ("adamw-fused", 0.0), ("adamw-foreach", FOREACH_ULPS)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("optim, ulps", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_float16_parameters_on_gpu_update_as_eager(optim, ulps):
+    """One GPU, no process group, the exact graph (no Inductor): CUDA kernels read a number in float32
+    (CPU ones round add's alpha to the tensor's dtype first); the traced step follows the device's."""
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=64).to("cuda", torch.float16)
+    ref = MLP(layers=2, dim=64).to("cuda", torch.float16)
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = OPTIMS[optim](model.parameters()), OPTIMS[optim](ref.parameters())
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True))(train_step)
+    for _ in range(4):
+        x = torch.randn(8, 64, device="cuda").half()
+        step(model, opt, x)
+        eager_step(ref, ref_opt, x)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _ulps(p, q) <= ulps, f"{name}: {_ulps(p, q):.3g} ulps from eager"
