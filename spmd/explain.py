@@ -55,6 +55,7 @@ PASS_PURPOSE = {
     "schedule_reduce_scatter_waits": "gradient reduce-scatters overlap the backward of the units before them",
     "split_optimizer_per_unit": "each unit's update runs as soon as its gradients are reduced",
     "guard_unsharded_memory": "refuses a schedule that would hold too many units' full parameters at once",
+    "defer_state_writes": "a step that fails (a raising op, a dead peer) leaves parameters and optimizer state as they were",
 }
 
 
