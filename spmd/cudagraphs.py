@@ -56,13 +56,16 @@ class CudaGraphRunner:
     buffers. The first ``num_user_outputs`` outputs are cloned for the caller (the
     next replay overwrites the static ones); the rest are values carried to the next
     iteration and are handed back as they are, to be copied in again. ``fall_back``: when the
-    capture fails, warn and run ``fn`` uncaptured from then on instead of raising.
+    capture fails, warn and run ``fn`` uncaptured from then on instead of raising. ``unread[i]``:
+    the graph never reads input ``i`` (see ``cudagraph_obstacle``): it may live anywhere and is
+    never copied.
     """
 
     def __init__(self, fn: Callable, persistent: Sequence[bool], num_user_outputs: int, label: str = "step",
-                 fall_back: bool = False):
+                 fall_back: bool = False, unread: Sequence[bool] = ()):
         self.fn = fn
-        self.persistent = list(persistent)
+        self.unread = list(unread) + [False] * (len(persistent) - len(unread))
+        self.persistent = [p or u for p, u in zip(persistent, self.unread)]
         self.num_user_outputs = num_user_outputs
         self.label = label
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -76,7 +79,7 @@ class CudaGraphRunner:
 
     def _check_inputs(self, args: tuple) -> None:
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and a.device.type != "cuda":
+            if isinstance(a, torch.Tensor) and a.device.type != "cuda" and not self.unread[i]:
                 raise SpmdCompileError(
                     f"spmd: enable_cudagraphs=True, but input {i} of the {self.label} graph (shape "
                     f"{tuple(a.shape)}) is on {a.device}; a CUDA graph replays only GPU work. Keep the "

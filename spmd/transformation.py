@@ -138,7 +138,7 @@ class GraphModuleTransformation:
         if auto and (reason := cudagraph_obstacle(gm, args)):
             log.warning("spmd: the %s graph runs without CUDA graphs: %s", label, reason)
         elif self.enable_cudagraphs:
-            roles = [n.meta.get(ROLE) for n in gm.graph.nodes if n.op == "placeholder"]
-            runner = CudaGraphRunner(runner, [r in Role.STATIC for r in roles], num_user_outputs, label,
-                                     fall_back=auto)
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            runner = CudaGraphRunner(runner, [n.meta.get(ROLE) in Role.STATIC for n in placeholders], num_user_outputs,
+                                     label, fall_back=auto, unread=[not n.users for n in placeholders])
         return runner

@@ -28,6 +28,7 @@ AVG = spmd.DataParallel("replicate", grad_reduce="avg")
 OPTIMS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01),
+    "sgd-momentum-single": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, foreach=False),
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-3, fused=True),
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-3, foreach=True),
     "adamw-single": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-3, foreach=False),
@@ -111,8 +112,11 @@ def test_probe_verdict_depends_on_the_lr_type():
 
 
 # The traced update runs the float32 kernels (fused multiply-adds as the device's own kernels fuse them):
-# bit for bit expected, one rounding step of the parameters allowed until measured on a GPU.
-GPU_CASES = [("sgd-momentum", 1.0), ("adamw-single", 1.0), ("adamw-fused", 0.0), ("adamw-foreach", FOREACH_ULPS)]
+# bit for bit expected for single-tensor and fused updates, one rounding step of the parameters allowed.
+# On CUDA, SGD without foreach=False is foreach SGD, which torch itself computes as a multiply then an add
+# when lr is a tensor: measured 1.47 rounding steps from eager on one H200 after these 4 steps.
+GPU_CASES = [("sgd-momentum", 2.0), ("sgd-momentum-single", 1.0), ("adamw-single", 1.0), ("adamw-fused", 0.0),
+             ("adamw-foreach", FOREACH_ULPS)]
 
 
 @pytest.mark.gpu
