@@ -43,7 +43,7 @@ class Role:
     STATE = "state"        # optimizer state
     HYPER = "hyper"        # an optimizer hyperparameter (lr, betas, ...) as a 0-dim tensor
     INPUT = "input"        # a tensor argument of the user's step
-    GRAD = "grad"          # a gradient a parameter held when the step was called (spmd.accumulation)
+    GRAD = "grad"          # a gradient a parameter held when the step was called (spmd.trace.accumulation)
     CARRIED = "carried"    # a value carried into the next iteration by IterGraphModule
 
     PERSISTENT = (PARAM, BUFFER, STATE)        # live across steps; updated in place

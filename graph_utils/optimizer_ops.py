@@ -129,7 +129,7 @@ def functional_of(op) -> Optional[OpOverload]:
 
 
 # The Python functions optimizers call (``torch._fused_adam_``): their ``float`` arguments take
-# Python numbers only, so a hyperparameter passed there is used by value (``spmd.hyperparams``).
+# Python numbers only, so a hyperparameter passed there is used by value (``spmd.optim.hyperparams``).
 _TORCH_FUNCTIONS = {getattr(torch, p._qualified_op_name.split("::")[1]): p for p in FUSED
                     if hasattr(torch, p._qualified_op_name.split("::")[1])}
 

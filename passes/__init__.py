@@ -1,4 +1,8 @@
-"""Graph optimization passes over whole-step graphs, and the manager that orders them."""
+"""Graph optimization passes over whole-step graphs, and the manager that orders them.
+
+Takes the expanded graph from ``spmd.parallel``; hands the optimized graph to ``spmd.lower``
+(both run by ``spmd.step.transformation``). Passes import ``spmd.graph_utils``, never ``spmd``.
+"""
 
 from .comm_fusion import comm_fusion_with_concat, plan_buckets
 from .comm_wait import schedule_comm_wait

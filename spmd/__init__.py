@@ -7,9 +7,9 @@ warn_if_untested()
 from .api import CompiledTrainStep, compile
 from .errors import SpmdCompileError, SpmdConfigError
 from .explain import Plan, explain
-from .iter_graph_module import IterGraph, IterGraphModule, IterMoveError
 from .parallel import DataParallel, shard
-from .transformation import GraphModuleTransformation
+from .step.iter_graph_module import IterGraph, IterGraphModule, IterMoveError
+from .step.transformation import GraphModuleTransformation
 
 __all__ = [
     "CompiledTrainStep", "DataParallel", "GraphModuleTransformation", "IterGraph", "IterGraphModule",

@@ -18,7 +18,7 @@ TESTED = ((2, 11), (2, 15))  # inclusive range of (major, minor)
 
 # Inductor options spmd sets that older tested versions lack: option -> first (major, minor) that has it.
 # torch 2.14 added aten_distributed_optimizations.enable_simple_overlap and turned it on by default: it
-# moves collectives' waits, so spmd switches it off (spmd.lowering) where it exists.
+# moves collectives' waits, so spmd switches it off (spmd.lower.inductor) where it exists.
 INDUCTOR_OPTION_SINCE = {
     "aten_distributed_optimizations.enable_simple_overlap": (2, 14),
 }

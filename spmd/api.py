@@ -19,23 +19,23 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
-from .accumulation import grads_on_entry, grads_signature
+from .checks import rank_agreement
+from .checks.optimizer_probe import check_optimizers
 from .compile_times import phase, recording
 from .errors import SpmdCompileError, SpmdConfigError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
-from .iter_graph_module import IterGraphModule
-from . import rank_agreement
+from .optim.amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
+from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
-from .parallel.grad_check import refuse_untrained_parameters
 from .parallel.data_parallel import as_data_parallel
-from .optim_check import check_optimizers
-from .optim_state import ensure_optimizer_state
-from .compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
-from .state_check import StateCheck
-from .step_outputs import rewrap
-from .step_state import StepState, describe_changes, find_modules_and_optimizers, tensor_signature
-from .tracing import trace_train_step
+from .parallel.grad_check import refuse_untrained_parameters
+from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
+from .step.iter_graph_module import IterGraphModule
+from .step.state_check import StateCheck
+from .trace.accumulation import grads_on_entry, grads_signature
+from .trace.capture import trace_train_step
+from .trace.step_outputs import rewrap
+from .trace.step_state import StepState, describe_changes, find_modules_and_optimizers, tensor_signature
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def default_transformation(device_type: str) -> Callable:
     Inductor's C++ compile takes a small model's first call from about 1 s to 15-40 s).
     ``spmd.GraphModuleTransformation()`` asks for the traced graph as it is.
     """
-    from .transformation import GraphModuleTransformation
+    from .step.transformation import GraphModuleTransformation
 
     if device_type == "cuda":
         return GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
@@ -87,7 +87,7 @@ class CompiledTrainStep:
 
     cache_size = 16          # compiled signatures kept; the least recently used one is dropped first
     retrace_warning_at = 8   # traces after which a step that keeps retracing is warned about, once
-    # Before every call the ranks agree on the graph they run (spmd.rank_agreement). None: where the
+    # Before every call the ranks agree on the graph they run (spmd.checks.rank_agreement). None: where the
     # step's group has several ranks. True: on a group of one too, to measure what it costs. False:
     # never, to measure a call without it (a rank that then retraces alone hangs the others).
     agree_across_ranks: Optional[bool] = None
@@ -132,9 +132,9 @@ class CompiledTrainStep:
                          zero_grads_for: frozenset = frozenset(), grad_order: Optional[list] = None):
         """Trace the step and expand it for the parallel mode: (expanded gm, traced step, state, created).
 
-        Optimizers are first checked against eager (``spmd.optim_check``); one that would
+        Optimizers are first checked against eager (``spmd.checks.optimizer_probe``); one that would
         not be traced exactly is refused before anything changes. ``created`` lists the
-        optimizer state created for the trace (``spmd.optim_state.CreatedState``); on
+        optimizer state created for the trace (``spmd.optim.state.CreatedState``); on
         failure it is removed again, so a failed compile leaves the user's objects as they were.
         ``zero_grads_for`` and ``grad_order``: see ``rank_check.zero_gradient_plan``.
         """
@@ -235,7 +235,7 @@ class CompiledTrainStep:
             raise
 
     def _agreement_group(self) -> Optional[dist.ProcessGroup]:
-        """The gloo group this step's ranks agree over before every call (``spmd.rank_agreement``),
+        """The gloo group this step's ranks agree over before every call (``spmd.checks.rank_agreement``),
         or None (one rank, or ``agree_across_ranks=False``); made on the first call."""
         if not self._side_resolved:
             wanted = self.agree_across_ranks
@@ -249,7 +249,7 @@ class CompiledTrainStep:
         self.trace_count += 1
         if self._last_signature is not None:
             changes = describe_changes(self._last_signature, signature) or ["nothing in its signature"]
-            # gradients held on entry or not: an accumulation loop's expected second graph (spmd.accumulation)
+            # gradients held on entry or not: an accumulation loop's expected second graph (spmd.trace.accumulation)
             level = logging.INFO if all(c.startswith("gradient of ") for c in changes) else logging.WARNING
             log.log(level, "spmd.compile: %s retraced (trace %d): %s", self.__name__, self.trace_count,
                     "; ".join(changes))
@@ -307,7 +307,7 @@ class CompiledTrainStep:
 
     def prepare_state(self, args: tuple, kwargs: dict) -> StepState:
         """Find the step's modules and optimizers, apply overrides, and check the gradients they hold
-        can be taken as graph inputs (``spmd.accumulation``)."""
+        can be taken as graph inputs (``spmd.trace.accumulation``)."""
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
         _check_materialized(modules)
@@ -482,7 +482,7 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     buffers and optimizer state are graph inputs updated in place on every call, and
     every numeric optimizer hyperparameter (lr, betas, momentum, ...) is a graph input
     too, so schedulers change it without a retrace. Each optimizer is checked against
-    eager before its first trace (``spmd.optim_check``) and refused if not traced exactly.
+    eager before its first trace (``spmd.checks.optimizer_probe``) and refused if not traced exactly.
 
     ``parallel_mode``: an ``spmd.DataParallel``, or a style's name (``"replicate"`` is
     ``DataParallel("replicate")``, which averages gradients over ranks as DDP

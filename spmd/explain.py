@@ -14,9 +14,9 @@ from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, UNIT
 from .passes import PassManager, pass_info
 
 from .api import CompiledTrainStep
-from .iter_graph_module import IterGraphModule
 from .parallel.units import shard_plan
-from .transformation import GraphModuleTransformation
+from .step.iter_graph_module import IterGraphModule
+from .step.transformation import GraphModuleTransformation
 
 TINY_ALL_REDUCE_BYTES = 1 << 20  # an all_reduce under 1 MiB is dominated by latency
 

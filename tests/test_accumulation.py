@@ -1,4 +1,4 @@
-"""Gradient accumulation across calls (``spmd.accumulation``), as DDP and FSDP2 users write it.
+"""Gradient accumulation across calls (``spmd.trace.accumulation``), as DDP and FSDP2 users write it.
 
 ``accum_step`` (forward and backward, no optimizer) k-1 times, then ``train_step`` (backward,
 step, zero_grad): replicate matches DDP with ``no_sync()`` for the first k-1 micro-batches,

@@ -13,8 +13,8 @@ import torch.nn as nn
 
 import spmd
 from spmd.errors import SpmdCompileError
-from spmd.state_check import StateCheck
-from spmd.step_state import StepState
+from spmd.step.state_check import StateCheck
+from spmd.trace.step_state import StepState
 from tests.parity import square_mean_step
 
 F64 = torch.float64

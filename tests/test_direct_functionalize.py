@@ -1,4 +1,4 @@
-"""spmd.direct_functionalize: when it replaces the functionalize re-trace, and that it computes the same step."""
+"""spmd.trace.direct_functionalize: when it replaces the functionalize re-trace, and that it computes the same step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import spmd
-import spmd.tracing
+import spmd.trace.capture
 from spmd.tools.models import GPT, MLP, ConvBN, GPTConfig
 from tests.helpers import inplace_activation_step
 from tests.parity import train_step
@@ -62,8 +62,8 @@ def test_direct_rewrite_or_retrace_computes_the_same_steps(case, monkeypatch):
     twin_optim = optim_cls(twin.parameters(), lr=0.01, **optim_kwargs)
 
     results = []
-    real = spmd.tracing.functionalize_optimizer_writes
-    monkeypatch.setattr(spmd.tracing, "functionalize_optimizer_writes",
+    real = spmd.trace.capture.functionalize_optimizer_writes
+    monkeypatch.setattr(spmd.trace.capture, "functionalize_optimizer_writes",
                         lambda gm: results.append(real(gm)) or results[-1])
     direct = spmd.compile()(step_fn)
     retraced = spmd.compile()(step_fn)
@@ -72,7 +72,7 @@ def test_direct_rewrite_or_retrace_computes_the_same_steps(case, monkeypatch):
         out = direct(model, optim, *inputs)
         if i == 0:
             assert (results[-1] is not None) == direct_expected
-            monkeypatch.setattr(spmd.tracing, "functionalize_optimizer_writes", lambda gm: None)  # force re-trace
+            monkeypatch.setattr(spmd.trace.capture, "functionalize_optimizer_writes", lambda gm: None)  # force re-trace
         ref = retraced(twin, twin_optim, *inputs)
         torch.testing.assert_close(out, ref, **TOL)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
@@ -116,8 +116,8 @@ def test_a_write_through_a_view_of_a_parameter_is_re_traced_and_lands_in_the_par
     optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     eager_optim = torch.optim.Adam(eager.parameters(), lr=0.01, fused=True)
     results = []
-    real = spmd.tracing.functionalize_optimizer_writes
-    monkeypatch.setattr(spmd.tracing, "functionalize_optimizer_writes",
+    real = spmd.trace.capture.functionalize_optimizer_writes
+    monkeypatch.setattr(spmd.trace.capture, "functionalize_optimizer_writes",
                         lambda gm: results.append(real(gm)) or results[-1])
     step = spmd.compile()(_nudges_parameters_through_views)
     for _ in range(3):

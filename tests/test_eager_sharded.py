@@ -72,7 +72,7 @@ def _eager_forward_and_backward(rank, world_size, style):
         if q.grad is not None:
             assert isinstance(p.grad, DTensor) and p.grad.placements == q.grad.placements, name
             assert (p.grad.to_local() - q.grad.to_local()).abs().max().item() <= 1e-12, name
-    # the compiled step takes those gradients as FSDP2's next step would (spmd.accumulation)
+    # the compiled step takes those gradients as FSDP2's next step would (spmd.trace.accumulation)
     idx, targets = data[3]
     _same_outputs(step(model, optim, idx, targets), clipped(ref, ref_optim, idx, targets))
     assert max_param_diff(model, ref) <= TOL

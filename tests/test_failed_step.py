@@ -145,7 +145,7 @@ def group():
 
 def _pipeline_graph(style, bucket_mb, passes_filter=lambda p: True):
     """The step graph of a 2-block GPT after the default pipeline (``passes_filter``: which of its passes run)."""
-    from spmd.transformation import default_passes, sharded_passes
+    from spmd.step.transformation import default_passes, sharded_passes
 
     model = gpt(n_layer=2)
     mode = spmd.DataParallel(style, **({"wrap_policy": block_policy()} if style != "replicate" else {}))

@@ -9,10 +9,10 @@ import torch
 
 import spmd
 from spmd.api import default_transformation
-from spmd.lowering import inductor_config
+from spmd.lower.inductor import inductor_config
 from spmd.passes import applied_passes
 from spmd.tools.models import MLP
-from spmd.transformation import default_passes
+from spmd.step.transformation import default_passes
 from tests.parity import train_step
 
 
@@ -43,7 +43,7 @@ def test_cudagraphs_auto_runs_a_graph_it_cannot_replay_as_it_is_and_says_why_onc
     ref.load_state_dict(model.state_dict())
     optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_cudagraphs="auto"))(train_step)
-    with caplog.at_level(logging.WARNING, logger="spmd.transformation"):
+    with caplog.at_level(logging.WARNING, logger="spmd.step.transformation"):
         for _ in range(3):
             x = torch.randn(4, 8, dtype=torch.float64)
             torch.testing.assert_close(step(model, optim, x), train_step(ref, ref_optim, x), atol=1e-12, rtol=0)

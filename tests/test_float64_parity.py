@@ -5,7 +5,7 @@ that changed the math slightly (a wrong scale, a stale value read once) could hi
 under them. In float64, the full pass pipeline on 2 gloo processes must match eager DDP
 to float64 rounding. What holds exactly: fused AdamW runs eager's own kernel and matches bit
 for bit. SGD (single-tensor, the CPU default) traces ``add_(grad, alpha=-lr)`` as the one fused
-multiply-add eager's kernel computes (``spmd.hyper_rewrites``): bit for bit on an MLP; here the
+multiply-add eager's kernel computes (``spmd.optim.hyper_rewrites``): bit for bit on an MLP; here the
 embeddings' parameters end within 1e-16 (measured 7e-18). Foreach AdamW, traced in torch's capturable arrangement of the same
 update, matches to 1e-13 (a few elements reach 5e-15 after 6 steps). Lowered through Inductor,
 which may reassociate, the bound is 1e-10.

@@ -113,7 +113,7 @@ def _gpt(rank, world_size, optimize=False, inductor=False, cudagraphs=False, ite
         ref = eager_step(ddp, ddp_optim, idx, idx.roll(-1, 1))
         torch.testing.assert_close(loss, ref, **tol)
     if default:
-        from spmd.cudagraphs import CudaGraphRunner
+        from spmd.lower.cudagraphs import CudaGraphRunner
 
         runner = next(iter(train_step.cache.values())).runner._runners["step"]
         assert isinstance(runner, CudaGraphRunner) and runner.graph is not None and not runner.uncaptured
@@ -158,14 +158,14 @@ def _default_without_cudagraphs(rank, world_size):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("spmd.transformation").addHandler(handler)
+    logging.getLogger("spmd.step.transformation").addHandler(handler)
     try:
         for i in range(3):
             batch = torch.randn(16, 64, device=device)
             compiled(model, optim, batch)
             eager_step(ddp, ddp_optim, batch, grad_scale=world_size)
     finally:
-        logging.getLogger("spmd.transformation").removeHandler(handler)
+        logging.getLogger("spmd.step.transformation").removeHandler(handler)
     why = [r.getMessage() for r in records if "without CUDA graphs" in r.getMessage()]
     assert len(why) == 1 and "capturable=True" in why[0], why
     assert_params_close(model, ddp, atol=1e-4, rtol=1e-4)

@@ -2,7 +2,7 @@
 
 The step is written as for DDP (``scaler.scale(loss).backward()``, ``scaler.step(optim)``,
 ``scaler.update()``); spmd traces the unscale, the cross-rank found-inf agreement, the skipped
-step and the scale update into the graph (``spmd.amp_scaler``). An inf injected into one
+step and the scale update into the graph (``spmd.optim.amp_scaler``). An inf injected into one
 rank's batch must skip the step on every rank, back the scale off, and growth must follow
 ``growth_interval`` clean steps, exactly as eager.
 """
@@ -159,7 +159,7 @@ def _gpu_parity(rank, world_size, impl):
     worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp.module.parameters()))
     print(f"rank {rank}: max |param - DDP param| after {len(SCALES)} steps = {worst:.2e}")
     assert worst < 5e-3
-    from spmd.cudagraphs import CudaGraphRunner
+    from spmd.lower.cudagraphs import CudaGraphRunner
 
     runner = next(iter(step.cache.values())).runner._runners["step"]
     assert isinstance(runner, CudaGraphRunner) and runner.graph is not None and not runner.uncaptured

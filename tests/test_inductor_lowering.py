@@ -14,7 +14,7 @@ import spmd
 from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
 from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
 from spmd import IterGraphModule, SpmdCompileError
-from spmd.lowering import prepare_for_inductor
+from spmd.lower.inductor import prepare_for_inductor
 from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
 from tests.helpers import first_relu, inplace_activation_step, iter_move_pipeline
@@ -47,7 +47,7 @@ def test_prepare_for_inductor_turns_copy_views_into_views_and_wraps_inplace_opti
     model = MLP(layers=3, dim=16)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     # an in-place op on an activation: the step is re-traced under functionalize, which turns views
-    # into *_copy ops (spmd.direct_functionalize rewrites only the optimizer's writes)
+    # into *_copy ops (spmd.trace.direct_functionalize rewrites only the optimizer's writes)
     with single_process_group():
         spmd.compile(gm_transformation=transform)(inplace_activation_step)(model, optim, torch.randn(4, 16))
     gm = seen["igm"].logical_gm
@@ -87,7 +87,7 @@ def test_inductor_compiles_what_aot_autograds_retrace_would_have_given_it(step, 
     import torch._inductor.compile_fx as inductor
     from torch._inductor.decomposition import select_decomp_table
 
-    from spmd.lowering import compile_with_inductor, inductor_config
+    from spmd.lower.inductor import compile_with_inductor, inductor_config
 
     transform, seen = _pipeline_igm(0.002)
     torch.manual_seed(0)
@@ -269,7 +269,7 @@ def test_cudagraphs_refuse_cpu_inputs_before_running_anything():
 def test_our_schedule_switches_inductor_comm_reordering_off_and_the_comparison_switches_it_on():
     import torch._inductor.config as config
 
-    from spmd.lowering import inductor_config
+    from spmd.lower.inductor import inductor_config
 
     ours, theirs = inductor_config(), inductor_config(inductor_comm_passes=True)
     assert ours["reorder_for_compute_comm_overlap"] is False and ours["reorder_for_peak_memory"] is False
@@ -283,7 +283,7 @@ def test_our_schedule_switches_inductor_comm_reordering_off_and_the_comparison_s
 
 def test_a_missing_inductor_option_fails_loudly_unless_this_torch_may_lack_it(monkeypatch):
     """A renamed Inductor option would let Inductor reorder our collectives: refuse instead of skipping it."""
-    import spmd.lowering as lowering
+    import spmd.lower.inductor as lowering
     from spmd._torch_version import installed
 
     monkeypatch.setitem(lowering._INDUCTOR_CONFIG, "renamed_comm_reordering_option", False)
@@ -297,7 +297,7 @@ def test_a_missing_inductor_option_fails_loudly_unless_this_torch_may_lack_it(mo
 def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch):
     """spmd.compile calls ``before_trace(device)`` on a transformation that has it, before tracing; ours
     then starts Inductor's compile workers for a GPU step (as compile_fx would, but seconds earlier)."""
-    import spmd.transformation as transformation_module
+    import spmd.step.transformation as transformation_module
 
     started = []
     monkeypatch.setattr(transformation_module, "start_compile_workers", lambda: started.append(True))
@@ -325,7 +325,7 @@ def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch)
 def test_a_decomposition_that_fails_names_the_op_and_the_way_around_it():
     """A decomposition that raises on our graph is an SpmdCompileError naming the op and the fix, not a
     deep traceback from make_fx."""
-    from spmd.inductor_decompose import decompose_for_inductor
+    from spmd.lower.decompose import decompose_for_inductor
 
     gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: torch.relu(x) + 1, tracing_mode="fake")(torch.randn(4))
 

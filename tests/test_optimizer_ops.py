@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from spmd import direct_functionalize, lowering, optim_meta
+from spmd.trace import direct_functionalize
+from spmd.lower import inductor as lowering
+from spmd.optim import meta_kernels as optim_meta
 from spmd.graph_utils import optimizer_ops as ops
 from spmd.passes import foreach_split, fused_optimizer, optimizer_copies
 

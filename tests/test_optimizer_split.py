@@ -170,11 +170,11 @@ def _names(passes):
 
 
 def test_default_pipeline_splits_after_wait_scheduling_unless_asked_for_one_optimizer_op():
-    default = spmd.transformation.default_passes()
+    default = spmd.step.transformation.default_passes()
     names = _names(default)
     assert names.index("schedule_comm_wait") < names.index("split_optimizer_per_bucket") \
         < names.index("remove_copy_from_optimizer")
-    assert "split_optimizer_per_bucket" not in _names(spmd.transformation.default_passes(optimizer_parts=1))
+    assert "split_optimizer_per_bucket" not in _names(spmd.step.transformation.default_passes(optimizer_parts=1))
     assert spmd.GraphModuleTransformation(enable_graph_optimization=True).pass_args[
         spmd.passes.split_optimizer_per_bucket] == {"max_parts": 4}
     transform = spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=2)

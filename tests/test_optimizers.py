@@ -327,8 +327,8 @@ def capturable_on_cpu(monkeypatch):
         module = importlib.import_module(f"torch.optim.{name}")
         if hasattr(module, "_get_capturable_supported_devices"):
             monkeypatch.setattr(module, "_get_capturable_supported_devices", with_cpu)
-    import spmd.optim_check
-    monkeypatch.setattr(spmd.optim_check, "_get_capturable_supported_devices", with_cpu)
+    import spmd.checks.optimizer_probe
+    monkeypatch.setattr(spmd.checks.optimizer_probe, "_get_capturable_supported_devices", with_cpu)
 
 
 @pytest.mark.parametrize("cls,settings", CAPTURABLE, ids=[f"{c.__name__}-{s}" for c, s in CAPTURABLE])

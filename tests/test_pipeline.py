@@ -11,7 +11,7 @@ import spmd
 from spmd.graph_utils import find_node, is_all_reduce
 from spmd.passes import applied_passes, graph_optimization_pass, pass_info, remove_copy_from_optimizer, schedule_comm_wait
 from spmd.tools.models import MLP
-from spmd.transformation import default_passes
+from spmd.step.transformation import default_passes
 from tests.dist import run_distributed, single_process_group
 from tests.parity import assert_params_close, check_sgd_grad_sum, ddp_copy, eager_step, train_step
 

@@ -12,7 +12,7 @@ from spmd.graph_utils import find_node, is_all_reduce
 from spmd.passes import (
     comm_fusion_with_concat, iter_move_grads_and_optimizers, remove_copy_from_optimizer, schedule_comm_wait,
 )
-from spmd.step_state import describe_changes
+from spmd.trace.step_state import describe_changes
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.parity import assert_params_close, ddp_copy, eager_step, square_mean_step

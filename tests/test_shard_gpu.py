@@ -32,7 +32,7 @@ def _step(model, optim, idx, targets):
 
 
 def _replayed_as_cuda_graph(step) -> bool:
-    from spmd.cudagraphs import CudaGraphRunner
+    from spmd.lower.cudagraphs import CudaGraphRunner
 
     runner = next(iter(step.cache.values())).runner._runners["step"]
     return isinstance(runner, CudaGraphRunner) and runner.graph is not None and not runner.uncaptured

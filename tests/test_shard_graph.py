@@ -14,7 +14,7 @@ import pytest
 import spmd
 from spmd.graph_utils.meta import KEEP, UNIT
 from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval, wait_of
-from spmd.iter_graph_module import IterGraphModule
+from spmd.step.iter_graph_module import IterGraphModule
 from spmd.passes import (
     UnshardedMemoryError, guard_unsharded_memory, prefetch_unit_gathers, schedule_reduce_scatter_waits,
     split_optimizer_per_unit, unsharded_peak,

@@ -97,7 +97,7 @@ def _eager_scaled_step(model, optim):
 
 @pytest.mark.parametrize("used_before", [False, True], ids=["fresh-scaler", "used-scaler"])
 def test_a_grad_scaler_in_the_steps_globals_is_left_real(used_before):
-    """A global scaler is traced into the step (spmd.amp_scaler): afterwards it holds real tensors, the
+    """A global scaler is traced into the step (spmd.optim.amp_scaler): afterwards it holds real tensors, the
     ones it held before when it had been used (updated in place), and eager use goes on."""
     global scaler
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)

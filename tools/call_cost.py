@@ -1,4 +1,4 @@
-"""What the ranks' per-call agreement costs (``spmd.rank_agreement``): ``python -m spmd.tools.call_cost``.
+"""What the ranks' per-call agreement costs (``spmd.checks.rank_agreement``): ``python -m spmd.tools.call_cost``.
 
 Before every call of a compiled step over several ranks, the ranks agree on the graph they
 run: one all_reduce of seven integers over a gloo group. This measures, on every rank of a
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import spmd
-from spmd import rank_check
+from spmd.checks import rank_check
 from spmd.tools.launch import launch
 from spmd.tools.models import MLP
 

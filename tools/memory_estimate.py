@@ -167,7 +167,7 @@ def measure(style: str, cfg: GPTConfig, batch: int, steps: int = 3, cudagraphs: 
     write the allocator's history of the last step to (``torch.cuda.memory._dump_snapshot``).
     Returns (peak GiB, median ms of ``timed`` more steps or None): the time has no communication in it.
     """
-    from spmd import rank_check
+    from spmd.checks import rank_check
 
     exchange, rank_check.exchange = rank_check.exchange, lambda local, group: None
     try:

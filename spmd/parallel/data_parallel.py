@@ -8,7 +8,7 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
 * ``trace_context(dp, state, params, zero_grads_for)``: a context manager entered around
   the user's step while it is traced, given the traced stand-ins of ``state.params`` (e.g.
   tag each gradient; gather and reduce-scatter each sharding unit); ``zero_grads_for``:
-  parameters this rank computes no gradient for while others do (``spmd.rank_check``);
+  parameters this rank computes no gradient for while others do (``spmd.checks.rank_check``);
 * ``expand(dp, gm, grad_order=None)``: turns the traced single-rank graph into the
   distributed one (e.g. an all_reduce per gradient); ``grad_order`` is the order every
   rank reduces gradients in when some rank computes no gradient for a parameter;

@@ -7,10 +7,10 @@ its optimizer update, would silently stay where it is while the loss still falls
 
 from __future__ import annotations
 
-from ..accumulation import LEAVES_GRADS
 from ..errors import SpmdCompileError
 from ..graph_utils.grad_coverage import gradient_gaps
-from ..step_state import StepState
+from ..trace.accumulation import LEAVES_GRADS
+from ..trace.step_state import StepState
 
 
 def refuse_untrained_parameters(dp, gm, state: StepState) -> None:
@@ -20,7 +20,7 @@ def refuse_untrained_parameters(dp, gm, state: StepState) -> None:
     no optimizer holds are not checked: eager gives them no update either. Without a
     process group a replicate step reduces nothing, so there is nothing to check, and
     neither does a replicate step that leaves its gradients for a later call (``no_sync``,
-    ``spmd.accumulation``): the step that updates reduces them.
+    ``spmd.trace.accumulation``): the step that updates reduces them.
     """
     if not dp.is_sharded and (dp.process_group() is None or gm.meta.get(LEAVES_GRADS, False)):
         return

@@ -8,7 +8,7 @@
 * ``expand``: each ``spmd::tag_grad`` marker left by tracing becomes a functional
   all_reduce and its ``wait_tensor``, right where the gradient is produced in the
   backward (none in a step that leaves its gradients for a later call, as under
-  ``DDP.no_sync()``: ``spmd.accumulation``). Each ``spmd::sync_buffers`` marker (before every forward of a module, with
+  ``DDP.no_sync()``: ``spmd.trace.accumulation``). Each ``spmd::sync_buffers`` marker (before every forward of a module, with
   ``broadcast_buffers``) becomes one broadcast from rank 0 per dtype of the module's
   buffers, as DDP broadcasts them before each forward.
 """
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..accumulation import LEAVES_GRADS
 from ..graph_utils import set_fake_val
 from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
+from ..trace.accumulation import LEAVES_GRADS
 from .replicate_markers import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
 def expand(dp, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
     """Insert one all_reduce + wait per gradient and the buffer broadcasts; return the same module, edited.
 
-    ``grad_order`` (from ``spmd.rank_check.zero_gradient_plan``): the (parameter index,
+    ``grad_order`` (from ``spmd.checks.rank_check.zero_gradient_plan``): the (parameter index,
     occurrence) order in which every rank reduces its gradients; the zero gradients
     tracing added for parameters this rank does not use move to their place in it.
     """

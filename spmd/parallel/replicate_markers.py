@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from ..accumulation import take_entry_grad
+from ..trace.accumulation import take_entry_grad
 
 @torch.library.custom_op("spmd::tag_grad", mutates_args=())
 def tag_grad(grad: torch.Tensor, param_index: int) -> torch.Tensor:
@@ -97,7 +97,7 @@ def tag_gradients(state, params: list[torch.Tensor],
 
     ``zero_grads_for``: indices of trained parameters that get a zero gradient in a backward
     that computes none for them (``_ZeroGradsForUnused``). A gradient the parameter held when
-    the step was called (``spmd.accumulation``) is added to its first new one before the tag.
+    the step was called (``spmd.trace.accumulation``) is added to its first new one before the tag.
     """
     unused = _ZeroGradsForUnused(params, frozenset(zero_grads_for))
 

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..errors import SpmdCompileError
 from ..graph_utils import is_comm_node, is_wait_node
 from ..graph_utils.meta import CARRIES, KEEP, PHASE, UNIT
-from ..step_state import StepState
+from ..trace.step_state import StepState
 from .policies import as_policy
 from .shard_comm import (
     UNIT_TAG, GatherUnit, ParamLayout, UnitGroups, gather_unit, in_backward, layout_of, unit_groups,

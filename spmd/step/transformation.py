@@ -7,13 +7,13 @@ from typing import Callable, Optional, Sequence
 
 import torch.fx as fx
 
-from .compile_times import phase
-from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
-from .graph_utils import DumpOptions, request_dump
-from .graph_utils.meta import ROLE, UNIT, Role
+from ..compile_times import phase
+from ..graph_utils import DumpOptions, request_dump
+from ..graph_utils.meta import ROLE, UNIT, Role
+from ..lower.cudagraphs import CudaGraphRunner, cudagraph_obstacle
+from ..lower.inductor import check_inductor_options, compile_with_inductor, start_compile_workers
 from .iter_graph_module import IterGraphModule
-from .lowering import check_inductor_options, compile_with_inductor, start_compile_workers
-from .passes import (
+from ..passes import (
     PassManager, applied_passes, comm_fusion_with_concat, defer_state_writes, guard_unsharded_memory, pass_info,
     prefetch_unit_gathers, remove_copy_from_optimizer, schedule_comm_wait, schedule_reduce_scatter_waits,
     split_optimizer_per_bucket, split_optimizer_per_unit,
@@ -57,13 +57,13 @@ class GraphModuleTransformation:
 
     ``enable_inductor=True`` compiles each graph the step runs (the whole step, or its
     setup/main/cleanup parts after a cross-iteration move) with TorchInductor on first
-    use, keeping the collective and wait positions the passes chose (``spmd.lowering``).
+    use, keeping the collective and wait positions the passes chose (``spmd.lower.inductor``).
     ``enable_cudagraphs=True`` replays each repeated graph as one CUDA graph from its
-    second call on (``spmd.cudagraphs``); it needs every input on the GPU, so optimizers
+    second call on (``spmd.lower.cudagraphs``); it needs every input on the GPU, so optimizers
     must be ``capturable=True``. ``enable_cudagraphs="auto"`` replays a graph as one
     where every input is on the GPU and its capture succeeds, and otherwise runs it as it is,
     saying why in one warning. ``inductor_options``: further Inductor config values
-    (``{"combo_kernels": True}``), checked by ``spmd.lowering.check_inductor_options``. ``inductor_comm_passes=True`` (with ``enable_inductor``)
+    (``{"combo_kernels": True}``), checked by ``spmd.lower.inductor.check_inductor_options``. ``inductor_comm_passes=True`` (with ``enable_inductor``)
     lets Inductor's own comm passes (its overlap scheduler and bucketer) place the
     collectives instead of keeping ours; it exists to compare the two.
 
@@ -115,7 +115,7 @@ class GraphModuleTransformation:
     def before_trace(self, device) -> None:
         """Called by ``spmd.compile`` before it traces a step whose parameters live on ``device``:
         with Inductor on a GPU, Inductor's kernel-compile workers start now, while the step is
-        traced and optimized (``spmd.lowering.start_compile_workers``)."""
+        traced and optimized (``spmd.lower.inductor.start_compile_workers``)."""
         if self.enable_inductor and device.type == "cuda":
             start_compile_workers()
 

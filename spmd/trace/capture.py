@@ -3,7 +3,7 @@
 Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside it:
 
 1. ``make_fx`` (fake tensors) runs the user's step with every parameter, buffer,
-   optimizer state tensor and numeric optimizer hyperparameter (``spmd.hyperparams``)
+   optimizer state tensor and numeric optimizer hyperparameter (``spmd.optim.hyperparams``)
    swapped for a graph input. Real autograd runs under the tracer, so backward ops are
    recorded; the parallel mode's ``trace_context`` adds its markers and collectives
    (replicate tags each gradient, ``spmd.parallel.replicate_markers``; the sharded
@@ -12,10 +12,10 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
 2. That graph (plain aten ops, some in place) is made functional: the result is pure,
    and every input the step mutates gets an explicit ``copy_`` back into it at the
    end, so running the graph on the real tensors updates them. When the only writes
-   are the optimizer's (the usual step), ``spmd.direct_functionalize`` rewrites those
+   are the optimizer's (the usual step), ``spmd.trace.direct_functionalize`` rewrites those
    nodes in place of a second trace; anything else is re-traced under ``functionalize``.
 
-The trace leaves the user's objects as it found them (``spmd.user_objects``).
+The trace leaves the user's objects as it found them (``spmd.trace.user_objects``).
 
 Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input, grad; ``graph_utils.meta``) and
 ``meta[NAME]`` so passes never infer roles from positions.
@@ -36,21 +36,21 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .graph_utils import lazy_graph_modules, make_lazy
-from .graph_utils.meta import NAME, ROLE, Role
-from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
+from ..graph_utils import lazy_graph_modules, make_lazy
+from ..graph_utils.meta import NAME, ROLE, Role
+from ..graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
-from .amp_scaler import SCALER_TENSORS, traced_scalers
+from ..compile_times import phase
+from ..errors import SpmdCompileError
+from ..optim.amp_scaler import SCALER_TENSORS, traced_scalers
+from ..optim.hyperparams import HyperMode, TracedHyper, hyper_items, learned, traced_capturable
+from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
-from .compile_times import phase
 from .direct_functionalize import functionalize_optimizer_writes
-from .errors import SpmdCompileError
-from .hyperparams import HyperMode, TracedHyper, hyper_items, learned, traced_capturable
-from .optim_meta import register_missing_fused_optimizer_metas
-from .user_objects import reachable_objects, untouched
-from .step_state import StepState, local_tensor
 from .step_outputs import graph_outputs
+from .step_state import StepState, local_tensor
 from .trace_errors import reporting
+from .user_objects import reachable_objects, untouched
 
 # --- the traced result ------------------------------------------------------------
 
@@ -65,8 +65,8 @@ class TracedStep:
 
     gm: torch.fx.GraphModule
     out_spec: pytree.TreeSpec
-    grads: GradPlan = field(default_factory=GradPlan)  # the gradients it takes and leaves (``spmd.accumulation``)
-    dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.step_outputs``)
+    grads: GradPlan = field(default_factory=GradPlan)  # the gradients it takes and leaves (``spmd.trace.accumulation``)
+    dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.trace.step_outputs``)
 
 
 @contextlib.contextmanager
@@ -263,12 +263,12 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
 
     Returns the graph, the spec of ``fn``'s flattened return value, the graph's inputs
     (parameters, buffers, optimizer state, hyperparameters, user tensors, gradients held on
-    entry), the ``GradPlan`` (``spmd.accumulation``) and the DTensor specs of the outputs
-    (``spmd.step_outputs``). Running the graph
+    entry), the ``GradPlan`` (``spmd.trace.accumulation``) and the DTensor specs of the outputs
+    (``spmd.trace.step_outputs``). Running the graph
     on the real tensors performs the step. ``mode_context(params)``, given the traced
     parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
     mode's hooks (default: none). ``found_inf_group``: the group over which the step's GradScalers
-    agree on skipping a step (``spmd.amp_scaler``).
+    agree on skipping a step (``spmd.optim.amp_scaler``).
     """
     mode_context = mode_context or (lambda params: contextlib.nullcontext())
     register_missing_fused_optimizer_metas()
@@ -360,7 +360,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             out_holder["dtensors"])
 
 
-@reporting  # torch's errors for untraceable steps in the user's terms (spmd.trace_errors)
+@reporting  # torch's errors for untraceable steps in the user's terms (spmd.trace.trace_errors)
 def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                      mode_context: ModeContext | None = None,
                      found_inf_group: Optional[ProcessGroup] = None) -> TracedStep:

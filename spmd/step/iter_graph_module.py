@@ -27,10 +27,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .graph_utils import lazy_graph_module
-from .graph_utils.meta import NAME, ROLE, Role
-from .graph_utils.optimizer_ops import written_inputs
-from .passes.iteration import IterMoveError
+from ..graph_utils import lazy_graph_module
+from ..graph_utils.meta import NAME, ROLE, Role
+from ..graph_utils.optimizer_ops import written_inputs
+from ..passes.iteration import IterMoveError
 
 
 @dataclass

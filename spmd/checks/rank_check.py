@@ -9,7 +9,7 @@ shapes and of its collective sequence (op, dtype, element count, group role and 
 carries, in order, in every graph it may run). Only when they differ do the ranks exchange
 the details (``gather_reports``); each rank then computes the same ``SpmdCompileError``
 from them, naming the ranks and the first difference in the user's terms.
-``spmd.rank_agreement`` runs this on every call.
+``spmd.checks.rank_agreement`` runs this on every call.
 
 One difference is repaired instead of refused, as DDP's ``find_unused_parameters=True``
 does: a parameter some ranks compute a gradient for and others do not
@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .errors import SpmdCompileError
-from .graph_utils import is_comm_node
-from .graph_utils.meta import BUCKET, GRAD_OF, SYNCED_BUFFERS
-from .iter_graph_module import IterGraphModule
-from .parallel.replicate import grad_keys
+from ..errors import SpmdCompileError
+from ..graph_utils import is_comm_node
+from ..graph_utils.meta import BUCKET, GRAD_OF, SYNCED_BUFFERS
+from ..parallel.replicate import grad_keys
+from ..step.iter_graph_module import IterGraphModule
 
 
 @dataclass(frozen=True)

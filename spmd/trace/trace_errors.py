@@ -30,8 +30,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.fx as fx
 
-from .errors import SpmdCompileError
-from .graph_utils.meta import NAME, ROLE, Role
+from ..errors import SpmdCompileError
+from ..graph_utils.meta import NAME, ROLE, Role
 
 _DATA_DEPENDENT_SHAPE = ("SymIntArrayRef expected to contain only concrete integers", "DynamicOutputShapeException",
                          "dynamic output shape", "unbacked symint", "Could not guard on data-dependent expression u",
@@ -174,7 +174,7 @@ def _warn_returned_state(gm: fx.GraphModule, fn: Callable) -> None:
 
 
 def reporting(trace: Callable) -> Callable:
-    """Wrap ``trace(fn, state, args, kwargs, ...)`` (``spmd.tracing.trace_train_step``) as the module
+    """Wrap ``trace(fn, state, args, kwargs, ...)`` (``spmd.trace.capture.trace_train_step``) as the module
     docstring says; the traced result is returned unchanged."""
 
     @functools.wraps(trace)

@@ -17,7 +17,7 @@ Torch's optimizers are written for Python numbers. While tracing, ``HyperMode`` 
   its value joins the signature, so a change retraces.
 * Ops that only take a number where a tensor now arrives (``alpha=``, ``value=``, a
   foreach op's scalar) are rewritten into the same arithmetic on tensors
-  (``spmd.hyper_rewrites``).
+  (``spmd.optim.hyper_rewrites``).
 * Eager reads a non-capturable optimizer's 0-dim state (step counters, NAdam's
   ``mu_product``) as Python floats (``.item()``); traced, arithmetic on them runs in
   float64 too. An in-place update of such a 0-dim tensor casts its 0-dim operands to the
@@ -43,7 +43,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from .graph_utils.optimizer_ops import fused_float_args
+from ..graph_utils.optimizer_ops import fused_float_args
 from .hyper_rewrites import REWRITES, is_scalar_tensor as _is_scalar_tensor
 
 # --- which group values are hyperparameters -----------------------------------------

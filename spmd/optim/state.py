@@ -12,7 +12,7 @@ buffer gives the same first step when the step runs with dampening 0, so the cre
 state comes with that first-step value (``CreatedState.first_step``).
 
 An optimizer without ``_init_group`` gets one real step with zero gradients, learning
-rate and weight decay, and its step counters reset: ``spmd.optim_check`` verifies
+rate and weight decay, and its step counters reset: ``spmd.checks.optimizer_probe`` verifies
 against eager whether the state that leaves is the right one.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import SpmdCompileError
+from ..errors import SpmdCompileError
 
 
 @dataclass

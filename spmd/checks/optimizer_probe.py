@@ -25,12 +25,12 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import _get_capturable_supported_devices
 
-from .compile_times import recording
-from .errors import SpmdCompileError
-from .hyperparams import flags, hyper_items, learned
-from .optim_state import ensure_optimizer_state
-from .step_state import StepState
-from .tracing import capture_train_step
+from ..compile_times import recording
+from ..errors import SpmdCompileError
+from ..optim.hyperparams import flags, hyper_items, learned
+from ..optim.state import ensure_optimizer_state
+from ..trace.capture import capture_train_step
+from ..trace.step_state import StepState
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _probe_step(module, optim, weights):
 def _schedule(optim: torch.optim.Optimizer, step: int) -> None:
     """Change every nonzero hyperparameter the trace takes as an input by 10% before the last step, as a scheduler would.
 
-    Specialised ones (``spmd.hyperparams``) stay: changing them retraces.
+    Specialised ones (``spmd.optim.hyperparams``) stay: changing them retraces.
     """
     if step != _STEPS - 1:
         return

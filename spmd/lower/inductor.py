@@ -16,7 +16,7 @@ what our passes decided:
 
 The graph does not pass through ``compile_fx``'s AOT-autograd front end, which would
 re-trace the whole step only to apply Inductor's decompositions to a graph that is
-already functional: ``spmd.inductor_decompose`` applies them node by node and
+already functional: ``spmd.lower.decompose`` applies them node by node and
 ``_inner_compile`` runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
 graph means what it means when run op by op.
@@ -38,13 +38,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 
-from .graph_utils import lazy_graph_module
-from .graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
+from ..graph_utils import lazy_graph_module
+from ..graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
 
-from ._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
-from .compile_times import phase
-from .errors import SpmdCompileError
-from .inductor_decompose import decompose_for_inductor
+from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
+from ..compile_times import phase
+from ..errors import SpmdCompileError
+from .decompose import decompose_for_inductor
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -255,7 +255,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
 
     The graph updates parameters and optimizer state in place and is compiled as
     inference (no autograd), which is what it is: the backward is already in it.
-    Inductor's decompositions are applied node by node (``spmd.inductor_decompose``) and
+    Inductor's decompositions are applied node by node (``spmd.lower.decompose``) and
     the graph goes straight to ``compile_fx_inner``: AOT autograd's re-trace of the whole
     step, which ``compile_fx`` would run first, has nothing left to do on a functional graph.
     Returns a callable taking the graph's inputs positionally and returning its outputs.

@@ -22,9 +22,9 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from .amp_scaler import SCALER_TENSORS, scaler_signature
-from .errors import SpmdCompileError
-from .hyperparams import group_signature, hyper_items, read
+from ..errors import SpmdCompileError
+from ..optim.amp_scaler import SCALER_TENSORS, scaler_signature
+from ..optim.hyperparams import group_signature, hyper_items, read
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class StepState:
             for p, st in optim.state.items():
                 by_param[id(p)] = st
         # Eager reads a non-capturable optimizer's 0-dim state (step counters) as Python numbers;
-        # a capturable one computes with it as tensors, in their dtype (``spmd.hyperparams``).
+        # a capturable one computes with it as tensors, in their dtype (``spmd.optim.hyperparams``).
         capturable = {id(p) for o in optimizers for g in o.param_groups if g.get("capturable") for p in g["params"]}
         self.state_read_as_number: list[bool] = []
         for i, p in enumerate(self.params):
@@ -242,7 +242,7 @@ class StepState:
 
         A mapping, so that a retrace can say which component changed (``describe_changes``).
         Hyperparameter values are graph inputs and not part of it, except where a trace
-        learned that it depends on them (``spmd.hyperparams``): the outcome of each branch
+        learned that it depends on them (``spmd.optim.hyperparams``): the outcome of each branch
         it took on a hyperparameter, and the value of each one it specialised on. A
         DTensor adds its global shape, placements and mesh.
         """

@@ -1,6 +1,6 @@
 """Functionalize a traced step directly on its FX graph when its only mutations are the optimizer's.
 
-The general route (``spmd.tracing``) re-traces the whole step under ``functionalize``,
+The general route (``spmd.trace.capture``) re-traces the whole step under ``functionalize``,
 which costs as much as tracing it did (3.4 s of a 124M GPT's 5.4 s on an H100 host).
 A typical step mutates nothing but optimizer inputs: the fused Adam/AdamW/SGD op
 updates parameters and state in place, ``_foreach_add_`` bumps the step
@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .graph_utils import set_fake_val
-from .graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
+from ..graph_utils import set_fake_val
+from ..graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
 aten = torch.ops.aten
 

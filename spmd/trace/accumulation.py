@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import SpmdCompileError
+from ..errors import SpmdCompileError
 
 LEAVES_GRADS = "spmd_leaves_grads"  # gm.meta key: the step leaves gradients (no optimizer step, no_sync)
 

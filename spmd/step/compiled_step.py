@@ -9,10 +9,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .accumulation import GradPlan
+from ..trace.accumulation import GradPlan
+from ..trace.step_state import StepState
 from .iter_graph_module import IterGraphModule
 from .state_check import StateCheck
-from .step_state import StepState
 
 
 @dataclass
@@ -28,10 +28,10 @@ class CompiledStep:
     compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
     report: Any = None  # what the ranks compare before it runs (rank_check.RankReport), made once
     # (zero_grads_for, grad_order) -> this step with zero gradients where other ranks compute one
-    # (spmd.rank_agreement); each variant is traced once, when the ranks first need it
+    # (spmd.checks.rank_agreement); each variant is traced once, when the ranks first need it
     variants: dict[tuple, "CompiledStep"] = field(default_factory=dict)
-    grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.accumulation)
-    dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.step_outputs)
+    grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.trace.accumulation)
+    dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.trace.step_outputs)
 
     def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:
         """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled
@@ -76,6 +76,6 @@ def first_step_slots(state: StepState, created: list) -> dict[int, float]:
 
 
 def undo_created(created: list) -> None:
-    """Remove the optimizer state created for a trace (``spmd.optim_state.CreatedState``)."""
+    """Remove the optimizer state created for a trace (``spmd.optim.state.CreatedState``)."""
     for made in created:
         made.undo()

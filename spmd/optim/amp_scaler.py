@@ -38,7 +38,7 @@ from torch.amp import GradScaler
 from torch.distributed import _functional_collectives as funcol
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-from .errors import SpmdCompileError
+from ..errors import SpmdCompileError
 
 SCALER_TENSORS = ("_scale", "_growth_tracker")  # the step state of one scaler, in graph order
 

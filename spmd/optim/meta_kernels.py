@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .graph_utils.optimizer_ops import fused_overloads, inplace_of, written_args
+from ..graph_utils.optimizer_ops import fused_overloads, inplace_of, written_args
 
 _LIB = torch.library.Library("aten", "IMPL")
 _REGISTERED: set[str] = set()

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .errors import SpmdCompileError
+from ..errors import SpmdCompileError
 
 _NUMBERS = (int, float, bool)
 

@@ -30,9 +30,9 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ..step.compiled_step import CompiledStep
+from ..trace.step_state import StepState
 from . import rank_check
-from .compiled_step import CompiledStep
-from .step_state import StepState
 
 # The gloo group each process group agrees over, by the process group's name: one per group the
 # user made, created once. Entries whose groups were destroyed are dropped when the next is made.

@@ -21,9 +21,9 @@ import torch
 
 import torch.fx as fx
 
-from .compile_times import phase
-from .errors import SpmdCompileError
-from .graph_utils.meta import NAME, ROLE, Role
+from ..compile_times import phase
+from ..errors import SpmdCompileError
+from ..graph_utils.meta import NAME, ROLE, Role
 
 log = logging.getLogger(__name__)
 

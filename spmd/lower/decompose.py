@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .errors import SpmdCompileError
+from ..errors import SpmdCompileError
 
 log = logging.getLogger(__name__)
 

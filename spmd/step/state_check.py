@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .hyperparams import group_signature, hyper_items
-from .step_state import TENSOR_FIELDS, StepState, sharding_signature
+from ..optim.hyperparams import group_signature, hyper_items
+from ..trace.step_state import TENSOR_FIELDS, StepState, sharding_signature
 
 _METADATA = operator.attrgetter(*TENSOR_FIELDS)  # tensor_signature's fields, compared without building tuples
 _TABLE_WALKS = ("named_parameters", "named_buffers", "named_modules", "_named_members")
@@ -133,7 +133,7 @@ class StateCheck:
         """``StepState.hyper_values()`` of the state now if nothing else about it changed, else None.
 
         Also None when which parameters hold a gradient, or its metadata, changed: a graph takes
-        the gradients held on entry as inputs (``spmd.accumulation``).
+        the gradients held on entry as inputs (``spmd.trace.accumulation``).
         """
         owners = [ref() for ref in self._owners]
         if not self._vouched or any(obj is None for obj in owners):

@@ -4,7 +4,7 @@ Some torch ops take a number where optimizer code passes a hyperparameter (``alp
 ``value=``, a foreach op's scalar, ``_foreach_lerp``'s weight). Handed a 0-dim tensor, they
 would read it as a number (a data-dependent ``item()`` in a trace) or reject it.
 ``REWRITES`` maps each such op to a function that computes the same arithmetic with the
-tensor as a tensor operand, as the op's kernel computes it; ``spmd.hyperparams.HyperMode``
+tensor as a tensor operand, as the op's kernel computes it; ``spmd.optim.hyperparams.HyperMode``
 applies it (a rewrite returns ``NotImplemented`` where the call needs none).
 
 One op becomes several, and each would round its result: for float16 and bfloat16 tensors

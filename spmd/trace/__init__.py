@@ -1,0 +1,14 @@
+"""Capture: the user's whole train step (forward, backward, optimizer step) as one pure aten graph.
+
+``capture`` runs the step once on fake tensors and functionalizes it (``direct_functionalize`` when
+the optimizer's writes are its only mutations); ``step_state`` lays out what the step owns (modules,
+optimizers, their tensors) as the graph's inputs; ``user_objects`` leaves the user's objects as tracing
+found them. Hyperparameters enter as inputs through ``spmd.optim``, which the tracer calls.
+Hands the traced graph to ``spmd.parallel`` for expansion (``spmd.checks``' optimizer probe traces
+each optimizer alone through it first).
+"""
+
+from .capture import trace_train_step, capture_train_step
+from .step_state import StepState
+
+__all__ = ["StepState", "capture_train_step", "trace_train_step"]
