@@ -29,6 +29,11 @@ def find_node(graph: fx.Graph, predicate: Callable[[fx.Node], bool], reverse: bo
     return [n for n in nodes if predicate(n)]
 
 
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's position in ``graph``: compare positions to ask which of two nodes runs first."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
 def get_output(graph: fx.Graph) -> fx.Node:
     """The graph's output node."""
     for node in reversed(graph.nodes):

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from .meta import BUCKET, GRAD_OF
-from .nodes import is_comm_node, is_wait_node, tensor_bytes
+from .nodes import is_comm_node, is_wait_node, node_order, tensor_bytes
 from .optimizer_ops import is_fused_optimizer
 
 
@@ -76,7 +76,7 @@ def graph_summary(graph: fx.Graph) -> dict[str, Any]:
         s = graph_summary(gm.graph)
         exposed = sum(w["distance"] <= 1 for w in s["waits"])
     """
-    index = {n: i for i, n in enumerate(graph.nodes)}
+    index = node_order(graph)
     counts = Counter(_kind(n) for n in graph.nodes)
     comms, waits, optim = [], [], []
     for node in graph.nodes:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils.meta import BUCKET, GRAD_OF
-from ..graph_utils import is_all_reduce, is_comm_node, is_wait_node, set_fake_val, tensor_bytes
+from ..graph_utils import is_all_reduce, is_comm_node, is_wait_node, node_order, set_fake_val, tensor_bytes
 
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
@@ -91,7 +91,7 @@ def _insert_after(graph: fx.Graph, anchor: fx.Node, target, args: tuple) -> fx.N
 
 def _fuse(graph: fx.Graph, bucket: list[fx.Node]) -> fx.Node:
     """Replace the all_reduces of ``bucket`` by one over their concatenated inputs."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     grads = [comm.args[0] for comm in bucket]
     waits = [_wait_of(comm) for comm in bucket]
     latest = max(grads, key=order.__getitem__)

@@ -7,7 +7,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..graph_utils import is_comm_node, is_wait_node
+from ..graph_utils import is_comm_node, is_wait_node, node_order
 
 from .comm_fusion import comm_fusion_with_concat
 from .iteration import refuse_after_moves
@@ -34,7 +34,7 @@ def wait_block(wait: fx.Node) -> list[fx.Node]:
             if user not in block and user.target in UNPACK_OPS and all(a in block for a in user.all_input_nodes):
                 block.add(user)
                 frontier.append(user)
-    order = {n: i for i, n in enumerate(wait.graph.nodes)}
+    order = node_order(wait.graph)
     return sorted(block, key=order.__getitem__)
 
 
@@ -44,7 +44,7 @@ def first_consumer(block: list[fx.Node]) -> fx.Node | None:
     consumers = {u for n in block for u in n.users if u not in members}
     if not consumers:
         return None
-    order = {n: i for i, n in enumerate(block[0].graph.nodes)}
+    order = node_order(block[0].graph)
     return min(consumers, key=order.__getitem__)
 
 

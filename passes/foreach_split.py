@@ -26,7 +26,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..graph_utils import set_fake_val
+from ..graph_utils import node_order, set_fake_val
 from ..graph_utils.optimizer_ops import is_foreach, is_inplace
 
 aten = torch.ops.aten
@@ -76,7 +76,7 @@ def foreach_chains(graph: fx.Graph) -> list[ForeachChain]:
                 source = _element_source(value, op_set)
                 if source is not None:
                     links.add_edge(op, source[0])
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     chains = [ForeachChain(sorted(c, key=order.__getitem__)) for c in nx.connected_components(links)]
     for chain in chains:
         chain.why_not = _check(chain, op_set, order)

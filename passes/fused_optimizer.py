@@ -29,7 +29,7 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 
-from ..graph_utils import set_fake_val
+from ..graph_utils import node_order, set_fake_val
 from ..graph_utils.optimizer_ops import ADAM_LISTS as LISTS, FUSED_ADAM, FUSED_PAIRS, is_inplace
 
 aten = torch.ops.aten
@@ -184,7 +184,7 @@ def get_all_fused_optimizer_blocks(gm, optim_op_name: str) -> list[FusedOptimize
         grads = blocks[0].optim.grads
     """
     packets = _optimizer_packets(optim_op_name)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = node_order(gm.graph)
     return [_block(n, order) for n in gm.graph.nodes if _packet(n) in packets]
 
 
@@ -197,7 +197,7 @@ def fused_optimizer_block(gm, optim_node: fx.Node) -> FusedOptimizerBlock:
     """The block of one fused Adam/AdamW node of ``gm`` (``ValueError`` if its step update is not found)."""
     if not is_fused_adam(optim_node):
         raise ValueError(f"fused_optimizer_block: {optim_node.name} is {optim_node.target}, not a fused Adam/AdamW op")
-    return _block(optim_node, {n: i for i, n in enumerate(gm.graph.nodes)})
+    return _block(optim_node, node_order(gm.graph))
 
 
 def _restrict(graph: fx.Graph, node: fx.Node, keep: list[int]) -> fx.Node:
@@ -256,7 +256,7 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
     """
     graph = gm.graph
     optim = block.optim.optim_node
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     if optim not in order:
         raise ValueError(
             f"split_fused_optimizer: the block's optimizer node {optim.name} is not in this graph (stale block?). "
@@ -309,6 +309,6 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
         graph.erase_node(optim)
     graph.lint()
     gm.recompile()
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     first, second = (_block(o, order) for o in new_optims)
     return first, second
