@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -54,6 +54,11 @@ def is_all_reduce(node: fx.Node) -> bool:
 def is_wait_node(node: fx.Node) -> bool:
     """True for ``_c10d_functional.wait_tensor``."""
     return node.op == "call_function" and node.target is WAIT_OP
+
+
+def wait_of(comm: fx.Node) -> Optional[fx.Node]:
+    """The ``wait_tensor`` on ``comm``'s result, or None."""
+    return next((u for u in comm.users if is_wait_node(u)), None)
 
 
 def tensor_bytes(node: fx.Node) -> int:

@@ -16,7 +16,7 @@ import torch.fx as fx
 from ..graph_utils import find_node, is_all_reduce, node_order, to_networkx
 from ..graph_utils.meta import NAME
 
-from .fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
+from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
 from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import schedule_comm_wait
 from .iteration import IterMoveError

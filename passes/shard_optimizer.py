@@ -21,8 +21,8 @@ from ..graph_utils import is_comm_node, is_wait_node, node_order
 from ..graph_utils.meta import UNIT
 from ..graph_utils.units import gradient_collectives, later_ancestors
 
-from .foreach_split import foreach_chains, positions_by_part, split_foreach_chain
-from .fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
+from ..graph_utils.foreach_chains import foreach_chains, positions_by_part, split_foreach_chain
+from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 from .shard_reduce_scatter import schedule_reduce_scatter_waits

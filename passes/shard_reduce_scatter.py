@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..graph_utils import is_comm_node, node_order
-from ..graph_utils.units import gradient_collectives, wait_of
+from ..graph_utils import is_comm_node, node_order, wait_of
+from ..graph_utils.units import gradient_collectives
+from ..graph_utils.waits import first_consumer
 from ..graph_utils.meta import UNIT
 
-from .comm_wait import first_consumer
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 

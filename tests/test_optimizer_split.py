@@ -12,7 +12,7 @@ from spmd.passes import (
     get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
     schedule_comm_wait, split_optimizer_per_bucket,
 )
-from spmd.passes.comm_wait import wait_block
+from spmd.graph_utils.waits import wait_block
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.helpers import fusion, trace_with_passes

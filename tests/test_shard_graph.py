@@ -13,13 +13,14 @@ import pytest
 
 import spmd
 from spmd.graph_utils.meta import KEEP, UNIT
-from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval, wait_of
+from spmd.graph_utils import wait_of
+from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval
 from spmd.step.iter_graph_module import IterGraphModule
 from spmd.passes import (
     UnshardedMemoryError, guard_unsharded_memory, prefetch_unit_gathers, schedule_reduce_scatter_waits,
     split_optimizer_per_unit, unsharded_peak,
 )
-from spmd.passes.fused_optimizer import is_fused_adam
+from spmd.graph_utils.fused_optimizer import is_fused_adam
 from tests.dist import single_process_group
 from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer, plain_step
 

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import spmd
 from spmd.explain import collective_rows
-from spmd.passes.fused_optimizer import is_fused_adam
+from spmd.graph_utils.fused_optimizer import is_fused_adam
 from tests.dist import run_distributed
 from tests.shard_helpers import (
     accumulating_step, assert_same_layout, batches, block_policy, clipped_step, fsdp2_twin, gpt, max_param_diff,

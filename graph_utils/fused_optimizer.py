@@ -1,5 +1,8 @@
 """Fused Adam/AdamW blocks of a step graph, and splitting one fused op into two.
 
+Shared by the passes that split the optimizer (``passes.optimizer_split``,
+``passes.shard_optimizer``, ``passes.iter_move``), so it lives here rather than in any of them.
+
 A traced fused Adam(W) step (torch 2.13) reads::
 
     add  = aten._foreach_add.Scalar([step_0, .., step_n], 1)        # the step counters
@@ -29,8 +32,8 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 
-from ..graph_utils import node_order, set_fake_val
-from ..graph_utils.optimizer_ops import ADAM_LISTS as LISTS, FUSED_ADAM, FUSED_PAIRS, is_inplace
+from .nodes import node_order, set_fake_val
+from .optimizer_ops import ADAM_LISTS as LISTS, FUSED_ADAM, FUSED_PAIRS, is_inplace
 
 aten = torch.ops.aten
 # "_fused_adam" / "_fused_adamw" -> (functional, in-place) packets, for get_all_fused_optimizer_blocks
