@@ -61,6 +61,14 @@ def wait_of(comm: fx.Node) -> Optional[fx.Node]:
     return next((u for u in comm.users if is_wait_node(u)), None)
 
 
+def waited_collective(wait: fx.Node) -> Optional[fx.Node]:
+    """The collective a wait_tensor waits on (through the getitem of a coalesced collective)."""
+    src = wait.args[0] if wait.args else None
+    if isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem:
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and is_comm_node(src) else None
+
+
 def tensor_bytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (0 when it has no tensor ``meta['val']``)."""
     val = node.meta.get("val")
