@@ -125,3 +125,25 @@ def test_declaring_a_pass_registers_nothing_on_other_passes():
     applied_passes(gm).append(later)
     with pytest.raises(AssertionError, match="later must be applied after first"):
         first(gm)
+
+
+def test_passes_import_each_other_only_to_declare_order():
+    """A pass module takes shared analyses from graph_utils; from another pass module it
+    imports only declared passes (for prerequisites/apply_after), never their internals."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import spmd.passes as passes
+
+    infrastructure = {"manager", "iteration"}
+    reached = []
+    for path in sorted(Path(passes.__file__).parent.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in infrastructure:
+                other = importlib.import_module(f"spmd.passes.{node.module}")
+                reached += [f"{path.stem} -> {node.module}.{a.name}" for a in node.names
+                            if not hasattr(getattr(other, a.name), "pass_info")]
+    assert reached == []
