@@ -1,4 +1,5 @@
-"""Small, pure helpers over ``torch.fx`` graphs: finding nodes, metadata, views, dumps."""
+"""Small helpers over ``torch.fx`` graphs: finding nodes, metadata, views, dumps, and the
+optimizer analyses several passes share (``fused_optimizer``, ``foreach_chains``)."""
 
 from .nodes import (
     COLLECTIVE_OPS,
@@ -8,8 +9,11 @@ from .nodes import (
     is_all_reduce,
     is_comm_node,
     is_wait_node,
+    node_order,
     set_fake_val,
     tensor_bytes,
+    wait_of,
+    waited_collective,
 )
 from .dumps import DumpOptions, record_stage, recording_stages, request_dump
 from .lazy import lazy_graph_module, lazy_graph_modules, make_lazy
@@ -18,6 +22,6 @@ from .views import dump_graphs_to_files, graph_summary, node_records, to_network
 __all__ = [
     "DumpOptions", "record_stage", "recording_stages", "request_dump",
     "COLLECTIVE_OPS", "WAIT_OP", "find_node", "get_output", "is_all_reduce", "is_comm_node",
-    "is_wait_node", "lazy_graph_module", "lazy_graph_modules", "make_lazy", "set_fake_val", "tensor_bytes", "dump_graphs_to_files", "graph_summary", "node_records",
+    "is_wait_node", "node_order", "lazy_graph_module", "lazy_graph_modules", "make_lazy", "set_fake_val", "tensor_bytes", "wait_of", "waited_collective", "dump_graphs_to_files", "graph_summary", "node_records",
     "to_networkx",
 ]

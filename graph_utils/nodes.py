@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -29,6 +29,11 @@ def find_node(graph: fx.Graph, predicate: Callable[[fx.Node], bool], reverse: bo
     return [n for n in nodes if predicate(n)]
 
 
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's position in ``graph``: compare positions to ask which of two nodes runs first."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
 def get_output(graph: fx.Graph) -> fx.Node:
     """The graph's output node."""
     for node in reversed(graph.nodes):
@@ -49,6 +54,19 @@ def is_all_reduce(node: fx.Node) -> bool:
 def is_wait_node(node: fx.Node) -> bool:
     """True for ``_c10d_functional.wait_tensor``."""
     return node.op == "call_function" and node.target is WAIT_OP
+
+
+def wait_of(comm: fx.Node) -> Optional[fx.Node]:
+    """The ``wait_tensor`` on ``comm``'s result, or None."""
+    return next((u for u in comm.users if is_wait_node(u)), None)
+
+
+def waited_collective(wait: fx.Node) -> Optional[fx.Node]:
+    """The collective a wait_tensor waits on (through the getitem of a coalesced collective)."""
+    src = wait.args[0] if wait.args else None
+    if isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem:
+        src = src.args[0]
+    return src if isinstance(src, fx.Node) and is_comm_node(src) else None
 
 
 def tensor_bytes(node: fx.Node) -> int:

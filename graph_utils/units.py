@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from .meta import KEEP, PHASE, UNIT
-from .nodes import is_comm_node, is_wait_node
+from .nodes import is_comm_node, wait_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -47,11 +47,6 @@ def unit_gathers(graph: fx.Graph, phase: Optional[str] = None) -> list[fx.Node]:
 def gradient_collectives(graph: fx.Graph) -> list[fx.Node]:
     """The reduce-scatters (and hybrid all_reduces) of the units' gradients, in graph order."""
     return [n for n in unit_collectives(graph, phase="backward") if n.target is not c10d.all_gather_into_tensor.default]
-
-
-def wait_of(comm: fx.Node) -> Optional[fx.Node]:
-    """The ``wait_tensor`` on ``comm``'s result, or None."""
-    return next((u for u in comm.users if is_wait_node(u)), None)
 
 
 def later_ancestors(node: fx.Node, order: dict[fx.Node, int], after: int) -> list[fx.Node]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import operator
 import os
 import warnings
 from collections import Counter
@@ -14,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from .meta import BUCKET, GRAD_OF
-from .nodes import is_comm_node, is_wait_node, tensor_bytes
+from .nodes import is_comm_node, is_wait_node, node_order, tensor_bytes, waited_collective
 from .optimizer_ops import is_fused_optimizer
 
 
@@ -45,14 +44,6 @@ def _op_name(node: fx.Node) -> str:
     return getattr(packet, "__name__", "")
 
 
-def _waited_comm(wait: fx.Node) -> fx.Node | None:
-    """The collective a wait_tensor waits on (through the getitem of a coalesced collective)."""
-    src = wait.args[0] if wait.args else None
-    if isinstance(src, fx.Node) and src.op == "call_function" and src.target is operator.getitem:
-        src = src.args[0]
-    return src if isinstance(src, fx.Node) and is_comm_node(src) else None
-
-
 def _comm_bytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     if isinstance(val, (list, tuple)):  # coalesced collectives produce a list of tensors
@@ -76,7 +67,7 @@ def graph_summary(graph: fx.Graph) -> dict[str, Any]:
         s = graph_summary(gm.graph)
         exposed = sum(w["distance"] <= 1 for w in s["waits"])
     """
-    index = {n: i for i, n in enumerate(graph.nodes)}
+    index = node_order(graph)
     counts = Counter(_kind(n) for n in graph.nodes)
     comms, waits, optim = [], [], []
     for node in graph.nodes:
@@ -95,7 +86,7 @@ def graph_summary(graph: fx.Graph) -> dict[str, Any]:
                 "index": index[node],
             })
         elif is_wait_node(node):
-            comm = _waited_comm(node)
+            comm = waited_collective(node)
             first_user = min((index[u] for u in node.users), default=None)
             waits.append({
                 "name": node.name,

@@ -6,8 +6,8 @@ Takes the expanded graph from ``spmd.parallel``; hands the optimized graph to ``
 
 from .comm_fusion import comm_fusion_with_concat, plan_buckets
 from .comm_wait import schedule_comm_wait
-from .foreach_split import ForeachChain, foreach_chains, split_foreach_chain
-from .fused_optimizer import (
+from ..graph_utils.foreach_chains import ForeachChain, foreach_chains, split_foreach_chain
+from ..graph_utils.fused_optimizer import (
     ForeachAddBlock,
     FusedAdamBlock,
     FusedOptimizerBlock,

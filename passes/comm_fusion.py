@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils.meta import BUCKET, GRAD_OF
-from ..graph_utils import is_all_reduce, is_comm_node, is_wait_node, set_fake_val, tensor_bytes
+from ..graph_utils import is_all_reduce, is_comm_node, is_wait_node, node_order, set_fake_val, tensor_bytes, wait_of
 
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
@@ -31,10 +31,6 @@ def _is_grad_all_reduce(node: fx.Node) -> bool:
         return False
     users = list(node.users)
     return len(users) == 1 and is_wait_node(users[0]) and isinstance(node.args[0].meta.get("val"), torch.Tensor)
-
-
-def _wait_of(comm: fx.Node) -> fx.Node:
-    return next(iter(comm.users))
 
 
 def _bucket_key(comm: fx.Node) -> tuple:
@@ -70,7 +66,7 @@ def plan_buckets(graph: fx.Graph, bucket_bytes: float) -> list[list[fx.Node]]:
                 close()
             current.append(node)
             size, key = size + nbytes, _bucket_key(node)
-            waits.add(_wait_of(node))
+            waits.add(wait_of(node))
         elif is_comm_node(node):
             close()
         elif node in waits:
@@ -91,9 +87,9 @@ def _insert_after(graph: fx.Graph, anchor: fx.Node, target, args: tuple) -> fx.N
 
 def _fuse(graph: fx.Graph, bucket: list[fx.Node]) -> fx.Node:
     """Replace the all_reduces of ``bucket`` by one over their concatenated inputs."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     grads = [comm.args[0] for comm in bucket]
-    waits = [_wait_of(comm) for comm in bucket]
+    waits = [wait_of(comm) for comm in bucket]
     latest = max(grads, key=order.__getitem__)
     # users of earlier members' waits placed before the fused wait must move after it
     tainted = set(waits)

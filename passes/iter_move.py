@@ -13,10 +13,10 @@ from typing import Iterable, Union
 import networkx as nx
 import torch.fx as fx
 
-from ..graph_utils import find_node, is_all_reduce, to_networkx
+from ..graph_utils import find_node, is_all_reduce, node_order, to_networkx
 from ..graph_utils.meta import NAME
 
-from .fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
+from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
 from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import schedule_comm_wait
 from .iteration import IterMoveError
@@ -53,7 +53,7 @@ def _resolve(graph: fx.Graph, ref: NodeRef, what: str) -> fx.Node:
 
 def _check_no_early_reader(gm, block, downstream: set, dest: fx.Node) -> None:
     """Refuse (before any edit) a target that a read of a to-be-deferred parameter precedes."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = node_order(gm.graph)
     optim = block.optim.optim_node
     optimizer_nodes = set(find_all_descendants(gm, [optim, block.step.add_node]))
     for param, grad in zip(optim.args[0], optim.args[1]):

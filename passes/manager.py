@@ -4,7 +4,9 @@
 ``fn(gm, *args)``. What has been applied is recorded on each graph module (never in a
 process-wide registry), so two models compile independently in one process. Before a
 pass runs, its wrapper checks that every prerequisite was applied to that module and
-that no pass which must come after it was applied already.
+that no applied pass declared ``apply_after`` this one. Constraints are read only from
+each pass's own declaration: declaring a pass registers nothing on other passes, and
+the reverse edges ("must come before") are computed where they are needed.
 
 ``PassManager`` takes a set of passes and orders them by those constraints
 (networkx topological sort), refusing cycles.
@@ -43,7 +45,6 @@ class PassInfo:
     fn: Callable
     prerequisites: list["GraphPass"] = field(default_factory=list)
     apply_after: list["GraphPass"] = field(default_factory=list)
-    must_precede: list["GraphPass"] = field(default_factory=list)  # filled by later declarations
 
     @property
     def name(self) -> str:
@@ -91,7 +92,7 @@ def graph_optimization_pass(prerequisites: Sequence[GraphPass] = (), apply_after
             done = applied_passes(gm)
             if run_pass in done:
                 raise PassOrderError(f"Cannot apply {info.name} twice")
-            later = [p for p in info.must_precede if p in done]
+            later = [p for p in done if run_pass in pass_info(p).apply_after]
             if later:
                 raise PassOrderError(f"{_names(later)} must be applied after {info.name}")
             missing = [p for p in info.prerequisites if p not in done]
@@ -108,8 +109,6 @@ def graph_optimization_pass(prerequisites: Sequence[GraphPass] = (), apply_after
             log.debug("pass %s took %.3fs", info.name, time.perf_counter() - start)
 
         run_pass.pass_info = info
-        for earlier in info.apply_after:
-            pass_info(earlier).must_precede.append(run_pass)
         return run_pass
 
     return decorator

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_utils import WAIT_OP, set_fake_val
+from ..graph_utils import WAIT_OP, node_order, set_fake_val
 from ..graph_utils.meta import ROLE, Role
 from ..graph_utils.optimizer_ops import inplace_of, written_args
 
@@ -124,7 +124,7 @@ def _reads_before(value: fx.Node, op: fx.Node, allowed: set, order: dict) -> boo
 
 def _plan(graph: fx.Graph) -> tuple[list[_Op], dict[Elem, fx.Node], list[fx.Node]]:
     """The ops to run in place, each chained element's placeholder, and the copy nodes to drop."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     ops = {n: op for n in graph.nodes if (op := _as_op(n)) is not None}
     elems = {(op.node, k, i): op.node.args[p][i] for op in ops.values()
              for k, p in enumerate(op.positions) for i in range(len(op.node.args[p]))}

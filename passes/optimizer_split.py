@@ -26,9 +26,10 @@ from ..graph_utils import is_wait_node
 from ..graph_utils.meta import BUCKET
 
 from .comm_fusion import comm_fusion_with_concat
-from .comm_wait import UNPACK_OPS, place_waits_before_first_use, schedule_comm_wait
-from .foreach_split import ForeachChain, foreach_chains, positions_by_part, split_foreach_chain
-from .fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
+from .comm_wait import schedule_comm_wait
+from ..graph_utils.foreach_chains import ForeachChain, foreach_chains, positions_by_part, split_foreach_chain
+from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
+from ..graph_utils.waits import UNPACK_OPS, place_waits_before_first_use
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 

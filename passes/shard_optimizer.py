@@ -17,12 +17,12 @@ from typing import Optional
 
 import torch.fx as fx
 
-from ..graph_utils import is_comm_node, is_wait_node
+from ..graph_utils import is_comm_node, is_wait_node, node_order
 from ..graph_utils.meta import UNIT
 from ..graph_utils.units import gradient_collectives, later_ancestors
 
-from .foreach_split import foreach_chains, positions_by_part, split_foreach_chain
-from .fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
+from ..graph_utils.foreach_chains import foreach_chains, positions_by_part, split_foreach_chain
+from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 from .shard_reduce_scatter import schedule_reduce_scatter_waits
@@ -49,7 +49,7 @@ def _hoist(graph: fx.Graph, node: fx.Node, anchor: fx.Node) -> bool:
     Refused (False, graph untouched) when one of them is a collective, a wait or has a side
     effect: the update then depends on other units (e.g. a clipping norm over all of them).
     """
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     if order[node] < order[anchor]:
         return True
     chain = [*later_ancestors(node, order, order[anchor]), node]
@@ -89,7 +89,7 @@ def _split_fused(gm, node: fx.Node, unit_rank: dict[int, int]) -> list[tuple[fx.
 
 
 def _last_wait(op: fx.Node, graph: fx.Graph) -> fx.Node:
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     waits = {unit_gradient_source(g) for g in op.args[1]}
     return max(waits, key=order.__getitem__)
 
@@ -110,7 +110,7 @@ def _split_chains(graph: fx.Graph, unit_rank: dict[int, int]) -> list[tuple[fx.N
             continue
         waits = [{unit_gradient_source(n) for i in p for n in chain.elements_at(i)} - {None} for p in parts]
         new = split_foreach_chain(graph, chain, parts, before=chain.ops[-1]) if len(parts) > 1 else [chain.ops]
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         for nodes, w in zip(new, waits):
             ops = [n for n in nodes if n.target is not operator.getitem]
             placed.append((ops[-1], max(w, key=order.__getitem__)))

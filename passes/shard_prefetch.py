@@ -12,8 +12,8 @@ import logging
 
 import torch.fx as fx
 
-from ..graph_utils import is_comm_node, is_wait_node
-from ..graph_utils.units import later_ancestors, unit_gathers, wait_of
+from ..graph_utils import is_comm_node, is_wait_node, node_order, wait_of
+from ..graph_utils.units import later_ancestors, unit_gathers
 
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
@@ -51,7 +51,7 @@ def prefetch_unit_gathers(gm, depth: int = 1) -> None:
         gathers = unit_gathers(graph, phase)
         for j in range(depth, len(gathers)):
             anchor = wait_of(gathers[j - depth])
-            order = {n: i for i, n in enumerate(graph.nodes)}
+            order = node_order(graph)
             if anchor is None or order[gathers[j]] < order[anchor]:
                 continue
             chain = [*later_ancestors(gathers[j], order, order[anchor]), gathers[j]]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..graph_utils import is_comm_node
-from ..graph_utils.units import gradient_collectives, wait_of
+from ..graph_utils import is_comm_node, node_order, wait_of
+from ..graph_utils.units import gradient_collectives
+from ..graph_utils.waits import first_consumer
 from ..graph_utils.meta import UNIT
 
-from .comm_wait import first_consumer
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 
@@ -27,7 +27,7 @@ def result_block(wait: fx.Node) -> list[fx.Node]:
                     and all(a in block for a in user.all_input_nodes)):
                 block.add(user)
                 frontier.append(user)
-    order = {n: i for i, n in enumerate(wait.graph.nodes)}
+    order = node_order(wait.graph)
     return sorted(block, key=order.__getitem__)
 
 
@@ -60,7 +60,7 @@ def schedule_reduce_scatter_waits(gm) -> None:
         wait = wait_of(comm)
         if wait is None:
             continue
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = node_order(graph)
         block = result_block(wait)
         candidates = [n for n in (first_consumer(block), _next_of_other_unit(comm, comms, order)) if n is not None]
         if not candidates:

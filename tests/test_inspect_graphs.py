@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import spmd
-from spmd.graph_utils import find_node, graph_summary, is_all_reduce, is_wait_node
+from spmd.graph_utils import find_node, graph_summary, is_all_reduce, is_wait_node, node_order
 from spmd.passes import PassManager, comm_fusion_with_concat, graph_optimization_pass, schedule_comm_wait
 from spmd.tools import cli
 from spmd.tools.inspect_dump import diff_stages, find_stage, load_dump, node_info, pipeline_rows
@@ -135,7 +135,7 @@ def test_node_view_of_fused_all_reduce_shows_cat_producer_and_wait_user(dump):
 def test_wait_distances_in_the_json_match_the_graph(dump):
     folder, seen = dump
     graph = seen["igm"].main_gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     expect = {}
     for w in find_node(graph, is_wait_node):
         first_user = min(order[u] for u in w.users)

@@ -9,7 +9,8 @@ from spmd.trace import direct_functionalize
 from spmd.lower import inductor as lowering
 from spmd.optim import meta_kernels as optim_meta
 from spmd.graph_utils import optimizer_ops as ops
-from spmd.passes import foreach_split, fused_optimizer, optimizer_copies
+from spmd.graph_utils import foreach_chains, fused_optimizer
+from spmd.passes import optimizer_copies
 
 aten = torch.ops.aten
 
@@ -59,7 +60,7 @@ def test_every_reader_agrees_with_the_catalog():
         assert (found[0] if found else None) is ops.inplace_of(op)
         if ops.is_fused_optimizer(op) and ops.written_args(op):
             assert direct_functionalize._functional(node) is ops.functional_of(op)
-        assert foreach_split.is_foreach_op(node) == (ops.is_foreach(op) and not ops.written_args(op))
+        assert foreach_chains.is_foreach_op(node) == (ops.is_foreach(op) and not ops.written_args(op))
         assert fused_optimizer.is_fused_adam(node) == (op.overloadpacket in ops.FUSED_ADAM)
         wrappable = lowering._wrappable_fused_optimizer(node)
         assert wrappable == (ops.is_fused_optimizer(op) and "grads" in {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import spmd
-from spmd.passes.fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
+from spmd.graph_utils.fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
 from spmd.passes.optimizer_copies import remove_copy_from_optimizer
 from spmd import IterGraphModule
 from spmd.tools.models import MLP

@@ -7,12 +7,12 @@ import torch
 import torch.fx as fx
 
 import spmd
-from spmd.graph_utils import find_node, is_all_reduce
+from spmd.graph_utils import find_node, is_all_reduce, node_order
 from spmd.passes import (
     get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
     schedule_comm_wait, split_optimizer_per_bucket,
 )
-from spmd.passes.comm_wait import wait_block
+from spmd.graph_utils.waits import wait_block
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.helpers import fusion, trace_with_passes
@@ -41,7 +41,7 @@ def test_trailing_buckets_get_their_own_part_right_after_their_wait(max_parts):
     bucket_of = _bucket_of(graph)
     params = [p for part in parts for p in part.args[0]]
     assert sorted(p.meta["spmd_name"] for p in params) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     last_buckets = comms[-(max_parts - 1):]
     for part, comm in zip(parts[1:], last_buckets):
         assert {bucket_of[g] for g in part.args[1]} == {comm}, "a trailing part reads exactly its own bucket"
@@ -72,7 +72,7 @@ def test_a_foreach_optimizer_chain_is_cut_the_same_way(max_parts):
         assert len(_foreach_ops(graph, name)) == max_parts * len(_foreach_ops(traced, name)), name
     lerps = _foreach_ops(graph, "_foreach_lerp")  # reads (exp_avgs, grads): one per part, in part order
     bucket_of = _bucket_of(graph)
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     for lerp, comm in zip(lerps[1:], comms[-(max_parts - 1):]):
         assert {bucket_of[g] for g in lerp.args[1]} == {comm}, "a trailing part reads exactly its own bucket"
         assert order[next(iter(comm.users))] < order[lerp] and order[lerps[0]] < order[next(iter(comm.users))]

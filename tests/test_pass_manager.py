@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from unittest.mock import MagicMock
 
@@ -103,3 +104,46 @@ def test_pass_manager_refuses_cycles():
 def test_undeclared_pass_is_refused():
     with pytest.raises(TypeError, match="graph_optimization_pass"):
         PassManager([lambda gm: None])
+
+
+def test_declaring_a_pass_registers_nothing_on_other_passes():
+    @graph_optimization_pass()
+    def first(gm) -> None:
+        pass
+
+    before = dataclasses.asdict(first.pass_info)
+    for _ in range(3):  # redeclaring (e.g. a re-imported module) must not grow any state
+        @graph_optimization_pass(prerequisites=[first], apply_after=[first])
+        def later(gm) -> None:
+            pass
+    assert dataclasses.asdict(first.pass_info) == before
+    # the reverse constraint is read from the later pass's own declaration
+    gm = MagicMock(spec=IterGraphModule)
+    PassManager([later, first])(gm)
+    assert [p.__name__ for p in applied_passes(gm)] == ["first", "later"]
+    gm = MagicMock(spec=IterGraphModule)
+    applied_passes(gm).append(later)
+    with pytest.raises(AssertionError, match="later must be applied after first"):
+        first(gm)
+
+
+def test_passes_import_each_other_only_to_declare_order():
+    """A pass module takes shared analyses from graph_utils; from another pass module it
+    imports only declared passes (for prerequisites/apply_after), never their internals."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import spmd.passes as passes
+
+    infrastructure = {"manager", "iteration"}
+    reached = []
+    for path in sorted(Path(passes.__file__).parent.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in infrastructure:
+                other = importlib.import_module(f"spmd.passes.{node.module}")
+                reached += [f"{path.stem} -> {node.module}.{a.name}" for a in node.names
+                            if not hasattr(getattr(other, a.name), "pass_info")]
+    assert reached == []

@@ -13,13 +13,14 @@ import pytest
 
 import spmd
 from spmd.graph_utils.meta import KEEP, UNIT
-from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval, wait_of
+from spmd.graph_utils import node_order, wait_of
+from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval
 from spmd.step.iter_graph_module import IterGraphModule
 from spmd.passes import (
     UnshardedMemoryError, guard_unsharded_memory, prefetch_unit_gathers, schedule_reduce_scatter_waits,
     split_optimizer_per_unit, unsharded_peak,
 )
-from spmd.passes.fused_optimizer import is_fused_adam
+from spmd.graph_utils.fused_optimizer import is_fused_adam
 from tests.dist import single_process_group
 from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer, plain_step
 
@@ -47,14 +48,10 @@ def group():
         yield
 
 
-def _order(graph):
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
 def test_expansion_and_sharded_passes(group):
     """What the expansion emits; then prefetch, reduce-scatter waits, per-unit updates and the memory guard."""
     igm = _expanded()
-    graph, order = igm.graph, _order(igm.graph)
+    graph, order = igm.graph, node_order(igm.graph)
     forward, backward = unit_gathers(graph, "forward"), unit_gathers(graph, "backward")
     assert [g.meta[UNIT] for g in forward] == [ROOT, BLOCK0, BLOCK1]
     assert [g.meta[UNIT] for g in backward] == [BLOCK1, BLOCK0], "the root is not resharded after forward"
@@ -68,7 +65,7 @@ def test_expansion_and_sharded_passes(group):
     prefetch_unit_gathers(igm, depth=1)
     schedule_reduce_scatter_waits(igm)
     split_optimizer_per_unit(igm)
-    order = _order(graph)
+    order = node_order(graph)
     for phase in ("forward", "backward"):  # each gather right after the previous one's wait, before its use
         gathers = unit_gathers(graph, phase)
         for prev, nxt in zip(gathers, gathers[1:]):

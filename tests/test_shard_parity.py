@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 import spmd
 from spmd.explain import collective_rows
-from spmd.passes.fused_optimizer import is_fused_adam
+from spmd.graph_utils import node_order
+from spmd.graph_utils.fused_optimizer import is_fused_adam
 from tests.dist import run_distributed
 from tests.shard_helpers import (
     accumulating_step, assert_same_layout, batches, block_policy, clipped_step, fsdp2_twin, gpt, max_param_diff,
@@ -79,7 +80,7 @@ def _cases(rank, world_size):
     rows = collective_rows(graph)
     assert [(r["op"], r["phase"]) for r in rows][-1] == ("all_reduce", "optimizer"), "clip_grad_norm_'s sum"
     norm = next(n for n in graph.nodes if n.name == rows[-1]["name"])
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     updates = [n for n in graph.nodes if is_fused_adam(n)]
     assert len(updates) == 2 and all(order[u] > order[norm] for u in updates), "clipped: updates wait for the norm"
     _run_against_fsdp2(rank, "fully_shard", False, "sgd", accumulating_step, passes=False)

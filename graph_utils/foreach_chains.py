@@ -1,4 +1,7 @@
-"""Split a functional foreach optimizer chain by parameter position.
+"""Foreach optimizer chains of a step graph, and splitting one by parameter position.
+
+Shared by the passes that split the optimizer (``passes.optimizer_split``,
+``passes.shard_optimizer``), so it lives here rather than in either of them.
 
 A foreach optimizer (torch's default on CUDA) updates its parameters with a chain of
 ``_foreach_*`` ops over aligned lists: element ``i`` of every list belongs to parameter
@@ -26,8 +29,8 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..graph_utils import set_fake_val
-from ..graph_utils.optimizer_ops import is_foreach, is_inplace
+from .nodes import node_order, set_fake_val
+from .optimizer_ops import is_foreach, is_inplace
 
 aten = torch.ops.aten
 
@@ -76,7 +79,7 @@ def foreach_chains(graph: fx.Graph) -> list[ForeachChain]:
                 source = _element_source(value, op_set)
                 if source is not None:
                     links.add_edge(op, source[0])
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     chains = [ForeachChain(sorted(c, key=order.__getitem__)) for c in nx.connected_components(links)]
     for chain in chains:
         chain.why_not = _check(chain, op_set, order)

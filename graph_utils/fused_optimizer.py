@@ -1,5 +1,8 @@
 """Fused Adam/AdamW blocks of a step graph, and splitting one fused op into two.
 
+Shared by the passes that split the optimizer (``passes.optimizer_split``,
+``passes.shard_optimizer``, ``passes.iter_move``), so it lives here rather than in any of them.
+
 A traced fused Adam(W) step (torch 2.13) reads::
 
     add  = aten._foreach_add.Scalar([step_0, .., step_n], 1)        # the step counters
@@ -29,8 +32,8 @@ from typing import Iterable, Optional
 import torch
 import torch.fx as fx
 
-from ..graph_utils import set_fake_val
-from ..graph_utils.optimizer_ops import ADAM_LISTS as LISTS, FUSED_ADAM, FUSED_PAIRS, is_inplace
+from .nodes import node_order, set_fake_val
+from .optimizer_ops import ADAM_LISTS as LISTS, FUSED_ADAM, FUSED_PAIRS, is_inplace
 
 aten = torch.ops.aten
 # "_fused_adam" / "_fused_adamw" -> (functional, in-place) packets, for get_all_fused_optimizer_blocks
@@ -184,7 +187,7 @@ def get_all_fused_optimizer_blocks(gm, optim_op_name: str) -> list[FusedOptimize
         grads = blocks[0].optim.grads
     """
     packets = _optimizer_packets(optim_op_name)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = node_order(gm.graph)
     return [_block(n, order) for n in gm.graph.nodes if _packet(n) in packets]
 
 
@@ -197,7 +200,7 @@ def fused_optimizer_block(gm, optim_node: fx.Node) -> FusedOptimizerBlock:
     """The block of one fused Adam/AdamW node of ``gm`` (``ValueError`` if its step update is not found)."""
     if not is_fused_adam(optim_node):
         raise ValueError(f"fused_optimizer_block: {optim_node.name} is {optim_node.target}, not a fused Adam/AdamW op")
-    return _block(optim_node, {n: i for i, n in enumerate(gm.graph.nodes)})
+    return _block(optim_node, node_order(gm.graph))
 
 
 def _restrict(graph: fx.Graph, node: fx.Node, keep: list[int]) -> fx.Node:
@@ -256,7 +259,7 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
     """
     graph = gm.graph
     optim = block.optim.optim_node
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     if optim not in order:
         raise ValueError(
             f"split_fused_optimizer: the block's optimizer node {optim.name} is not in this graph (stale block?). "
@@ -309,6 +312,6 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
         graph.erase_node(optim)
     graph.lint()
     gm.recompile()
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     first, second = (_block(o, order) for o in new_optims)
     return first, second
