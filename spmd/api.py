@@ -27,7 +27,7 @@ from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .optim.amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
 from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
-from .parallel.data_parallel import as_data_parallel
+from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
 from .parallel.grad_check import refuse_untrained_parameters
 from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .step.iter_graph_module import IterGraphModule
@@ -162,6 +162,7 @@ class CompiledTrainStep:
             raise
         for override in self.module_override:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
+        gm.meta.setdefault(PARALLEL_MODE, self.parallel_mode)  # an override may have built a new graph
         return gm, traced, state, created
 
     @property

@@ -14,6 +14,7 @@ from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, UNIT
 from .passes import PassManager, pass_info
 
 from .api import CompiledTrainStep
+from .parallel.data_parallel import expanded_by
 from .parallel.units import shard_plan
 from .step.iter_graph_module import IterGraphModule
 from .step.transformation import GraphModuleTransformation
@@ -65,11 +66,11 @@ def pass_summary(fn: Any) -> str:
     return doc.split(". ")[0].rstrip(".") if doc else ""
 
 
-def _pass_rows(manager: PassManager, pass_args: dict) -> list[dict[str, Any]]:
+def _pass_rows(manager: PassManager) -> list[dict[str, Any]]:
     rows = []
     for p in manager.order:
         info = pass_info(p)
-        args = dict(p.keywords) if hasattr(p, "keywords") else dict(pass_args.get(p, {}))
+        args = dict(p.keywords) if hasattr(p, "keywords") else {}
         rows.append({"pass": info.name, "args": args, "does": pass_summary(info.fn),
                      "why": PASS_PURPOSE.get(info.name, ""),
                      "prerequisites": [pass_info(q).name for q in info.prerequisites],
@@ -195,10 +196,9 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
     try:
         transform = train_step.transformation_for(state)
         ours = isinstance(transform, GraphModuleTransformation)
-        manager = transform.pass_manager_for(gm.graph) if ours else PassManager([])
-        pass_args = transform.pass_args if ours else {}
+        manager = transform.pass_manager_for(expanded_by(gm)) if ours else PassManager([])
         igm = IterGraphModule(gm)
-        manager(igm, pass_args)
+        manager(igm)
         if transform is not None and not isinstance(transform, GraphModuleTransformation):
             result = transform(gm)  # a user transformation: show what it built
             igm = result if isinstance(result, IterGraphModule) else igm
@@ -212,7 +212,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         buckets=_buckets(igm.graph),
         collectives=collective_rows(igm.graph, unit_names(state.modules)),
-        passes=_pass_rows(manager, pass_args),
+        passes=_pass_rows(manager),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )
     plan.warnings = _warnings(plan, optimized=bool(plan.passes), single_tensor_adam=_single_tensor_adam(state.optimizers))

@@ -145,8 +145,6 @@ def group():
 
 def _pipeline_graph(style, bucket_mb, passes_filter=lambda p: True):
     """The step graph of a 2-block GPT after the default pipeline (``passes_filter``: which of its passes run)."""
-    from spmd.step.transformation import default_passes, sharded_passes
-
     model = gpt(n_layer=2)
     mode = spmd.DataParallel(style, **({"wrap_policy": block_policy()} if style != "replicate" else {}))
     if mode.is_sharded:
@@ -158,11 +156,10 @@ def _pipeline_graph(style, bucket_mb, passes_filter=lambda p: True):
     for made in created:
         made.undo()
     igm = spmd.IterGraphModule(gm)
-    chosen = sharded_passes() if mode.is_sharded else default_passes()
-    settings = {"comm_fusion_with_concat": {"bucket_size_mb": bucket_mb}}
-    for p in chosen:
+    settings = spmd.GraphModuleTransformation(**({} if mode.is_sharded else {"bucket_size_mb": bucket_mb}))
+    for p in mode.pass_pipeline(settings):
         if passes_filter(p):
-            p(igm, **settings.get(p.__name__, {}))
+            p(igm)
     return igm.graph
 
 

@@ -10,10 +10,12 @@ import torch
 import spmd
 from spmd.api import default_transformation
 from spmd.lower.inductor import inductor_config
-from spmd.passes import applied_passes
+from spmd.parallel import replicate
+from spmd.passes import applied_passes, pass_info
 from spmd.tools.models import MLP
-from spmd.step.transformation import default_passes
 from tests.parity import train_step
+
+_replicate = [pass_info(p).name for p in replicate.pass_pipeline(spmd.GraphModuleTransformation())]
 
 
 def test_the_default_is_our_passes_on_cpu_and_the_fast_path_on_gpu():
@@ -21,7 +23,7 @@ def test_the_default_is_our_passes_on_cpu_and_the_fast_path_on_gpu():
     assert not cpu.enable_inductor and not cpu.enable_cudagraphs
     assert gpu.enable_inductor and gpu.enable_cudagraphs == "auto"
     for t in (cpu, gpu):
-        assert [p.__name__ for p in t.pass_manager.passes] == [p.__name__ for p in default_passes()]
+        assert [pass_info(p).name for p in t.pass_manager_for(spmd.DataParallel("replicate")).passes] == _replicate
 
 
 def test_a_default_compiled_step_runs_the_passes_and_the_plain_path_stays_available():
@@ -33,7 +35,7 @@ def test_a_default_compiled_step_runs_the_passes_and_the_plain_path_stays_availa
         step = spmd.compile(gm_transformation=transformation)(train_step)
         step(model, optim, torch.randn(4, 8))
         seen[name] = [p.__name__ for p in applied_passes(next(iter(step.cache.values())).runner)]
-    assert seen["default"] == [p.__name__ for p in default_passes()] and seen["plain"] == []
+    assert seen["default"] == _replicate and seen["plain"] == []
 
 
 def test_cudagraphs_auto_runs_a_graph_it_cannot_replay_as_it_is_and_says_why_once(caplog):

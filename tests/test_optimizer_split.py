@@ -13,6 +13,7 @@ from spmd.passes import (
     schedule_comm_wait, split_optimizer_per_bucket,
 )
 from spmd.graph_utils.waits import wait_block
+from spmd.parallel import replicate
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.helpers import fusion, trace_with_passes
@@ -170,16 +171,20 @@ def _names(passes):
 
 
 def test_default_pipeline_splits_after_wait_scheduling_unless_asked_for_one_optimizer_op():
-    default = spmd.step.transformation.default_passes()
-    names = _names(default)
+    def pipeline(**settings):
+        return replicate.pass_pipeline(spmd.GraphModuleTransformation(**settings))
+
+    names = _names(pipeline())
     assert names.index("schedule_comm_wait") < names.index("split_optimizer_per_bucket") \
         < names.index("remove_copy_from_optimizer")
-    assert "split_optimizer_per_bucket" not in _names(spmd.step.transformation.default_passes(optimizer_parts=1))
-    assert spmd.GraphModuleTransformation(enable_graph_optimization=True).pass_args[
-        spmd.passes.split_optimizer_per_bucket] == {"max_parts": 4}
+    assert "split_optimizer_per_bucket" not in _names(pipeline(optimizer_parts=1))
+    split = {p.func: p.keywords for p in pipeline() if hasattr(p, "func")}
+    assert split[spmd.passes.split_optimizer_per_bucket] == {"max_parts": 4}
     transform = spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=2)
-    assert "split_optimizer_per_bucket" in _names(transform.pass_manager.order)
-    assert transform.pass_args[spmd.passes.split_optimizer_per_bucket] == {"max_parts": 2}
+    order = transform.pass_manager_for(spmd.DataParallel("replicate")).order
+    assert "split_optimizer_per_bucket" in _names(order)
+    assert {p.func: p.keywords for p in order if hasattr(p, "func")}[spmd.passes.split_optimizer_per_bucket] == {
+        "max_parts": 2}
     with pytest.raises(ValueError, match="optimizer_parts must be an int >= 1"):
         spmd.GraphModuleTransformation(enable_graph_optimization=True, optimizer_parts=0)
 

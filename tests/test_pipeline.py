@@ -11,7 +11,7 @@ import spmd
 from spmd.graph_utils import find_node, is_all_reduce
 from spmd.passes import applied_passes, graph_optimization_pass, pass_info, remove_copy_from_optimizer, schedule_comm_wait
 from spmd.tools.models import MLP
-from spmd.step.transformation import default_passes
+from spmd.parallel import replicate
 from tests.dist import run_distributed, single_process_group
 from tests.parity import assert_params_close, check_sgd_grad_sum, ddp_copy, eager_step, train_step
 
@@ -70,7 +70,7 @@ def test_user_pass_runs_in_order_with_ours_and_dumps_every_stage(tmp_path):
 
     transform = spmd.GraphModuleTransformation(enable_graph_optimization=True, passes=[count_collectives],
                                                bucket_size_mb=25, dump_graphs=True, dump_dir=str(tmp_path))
-    names = [pass_info(p).name for p in transform.pass_manager.order]
+    names = [pass_info(p).name for p in transform.pass_manager_for(spmd.DataParallel("replicate")).order]
     assert names.index("count_collectives") > names.index("schedule_comm_wait")
     seen = {}
 
@@ -115,7 +115,7 @@ def test_dump_dir_env_var_turns_dumps_on_without_code_changes(tmp_path, monkeypa
 
     train_step(model, optim, torch.randn(2, 4))
     # the CPU default runs our passes: the traced graph, one file per pass, then setup/main/cleanup
-    passes = [pass_info(p).name for p in default_passes()]
+    passes = [pass_info(p).name for p in replicate.pass_pipeline(spmd.GraphModuleTransformation())]
     stages = ["traced", *passes, "setup", "main", "cleanup"]
     assert sorted(p.name for p in tmp_path.glob("*.py")) == [f"{i:02d}_{name}.py" for i, name in enumerate(stages)]
 

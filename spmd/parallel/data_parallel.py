@@ -9,6 +9,8 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
   the user's step while it is traced, given the traced stand-ins of ``state.params`` (e.g.
   tag each gradient; gather and reduce-scatter each sharding unit); ``zero_grads_for``:
   parameters this rank computes no gradient for while others do (``spmd.checks.rank_check``);
+* ``pass_pipeline(settings)``: the passes over the expanded graph, the mode's settings
+  (``PASS_SETTINGS``, read from a ``GraphModuleTransformation``) bound where the list is built;
 * ``expand(dp, gm, grad_order=None)``: turns the traced single-rank graph into the
   distributed one (e.g. an all_reduce per gradient); ``grad_order`` is the order every
   rank reduces gradients in when some rank computes no gradient for a parameter;
@@ -17,7 +19,9 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
   module's, a swapped-in submodule's), after its graph was traced and checked on every
   rank (e.g. make replicas equal).
 
-``DataParallel`` holds the settings and hands itself to the chosen mode.
+``DataParallel`` holds the settings and hands itself to the chosen mode. ``DataParallel.expand``
+records itself on the expanded graph (``gm.meta[PARALLEL_MODE]``), so what transforms the graph
+asks that mode for its passes (``expanded_by``) instead of guessing it from the graph.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..errors import SpmdConfigError
+from ..errors import SpmdCompileError, SpmdConfigError
 from . import replicate, shard
 
 STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
 _SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy", "mesh")
+PARALLEL_MODE = "spmd_parallel_mode"  # gm.meta key: the DataParallel that expanded the graph
 
 
 @dataclass
@@ -163,8 +168,24 @@ class DataParallel:
         self.mode.before_first_run(self, state, tensors)
 
     def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
-        """The traced single-rank graph, expanded for this mode (edited in place)."""
-        return self.mode.expand(self, gm, grad_order)
+        """The traced single-rank graph, expanded for this mode (edited in place), recording this mode on it."""
+        gm = self.mode.expand(self, gm, grad_order)
+        gm.meta[PARALLEL_MODE] = self
+        return gm
+
+    def pass_pipeline(self, settings) -> list:
+        """This mode's passes with ``settings`` bound (see ``PASS_SETTINGS`` of its module)."""
+        return self.mode.pass_pipeline(settings)
+
+
+def expanded_by(gm: fx.GraphModule) -> DataParallel:
+    """The ``DataParallel`` whose ``expand`` produced ``gm`` (``SpmdCompileError`` for a graph no mode expanded)."""
+    mode = gm.meta.get(PARALLEL_MODE)
+    if not isinstance(mode, DataParallel):
+        raise SpmdCompileError("GraphModuleTransformation: this graph was not expanded by a parallel mode (no "
+                               f"gm.meta[{PARALLEL_MODE!r}]); give the transformation to spmd.compile(gm_transformation=...), "
+                               "which expands the traced step before transforming it.")
+    return mode
 
 
 def as_data_parallel(mode: Any) -> DataParallel:

@@ -11,11 +11,14 @@
   ``DDP.no_sync()``: ``spmd.trace.accumulation``). Each ``spmd::sync_buffers`` marker (before every forward of a module, with
   ``broadcast_buffers``) becomes one broadcast from rank 0 per dtype of the module's
   buffers, as DDP broadcasts them before each forward.
+* ``pass_pipeline``: the passes over the expanded graph, with this mode's settings bound
+  (``PASS_SETTINGS``: the ``GraphModuleTransformation`` settings it reads).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
 from collections import Counter, defaultdict
@@ -27,6 +30,10 @@ import torch.fx as fx
 
 from ..graph_utils import set_fake_val
 from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
+from ..passes import (
+    comm_fusion_with_concat, defer_state_writes, remove_copy_from_optimizer, schedule_comm_wait,
+    split_optimizer_per_bucket,
+)
 from ..trace.accumulation import LEAVES_GRADS
 from .replicate_markers import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
 
@@ -35,6 +42,18 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
+PASS_SETTINGS = ("bucket_size_mb", "optimizer_parts")
+
+
+def pass_pipeline(settings) -> list:
+    """Replicate's passes, ``settings`` (a ``GraphModuleTransformation``) bound: comm fusion into
+    ``bucket_size_mb`` buckets -> comm-wait scheduling -> optimizer split per trailing bucket into at
+    most ``optimizer_parts`` ops (none for 1) -> optimizer copy removal -> state writes after the last
+    collective (a step that fails changes nothing)."""
+    parts = settings.optimizer_parts
+    split = [functools.partial(split_optimizer_per_bucket, max_parts=parts)] if parts > 1 else []
+    return [functools.partial(comm_fusion_with_concat, bucket_size_mb=settings.bucket_size_mb), schedule_comm_wait,
+            *split, remove_copy_from_optimizer, defer_state_writes]
 
 
 def prepare(dp, state) -> None:

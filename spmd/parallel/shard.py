@@ -21,12 +21,15 @@ FSDP2 makes it behave, so the traced graph holds every collective at its place:
   backward of its own from the recomputed forward, still reduce-scatters their gradients.
 
 ``expand`` then only reads the tags: each collective gets its unit and phase in
-``node.meta`` (``graph_utils.meta.UNIT``, ``PHASE``).
+``node.meta`` (``graph_utils.meta.UNIT``, ``PHASE``). ``pass_pipeline``: the passes over the
+expanded graph, with this mode's settings bound (``PASS_SETTINGS``: the ``GraphModuleTransformation``
+settings it reads).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -42,6 +45,10 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..errors import SpmdCompileError
 from ..graph_utils import is_comm_node, is_wait_node
 from ..graph_utils.meta import CARRIES, KEEP, PHASE, UNIT
+from ..passes import (
+    defer_state_writes, guard_unsharded_memory, prefetch_unit_gathers, remove_copy_from_optimizer,
+    schedule_reduce_scatter_waits, split_optimizer_per_unit,
+)
 from ..trace.step_state import StepState
 from .policies import as_policy
 from .shard_comm import (
@@ -50,6 +57,20 @@ from .shard_comm import (
 from .units import ShardPlan, Unit, replaced_submodules, shard, shard_plan
 
 log = logging.getLogger(__name__)
+
+
+PASS_SETTINGS = ("prefetch_units",)
+
+
+def pass_pipeline(settings) -> list:
+    """A sharded mode's passes, ``settings`` (a ``GraphModuleTransformation``) bound: gathers
+    prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer update per
+    unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once),
+    optimizer copy removal, state writes after the last collective (a step that fails changes nothing)."""
+    depth = settings.prefetch_units
+    return [functools.partial(prefetch_unit_gathers, depth=depth), schedule_reduce_scatter_waits,
+            split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + depth),
+            remove_copy_from_optimizer, defer_state_writes]
 
 
 def validate_options(dp) -> None:

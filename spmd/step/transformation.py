@@ -8,52 +8,34 @@ from typing import Callable, Optional, Sequence
 import torch.fx as fx
 
 from ..compile_times import phase
+from ..errors import SpmdConfigError
 from ..graph_utils import DumpOptions, request_dump
-from ..graph_utils.meta import ROLE, UNIT, Role
+from ..graph_utils.meta import ROLE, Role
 from ..lower.cudagraphs import CudaGraphRunner, cudagraph_obstacle
 from ..lower.inductor import check_inductor_options, compile_with_inductor, start_compile_workers
+from ..parallel.data_parallel import STYLES, DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
-from ..passes import (
-    PassManager, applied_passes, comm_fusion_with_concat, defer_state_writes, guard_unsharded_memory, pass_info,
-    prefetch_unit_gathers, remove_copy_from_optimizer, schedule_comm_wait, schedule_reduce_scatter_waits,
-    split_optimizer_per_bucket, split_optimizer_per_unit,
-)
+from ..passes import PassManager, applied_passes, pass_info
 
 log = logging.getLogger(__name__)
 
-
-def default_passes(optimizer_parts: int = 4) -> list[Callable]:
-    """Our pipeline: comm fusion -> comm-wait scheduling -> optimizer split per trailing bucket
-    (only when ``optimizer_parts`` > 1) -> optimizer copy removal -> state writes after the last
-    collective (a step that fails changes nothing)."""
-    split = [split_optimizer_per_bucket] if optimizer_parts > 1 else []
-    return [comm_fusion_with_concat, schedule_comm_wait, *split, remove_copy_from_optimizer, defer_state_writes]
-
-
-def sharded_passes() -> list[Callable]:
-    """The pipeline for a sharded mode's graph: gathers prefetched, reduce-scatter waits placed, one optimizer
-    update per unit, the unsharded-memory check, optimizer copy removal, state writes after the last
-    collective (a step that fails changes nothing)."""
-    return [prefetch_unit_gathers, schedule_reduce_scatter_waits, split_optimizer_per_unit, guard_unsharded_memory,
-            remove_copy_from_optimizer, defer_state_writes]
-
-
-def is_sharded_graph(graph: fx.Graph) -> bool:
-    """True for a graph a sharded mode expanded (its collectives carry ``meta[UNIT]``)."""
-    return any(UNIT in n.meta for n in graph.nodes)
+# The pass settings and their defaults; each mode reads some of them (its module's ``PASS_SETTINGS``).
+PASS_DEFAULTS = {"bucket_size_mb": 25.0, "optimizer_parts": 4, "prefetch_units": 1}
 
 
 class GraphModuleTransformation:
     """Wrap the step graph in an ``IterGraphModule``, optimize it, and choose how its graphs run.
 
-    ``enable_graph_optimization=True`` runs ``default_passes`` with ``bucket_size_mb`` (gradient
-    bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts`` (at most that many
-    optimizer ops for ``split_optimizer_per_bucket``; 1: no split), plus any ``passes`` the user
-    gives (declared with ``@graph_optimization_pass``, bare or as ``functools.partial``),
-    ordered together by ``PassManager``. ``passes`` alone (without the flag) runs only the user's.
-    For a sharded mode's graph (``is_sharded_graph``) the flag runs ``sharded_passes`` instead,
-    gathering ``prefetch_units`` units ahead and allowing 1 + ``prefetch_units`` units
-    gathered at once (``guard_unsharded_memory``).
+    ``enable_graph_optimization=True`` runs the pass pipeline of the parallel mode that expanded
+    the graph (``pass_pipeline`` of ``spmd.parallel.replicate`` or ``spmd.parallel.shard``, asked
+    through the ``DataParallel`` the graph records), plus any ``passes`` the user gives (declared
+    with ``@graph_optimization_pass``, bare or as ``functools.partial``), ordered together by
+    ``PassManager``. ``passes`` alone (without the flag) runs only the user's. Replicate reads
+    ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
+    (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
+    modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
+    once, ``guard_unsharded_memory``). A setting changed from its default that the graph's mode does
+    not read is refused (``SpmdConfigError``) on the first compile, before anything runs.
 
     ``enable_inductor=True`` compiles each graph the step runs (the whole step, or its
     setup/main/cleanup parts after a cross-iteration move) with TorchInductor on first
@@ -74,10 +56,11 @@ class GraphModuleTransformation:
     """
 
     def __init__(self, enable_graph_optimization: bool = False, enable_inductor: bool = False,
-                 dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None, bucket_size_mb: float = 25.0,
-                 passes: Sequence[Callable] = (), dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False,
-                 inductor_comm_passes: bool = False, optimizer_parts: int = 4, prefetch_units: int = 1,
-                 inductor_options: Optional[dict] = None):
+                 dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None,
+                 bucket_size_mb: float = PASS_DEFAULTS["bucket_size_mb"], passes: Sequence[Callable] = (),
+                 dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False, inductor_comm_passes: bool = False,
+                 optimizer_parts: int = PASS_DEFAULTS["optimizer_parts"],
+                 prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None):
         if inductor_comm_passes and not enable_inductor:
             raise ValueError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
         if inductor_options and not enable_inductor:
@@ -95,22 +78,23 @@ class GraphModuleTransformation:
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units
         self.inductor_options = check_inductor_options(inductor_options)
-        chosen = (default_passes(optimizer_parts) if enable_graph_optimization else []) + list(passes)
-        self.pass_manager = PassManager(chosen)  # validates declarations and order now, not mid-compile
-        self.sharded_pass_manager = PassManager((sharded_passes() if enable_graph_optimization else []) + list(passes))
+        # One manager per mode module, built now so declarations and order are checked here, not mid-compile.
+        self.pass_managers = {mode: PassManager((mode.pass_pipeline(self) if enable_graph_optimization else [])
+                                                + list(passes)) for mode in set(STYLES.values())}
         self.dump = DumpOptions.resolve(dump_graphs, dump_dir, dump_ranks)
 
-    @property
-    def pass_args(self) -> dict[Callable, dict]:
-        """The keyword arguments our passes get from this transformation's settings."""
-        return {comm_fusion_with_concat: {"bucket_size_mb": self.bucket_size_mb},
-                split_optimizer_per_bucket: {"max_parts": self.optimizer_parts},
-                prefetch_unit_gathers: {"depth": self.prefetch_units},
-                guard_unsharded_memory: {"max_unsharded": 1 + self.prefetch_units}}
+    def pass_manager_for(self, mode: DataParallel) -> PassManager:
+        """The pass manager for a graph ``mode`` expanded: its mode's pipeline and the user's passes.
 
-    def pass_manager_for(self, graph: fx.Graph) -> PassManager:
-        """The pass manager for ``graph``: the sharded pipeline for a sharded mode's graph, else the default."""
-        return self.sharded_pass_manager if is_sharded_graph(graph) else self.pass_manager
+        A setting changed from its default that ``mode`` does not read is refused (``SpmdConfigError``).
+        """
+        reads = mode.mode.PASS_SETTINGS
+        for name, default in PASS_DEFAULTS.items():
+            if name not in reads and getattr(self, name) != default:
+                raise SpmdConfigError(
+                    f"GraphModuleTransformation: {name}={getattr(self, name)!r} does not apply to parallel mode "
+                    f"{mode.parallel_style!r}, which reads {list(reads)}. Drop {name} or choose a mode that reads it.")
+        return self.pass_managers[mode.mode]
 
     def before_trace(self, device) -> None:
         """Called by ``spmd.compile`` before it traces a step whose parameters live on ``device``:
@@ -120,9 +104,10 @@ class GraphModuleTransformation:
             start_compile_workers()
 
     def __call__(self, gm: fx.GraphModule) -> IterGraphModule:
+        manager = self.pass_manager_for(expanded_by(gm))  # refuses before anything is built or dumped
         request_dump(self.dump)
         igm = IterGraphModule(gm)
-        self.pass_manager_for(gm.graph)(igm, self.pass_args, timer=lambda name: phase(f"passes/{name}"))
+        manager(igm, timer=lambda name: phase(f"passes/{name}"))
         with phase("passes/finalize"):
             igm.finalize_setup()
         if self.enable_inductor or self.enable_cudagraphs:
