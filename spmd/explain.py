@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .graph_utils import find_node, is_all_reduce, is_comm_node, is_wait_node, tensor_bytes
+from .graph_utils.nodes import node_order
 from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, UNIT
 from .passes import PassManager, pass_info
 
@@ -89,7 +90,7 @@ def unit_names(modules) -> dict[int, str]:
 
 
 def _buckets(graph) -> list[Bucket]:
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     out = []
     for comm in find_node(graph, is_all_reduce):
         waits = [u for u in comm.users if is_wait_node(u)]
@@ -115,7 +116,7 @@ def collective_rows(graph, names: Optional[dict[int, str]] = None) -> list[dict[
     first labelled backward collective, "optimizer" after the last one, else "backward".
     """
     comms = [n for n in graph.nodes if is_comm_node(n)]
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
 
     def labelled(n):
         return n.meta.get(PHASE) or ("backward" if GRAD_OF in n.meta or BUCKET in n.meta else None)

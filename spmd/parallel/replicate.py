@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..graph_utils import set_fake_val
+from ..graph_utils.nodes import node_order
 from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
 from ..passes import (
     comm_fusion_with_concat, defer_state_writes, remove_copy_from_optimizer, schedule_comm_wait,
@@ -235,7 +236,7 @@ def place_zero_gradients(graph: fx.Graph, grad_order: Sequence[tuple[int, int]])
             anchor.append(grad)
             anchor = grad
     if pending:  # no computed gradient at all: keep the zeros together, in order
-        anchor = min(pending, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__).prev
+        anchor = min(pending, key=node_order(graph).__getitem__).prev
         for zero in pending:
             anchor.append(zero)
             anchor = zero

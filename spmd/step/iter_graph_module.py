@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from ..graph_utils import lazy_graph_module
 from ..graph_utils.meta import NAME, ROLE, Role
+from ..graph_utils.nodes import node_order
 from ..graph_utils.optimizer_ops import written_inputs
 from ..passes.iteration import IterMoveError
 
@@ -39,10 +40,6 @@ class Move:
     target: fx.Node
     carried: list[fx.Node]        # external inputs whose value crosses the iteration boundary
     reused: list[fx.Node]         # persistent placeholders read afresh in the next iteration
-
-
-def _index(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 class IterGraph(fx.Graph):
@@ -63,7 +60,7 @@ class IterGraph(fx.Graph):
         """
         if self.frozen:
             raise IterMoveError("move_to_next_iter_before must be called before finalize_setup()")
-        order = _index(self)
+        order = node_order(self)
         nodes = sorted(set(nodes), key=lambda n: order.get(n, -1))
         if not nodes:
             raise IterMoveError("move_to_next_iter_before: no nodes to move")

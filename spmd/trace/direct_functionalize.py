@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import set_fake_val
+from ..graph_utils.nodes import node_order
 from ..graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
 
 aten = torch.ops.aten
@@ -91,7 +92,7 @@ def _aliases(node: fx.Node) -> set[fx.Node]:
 
 def _rewritable(graph: fx.Graph) -> Optional[list[tuple[fx.Node, list[int]]]]:
     """The in-place nodes and their written argument positions, or None if the rewrite would not be exact."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     writes = []
     for node in graph.nodes:
@@ -159,7 +160,7 @@ def functionalize_optimizer_writes(gm: fx.GraphModule) -> Optional[fx.GraphModul
                         write_backs.append(target)
                         current[target] = value
         graph.erase_node(node)
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = node_order(graph)
     for target, value in current.items():  # later reads of a written input read its new value
         for user in list(target.users):
             if order[user] > order[value]:
