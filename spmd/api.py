@@ -32,6 +32,7 @@ from .parallel.grad_check import refuse_untrained_parameters
 from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .step.iter_graph_module import IterGraphModule
 from .step.state_check import StateCheck
+from .step.transformation import GraphModuleTransformation
 from .trace.accumulation import grads_on_entry, grads_signature
 from .trace.capture import trace_train_step
 from .trace.step_outputs import rewrap
@@ -56,8 +57,6 @@ def default_transformation(device_type: str) -> Callable:
     Inductor's C++ compile takes a small model's first call from about 1 s to 15-40 s).
     ``spmd.GraphModuleTransformation()`` asks for the traced graph as it is.
     """
-    from .step.transformation import GraphModuleTransformation
-
     if device_type == "cuda":
         return GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
                                          enable_cudagraphs="auto")
@@ -179,8 +178,8 @@ class CompiledTrainStep:
         times: dict[str, float] = {}
         created: list = []
         transformation = self.transformation_for(state)
-        if hasattr(transformation, "before_trace"):  # e.g. start Inductor's compile workers while we trace
-            transformation.before_trace(state.params[0].device if state.params else torch.device("cpu"))
+        if isinstance(transformation, GraphModuleTransformation):  # e.g. Inductor's compile workers start now
+            transformation.lowering.start(state.params[0].device if state.params else torch.device("cpu"))
         try:
             with recording(times), recording_stages(self.dump_options()) as dump:
                 gm, traced, state, created = self.trace_and_expand(state, args, kwargs, **plan)
@@ -320,26 +319,19 @@ class CompiledTrainStep:
         return state
 
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        signed = [*leaves, *closure_scalers(self.fn)]  # what the step depends on besides its state
-        group = self._agreement_group()
-        found = self._repeat_last_call(signed, spec)
-        compared = found is not None and group is not None and not rank_agreement.agreed(found[0], group)
-        if found is None or compared:  # a rank that runs another graph this call: compare in detail
-            found = self._look_up(args, kwargs, signed, spec, group, compared)
-        entry, flat, first_run, params = found
-        flat += [t for t in leaves if isinstance(t, torch.Tensor)]
-        grads = entry.grads
-        if grads:
-            flat += grads.entry_grads(params)
-        # graphs compile on first use (Inductor, CUDA graph capture): their phases go to this entry
+        entry, flat, params = self._prepare_call(args, kwargs)
+        first_run = not entry.ran
+        # the first run captures CUDA graphs: its time goes to this entry too
         with torch.no_grad(), recording(entry.compile_times), (
                 phase("first_run") if first_run else contextlib.nullcontext()):
             if isinstance(entry.runner, IterGraphModule):
                 out = entry.runner(*flat, last_iter=last_train_step)
             else:
                 out = entry.runner(*flat)
+        if first_run:
+            entry.finished_run()
         out = list(out)
+        grads = entry.grads
         if grads:
             n = len(out) - len(grads.outputs)
             grads.leave(params, out[n:])
@@ -348,9 +340,45 @@ class CompiledTrainStep:
             out = rewrap(out, entry.dtensors)
         return pytree.tree_unflatten(out, entry.out_spec)
 
+    def lower(self, *args, **kwargs) -> CompiledStep:
+        """Compile the step for these arguments ahead of its first call, without running it.
+
+        Traces, transforms and lowers (Inductor compiles every graph the step runs) exactly as the
+        first call with this signature would, and keeps the result, so that call only runs. As
+        the first call would, it creates the optimizer state a step needs (zeros) and, on several
+        ranks, takes part in the ranks' agreement: call it on every rank. Returns the compiled
+        step (its ``compile_times`` say where the time went).
+
+        Example::
+
+            train_step.lower(model, optim, batch)   # e.g. while the data loader starts
+            for batch in loader:
+                train_step(model, optim, batch)
+        """
+        kwargs.pop("last_train_step", None)
+        return self._prepare_call(args, kwargs)[0]
+
+    def _prepare_call(self, args: tuple, kwargs: dict) -> tuple[CompiledStep, list, list]:
+        """(entry, its graph inputs, the parameters) for a call with these arguments: the entry found
+        (a repeated call), or looked up and compiled; lowered before it is returned."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        signed = [*leaves, *closure_scalers(self.fn)]  # what the step depends on besides its state
+        group = self._agreement_group()
+        found = self._repeat_last_call(signed, spec)
+        compared = found is not None and group is not None and not rank_agreement.agreed(found[0], group)
+        if found is None or compared:  # a rank that runs another graph this call: compare in detail
+            found = self._look_up(args, kwargs, signed, spec, group, compared)
+        entry, flat, params = found
+        flat += [t for t in leaves if isinstance(t, torch.Tensor)]
+        if entry.grads:
+            flat += entry.grads.entry_grads(params)
+        if not entry.lowered:
+            entry.lower(flat)  # the lower stage, on the first call's inputs, before it runs
+        return entry, flat, params
+
     def _repeat_last_call(self, leaves: list, spec: pytree.TreeSpec
-                          ) -> Optional[tuple[CompiledStep, list, bool, list]]:
-        """(entry, graph inputs before the user's tensors, False, parameters) when this call has the last call's
+                          ) -> Optional[tuple[CompiledStep, list, list]]:
+        """(entry, graph inputs before the user's tensors, parameters) when this call has the last call's
         signature, else None: the same argument structure and leaf signatures (so the same modules
         and optimizers), and nothing changed in their state (``StateCheck``)."""
         last = self._last_call
@@ -361,13 +389,12 @@ class CompiledTrainStep:
         values = last.check.hypers_if_unchanged()
         if values is None:
             return None
-        return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], False, last.check.params
+        return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], last.check.params
 
     def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec,
                  group: Optional[dist.ProcessGroup] = None, compared: bool = False
-                 ) -> tuple[CompiledStep, list, bool, list]:
-        """(entry, graph inputs before the user's tensors, whether it is the entry's first run, the
-        parameters), from
+                 ) -> tuple[CompiledStep, list, list]:
+        """(entry, graph inputs before the user's tensors, the parameters), from
         the full signature: the cached entry, or a new one compiled. With ``group``, the ranks then
         agree on what runs (``_agree``; ``compared``: they already found that they differ), this rank
         taking part even when its own lookup or trace failed. Prepares new parameters and buffers (a
@@ -397,7 +424,7 @@ class CompiledTrainStep:
             self._remember(tuple(signature.items()), candidate.entry, signature)
         else:
             self.cache.move_to_end(key)
-        entry, state, first_run = agreed.entry, agreed.state, agreed.fresh
+        entry, state = agreed.entry, agreed.state
         missed = missed or entry is not candidate.entry  # a variant: the entry is posted first again next call
         repeated = self._last_run is entry
         if self._last_run is not None and not repeated:
@@ -409,10 +436,10 @@ class CompiledTrainStep:
             self._prepared.update(dict.fromkeys(new_tensors, True))
         hypers = entry.hyper_inputs(state.hyper_values(), state)
         if not repeated or missed:  # check the next call only after the same entry twice, and no failed check
-            return entry, [*state.flat_tensors(), *hypers], first_run, state.params
+            return entry, [*state.flat_tensors(), *hypers], state.params
         check = StateCheck(state, on_free=self._forget_last_call)
         self._last_call = LastCall(entry, spec, list(map(self._leaf_signature, leaves)), check)
-        return entry, [*check.flat, *hypers], first_run, state.params
+        return entry, [*check.flat, *hypers], state.params
 
     def _forget_last_call(self, _freed: Any = None) -> None:
         """Drop ``_last_call`` (its tensors with it): one of its modules or optimizers was freed."""
@@ -501,6 +528,8 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
                               f"{module_override!r}; pass options by name, e.g. spmd.compile(gm_transformation=...).")
     _check_compile_arguments(module_override, gm_transformation)
     mode = as_data_parallel(parallel_mode)
+    if isinstance(gm_transformation, GraphModuleTransformation):
+        gm_transformation.check_settings_apply(mode)  # here, where both are written
 
     def decorator(fn: Callable) -> CompiledTrainStep:
         if not callable(fn):

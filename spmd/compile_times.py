@@ -1,9 +1,10 @@
 """Where compiling a step spends its time: named phases, summed per compiled step.
 
 ``spmd.compile`` records into one dict per compiled signature
-(``CompiledTrainStep.compile_times``): tracing, expansion, each pass, and, on the
-first run of each graph, its Inductor compile and CUDA graph capture. Phases nest:
-``trace`` includes ``trace/autograd`` and ``trace/functionalize``. Outside a
+(``CompiledTrainStep.compile_times``): tracing, expansion, each pass, lowering (``lower``:
+each graph's Inductor compile, ``lower/step/inductor_compile_fx``...), and the first run
+(``first_run``: CUDA graph capture). Phases nest: ``trace`` includes ``trace/autograd`` and
+``trace/functionalize``. Outside a
 recording, ``phase`` only costs a clock read.
 
 Example::

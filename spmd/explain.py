@@ -198,11 +198,8 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
         transform = train_step.transformation_for(state)
         ours = isinstance(transform, GraphModuleTransformation)
         manager = transform.pass_manager_for(expanded_by(gm)) if ours else PassManager([])
-        igm = IterGraphModule(gm)
-        manager(igm)
-        if transform is not None and not isinstance(transform, GraphModuleTransformation):
-            result = transform(gm)  # a user transformation: show what it built
-            igm = result if isinstance(result, IterGraphModule) else igm
+        result = transform(gm)  # the transform stage, as a compile runs it (lowering comes later, on a call)
+        igm = result if isinstance(result, IterGraphModule) else IterGraphModule(gm)
     finally:
         for made in created:
             made.undo()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import spmd
+from spmd.lower import Lowering
 from spmd.graph_utils import find_node, is_all_reduce
 from spmd.passes import comm_fusion_with_concat, iter_move_grads_and_optimizers, remove_copy_from_optimizer, schedule_comm_wait
 from spmd import IterGraphModule
@@ -68,8 +69,7 @@ def _itermove_pipeline(bucket_mb, inductor, cudagraphs):
         remove_copy_from_optimizer(igm)
         iter_move_grads_and_optimizers(igm, find_node(igm.graph, is_all_reduce)[0], _first_compute_node(igm))
         igm.finalize_setup()
-        igm.stage_compiler = spmd.GraphModuleTransformation(
-            enable_inductor=inductor, enable_cudagraphs=cudagraphs).compile_stage
+        igm.lowering = Lowering(inductor=inductor, cudagraphs=cudagraphs)
         return igm
     return transform
 

@@ -14,6 +14,7 @@ import spmd
 from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
 from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
 from spmd import IterGraphModule, SpmdCompileError
+from spmd.lower import Lowering
 from spmd.lower.inductor import prepare_for_inductor
 from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
@@ -158,7 +159,7 @@ def _keeps_order(rank, world_size):
 
     def lowered(gm):
         igm = transform(gm)
-        igm.stage_compiler = spmd.GraphModuleTransformation(enable_inductor=True).compile_stage
+        igm.lowering = Lowering(inductor=True)
         return igm
 
     torch.manual_seed(0)
@@ -237,20 +238,25 @@ def _iter_move_parity(rank, world_size):
 
     def moved(gm):
         igm = pipeline(gm)
-        igm.stage_compiler = spmd.GraphModuleTransformation(enable_inductor=True).compile_stage
+        igm.lowering = Lowering(inductor=True)
         return igm
 
     step = spmd.compile(gm_transformation=moved)(train_step)
     torch.manual_seed(rank)
+    compiled = step.lower(model, optim, torch.randn(8, 16))  # every graph compiled before the first run
+    lowered = dict(seen["igm"]._runners)
+    assert sorted(lowered) == ["cleanup", "flush", "main", "setup"]
+    assert compiled.compile_times["lower"] > 0 and "first_run" not in compiled.compile_times
     for i in range(4):  # setup, main, main, cleanup
         batch = torch.randn(8, 16)
         step(model, optim, batch, last_train_step=(i == 3))
         eager_step(ddp, ddp_optim, batch, grad_scale=world_size)
     assert_params_close(model, ddp, **TOL)
-    assert sorted(seen["igm"]._runners) == ["cleanup", "main", "setup"]
+    assert seen["igm"]._runners == lowered, "running compiled nothing more"
+    assert step.trace_count == 1
 
 
-def test_inductor_compiles_setup_main_and_cleanup_of_a_moved_step():
+def test_inductor_compiles_every_graph_of_a_moved_step_before_it_runs():
     run_distributed(_iter_move_parity)
 
 
@@ -295,31 +301,27 @@ def test_a_missing_inductor_option_fails_loudly_unless_this_torch_may_lack_it(mo
 
 
 def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch):
-    """spmd.compile calls ``before_trace(device)`` on a transformation that has it, before tracing; ours
-    then starts Inductor's compile workers for a GPU step (as compile_fx would, but seconds earlier)."""
-    import spmd.step.transformation as transformation_module
+    """spmd.compile asks the transformation's lowering to start before tracing; with Inductor it then
+    starts Inductor's compile workers for a GPU step (as compile_fx would, but seconds earlier)."""
+    import spmd.lower.lowering as lowering_module
 
     started = []
-    monkeypatch.setattr(transformation_module, "start_compile_workers", lambda: started.append(True))
-    spmd.GraphModuleTransformation(enable_inductor=True).before_trace(torch.device("cuda"))
-    spmd.GraphModuleTransformation(enable_inductor=True).before_trace(torch.device("cpu"))
-    spmd.GraphModuleTransformation().before_trace(torch.device("cuda"))
+    monkeypatch.setattr(lowering_module, "start_compile_workers", lambda: started.append(True))
+    Lowering(inductor=True).start(torch.device("cuda"))
+    Lowering(inductor=True).start(torch.device("cpu"))
+    Lowering().start(torch.device("cuda"))
     assert started == [True]
 
     seen = []
-
-    class Recording:
-        def before_trace(self, device):
-            seen.append(("before_trace", device))
-
-        def __call__(self, gm):
-            seen.append(("transform", None))
-            return gm
-
+    monkeypatch.setattr(Lowering, "start", lambda self, device: seen.append(("start", device)))
+    transform = spmd.GraphModuleTransformation()
+    original = spmd.GraphModuleTransformation.__call__
+    monkeypatch.setattr(spmd.GraphModuleTransformation, "__call__",
+                        lambda self, gm: seen.append(("transform", None)) or original(self, gm))
     model = MLP(layers=2, dim=8)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    spmd.compile(gm_transformation=Recording())(train_step)(model, optim, torch.randn(2, 8))
-    assert seen == [("before_trace", torch.device("cpu")), ("transform", None)]
+    spmd.compile(gm_transformation=transform)(train_step)(model, optim, torch.randn(2, 8))
+    assert seen == [("start", torch.device("cpu")), ("transform", None)]
 
 
 def test_a_decomposition_that_fails_names_the_op_and_the_way_around_it():

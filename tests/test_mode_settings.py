@@ -1,8 +1,10 @@
 """Each parallel mode reads its own pass settings; one it does not read is refused, not ignored.
 
-``GraphModuleTransformation`` learns the mode from the expanded graph (``DataParallel.expand``
-records it), so the refusal comes on the first compile, after tracing and before anything runs:
-the user's parameters, gradients and optimizer state are left as they were.
+Given both, ``spmd.compile(parallel_mode=..., gm_transformation=...)`` refuses it where it is written.
+A transformation used without ``spmd.compile`` knowing it (one called by the user's own) learns the
+mode from the expanded graph (``DataParallel.expand`` records it) and refuses on the first compile,
+after tracing and before anything runs: the user's parameters, gradients and optimizer state are
+left as they were.
 """
 
 from __future__ import annotations
@@ -26,17 +28,21 @@ def group():
 
 
 def _refused(mode: spmd.DataParallel, setting: dict) -> str:
-    """Compile one step of a tiny GPT with ``setting``; return the error and check nothing changed."""
+    """``setting`` refused where spmd.compile is written, and, given through a transformation of the
+    user's own, on the first compile of one step of a tiny GPT: the error, nothing changed."""
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, **setting)
+    with pytest.raises(SpmdConfigError) as where_written:
+        spmd.compile(parallel_mode=mode, gm_transformation=transformation)
     torch.manual_seed(0)
     model = gpt(n_layer=1)
     if mode.is_sharded:
         spmd.shard(model, mode)
     optim = optimizer(model, "adamw")
     before = copy.deepcopy(model.state_dict())
-    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, **setting)
-    step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(plain_step)
+    step = spmd.compile(parallel_mode=mode, gm_transformation=lambda gm: transformation(gm))(plain_step)
     with pytest.raises(SpmdConfigError) as err:
         step(model, optim, *next(batches(0, 1)))
+    assert str(err.value) == str(where_written.value)
     after = model.state_dict()
     assert all(torch.equal(before[k].full_tensor() if hasattr(before[k], "full_tensor") else before[k],
                            after[k].full_tensor() if hasattr(after[k], "full_tensor") else after[k]) for k in before)

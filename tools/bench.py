@@ -249,8 +249,8 @@ def compile_seconds(record: dict) -> float:
     """Seconds a mode spent compiling: spmd's compile phases, or torch.compile's timers (0 for eager modes).
 
     spmd's phases nest by name (``trace`` holds ``trace/autograd``), the passes run inside
-    ``transform``, and ``first_run`` (the first call, including its graph's Inductor compile,
-    also recorded on its own) is no compile phase.
+    ``transform``, Inductor's compiles inside ``lower``, and ``first_run`` (the first call's run:
+    CUDA graph warm-up and capture) is no compile phase.
     """
     times = record.get("compile_times")
     if times is None:

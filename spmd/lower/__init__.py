@@ -1,9 +1,12 @@
-"""Lower: Inductor's decompositions applied node by node (``decompose``), the whole step graph or its
-setup/main/cleanup parts compiled by Inductor (``inductor``), and CUDA-graph replay (``cudagraphs``).
-Takes the graph ``spmd.passes`` optimized; hands compiled callables to ``spmd.step``.
+"""Lower: what each graph of a transformed step is compiled to (``lowering.Lowering``, a value the
+transformation sets), Inductor's decompositions applied node by node (``decompose``), the whole step
+graph or its setup/main/cleanup parts compiled by Inductor (``inductor``), and CUDA-graph replay
+(``cudagraphs``). Takes the graphs ``spmd.passes`` optimized, before the step first runs; hands
+compiled callables to ``spmd.step``'s runner, which only runs them.
 """
 
 from .inductor import compile_with_inductor
 from .cudagraphs import CudaGraphRunner
+from .lowering import Lowering
 
-__all__ = ["CudaGraphRunner", "compile_with_inductor"]
+__all__ = ["CudaGraphRunner", "Lowering", "compile_with_inductor"]

@@ -267,9 +267,9 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
 
     start = time.perf_counter()
     with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes, options)):
-        with phase(f"inductor/{label}/prepare"):
+        with phase(f"lower/{label}/inductor_prepare"):
             prepared = prepare_for_inductor(gm)
-        with phase(f"inductor/{label}/compile_fx"):
+        with phase(f"lower/{label}/inductor_compile_fx"):
             compiled = _inner_compile(prepared, list(example_inputs))
     log.info("spmd: Inductor compiled the %s graph (%d nodes) in %.1f s", label, len(gm.graph.nodes),
              time.perf_counter() - start)

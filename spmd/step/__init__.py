@@ -1,7 +1,8 @@
-"""The compiled step and its runner's parts: ``transformation`` (passes, then lowering through
-``spmd.lower``, of an expanded graph), ``iter_graph_module`` (one graph run as setup, main and cleanup
-iterations), ``compiled_step`` (one compiled signature and what a repeated call reuses of it) and
-``state_check`` (the fast path that tells a repeated call from a changed one).
+"""The compiled step and its runner's parts, stage by stage: ``transformation`` (the transform stage:
+the mode's passes on an expanded graph, and the ``spmd.lower.Lowering`` its graphs get),
+``compiled_step`` (the lower stage: every graph compiled before the first run, and what a repeated
+call reuses), ``iter_graph_module`` (one graph run as setup, main and cleanup
+iterations) and ``state_check`` (the fast path that tells a repeated call from a changed one).
 Hands the runnable step back to ``spmd.api``, which runs it for the user.
 """
 

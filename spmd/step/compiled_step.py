@@ -1,4 +1,9 @@
-"""One compiled signature of a train step (``CompiledStep``) and what a repeated call reuses of it."""
+"""One compiled signature of a train step (``CompiledStep``) and what a repeated call reuses of it.
+
+A ``CompiledStep`` is the transform stage's result (the expanded graph and what the transformation
+made of it) until ``lower`` turns each of its graphs into what runs them, on the first call's
+inputs and before that call runs (the lower stage); from then on calls only run it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ..compile_times import phase, recording
 from ..trace.accumulation import GradPlan
 from ..trace.step_state import StepState
 from .iter_graph_module import IterGraphModule
@@ -32,13 +38,23 @@ class CompiledStep:
     variants: dict[tuple, "CompiledStep"] = field(default_factory=dict)
     grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.trace.accumulation)
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.trace.step_outputs)
+    lowered: bool = False  # ``lower`` ran: calls only run ``runner`` from then on
+    ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
+
+    def lower(self, inputs: list) -> None:
+        """The lower stage: compile each graph the step runs (``IterGraphModule.lower``) for ``inputs``,
+        the step's graph inputs on its first call, recording the time as the ``lower`` phase."""
+        if isinstance(self.runner, IterGraphModule) and not self.runner.lowered:
+            with torch.no_grad(), recording(self.compile_times), phase("lower"):
+                self.runner.lower(tuple(inputs))
+        self.lowered = True
 
     def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:
         """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled
-        in place only where a value changed. ``state`` makes the tensors on the entry's first run."""
-        if self.first_step:
+        in place only where a value changed; until a call ran the step, ``first_step``'s values where
+        it has them. ``state`` makes the tensors when the entry has none yet."""
+        if self.first_step and not self.ran:
             values = [self.first_step.get(i, v) for i, v in enumerate(values)]
-            self.first_step = {}
         if values != self.hyper_values:
             if not self.hyper_tensors:
                 self.hyper_tensors = state.hyper_tensors()
@@ -48,6 +64,11 @@ class CompiledStep:
                     tensor.fill_(new)
             self.hyper_values = values
         return self.hyper_tensors
+
+    def finished_run(self) -> None:
+        """Called after a call ran the step: the first step's values are used up."""
+        self.ran = True
+        self.first_step = {}
 
     def flush(self) -> None:
         """Run the work this graph deferred to its next iteration, if any (no next iteration follows)."""

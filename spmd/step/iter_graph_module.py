@@ -12,7 +12,11 @@ the three graphs are then derived from the one logical graph and the recorded mo
 * cleanup (iteration N): the previous iteration's moved nodes run before ``target``,
   then the whole step runs unmoved, so nothing is left pending.
 * flush: only the previous iteration's moved nodes, for when no further iteration of
-  this graph follows (e.g. another graph is about to update the same parameters).
+  this graph follows (e.g. another graph is about to update the same parameters). A last
+  iteration that is also the first (``last_iter`` on the first call) runs setup, then flush.
+
+``lower(inputs)`` turns each graph a run may execute into what runs it (``spmd.lower.Lowering``),
+before the first run: running never compiles.
 
 Because setup, main and cleanup are functions of the logical graph, every edit made
 through ``gm.graph`` reaches all three; nothing has to mirror node maps by hand.
@@ -31,6 +35,7 @@ from ..graph_utils import lazy_graph_module
 from ..graph_utils.meta import NAME, ROLE, Role
 from ..graph_utils.nodes import node_order
 from ..graph_utils.optimizer_ops import written_inputs
+from ..lower.lowering import Lowering, example_like
 from ..passes.iteration import IterMoveError
 
 
@@ -214,7 +219,8 @@ class IterGraphModule(nn.Module):
     ``gm.graph`` is the logical graph (an ``IterGraph``); passes edit it. Call
     ``finalize_setup()`` after all moves (it is called on the first run if not). Call
     with ``last_iter=True`` on the last step so deferred work is flushed; the next
-    call starts again with setup.
+    call starts again with setup. ``lowering`` (set by the transformation) says what
+    ``lower`` makes of each graph; without it, or before ``lower``, the FX graphs run.
     """
 
     def __init__(self, gm: fx.GraphModule):
@@ -228,10 +234,8 @@ class IterGraphModule(nn.Module):
         self._carry: Optional[tuple] = None
         self._reused_args: tuple = ()  # the persistent inputs the pending work updates
         self._finalized = False
-        # (label, graph module, first call's args, number of user outputs) -> what runs that
-        # graph; set by the transformation for Inductor / CUDA graphs. None: run the FX graph.
-        self.stage_compiler: Optional[Callable[[str, fx.GraphModule, tuple, int], Callable]] = None
-        self._runners: dict[str, Callable] = {}
+        self.lowering: Optional[Lowering] = None  # how ``lower`` compiles each graph (None: run the FX graphs)
+        self._runners: dict[str, Callable] = {}  # label -> what runs that graph, made by ``lower``
 
     @property
     def graph(self) -> IterGraph:
@@ -288,15 +292,41 @@ class IterGraphModule(nn.Module):
         return self._flush
 
     def graphs_to_run(self) -> list[tuple[str, fx.Graph]]:
-        """Every graph a run of this module may execute, by label (``step``; and ``setup``,
+        """Every graph a run of this module may execute, by label (``step``; or ``setup``,
         ``main``, ``cleanup``, ``flush`` when nodes move across iterations)."""
+        return [(label, gm.graph) for label, gm in self._modules_to_run()]
+
+    def _modules_to_run(self) -> list[tuple[str, fx.GraphModule]]:
         if not self._finalized:
             self.finalize_setup()
-        graphs = [("step", self.graph)]
-        if self.graph.moves:
-            graphs += [("setup", self.setup_gm.graph), ("main", self.main_gm.graph),
-                       ("cleanup", self.cleanup_gm.graph), ("flush", self.flush_gm.graph)]
-        return graphs
+        if not self.graph.moves:
+            return [("step", self._logical)]
+        return [("setup", self.setup_gm), ("main", self.main_gm), ("cleanup", self.cleanup_gm),
+                ("flush", self.flush_gm)]
+
+    @property
+    def lowered(self) -> bool:
+        """True once ``lower`` made what runs each graph (or there is nothing to lower)."""
+        return self.lowering is None or not self.lowering.compiles or bool(self._runners)
+
+    def lower(self, inputs: tuple) -> None:
+        """Lower every graph a run may execute (``graphs_to_run``) with ``lowering``, before the first run.
+
+        ``inputs``: the step's inputs for its first call (the example Inductor compiles for); the
+        values carried between iterations, which no call has made yet, are uninitialized tensors of
+        their shapes (``example_like``).
+        """
+        if self.lowered:
+            return
+        inputs = tuple(inputs)
+        modules = self._modules_to_run()
+        carried = tuple(example_like(n) for _, gm in modules[1:2]
+                        for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE) == Role.CARRIED)
+        flush_positions = self._flush_graph()[1] if self.graph.moves else []
+        examples = {"step": inputs, "setup": inputs, "main": inputs + carried, "cleanup": inputs + carried,
+                    "flush": tuple(inputs[i] for i in flush_positions) + carried}
+        self._runners = {label: self.lowering.lower_graph(label, gm, examples[label], self.num_user_outputs)
+                         for label, gm in modules}
 
     def flush(self) -> None:
         """Run the last iteration's deferred work now, if any; the next call starts with setup.
@@ -316,10 +346,7 @@ class IterGraphModule(nn.Module):
         return self._carry is not None
 
     def _run(self, label: str, gm: fx.GraphModule, args: tuple) -> tuple:
-        runner = self._runners.get(label)
-        if runner is None:  # compiled on first use: each of step/setup/main/cleanup at most once
-            runner = self.stage_compiler(label, gm, args, self.num_user_outputs) if self.stage_compiler else gm
-            self._runners[label] = runner
+        runner = self._runners.get(label, gm)
         if not torch.autograd.profiler._is_profiler_enabled:  # torch's own check before it annotates (AOTAutograd)
             return tuple(runner(*args))
         with torch.profiler.record_function(f"spmd.{label}"):
@@ -328,11 +355,12 @@ class IterGraphModule(nn.Module):
     def forward(self, *args, last_iter: bool = False):
         if not self._finalized:
             self.finalize_setup()
+        if not self.lowered:
+            raise RuntimeError(f"IterGraphModule: its graphs are to be lowered ({self.lowering}) before they run; "
+                               "call lower(inputs) with the first call's inputs first (spmd.compile does).")
         if not self.graph.moves:
             return self._run("step", self._logical, args)
         if self._carry is None:
-            if last_iter:
-                return self._run("step", self._logical, args)
             res = self._run("setup", self.setup_gm, args)
         elif last_iter:
             carry, self._carry = self._carry, None
@@ -342,4 +370,6 @@ class IterGraphModule(nn.Module):
             res = self._run("main", self.main_gm, args + self._carry)
         out, self._carry = res[: self.num_user_outputs], res[self.num_user_outputs:]
         self._reused_args = tuple(args[i] for i in self._flush_graph()[1])
+        if last_iter:  # the first iteration is the last: its deferred work runs now
+            self.flush()
         return out

@@ -1,4 +1,4 @@
-"""GraphModuleTransformation: the default thing done to a traced, expanded step graph."""
+"""GraphModuleTransformation: the passes run on a traced, expanded step graph, and how it is lowered."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from ..compile_times import phase
 from ..errors import SpmdConfigError
 from ..graph_utils import DumpOptions, request_dump
 from ..graph_utils.meta import ROLE, Role
-from ..lower.cudagraphs import CudaGraphRunner, cudagraph_obstacle
-from ..lower.inductor import check_inductor_options, compile_with_inductor, start_compile_workers
+from ..lower.lowering import Lowering
 from ..parallel.data_parallel import STYLES, DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
 from ..passes import PassManager, applied_passes, pass_info
@@ -24,7 +23,11 @@ PASS_DEFAULTS = {"bucket_size_mb": 25.0, "optimizer_parts": 4, "prefetch_units":
 
 
 class GraphModuleTransformation:
-    """Wrap the step graph in an ``IterGraphModule``, optimize it, and choose how its graphs run.
+    """Wrap the step graph in an ``IterGraphModule``, optimize it, and choose how its graphs are lowered.
+
+    Calling it is the transform stage: it returns the ``IterGraphModule`` after the passes, its
+    ``lowering`` (``spmd.lower.Lowering``, made from the settings below) set; ``spmd.compile``
+    lowers it (``IterGraphModule.lower``) before the step first runs.
 
     ``enable_graph_optimization=True`` runs the pass pipeline of the parallel mode that expanded
     the graph (``pass_pipeline`` of ``spmd.parallel.replicate`` or ``spmd.parallel.shard``, asked
@@ -34,8 +37,9 @@ class GraphModuleTransformation:
     ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
     (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
     modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
-    once, ``guard_unsharded_memory``). A setting changed from its default that the graph's mode does
-    not read is refused (``SpmdConfigError``) on the first compile, before anything runs.
+    once, ``guard_unsharded_memory``). A setting changed from its default that the step's mode does
+    not read is refused (``SpmdConfigError``, ``check_settings_apply``) where ``spmd.compile`` is given
+    both, else on the first compile, before anything runs.
 
     ``enable_inductor=True`` compiles each graph the step runs (the whole step, or its
     setup/main/cleanup parts after a cross-iteration move) with TorchInductor on first
@@ -61,47 +65,47 @@ class GraphModuleTransformation:
                  dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False, inductor_comm_passes: bool = False,
                  optimizer_parts: int = PASS_DEFAULTS["optimizer_parts"],
                  prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None):
-        if inductor_comm_passes and not enable_inductor:
-            raise ValueError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
-        if inductor_options and not enable_inductor:
-            raise ValueError("GraphModuleTransformation: inductor_options need enable_inductor=True")
-        if enable_cudagraphs not in (True, False, "auto"):
-            raise ValueError(f"enable_cudagraphs must be True, False or 'auto', got {enable_cudagraphs!r}")
         if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
-            raise ValueError(f"optimizer_parts must be an int >= 1 (1: one optimizer op), got {optimizer_parts!r}")
+            raise SpmdConfigError(f"GraphModuleTransformation: optimizer_parts must be an int >= 1 (1: one "
+                                  f"optimizer op), got {optimizer_parts!r}")
         if isinstance(prefetch_units, bool) or not isinstance(prefetch_units, int) or prefetch_units < 1:
-            raise ValueError(f"prefetch_units must be an int >= 1 (units gathered ahead), got {prefetch_units!r}")
-        self.enable_inductor = enable_inductor
-        self.enable_cudagraphs = enable_cudagraphs
-        self.inductor_comm_passes = inductor_comm_passes
+            raise SpmdConfigError(f"GraphModuleTransformation: prefetch_units must be an int >= 1 (units gathered "
+                                  f"ahead), got {prefetch_units!r}")
+        self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_comm_passes, inductor_options or {})
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units
-        self.inductor_options = check_inductor_options(inductor_options)
         # One manager per mode module, built now so declarations and order are checked here, not mid-compile.
         self.pass_managers = {mode: PassManager((mode.pass_pipeline(self) if enable_graph_optimization else [])
                                                 + list(passes)) for mode in set(STYLES.values())}
         self.dump = DumpOptions.resolve(dump_graphs, dump_dir, dump_ranks)
 
-    def pass_manager_for(self, mode: DataParallel) -> PassManager:
-        """The pass manager for a graph ``mode`` expanded: its mode's pipeline and the user's passes.
+    @property
+    def enable_inductor(self) -> bool:
+        return self.lowering.inductor
 
-        A setting changed from its default that ``mode`` does not read is refused (``SpmdConfigError``).
-        """
+    @property
+    def enable_cudagraphs(self):
+        return self.lowering.cudagraphs
+
+    def settings(self) -> dict:
+        """The pass settings by name (``PASS_DEFAULTS``' keys), as the modes' pipelines read them."""
+        return {name: getattr(self, name) for name in PASS_DEFAULTS}
+
+    def check_settings_apply(self, mode: DataParallel) -> None:
+        """Refuse (``SpmdConfigError``) a setting changed from its default that ``mode`` does not read."""
         reads = mode.mode.PASS_SETTINGS
         for name, default in PASS_DEFAULTS.items():
             if name not in reads and getattr(self, name) != default:
                 raise SpmdConfigError(
                     f"GraphModuleTransformation: {name}={getattr(self, name)!r} does not apply to parallel mode "
                     f"{mode.parallel_style!r}, which reads {list(reads)}. Drop {name} or choose a mode that reads it.")
-        return self.pass_managers[mode.mode]
 
-    def before_trace(self, device) -> None:
-        """Called by ``spmd.compile`` before it traces a step whose parameters live on ``device``:
-        with Inductor on a GPU, Inductor's kernel-compile workers start now, while the step is
-        traced and optimized (``spmd.lower.inductor.start_compile_workers``)."""
-        if self.enable_inductor and device.type == "cuda":
-            start_compile_workers()
+    def pass_manager_for(self, mode: DataParallel) -> PassManager:
+        """The pass manager for a graph ``mode`` expanded: its mode's pipeline and the user's passes
+        (``check_settings_apply`` first)."""
+        self.check_settings_apply(mode)
+        return self.pass_managers[mode.mode]
 
     def __call__(self, gm: fx.GraphModule) -> IterGraphModule:
         manager = self.pass_manager_for(expanded_by(gm))  # refuses before anything is built or dumped
@@ -110,20 +114,6 @@ class GraphModuleTransformation:
         manager(igm, timer=lambda name: phase(f"passes/{name}"))
         with phase("passes/finalize"):
             igm.finalize_setup()
-        if self.enable_inductor or self.enable_cudagraphs:
-            igm.stage_compiler = self.compile_stage
+        igm.lowering = self.lowering
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
         return igm
-
-    def compile_stage(self, label: str, gm: fx.GraphModule, args: tuple, num_user_outputs: int) -> Callable:
-        """What runs one of the step's graphs (step/setup/main/cleanup): Inductor code, maybe as a CUDA graph."""
-        runner = (compile_with_inductor(gm, args, label, self.inductor_comm_passes, self.inductor_options)
-                  if self.enable_inductor else gm)
-        auto = self.enable_cudagraphs == "auto"
-        if auto and (reason := cudagraph_obstacle(gm, args)):
-            log.warning("spmd: the %s graph runs without CUDA graphs: %s", label, reason)
-        elif self.enable_cudagraphs:
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            runner = CudaGraphRunner(runner, [n.meta.get(ROLE) in Role.STATIC for n in placeholders], num_user_outputs,
-                                     label, fall_back=auto, unread=[not n.users for n in placeholders])
-        return runner

@@ -1,0 +1,83 @@
+"""``Lowering``: how the graphs of a transformed step become what runs them, done before the first run.
+
+A transformed step (an ``IterGraphModule`` after the passes) runs one graph per iteration kind
+(``step``, or ``setup``/``main``/``cleanup``/``flush`` when nodes move across iterations). The
+compile stage lowers every one of them ahead, on example inputs of the step's first call, and the
+runner then only runs what it was given: Inductor's compiled code, maybe replayed as a CUDA graph
+(``spmd.lower.cudagraphs``), or the FX graph itself when nothing is asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from ..errors import SpmdConfigError
+from ..graph_utils.meta import ROLE, Role
+from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
+from .inductor import check_inductor_options, compile_with_inductor, start_compile_workers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """What each graph of a step is lowered to; a value, so it can be compared and keyed.
+
+    ``inductor``: compile each graph with TorchInductor (``spmd.lower.inductor``), keeping the
+    collective and wait positions the passes chose. ``cudagraphs``: replay each graph as one CUDA
+    graph from its second call on; ``"auto"`` where every input is on the GPU and its capture
+    succeeds, else run it as it is, saying why once. ``inductor_comm_passes``: let Inductor's own
+    comm passes place the collectives instead (to compare the two). ``inductor_options``: further
+    Inductor config values, checked by ``check_inductor_options``.
+    """
+
+    inductor: bool = False
+    cudagraphs: Union[bool, str] = False
+    inductor_comm_passes: bool = False
+    inductor_options: dict = field(default_factory=dict, hash=False)
+
+    def __post_init__(self):
+        if self.inductor_comm_passes and not self.inductor:
+            raise SpmdConfigError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
+        if self.inductor_options and not self.inductor:
+            raise SpmdConfigError("GraphModuleTransformation: inductor_options need enable_inductor=True")
+        if self.cudagraphs not in (True, False, "auto"):
+            raise SpmdConfigError(f"GraphModuleTransformation: enable_cudagraphs must be True, False or 'auto', "
+                                  f"got {self.cudagraphs!r}")
+        object.__setattr__(self, "inductor_options", check_inductor_options(self.inductor_options))
+
+    @property
+    def compiles(self) -> bool:
+        """True when lowering makes something other than the FX graph itself."""
+        return bool(self.inductor or self.cudagraphs)
+
+    def start(self, device: torch.device) -> None:
+        """Called before the step is traced: with Inductor on a GPU, its kernel-compile workers start
+        now, while the step is traced and optimized (``start_compile_workers``)."""
+        if self.inductor and device.type == "cuda":
+            start_compile_workers()
+
+    def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int) -> Callable:
+        """What runs one of the step's graphs: Inductor code for ``example_inputs``, maybe as a CUDA graph."""
+        runner = (compile_with_inductor(gm, example_inputs, label, self.inductor_comm_passes, self.inductor_options)
+                  if self.inductor else gm)
+        auto = self.cudagraphs == "auto"
+        if auto and (reason := cudagraph_obstacle(gm, example_inputs)):
+            log.warning("spmd: the %s graph runs without CUDA graphs: %s", label, reason)
+        elif self.cudagraphs:
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            runner = CudaGraphRunner(runner, [n.meta.get(ROLE) in Role.STATIC for n in placeholders], num_user_outputs,
+                                     label, fall_back=auto, unread=[not n.users for n in placeholders])
+        return runner
+
+
+def example_like(node: fx.Node, device_of: Optional[torch.device] = None) -> torch.Tensor:
+    """An uninitialized tensor shaped, strided and typed as placeholder ``node``'s value, for lowering a
+    graph whose input (a value carried between iterations) no call has made yet."""
+    val = node.meta["val"]
+    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device_of or val.device)

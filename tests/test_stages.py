@@ -1,0 +1,113 @@
+"""Stages as objects: trace and transform on the first call of a signature, then lower before it runs,
+or all three ahead of it with ``train_step.lower(...)``; a call after that only runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd
+import spmd.lower.lowering as lowering_module
+from spmd.lower import Lowering
+from spmd.tools.models import MLP
+from tests.dist import run_distributed
+from tests.parity import ddp_copy, eager_step, train_step
+
+
+@pytest.fixture
+def recorded_lowering(monkeypatch):
+    """Inductor's compile replaced by the FX graph itself, each compile recorded by graph label."""
+    compiled = []
+
+    def fake_inductor(gm, example_inputs, label, *args, **kwargs):
+        compiled.append(label)
+        return gm
+
+    monkeypatch.setattr(lowering_module, "compile_with_inductor", fake_inductor)
+    return compiled
+
+
+def _float64_pair():
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=8).double()
+    ref = MLP(layers=3, dim=8).double()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def test_lower_compiles_ahead_and_the_first_call_only_runs(recorded_lowering):
+    model, ref = _float64_pair()
+    # dampening != 0: the first step uses a value of its own (spmd.optim.state), which lowering must not use up
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.5)  # noqa: E731
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True))(train_step)
+    batches = [torch.randn(4, 8, dtype=torch.float64) for _ in range(4)]
+    before = [p.detach().clone() for p in model.parameters()]
+
+    compiled = step.lower(model, opt, batches[0])
+    assert recorded_lowering == ["step"]
+    assert step.trace_count == 1 and compiled.lowered and not compiled.ran
+    assert "lower" in compiled.compile_times and "first_run" not in compiled.compile_times
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q), "lowering ran nothing"
+
+    for x in batches:
+        torch.testing.assert_close(step(model, opt, x), eager_step(ref, ref_opt, x), rtol=0, atol=1e-12)
+    assert recorded_lowering == ["step"], "running compiled nothing more"
+    assert step.trace_count == 1
+    assert "first_run" in step.compile_times
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+def test_lowering_happens_on_the_first_call_before_it_runs(recorded_lowering, monkeypatch):
+    model, ref = _float64_pair()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, ref))
+    events = []
+    run = spmd.IterGraphModule.forward
+    monkeypatch.setattr(spmd.IterGraphModule, "forward",
+                        lambda self, *a, **k: events.append(("run", list(recorded_lowering))) or run(self, *a, **k))
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(train_step)
+    for _ in range(2):
+        x = torch.randn(4, 8, dtype=torch.float64)
+        torch.testing.assert_close(step(model, opt, x), eager_step(ref, ref_opt, x), rtol=0, atol=1e-12)
+    assert events == [("run", ["step"]), ("run", ["step"])]
+
+
+def test_a_runner_to_be_lowered_refuses_to_run_unlowered():
+    model = MLP(layers=2, dim=8)
+    seen = {}
+
+    def transform(gm):
+        seen["igm"] = igm = spmd.IterGraphModule(gm)
+        igm.lowering = Lowering(inductor=True)
+        return igm
+
+    step = spmd.compile(gm_transformation=transform)(train_step)
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8))
+    fresh = spmd.IterGraphModule(seen["igm"].logical_gm)
+    fresh.lowering = Lowering(inductor=True)
+    with pytest.raises(RuntimeError, match=r"call lower\(inputs\) with the first call's inputs first"):
+        fresh(*[torch.zeros(1)])
+
+
+def _lower_on_two_ranks(rank, world_size):
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=8).double()
+    ddp = ddp_copy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, foreach=True)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"))(train_step)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(4, 8, dtype=torch.float64, generator=gen) for _ in range(3)]
+    step.lower(model, opt, batches[0])
+    for x in batches:
+        torch.testing.assert_close(step(model, opt, x), eager_step(ddp, ddp_opt, x), rtol=0, atol=1e-10)
+    assert step.trace_count == 1
+    for p, q in zip(model.parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+
+
+def test_lower_on_every_rank_then_train_as_ddp():
+    run_distributed(_lower_on_two_ranks)
