@@ -158,14 +158,14 @@ def _default_without_cudagraphs(rank, world_size):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("spmd.step.transformation").addHandler(handler)
+    logging.getLogger("spmd.lower.lowering").addHandler(handler)
     try:
         for i in range(3):
             batch = torch.randn(16, 64, device=device)
             compiled(model, optim, batch)
             eager_step(ddp, ddp_optim, batch, grad_scale=world_size)
     finally:
-        logging.getLogger("spmd.step.transformation").removeHandler(handler)
+        logging.getLogger("spmd.lower.lowering").removeHandler(handler)
     why = [r.getMessage() for r in records if "without CUDA graphs" in r.getMessage()]
     assert len(why) == 1 and "capturable=True" in why[0], why
     assert_params_close(model, ddp, atol=1e-4, rtol=1e-4)
