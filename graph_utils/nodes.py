@@ -34,6 +34,15 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def first_reader_before(value: fx.Node, target: fx.Node, order: dict[fx.Node, int],
+                        excluded=frozenset()) -> Optional[fx.Node]:
+    """The first user of ``value`` (outside ``excluded``, in ``order``) if it runs before ``target``, else None:
+    the node that would read a stale ``value`` if its update were deferred to run just before ``target``."""
+    readers = [u for u in value.users if u not in excluded]
+    first = min(readers, key=order.__getitem__, default=None)
+    return first if first is not None and order[first] < order[target] else None
+
+
 def get_output(graph: fx.Graph) -> fx.Node:
     """The graph's output node."""
     for node in reversed(graph.nodes):

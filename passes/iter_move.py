@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..graph_utils import find_node, is_all_reduce, node_order, to_networkx
 from ..graph_utils.meta import NAME
+from ..graph_utils.nodes import first_reader_before
 
 from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
 from .comm_fusion import comm_fusion_with_concat
@@ -59,16 +60,14 @@ def _check_no_early_reader(gm, block, downstream: set, dest: fx.Node) -> None:
     for param, grad in zip(optim.args[0], optim.args[1]):
         if grad not in downstream:
             continue
-        readers = [u for u in param.users if u not in optimizer_nodes]
-        if readers:
-            first = min(readers, key=order.__getitem__)
-            if order[first] < order[dest]:
-                name = param.meta.get(NAME, param.name)
-                raise IterMoveError(
-                    f"iter_move_grads_and_optimizers: parameter {name} would be updated in the next iteration "
-                    f"but {first.name} reads it before the target {dest.name}. "
-                    f"The latest legal target node is {first.name}."
-                )
+        first = first_reader_before(param, dest, order, optimizer_nodes)
+        if first is not None:
+            name = param.meta.get(NAME, param.name)
+            raise IterMoveError(
+                f"iter_move_grads_and_optimizers: parameter {name} would be updated in the next iteration "
+                f"but {first.name} reads it before the target {dest.name}. "
+                f"The latest legal target node is {first.name}."
+            )
 
 
 @graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from ..graph_utils import lazy_graph_module
 from ..graph_utils.meta import NAME, ROLE, Role
-from ..graph_utils.nodes import node_order
+from ..graph_utils.nodes import first_reader_before, node_order
 from ..graph_utils.optimizer_ops import written_inputs
 from ..lower.lowering import Lowering, example_like
 from ..passes.iteration import IterMoveError
@@ -104,11 +104,8 @@ class IterGraph(fx.Graph):
                 )
         # No reader of a deferred update's destination may run before the target.
         for dst in {d: None for n in nodes for d in written_inputs(n)}:
-            readers = [u for u in dst.users if u not in moved]
-            if not readers:
-                continue
-            first = min(readers, key=order.__getitem__)
-            if order[first] < order[target_node]:
+            first = first_reader_before(dst, target_node, order, moved)
+            if first is not None:
                 name = dst.meta.get(NAME, dst.name)
                 raise IterMoveError(
                     f"move_to_next_iter_before: {name} is updated by the moved nodes but read by {first.name} "
