@@ -1,0 +1,139 @@
+"""The compile cache on disk: one file per compiled step, written whole or not at all.
+
+An entry is ``<digest>.spmd`` under the cache directory: a header line (format, the SHA-256 of the
+payload, its length) and the pickled payload (the ``StepArtifact`` and what it was compiled for).
+A writer writes a temporary file in the same directory and renames it into place, so a reader (another
+rank, another job) sees a whole entry or none, and concurrent writers of one key leave one of their
+whole entries. A reader that finds an entry whose payload does not match its header (truncated,
+corrupted, another format) says so once, removes it and treats it as a miss.
+
+Where: ``cache_dir=`` of ``spmd.compile``, else ``$SPMD_CACHE_DIR``, else ``spmd`` beside Inductor's
+cache (``torch._inductor`` cache dir); ``False`` or an empty ``SPMD_CACHE_DIR`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"spmd-compile-cache 1"
+SUFFIX = ".spmd"
+
+
+def resolve_cache_dir(cache_dir: Union[str, os.PathLike, bool, None] = None) -> Optional[Path]:
+    """The directory the compile cache lives in, or None when it is off (see the module docstring)."""
+    if cache_dir is False:
+        return None
+    if cache_dir not in (None, True):
+        return Path(cache_dir)
+    env = os.environ.get("SPMD_CACHE_DIR")
+    if env is not None:
+        return Path(env) if env else None
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    return Path(inductor_cache_dir()) / "spmd"
+
+
+@dataclass
+class EntryInfo:
+    """One entry as ``spmd cache list`` shows it."""
+
+    path: Path
+    digest: str
+    size: int
+    age_s: float
+    ok: bool
+    compiled_for: Any  # the caller's description of what it was compiled for (None where unreadable)
+
+
+class CacheStore:
+    """The entries under one directory (see the module docstring)."""
+
+    def __init__(self, root: Union[str, os.PathLike]):
+        self.root = Path(root)
+        self._reported: set[str] = set()
+
+    def path(self, digest: str) -> Path:
+        return self.root / f"{digest}{SUFFIX}"
+
+    def save(self, digest: str, payload: Any) -> Path:
+        """Write ``payload`` as the entry of ``digest``, atomically (temporary file, then rename)."""
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        header = MAGIC + b" " + hashlib.sha256(data).hexdigest().encode() + b" " + str(len(data)).encode() + b"\n"
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{digest}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(digest))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return self.path(digest)
+
+    def _read(self, path: Path) -> Any:
+        """The payload of the entry at ``path``; ``ValueError`` naming what is wrong with it."""
+        raw = path.read_bytes()
+        header, sep, data = raw.partition(b"\n")
+        parts = header.split(b" ")
+        if not sep or len(parts) != 4 or b" ".join(parts[:2]) != MAGIC:
+            raise ValueError("not an spmd compile cache entry of this format")
+        digest, length = parts[2].decode(), int(parts[3])
+        if len(data) != length:
+            raise ValueError(f"truncated: {len(data)} of {length} bytes")
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ValueError("its contents do not match their checksum")
+        return pickle.loads(data)
+
+    def load(self, digest: str) -> Optional[Any]:
+        """The payload stored for ``digest``, or None (no entry; a damaged one is reported once, removed)."""
+        path = self.path(digest)
+        if not path.exists():
+            return None
+        try:
+            return self._read(path)
+        except FileNotFoundError:  # removed by another process in between
+            return None
+        except Exception as err:  # noqa: BLE001 - any damage is a miss, said once
+            if digest not in self._reported:
+                self._reported.add(digest)
+                warnings.warn(f"spmd compile cache: entry {path} is damaged ({err}); it is removed and the step "
+                              "compiled again.", RuntimeWarning, stacklevel=3)
+            path.unlink(missing_ok=True)
+            return None
+
+    def entries(self) -> list[EntryInfo]:
+        """Every entry, verified, newest first."""
+        found = []
+        for path in sorted(self.root.glob(f"*{SUFFIX}")):
+            stat = path.stat()
+            try:
+                payload, ok = self._read(path), True
+            except Exception:  # noqa: BLE001 - listed as damaged
+                payload, ok = None, False
+            compiled_for = payload.get("compiled_for") if isinstance(payload, dict) else None
+            found.append(EntryInfo(path, path.name[: -len(SUFFIX)], stat.st_size, time.time() - stat.st_mtime, ok,
+                                   compiled_for))
+        return sorted(found, key=lambda e: e.age_s)
+
+    def clear(self, damaged_only: bool = False) -> int:
+        """Remove every entry (or only the damaged ones); returns how many were removed."""
+        removed = 0
+        for entry in self.entries():
+            if not damaged_only or not entry.ok:
+                entry.path.unlink(missing_ok=True)
+                removed += 1
+        return removed
