@@ -225,11 +225,12 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
     from torch._inductor.utils import BoxedBool, output_node
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     # One fake mode for every value on the graph: our trace, the passes and the decompositions
     # each made theirs, and Inductor's pattern passes combine values they read off the nodes.
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     with enable_python_dispatcher():
         FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
@@ -241,7 +242,8 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
     # every output is the user's (AOT would say the same of an inference graph): keep their strides
     outputs.meta["user_visible_output_idxs"] = [
         i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
-    compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
+    with torch._guards.tracing(torch._guards.TracingContext(mode)):
+        compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
 
     def run(*args):
         return compiled(list(args))  # Inductor's boxed convention: it may clear the list it is given
