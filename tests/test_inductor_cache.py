@@ -2,7 +2,7 @@
 
 Two fresh Python processes compile the same step with one ``TORCHINDUCTOR_CACHE_DIR``: the
 first misses and stores, the second hits, and both train the same numbers, bit for bit.
-Inductor's C++ backend on CPU; skipped where no C++ compiler is found.
+Inductor's C++ backend on CPU (skipped where no C++ compiler is found); Triton on one GPU.
 """
 
 from __future__ import annotations
@@ -39,40 +39,46 @@ def _cpp_compiler_missing() -> bool:
 needs_cpp = pytest.mark.skipif(_cpp_compiler_missing(), reason="Inductor's CPU backend needs a C++ compiler")
 
 
-def _train(out: str) -> None:
-    """One process's run (``python -m tests.test_inductor_cache OUT``): a float64 fused-AdamW step, lowered
-    by Inductor, trained ``STEPS`` times; losses, parameters and Inductor's cache counters saved to OUT."""
+def _train(out: str, device: str) -> None:
+    """One process's run (``python -m tests.test_inductor_cache OUT DEVICE``): a float64 fused-AdamW step,
+    lowered by Inductor, trained ``STEPS`` times; losses, parameters and Inductor's cache counters saved
+    to OUT."""
     from torch._dynamo.utils import counters
 
     from spmd.lower.inductor import _opaque_ops
 
     torch.manual_seed(0)
-    model = MLP(layers=2, dim=8).double()
+    model = MLP(layers=2, dim=8).to(device, torch.float64)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True)
     step = spmd.compile(gm_transformation=transformation)(train_step)
-    with single_process_group():
-        losses = [step(model, optim, torch.randn(4, 8, dtype=torch.float64)).detach() for _ in range(STEPS)]
-    torch.save({"losses": torch.stack(losses), "params": {k: p.detach() for k, p in model.named_parameters()},
+    with single_process_group("nccl" if device == "cuda" else "gloo"):
+        batches = [torch.randn(4, 8, dtype=torch.float64, device=device) for _ in range(STEPS)]
+        losses = [step(model, optim, batch).detach() for batch in batches]
+    torch.save({"losses": torch.stack(losses).cpu(),
+                "params": {k: p.detach().cpu() for k, p in model.named_parameters()},
                 "counters": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
                 "opaque_ops": len(_opaque_ops)}, out)
 
 
-def _run_fresh_process(out: Path, cache_dir: Path) -> dict:
+def _run_fresh_process(out: Path, cache_dir: Path, device: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
     env.update(TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
                TORCHINDUCTOR_COMPILE_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_inductor_cache", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.test_inductor_cache", str(out), device], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"the training process failed:\n{proc.stdout}\n{proc.stderr}"
     return torch.load(out)
 
 
-@needs_cpp
-def test_a_restarted_process_loads_the_step_from_inductors_fx_graph_cache_and_trains_the_same(tmp_path):
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_cpp),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_a_restarted_process_loads_the_step_from_inductors_fx_graph_cache_and_trains_the_same(tmp_path, device):
     cache_dir = tmp_path / "inductor"
-    cold = _run_fresh_process(tmp_path / "cold.pt", cache_dir)
-    warm = _run_fresh_process(tmp_path / "warm.pt", cache_dir)
+    cold = _run_fresh_process(tmp_path / "cold.pt", cache_dir, device)
+    warm = _run_fresh_process(tmp_path / "warm.pt", cache_dir, device)
     assert cold["opaque_ops"] > 0, "the step should hold an opaque fused-optimizer op (spmd_lowering::*)"
     assert cold["counters"] == {"fxgraph_cache_miss": 1}, cold["counters"]
     assert warm["counters"] == {"fxgraph_cache_hit": 1}, warm["counters"]
@@ -105,4 +111,4 @@ def test_the_cache_key_covers_our_opaque_ops_schemas_and_keeps_the_users_tag(mon
 
 
 if __name__ == "__main__":
-    _train(sys.argv[1])
+    _train(*sys.argv[1:])
