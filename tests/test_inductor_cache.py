@@ -42,11 +42,15 @@ needs_cpp = pytest.mark.skipif(_cpp_compiler_missing(), reason="Inductor's CPU b
 def _train(out: str, device: str) -> None:
     """One process's run (``python -m tests.test_inductor_cache OUT DEVICE``): a float64 fused-AdamW step,
     lowered by Inductor, trained ``STEPS`` times; losses, parameters and Inductor's cache counters saved
-    to OUT."""
+    to OUT, spmd's lowering log to stderr."""
+    import logging
+
     from torch._dynamo.utils import counters
 
     from spmd.lower.inductor import _opaque_ops
 
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # to stderr, which the test reads
+    logging.getLogger("spmd.lower.inductor").setLevel(logging.INFO)
     torch.manual_seed(0)
     model = MLP(layers=2, dim=8).to(device, torch.float64)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
@@ -68,7 +72,7 @@ def _run_fresh_process(out: Path, cache_dir: Path, device: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "tests.test_inductor_cache", str(out), device], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"the training process failed:\n{proc.stdout}\n{proc.stderr}"
-    return torch.load(out)
+    return {**torch.load(out), "log": proc.stderr}
 
 
 @pytest.mark.parametrize("device", [
@@ -82,6 +86,7 @@ def test_a_restarted_process_loads_the_step_from_inductors_fx_graph_cache_and_tr
     assert cold["opaque_ops"] > 0, "the step should hold an opaque fused-optimizer op (spmd_lowering::*)"
     assert cold["counters"] == {"fxgraph_cache_miss": 1}, cold["counters"]
     assert warm["counters"] == {"fxgraph_cache_hit": 1}, warm["counters"]
+    assert "(FX graph cache: miss)" in cold["log"] and "(FX graph cache: hit)" in warm["log"]  # what we log
     assert torch.equal(warm["losses"], cold["losses"])
     assert warm["params"].keys() == cold["params"].keys()
     for name, param in cold["params"].items():
@@ -96,8 +101,10 @@ def _graph_calling(op) -> torch.fx.GraphModule:
 
 def test_the_cache_key_covers_our_opaque_ops_schemas_and_keeps_the_users_tag(monkeypatch):
     def tag_inside(gm):
-        with inductor_cache_context(gm, None):
-            return torch.compiler.config.cache_key_tag
+        with inductor_cache_context(gm, None) as cache:
+            tag = torch.compiler.config.cache_key_tag
+        assert cache == {"fx_graph_cache": "off"}  # nothing compiled, nothing looked up
+        return tag
 
     adamw = opaque_inplace_op(torch.ops.aten._fused_adamw_.default)
     sgd = opaque_inplace_op(torch.ops.aten._fused_sgd_.default)

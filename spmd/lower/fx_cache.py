@@ -46,10 +46,24 @@ def _cache_key_tag(gm: fx.GraphModule) -> str:
     return f"{user_tag}|{OPAQUE_NAMESPACE}:{digest}" if user_tag else f"{OPAQUE_NAMESPACE}:{digest}"
 
 
+def _lookups() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {outcome: counters["inductor"][f"fxgraph_cache_{outcome}"] for outcome in ("hit", "miss", "bypass")}
+
+
 @contextlib.contextmanager
-def inductor_cache_context(gm: fx.GraphModule, fake_mode) -> Iterator[None]:
+def inductor_cache_context(gm: fx.GraphModule, fake_mode) -> Iterator[dict]:
     """Around ``compile_fx_inner(gm, ...)``: a tracing context holding ``fake_mode`` (which must have a
-    ``ShapeEnv``) so Inductor consults its FX graph cache, and a cache key that covers our custom ops."""
+    ``ShapeEnv``) so Inductor consults its FX graph cache, and a cache key that covers our custom ops.
+
+    Yields a dict that holds, after the block, ``"fx_graph_cache"``: ``"hit"``, ``"miss"`` (compiled and
+    stored), ``"bypass"`` (compiled, not cacheable: Inductor's log says why) or ``"off"`` (caching disabled).
+    """
+    result: dict = {}
+    before = _lookups()
     with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
             torch.compiler.config.patch(cache_key_tag=_cache_key_tag(gm)):
-        yield
+        yield result
+    after = _lookups()
+    result["fx_graph_cache"] = next((k for k in after if after[k] > before[k]), "off")

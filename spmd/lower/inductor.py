@@ -217,11 +217,11 @@ def start_compile_workers() -> None:
     AsyncCompile.wakeup()
 
 
-def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> Callable:
+def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tuple[Callable, str]:
     """Inductor's post-AOT half on ``gm`` (already functional and decomposed): joint-graph passes, then
     ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace,
     looked up in Inductor's FX graph cache first (``spmd.lower.fx_cache``).
-    Returns a callable taking the graph's inputs positionally."""
+    Returns a callable taking the graph's inputs positionally, and the cache lookup's outcome."""
     from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
     from torch._inductor.utils import BoxedBool, output_node
     from torch._inductor.virtualized import V
@@ -246,13 +246,13 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> Call
     # every output is the user's (AOT would say the same of an inference graph): keep their strides
     outputs.meta["user_visible_output_idxs"] = [
         i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
-    with phase(f"inductor/{label}/compile_fx/compile_fx_inner"), inductor_cache_context(gm, mode):
+    with phase(f"inductor/{label}/compile_fx/compile_fx_inner"), inductor_cache_context(gm, mode) as cache:
         compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
 
     def run(*args):
         return compiled(list(args))  # Inductor's boxed convention: it may clear the list it is given
 
-    return run
+    return run, cache["fx_graph_cache"]
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
@@ -276,7 +276,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
         with phase(f"inductor/{label}/prepare"):
             prepared = prepare_for_inductor(gm)
         with phase(f"inductor/{label}/compile_fx"):
-            compiled = _inner_compile(prepared, list(example_inputs), label)
-    log.info("spmd: Inductor compiled the %s graph (%d nodes) in %.1f s", label, len(gm.graph.nodes),
-             time.perf_counter() - start)
+            compiled, cache = _inner_compile(prepared, list(example_inputs), label)
+    log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,
+             len(gm.graph.nodes), time.perf_counter() - start, cache)
     return compiled
