@@ -19,7 +19,9 @@ re-trace the whole step only to apply Inductor's decompositions to a graph that 
 already functional: ``spmd.lower.decompose`` applies them node by node and
 ``_inner_compile`` runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
-graph means what it means when run op by op.
+graph means what it means when run op by op. ``compile_fx_inner`` looks the graph up in
+Inductor's FX graph cache first, so a restarted process loads the code instead of
+compiling it (``spmd.lower.fx_cache`` says what that needs).
 
 The alternative, compiling the compute regions between collectives separately, keeps
 the schedule trivially but cuts fusion at every bucket boundary, materializes every
