@@ -45,7 +45,7 @@ def test_table_shows_first_calls_ratios_failures_and_phases_cold_and_warm(capsys
     out = capsys.readouterr().out
     lines = out.splitlines()
     spmd = next(line for line in lines if line.startswith("│ spmd_default"))
-    for cell in ("30.00", "1.00", "0.03", "1.50", "0.50", "no"):  # cold, warm, warm/cold, x torch_compile, loss
+    for cell in ("30.00", "1.00", "0.03", "1.50", "0.50", "no"):  # cold, warm, warm/cold, ratios, same loss
         assert cell in spmd, (cell, spmd)
     assert "exit status 1" in next(line for line in lines if line.startswith("│ spmd_pipeline"))
     phase = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
