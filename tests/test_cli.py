@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = {"demo": ["--dump-dir", "--steps", "--nproc"],
                "bench": ["--repeat", "--measure", "--suite", "--parts", "--profile", "spmd_pipeline_cg", "ddp_ca"],
                "inspect": ["dump_dir", "--diff", "--node"],
-               "timeline": ["--record", "--modes", "--window"]}
+               "timeline": ["--record", "--modes", "--window"],
+               "cache": ["list", "verify", "clear", "SPMD_CACHE_DIR"]}
 
 
 def _entry_point():

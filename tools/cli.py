@@ -4,6 +4,7 @@
     spmd bench                 time every data-parallel mode side by side (also --measure compile, --suite gpu)
     spmd inspect DIR           read a graph dump folder: the pass pipeline, stage diffs, one node
     spmd timeline              draw a profiler trace as a GPU timeline, or --record one per mode
+    spmd cache ACTION          list, verify or clear the compile cache's entries
 
 Commands that train (demo, bench, timeline --record) spawn one process per GPU (NCCL), or 2 gloo
 CPU processes without a GPU; launched by torchrun (``torchrun --nproc-per-node=N -m spmd bench``)
@@ -16,13 +17,14 @@ import argparse
 import sys
 from typing import Optional
 
-from . import bench, demo, inspect_dump, timeline
+from . import bench, cache_cli, demo, inspect_dump, timeline
 
 COMMANDS = {
     "demo": (demo, "train a small GPT with spmd.compile next to DDP and compare them"),
     "bench": (bench, "time every data-parallel mode side by side (--measure compile, --suite gpu)"),
     "inspect": (inspect_dump, "read a graph dump folder: the pass pipeline, stage diffs, one node"),
     "timeline": (timeline, "draw a profiler trace as a GPU timeline, or --record one per mode"),
+    "cache": (cache_cli, "list, verify or clear the compile cache's entries (size, age, what each was compiled for)"),
 }
 
 
