@@ -15,6 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import spmd
+from spmd.graph_utils import is_comm_node
+from spmd.parallel.group_roles import ROLE_PREFIX, role_name
+from spmd.step import IterGraphModule
 from spmd.step.cache_key import StepKey, canonical_json, guards_hold, hyper_guards
 from tests.dist import run_distributed
 
@@ -205,3 +208,35 @@ def _digests_on_ranks(rank, world_size, sharded):
 @pytest.mark.parametrize("sharded", [False, True], ids=["replicate", "fully_shard"])
 def test_the_key_is_equal_on_two_ranks(sharded):
     run_distributed(_digests_on_ranks, sharded)
+
+
+def _group_names(step) -> list[str]:
+    """The process group names the collectives of ``step``'s one compiled entry carry, in every graph it runs."""
+    entry = next(iter(step.cache.values()))
+    runner = entry.runner
+    graphs = [entry.graph, *((runner.setup_gm, runner.main_gm, runner.cleanup_gm)
+                             if isinstance(runner, IterGraphModule) else ())]
+    return sorted({str(n.args[-1]) for gm in graphs for n in gm.graph.nodes if is_comm_node(n)})
+
+
+def _group_names_on_ranks(rank, world_size):
+    def compiled_and_run():
+        step, args = scenario(seed=rank, mode=spmd.DataParallel("replicate"))
+        step(*args)
+        return step
+
+    first = _group_names(compiled_and_run())
+    made = [dist.new_group(list(range(world_size))) for _ in range(2)]  # the process's group names move on
+    second = _group_names(compiled_and_run())
+    assert first and first == second and all(n.startswith(ROLE_PREFIX) for n in first), (first, second)
+    names = [None] * world_size
+    dist.all_gather_object(names, first)
+    assert names[0] == names[1], names
+    # another live group over the same ranks cannot take the role the default group holds: it keeps its name
+    assert role_name(made[0].group_name) == made[0].group_name
+    for group in made:
+        dist.destroy_process_group(group)
+
+
+def test_graphs_name_groups_by_role_not_by_this_process_names():
+    run_distributed(_group_names_on_ranks)

@@ -181,6 +181,10 @@ def state_tensors(state: StepState) -> dict:
         if p.grad is not None:
             out[f"gradient of {name}"] = tensor_facts(p.grad)
     out["tensor attributes"] = [n for n, a in zip(state.buffer_names, state.buffer_is_attribute) if a]
+    held = {id(p): st for optim in state.optimizers for p, st in optim.state.items()}
+    out["optimizer state keys"] = {  # a value that is not a tensor (a Python step count) is traced as a constant
+        name: {k: "tensor" if torch.is_tensor(v) else describe(v) for k, v in sorted(held[id(p)].items())}
+        for name, p in zip(state.param_names, state.params) if held.get(id(p))}
     return out
 
 
@@ -216,8 +220,10 @@ def optimizer_settings(state: StepState) -> list:
 def inputs(state: StepState, args: tuple, kwargs: dict) -> dict:
     """The step's arguments, by path: a module or optimizer by its place in ``state``, a tensor by its facts,
     a number or string by its value (the graph specialises on it)."""
-    out = {}
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    structure = str(spec)
+    out = {"structure": structure if " at 0x" not in structure else None}
+    for path, leaf in leaves:
         name = pytree.keystr(path)
         if isinstance(leaf, nn.Module):
             out[name] = f"module {_index(state.modules, leaf)}"
@@ -309,6 +315,8 @@ def describe(value: Any, depth: int = 0) -> Any:
     if dataclasses.is_dataclass(value):
         return {"class": _qualname(type(value)),
                 "fields": {f.name: describe(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}}
+    if callable(getattr(value, "__wrapped__", None)):  # a wrapper (a compiled step): what it wraps
+        return {"wraps": describe(value.__wrapped__, depth + 1)}
     if hasattr(value, "__dict__") and not callable(getattr(value, "__func__", None)):
         return {"class": _class(type(value)),
                 "attributes": {k: describe(v, depth + 1) for k, v in sorted(vars(value).items())}}
