@@ -229,11 +229,19 @@ def _group_names_on_ranks(rank, world_size):
     made = [dist.new_group(list(range(world_size))) for _ in range(2)]  # the process's group names move on
     second = _group_names(compiled_and_run())
     assert first and first == second and all(n.startswith(ROLE_PREFIX) for n in first), (first, second)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    mode = spmd.DataParallel("fully_shard")
+    spmd.shard(model, mode)
+    sharded = spmd.compile(parallel_mode=mode)(train_step)
+    sharded(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(3, 4))
+    assert all(n.startswith(ROLE_PREFIX) for n in _group_names(sharded)), _group_names(sharded)
     names = [None] * world_size
-    dist.all_gather_object(names, first)
+    dist.all_gather_object(names, first + _group_names(sharded))
     assert names[0] == names[1], names
-    # another live group over the same ranks cannot take the role the default group holds: it keeps its name
-    assert role_name(made[0].group_name) == made[0].group_name
+    # a second live group over the same ranks, made the same way, cannot take the first's role: it keeps its name
+    assert role_name(made[0].group_name).startswith(ROLE_PREFIX)
+    assert role_name(made[1].group_name) == made[1].group_name
     for group in made:
         dist.destroy_process_group(group)
 

@@ -8,14 +8,16 @@ role name registered in c10d's group registry for the live group (``role_name``)
 collectives resolve the name when they run (eagerly, or in Inductor's code), so the graph stays the
 same while the name resolves to this process's group.
 
-The role name is a value: the group's size and the pattern of its ranks, each relative to its
-first (``spmd_group:2:…`` for ranks [0, 1] and for ranks [2, 3] alike: the shard groups of a hybrid
-mesh play one role on every rank). Two live groups of one process with one pattern (two groups over
-the same ranks) cannot share it: the second keeps its own name, as before.
+The role name is a value: the group's size, the pattern of its ranks, each relative to its first
+(``spmd_group:2:…`` for ranks [0, 1] and for ranks [2, 3] alike: the shard groups of a hybrid mesh
+play one role on every rank), and the description its creator gave it (``default_pg``,
+``mesh_shard``). Two live groups of one process with one pattern and description (two ``new_group``
+calls over the same ranks) cannot share it: the second keeps its own name, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch.distributed as dist
@@ -36,18 +38,18 @@ def role_name(live_name: str) -> str:
     except Exception:  # not a registered group (a test's made-up name): nothing to rename
         return live_name
     ranks = dist.get_process_group_ranks(group)
-    pattern = ",".join(str(r - ranks[0]) for r in ranks)
+    pattern = ",".join(str(r - ranks[0]) for r in ranks) + f";{getattr(group, 'group_desc', '')}"
     role = f"{ROLE_PREFIX}{len(ranks)}:{hashlib.sha256(pattern.encode()).hexdigest()[:16]}"
     live = c10d._world.pg_names  # every group not destroyed -> its name
     try:
         holder = c10d._resolve_process_group(role)
-    except Exception:
+    except Exception:  # never registered, or left by a destroyed group (which no longer resolves)
         holder = None
     if holder is not None and (holder is group or live.get(holder) == live.get(group)):
         return role
     if holder is not None and holder in live:
         return live_name  # another live group over the same pattern of ranks holds the role
-    if holder is not None:
+    with contextlib.suppress(Exception):
         _unregister_process_group(role)  # left by a destroyed group
     _register_process_group(role, group)
     return role
