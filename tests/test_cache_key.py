@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
 
 import spmd
 from spmd.graph_utils import is_comm_node
@@ -136,6 +138,15 @@ def _with_closure(scale: float) -> StepKey:
     return step.cache_key(*args)
 
 
+def _with_default_dtype(dtype) -> StepKey:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return key()
+    finally:
+        torch.set_default_dtype(before)
+
+
 CHANGES = {
     "module class, same parameter shapes": lambda: key(act=nn.GELU),
     "a module's forward code": lambda: _with_model(_net_class("self.fc(x).relu()")),
@@ -152,6 +163,7 @@ CHANGES = {
     "the pass pipeline": lambda: key(transformation=spmd.GraphModuleTransformation()),
     "the step function's body": lambda: key(fn=_body("model(x).mean()")),
     "a value the step function closes over": lambda: _with_closure(3.0),
+    "the default dtype": lambda: _with_default_dtype(torch.float64),
 }
 
 
@@ -203,6 +215,10 @@ def _digests_on_ranks(rank, world_size, sharded):
     if sharded:
         facts = k.description["tensors"]["parameter 0.weight"]
         assert facts["sharding"]["mesh"][3] == list(range(world_size)), facts  # the mesh's ranks, not this rank
+        # the in-process signature holds the mesh as values too, not the DeviceMesh object
+        signature = step.prepare_state((model, opt, x), {}).signature()
+        assert not any(isinstance(v, DeviceMesh) for v in pytree.tree_leaves(list(signature.values())))
+        assert signature["parameter 0.weight sharding"][2] == ("cpu", (world_size,), (), tuple(range(world_size)))
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["replicate", "fully_shard"])

@@ -29,6 +29,13 @@ from ..graph_utils import is_comm_node
 ROLE_PREFIX = "spmd_group:"
 
 
+def group_role(group: dist.ProcessGroup) -> tuple[int, tuple[int, ...], str]:
+    """What ``group`` is, the same on each of its ranks and on the ranks of a group in the same role:
+    its size, its ranks each relative to its first, and the description its creator gave it."""
+    ranks = dist.get_process_group_ranks(group)
+    return len(ranks), tuple(r - ranks[0] for r in ranks), getattr(group, "group_desc", "")
+
+
 def role_name(live_name: str) -> str:
     """The role name of the group registered as ``live_name``, registered for it; ``live_name`` itself
     where another live group of the process holds that role name, or where ``live_name`` names no group."""
@@ -37,9 +44,8 @@ def role_name(live_name: str) -> str:
         group = c10d._resolve_process_group(live_name)
     except Exception:  # not a registered group (a test's made-up name): nothing to rename
         return live_name
-    ranks = dist.get_process_group_ranks(group)
-    pattern = ",".join(str(r - ranks[0]) for r in ranks) + f";{getattr(group, 'group_desc', '')}"
-    role = f"{ROLE_PREFIX}{len(ranks)}:{hashlib.sha256(pattern.encode()).hexdigest()[:16]}"
+    size, pattern, desc = group_role(group)
+    role = f"{ROLE_PREFIX}{size}:{hashlib.sha256(f'{pattern};{desc}'.encode()).hexdigest()[:16]}"
     live = c10d._world.pg_names  # every group not destroyed -> its name
     try:
         holder = c10d._resolve_process_group(role)

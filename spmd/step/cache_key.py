@@ -6,15 +6,16 @@ code where it is the user's), tree and plain attributes, each parameter's, buffe
 optimizer state tensor's name, shape, stride, dtype, device and sharding, the gradients held
 on entry, the step's inputs, each optimizer's class and flags, GradScaler settings, the
 parallel mode with its mesh roles and world size, the transformation's pass and Inductor
-settings, and the torch, Triton, Python and spmd versions (spmd's by a digest of its source,
-so an edited checkout is a new key) and the CUDA device capability. The description is a plain
-JSON value; ``StepKey.digest`` is its SHA-256.
+settings, process-wide torch settings (default dtype, TF32, ...), the torch, Triton, Python and
+spmd versions (spmd's also by a digest of its source, so an edited checkout is a new key) and the
+CUDA device capability. The description is a plain JSON value; ``StepKey.digest`` is its SHA-256.
 
 Nothing in it is process state: no object ids or serial numbers, no ``DeviceMesh`` or process
-group objects or group names (a mesh is its device type, shape, dim names and rank layout; a
-group its ranks), no memory addresses, no rank. A device is its type, plus its index only where
-it is not the process's current device, so rank 1 on ``cuda:1`` has rank 0's key on ``cuda:0``.
-Numeric hyperparameters (lr, betas, ...) are graph inputs and left out, and so are parameter values.
+group objects or group names (a mesh is its device type, shape, dim names and rank layout; a group
+its role, ``spmd.parallel.group_roles.group_role``), no memory addresses, no rank. A device is its
+type, plus its index only where it is not the process's current device, so rank 1 on ``cuda:1`` has
+rank 0's key on ``cuda:0``. Numeric hyperparameters (lr, betas, ...) are graph inputs and left out,
+and so are the values of parameters and input tensors.
 
 What a trace learned about hyperparameter values (``spmd.optim.hyperparams``: the outcome of
 ``momentum != 0``, a value a fused kernel takes as a number) is not in the key either: it is
@@ -50,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from ..optim.amp_scaler import GradScaler, scaler_signature
 from ..optim.hyperparams import Learned, assumptions, flags, learned_facts
+from ..parallel.group_roles import group_role
 from ..trace.step_state import StepState, mesh_signature, training_modes
 
 # Code of these packages is covered by the versions (and spmd's source digest): named, not described.
@@ -86,6 +88,7 @@ def step_key(fn: Callable, state: StepState, args: tuple, kwargs: dict, parallel
     return StepKey({
         "versions": versions(),
         "device": device_facts(state),
+        "torch settings": torch_settings(),
         "step function": describe(fn),
         "module overrides": describe(list(module_override)),
         "modules": [module_structure(m) for m in state.modules],
@@ -137,6 +140,15 @@ def device_facts(state: StepState) -> dict:
     """The CUDA device capability where the step's tensors live on CUDA (kernels are chosen for it)."""
     cuda = next((t.device for t in (*state.params, *state.buffers) if t.device.type == "cuda"), None)
     return {"cuda capability": list(torch.cuda.get_device_capability(cuda)) if cuda is not None else None}
+
+
+def torch_settings() -> dict:
+    """Process-wide torch settings a trace or Inductor's kernels read: the default dtype (factory calls
+    without one), deterministic algorithms, float32 matmul precision and TF32."""
+    return {"default dtype": str(torch.get_default_dtype()),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "float32 matmul precision": torch.get_float32_matmul_precision(),
+            "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]}
 
 
 def device_name(device: torch.device) -> str:
@@ -311,7 +323,7 @@ def describe(value: Any, depth: int = 0) -> Any:
     if type(value).__name__ == "DeviceMesh":
         return {"mesh": mesh_facts(value)}
     if dist.is_available() and isinstance(value, dist.ProcessGroup):
-        return {"process group ranks": dist.get_process_group_ranks(value)}
+        return {"process group role": describe(group_role(value))}
     if dataclasses.is_dataclass(value):
         return {"class": _qualname(type(value)),
                 "fields": {f.name: describe(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}}
