@@ -264,3 +264,18 @@ def _group_names_on_ranks(rank, world_size):
 
 def test_graphs_name_groups_by_role_not_by_this_process_names():
     run_distributed(_group_names_on_ranks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_step_keys_its_device_capability_and_not_its_device_index():
+    model = nn.Linear(4, 2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    step = spmd.compile()(train_step)
+    description = step.cache_key(model, opt, torch.randn(3, 4, device="cuda")).description
+    assert description["device"]["cuda capability"] == list(torch.cuda.get_device_capability())
+    assert description["tensors"]["parameter weight"]["device"] == "cuda"  # the current device, by type
+    assert description["transformation"]["settings"]["attributes"]["enable_inductor"] is True
+    unfused = torch.optim.AdamW(model.parameters(), lr=0.01)
+    other = spmd.compile()(train_step).cache_key(model, unfused, torch.randn(3, 4, device="cuda"))
+    assert other.digest != step.cache_key(model, opt, torch.randn(3, 4, device="cuda")).digest
