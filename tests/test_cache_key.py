@@ -164,7 +164,15 @@ CHANGES = {
     "the step function's body": lambda: key(fn=_body("model(x).mean()")),
     "a value the step function closes over": lambda: _with_closure(3.0),
     "the default dtype": lambda: _with_default_dtype(torch.float64),
+    "a transformation function's code": lambda: key(transformation=_transformation("gm.recompile() or gm")),
 }
+
+
+def _transformation(body: str):
+    """A transformation function ``user_passes.transform`` that returns ``body``."""
+    namespace = {"__name__": "user_passes"}
+    exec(f"def transform(gm):\n    return {body}\n", namespace)
+    return namespace["transform"]
 
 
 @pytest.mark.parametrize("factor", list(CHANGES))
@@ -172,6 +180,7 @@ def test_the_key_changes_with_each_factor(factor):
     base = {"a module's forward code": lambda: _with_model(_net_class("self.fc(x)")),
             "the step function's body": lambda: key(fn=_body("model(x).sum()")),
             "a value the step function closes over": lambda: _with_closure(2.0),
+            "a transformation function's code": lambda: key(transformation=_transformation("gm")),
             "a pass setting": lambda: key(transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True)),
             }.get(factor, key)()
     assert CHANGES[factor]().digest != base.digest, factor

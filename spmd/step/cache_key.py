@@ -107,7 +107,7 @@ def step_key(fn: Callable, state: StepState, args: tuple, kwargs: dict, parallel
 @functools.cache
 def versions() -> dict:
     """Python (bytecode differs per minor version), torch, Triton and spmd (version and source digest)."""
-    return {"python": list(sys.version_info[:2]), "torch": torch.__version__, "triton": _installed("triton"),
+    return {"python": list(sys.version_info[:2]), "torch": torch.__version__, "triton": _installed("triton") or _installed("pytorch-triton"),
             "spmd": _installed("spmd"), "spmd source": _spmd_source_digest()}
 
 
