@@ -29,6 +29,7 @@ from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
 from .parallel.grad_check import refuse_untrained_parameters
+from .step.cache_key import StepKey, step_key
 from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .step.iter_graph_module import IterGraphModule
 from .step.state_check import StateCheck
@@ -291,6 +292,14 @@ class CompiledTrainStep:
         if leaf is None or type(leaf) in (int, float, bool, str):
             return repr(leaf)
         return f"{type(leaf).__name__}: {leaf!r}"
+
+    def cache_key(self, *args, **kwargs) -> StepKey:
+        """The key of the step compiled for these arguments, a value equal across processes and ranks
+        (``spmd.step.cache_key``): ``.digest`` (hex) and ``.description`` (JSON-able, by component).
+        Finds the step's state as a call does (applying ``module_override``), compiles nothing."""
+        state = self.prepare_state(args, kwargs)
+        return step_key(self.fn, state, args, kwargs, self.parallel_mode, self.transformation_for(state),
+                        self.module_override)
 
     def transformation_for(self, state: StepState) -> Callable:
         """The transformation a graph of ``state`` gets: the one given, else the default for its device."""

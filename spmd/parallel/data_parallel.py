@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from ..errors import SpmdCompileError, SpmdConfigError
 from . import replicate, shard
+from .group_roles import name_groups_by_role
 
 STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
 _SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy", "mesh")
@@ -168,8 +169,10 @@ class DataParallel:
         self.mode.before_first_run(self, state, tensors)
 
     def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
-        """The traced single-rank graph, expanded for this mode (edited in place), recording this mode on it."""
+        """The traced single-rank graph, expanded for this mode (edited in place), recording this mode on it;
+        its collectives name their groups by role (``spmd.parallel.group_roles``)."""
         gm = self.mode.expand(self, gm, grad_order)
+        name_groups_by_role(gm)  # the graph names no group of this process (spmd.parallel.group_roles)
         gm.meta[PARALLEL_MODE] = self
         return gm
 

@@ -1,0 +1,84 @@
+"""A step graph's collectives name their process group by role, not by this process's group name.
+
+Torch names a process group by a counter of the groups a process created (``"0"``, ``"5"``), so a
+graph that carries those names depends on what ran before in the process (the groups the
+rank-agreement check or another model made) and, with subgroups, on the rank. ``DataParallel.expand``
+renames the group of every collective in the expanded graph (``name_groups_by_role``) to a
+role name registered in c10d's group registry for the live group (``role_name``). Functional
+collectives resolve the name when they run (eagerly, or in Inductor's code), so the graph stays the
+same while the name resolves to this process's group.
+
+The role name is a value: the group's size, the pattern of its ranks, each relative to its first
+(``spmd_group:2:…`` for ranks [0, 1] and for ranks [2, 3] alike: the shard groups of a hybrid mesh
+play one role on every rank), and the description its creator gave it (``default_pg``,
+``mesh_shard``). Two live groups of one process with one pattern and description (two ``new_group``
+calls over the same ranks) cannot share it: the second keeps its own name, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch.distributed as dist
+import torch.fx as fx
+from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+from ..graph_utils import is_comm_node
+
+ROLE_PREFIX = "spmd_group:"
+
+
+def group_role(group: dist.ProcessGroup) -> tuple[int, tuple[int, ...], str]:
+    """What ``group`` is, the same on each of its ranks and on the ranks of a group in the same role:
+    its size, its ranks each relative to its first, and the description its creator gave it."""
+    ranks = dist.get_process_group_ranks(group)
+    return len(ranks), tuple(r - ranks[0] for r in ranks), getattr(group, "group_desc", "")
+
+
+def role_name(live_name: str) -> str:
+    """The role name of the group registered as ``live_name``, registered for it; ``live_name`` itself
+    where another live group of the process holds that role name, or where ``live_name`` names no group."""
+    c10d = dist.distributed_c10d
+    try:
+        group = c10d._resolve_process_group(live_name)
+    except Exception:  # not a registered group (a test's made-up name): nothing to rename
+        return live_name
+    size, pattern, desc = group_role(group)
+    role = f"{ROLE_PREFIX}{size}:{hashlib.sha256(f'{pattern};{desc}'.encode()).hexdigest()[:16]}"
+    live = c10d._world.pg_names  # every group not destroyed -> its name
+    try:
+        holder = c10d._resolve_process_group(role)
+    except Exception:  # never registered, or left by a destroyed group (which no longer resolves)
+        holder = None
+    if holder is not None and (holder is group or live.get(holder) == live.get(group)):
+        return role
+    if holder is not None and holder in live:
+        return live_name  # another live group over the same pattern of ranks holds the role
+    with contextlib.suppress(Exception):
+        _unregister_process_group(role)  # left by a destroyed group
+    _register_process_group(role, group)
+    return role
+
+
+def name_groups_by_role(gm: fx.GraphModule) -> None:
+    """Rename the process group of every collective in ``gm`` to its ``role_name``.
+
+    Before: collectives carry this process's group names. After: each carries its group's role
+    name, which resolves to the same group; nothing else changed.
+    """
+    renamed: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if not is_comm_node(node):
+            continue
+        at = [a.name for a in node.target._schema.arguments].index("group_name")
+        name = node.args[at] if at < len(node.args) else node.kwargs.get("group_name")
+        if not isinstance(name, str):
+            continue
+        if name not in renamed:
+            renamed[name] = role_name(name)
+        if at < len(node.args):
+            node.update_arg(at, renamed[name])
+        else:
+            node.update_kwarg("group_name", renamed[name])
+    gm.recompile()
