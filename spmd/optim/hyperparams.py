@@ -132,8 +132,20 @@ def group_signature(optim: torch.optim.Optimizer, group: dict, items: Optional[l
     group_flags = flags(group, items)
     sig: dict[str, Any] = {repr(k): v for k, v in group_flags}
     facts = _LEARNED.get((type(optim), group_flags))
-    if facts is None:
-        return sig
+    if facts is not None:
+        sig.update(assumptions(group, facts))
+    return sig
+
+
+def learned_facts(optim: torch.optim.Optimizer, group: dict) -> Optional[Learned]:
+    """What traces in this process learned about ``group``'s optimizer class and flags, or None."""
+    return _LEARNED.get((type(optim), flags(group)))
+
+
+def assumptions(group: dict, facts: Learned) -> dict[str, Any]:
+    """What ``facts`` assume of ``group``'s values now, by name: each guard's outcome (``momentum ne 0.0``)
+    and each specialised value (``betas[0]``)."""
+    sig: dict[str, Any] = {}
     for key, index, name, const in sorted(facts.guards, key=repr):
         value = read(group, key, index)
         sig[f"{_slot(key, index)} {name} {const}"] = value is not None and _COMPARE[name](value, const)

@@ -104,11 +104,21 @@ def artifact_of(entry: CompiledStep, state: StepState) -> StepArtifact:
     )
 
 
+def expected_input_names(state: StepState, n_inputs: int, grad_inputs: tuple) -> list[str]:
+    """The names the step's graph inputs have for ``state``, ``n_inputs`` user tensors and the gradients
+    taken (``GradPlan.inputs``), as ``spmd.trace.capture`` names them."""
+    return (list(state.param_names) + list(state.buffer_names) + list(state.state_names)
+            + [s.name for s in state.hyper_slots] + [f"input_{k}" for k in range(n_inputs)]
+            + [f"{state.param_names[i]}.grad" for i in grad_inputs])
+
+
 def step_from_artifact(artifact: StepArtifact, state: StepState, parallel_mode: Any,
-                       expected_inputs: list[Optional[str]]) -> Optional[CompiledStep]:
-    """The ``CompiledStep`` ``artifact`` holds, for ``state`` (whose graph inputs are named
-    ``expected_inputs``), or None where the artifact does not fit it (another format or input layout)."""
-    if artifact.format != FORMAT or artifact.input_names != expected_inputs:
+                       n_inputs: int) -> Optional[CompiledStep]:
+    """The ``CompiledStep`` ``artifact`` holds, for ``state`` and ``n_inputs`` user tensors, or None where
+    the artifact does not fit them (another format, or graph inputs named otherwise)."""
+    if artifact.format != FORMAT:
+        return None
+    if artifact.input_names != expected_input_names(state, n_inputs, tuple(artifact.grads["inputs"])):
         return None
     logical = load_graph(artifact.logical)
     runner = IterGraphModule(logical)

@@ -14,6 +14,7 @@ same spec (``as_dtensors``), so the step sees what it sees in eager mode.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
@@ -61,8 +62,24 @@ def _spec(t: torch.Tensor):
 
 
 def sharding_signature(spec) -> tuple:
-    """What a graph specialises on in a DTensor's spec: its global shape, placements and mesh."""
-    return tuple(spec.shape), spec.placements, spec.mesh
+    """What a graph specialises on in a DTensor's spec: its global shape, placements and mesh (as the
+    values ``mesh_signature`` gives, not the ``DeviceMesh`` object)."""
+    return tuple(spec.shape), spec.placements, mesh_signature(spec.mesh)
+
+
+# mesh -> mesh_signature(mesh), a memo (the fast path builds sharding signatures on every call); weak, so it
+# holds only live meshes
+_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def mesh_signature(mesh) -> tuple:
+    """A ``DeviceMesh`` as values: device type, shape, dim names and rank layout, the same on every rank
+    and in every process (``DeviceMesh`` equality compares these, and the creating thread)."""
+    sig = _MESHES.get(mesh)
+    if sig is None:
+        sig = _MESHES[mesh] = (mesh.device_type, tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()),
+                               tuple(mesh.mesh.flatten().tolist()))
+    return sig
 
 
 def find_modules_and_optimizers(args: tuple, kwargs: dict) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
