@@ -339,11 +339,14 @@ def reset_process_state() -> None:
 
 
 class single_process_group:
-    """A gloo group of world size 1 in this process (for graph structure tests)."""
+    """A gloo group of world size 1 in this process (for graph structure tests); or nccl, on one GPU."""
+
+    def __init__(self, backend: str = "gloo"):
+        self.backend = backend
 
     def __enter__(self):
         self._tmp = tempfile.TemporaryDirectory()
-        dist.init_process_group("gloo", init_method=f"file://{self._tmp.name}/store", rank=0, world_size=1)
+        dist.init_process_group(self.backend, init_method=f"file://{self._tmp.name}/store", rank=0, world_size=1)
         return self
 
     def __exit__(self, *exc):

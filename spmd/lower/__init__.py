@@ -1,8 +1,9 @@
 """Lower: what each graph of a transformed step is compiled to (``lowering.Lowering``, a value the
 transformation sets), Inductor's decompositions applied node by node (``decompose``), the whole step
-graph or its setup/main/cleanup parts compiled by Inductor (``inductor``), and CUDA-graph replay
-(``cudagraphs``). Takes the graphs ``spmd.passes`` optimized, before the step first runs; hands
-compiled callables to ``spmd.step``'s runner, which only runs them.
+graph or its setup/main/cleanup parts compiled by Inductor (``inductor``), looked up first in
+Inductor's FX graph cache (``fx_cache``: what it needs to serve our graphs across processes), and
+CUDA-graph replay (``cudagraphs``). Takes the graphs ``spmd.passes`` optimized, before the step first
+runs; hands compiled callables to ``spmd.step``'s runner, which only runs them.
 """
 
 from .inductor import compile_with_inductor

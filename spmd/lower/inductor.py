@@ -19,7 +19,9 @@ re-trace the whole step only to apply Inductor's decompositions to a graph that 
 already functional: ``spmd.lower.decompose`` applies them node by node and
 ``_inner_compile`` runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
-graph means what it means when run op by op.
+graph means what it means when run op by op. ``compile_fx_inner`` looks the graph up in
+Inductor's FX graph cache first, so a restarted process loads the code instead of
+compiling it (``spmd.lower.fx_cache`` says what that needs).
 
 The alternative, compiling the compute regions between collectives separately, keeps
 the schedule trivially but cuts fusion at every bucket boundary, materializes every
@@ -45,6 +47,7 @@ from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch
 from ..compile_times import phase
 from ..errors import SpmdCompileError
 from .decompose import decompose_for_inductor
+from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -62,8 +65,7 @@ _INDUCTOR_CONFIG = {
 # (spmd._torch_version keeps every such version fact).
 _ABSENT_BEFORE = INDUCTOR_OPTION_SINCE
 
-_OPAQUE_NAMESPACE = "spmd_lowering"
-_opaque_lib = torch.library.Library(_OPAQUE_NAMESPACE, "FRAGMENT")
+_opaque_lib = torch.library.Library(OPAQUE_NAMESPACE, "FRAGMENT")
 _opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
 
 # Fewer kernel launches, numerics unchanged: a cat whose inputs all need a copy anyway (a unit's
@@ -159,8 +161,8 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
             raise SpmdCompileError(f"spmd: unexpected schema for {op}: {op._schema} (no 'Tensor(a!)[] grads' argument)")
         _opaque_lib.define(name + "(" + read_only_grads)
         _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{_OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)
-        _opaque_ops[op] = getattr(getattr(torch.ops, _OPAQUE_NAMESPACE), name).default
+        torch.library.register_fake(f"{OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)
+        _opaque_ops[op] = getattr(getattr(torch.ops, OPAQUE_NAMESPACE), name).default
     return _opaque_ops[op]
 
 
@@ -217,36 +219,42 @@ def start_compile_workers() -> None:
     AsyncCompile.wakeup()
 
 
-def _inner_compile(gm: fx.GraphModule, example_inputs: list) -> Callable:
+def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tuple[Callable, str]:
     """Inductor's post-AOT half on ``gm`` (already functional and decomposed): joint-graph passes, then
-    ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace.
-    Returns a callable taking the graph's inputs positionally."""
+    ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace,
+    looked up in Inductor's FX graph cache first (``spmd.lower.fx_cache``).
+    Returns a callable taking the graph's inputs positionally, and the cache lookup's outcome."""
     from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
     from torch._inductor.utils import BoxedBool, output_node
     from torch._inductor.virtualized import V
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     # One fake mode for every value on the graph: our trace, the passes and the decompositions
     # each made theirs, and Inductor's pattern passes combine values they read off the nodes.
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-    with enable_python_dispatcher():
-        FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
+    # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards.
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    with phase(f"lower/{label}/inductor_compile_fx/fake_prop"):
+        fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
+                 for t in example_inputs]
+        with enable_python_dispatcher():
+            FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
     devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-    with V.set_fake_mode(mode):
+    with phase(f"lower/{label}/inductor_compile_fx/joint_passes"), V.set_fake_mode(mode):
         gm = _recursive_joint_graph_passes(gm, input_device=device)
     outputs = output_node(gm)
     # every output is the user's (AOT would say the same of an inference graph): keep their strides
     outputs.meta["user_visible_output_idxs"] = [
         i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
-    compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
+    with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), inductor_cache_context(gm, mode) as cache:
+        compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
 
     def run(*args):
         return compiled(list(args))  # Inductor's boxed convention: it may clear the list it is given
 
-    return run
+    return run, cache["fx_graph_cache"]
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
@@ -270,7 +278,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
         with phase(f"lower/{label}/inductor_prepare"):
             prepared = prepare_for_inductor(gm)
         with phase(f"lower/{label}/inductor_compile_fx"):
-            compiled = _inner_compile(prepared, list(example_inputs))
-    log.info("spmd: Inductor compiled the %s graph (%d nodes) in %.1f s", label, len(gm.graph.nodes),
-             time.perf_counter() - start)
+            compiled, cache = _inner_compile(prepared, list(example_inputs), label)
+    log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,
+             len(gm.graph.nodes), time.perf_counter() - start, cache)
     return compiled

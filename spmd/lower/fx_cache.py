@@ -1,0 +1,69 @@
+"""Let Inductor's FX graph cache serve our step graphs across processes, and never wrongly.
+
+``compile_fx_inner`` looks a graph up in Inductor's FX graph cache (on by default, under
+``TORCHINDUCTOR_CACHE_DIR``) only when a tracing context holds the fake mode of its
+inputs, with a ``ShapeEnv``: the cache keeps its entries' shape guards there. ``compile_fx``
+gets one from Dynamo and AOT autograd; we call ``compile_fx_inner`` directly
+(``spmd.lower.inductor``), so ``inductor_cache_context`` provides it. Without it Inductor
+bypasses the cache ("No shape env") and every process compiles the whole step again.
+
+What Inductor hashes: the graph's code (ops by name, constants, process-group names),
+each input's shape, stride, dtype and device, Inductor's configuration (the options
+``spmd.lower.inductor`` sets included), torch and compiler versions, the CPU or GPU. What
+it does not: the definition of a custom op the code names. Ours (``spmd_lowering::*``,
+see ``spmd.lower.inductor.opaque_inplace_op``) are defined by spmd, and their schemas
+say which arguments Inductor may treat as written; so their schemas go into the key
+through ``torch.compiler.config.cache_key_tag``. Their Python implementations are looked
+up when the compiled code runs, not baked into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Iterator
+
+import torch
+import torch.fx as fx
+
+OPAQUE_NAMESPACE = "spmd_lowering"
+
+
+def opaque_schemas(gm: fx.GraphModule) -> list[str]:
+    """The schemas of the ``spmd_lowering`` ops ``gm`` calls, sorted: what the cache key must add."""
+    return sorted({str(n.target._schema) for n in gm.graph.nodes
+                   if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                   and n.target.namespace == OPAQUE_NAMESPACE})
+
+
+def _cache_key_tag(gm: fx.GraphModule) -> str:
+    """The user's ``cache_key_tag`` followed by a digest of our ops' schemas (the user's tag alone if none)."""
+    user_tag = torch.compiler.config.cache_key_tag
+    schemas = opaque_schemas(gm)
+    if not schemas:
+        return user_tag
+    digest = hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:16]
+    return f"{user_tag}|{OPAQUE_NAMESPACE}:{digest}" if user_tag else f"{OPAQUE_NAMESPACE}:{digest}"
+
+
+def _lookups() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {outcome: counters["inductor"][f"fxgraph_cache_{outcome}"] for outcome in ("hit", "miss", "bypass")}
+
+
+@contextlib.contextmanager
+def inductor_cache_context(gm: fx.GraphModule, fake_mode) -> Iterator[dict]:
+    """Around ``compile_fx_inner(gm, ...)``: a tracing context holding ``fake_mode`` (which must have a
+    ``ShapeEnv``) so Inductor consults its FX graph cache, and a cache key that covers our custom ops.
+
+    Yields a dict that holds, after the block, ``"fx_graph_cache"``: ``"hit"``, ``"miss"`` (compiled and
+    stored), ``"bypass"`` (compiled, not cacheable: Inductor's log says why) or ``"off"`` (caching disabled).
+    """
+    result: dict = {}
+    before = _lookups()
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
+            torch.compiler.config.patch(cache_key_tag=_cache_key_tag(gm)):
+        yield result
+    after = _lookups()
+    result["fx_graph_cache"] = next((k for k in after if after[k] > before[k]), "off")
