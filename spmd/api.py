@@ -587,6 +587,9 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     does); without one the step sums them (the seed's semantics: gradients x world size).
     ``gm_transformation``: a callable
     from the expanded ``fx.GraphModule`` to what runs it (default: ``default_transformation``).
+    ``cache_dir``: where compiled steps are kept between processes (``spmd.step.cache_store``): a
+    restarted job loads its step instead of tracing it again. Default: ``$SPMD_CACHE_DIR``, else
+    ``spmd`` beside Inductor's cache; ``False`` (or ``SPMD_CACHE_DIR=""``) turns it off.
     ``@spmd.compile`` without parentheses compiles with the defaults. A wrong argument raises
     ``spmd.SpmdConfigError`` here, where it is written.
     """

@@ -162,3 +162,25 @@ def _two_ranks_load(rank, world_size, cache_dir):
 
 def test_two_ranks_load_the_stored_step_and_train_as_ddp(tmp_path):
     run_distributed(_two_ranks_load, str(tmp_path))
+
+
+def _sharded_restart(rank, world_size, cache_dir):
+    from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer
+
+    runs = []
+    for attempt in range(2):  # as a job and its restart
+        model = gpt(n_layer=1)
+        spmd.shard(model, spmd.DataParallel("fully_shard", wrap_policy=block_policy()))
+        optim = optimizer(model, "adamw")
+        step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", wrap_policy=block_policy()),
+                            cache_dir=cache_dir)(clipped_step)
+        losses = [step(model, optim, *b) for b in batches(rank, 3)]
+        assert ("cache_load" in step.compile_times) == (attempt == 1), step.compile_times
+        runs.append(([(float(l), float(n)) for l, n in losses], [p.full_tensor() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_a_fully_sharded_step_with_clipping_loads_and_trains_bit_identically(tmp_path):
+    run_distributed(_sharded_restart, str(tmp_path))
