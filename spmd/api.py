@@ -85,7 +85,8 @@ class CompiledTrainStep:
     """The callable that ``spmd.compile`` returns; see ``compile``.
 
     ``trace_count``: how many times the step has been traced (once per input signature,
-    plus again for a signature evicted from ``cache``). ``cache``: the compiled signatures,
+    plus again for a signature evicted from ``cache``; a step loaded from the compile cache
+    is not traced). ``cache``: the compiled signatures,
     the ``cache_size`` most recently used ones.
     """
 
@@ -298,8 +299,9 @@ class CompiledTrainStep:
         return self._side_group
 
     def _remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any]) -> None:
-        """Cache ``entry``, count the trace, and say why the step retraced (warning once when it keeps doing so)."""
-        self.trace_count += 1
+        """Cache ``entry``, count the trace (a step loaded from the compile cache was not traced), and say why
+        the step retraced (warning once when it keeps doing so)."""
+        self.trace_count += "cache_load" not in entry.compile_times
         if self._last_signature is not None:
             changes = describe_changes(self._last_signature, signature) or ["nothing in its signature"]
             # gradients held on entry or not: an accumulation loop's expected second graph (spmd.trace.accumulation)

@@ -156,6 +156,7 @@ def _two_ranks_load(rank, world_size, cache_dir):
             x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
             torch.testing.assert_close(step(model, opt, x), eager_step(ddp, ddp_opt, x), rtol=0, atol=1e-10)
         assert ("cache_load" in step.compile_times) == (attempt == 1), step.compile_times
+        assert step.trace_count == 1 - attempt
         for p, q in zip(model.parameters(), ddp.module.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
 
