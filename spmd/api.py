@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import functools
 import itertools
 import logging
@@ -29,7 +30,10 @@ from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
 from .parallel.grad_check import refuse_untrained_parameters
-from .step.cache_key import StepKey, step_key
+from .step.artifact import artifact_of, step_from_artifact
+from .step.cache_key import StepKey, guards_hold, hyper_guards, restore_hyper_guards, step_key
+from .step.cache_store import CacheStore, resolve_cache_dir
+from .graph_utils.graph_record import UnrecordableGraph
 from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .step.iter_graph_module import IterGraphModule
 from .step.state_check import StateCheck
@@ -81,7 +85,8 @@ class CompiledTrainStep:
     """The callable that ``spmd.compile`` returns; see ``compile``.
 
     ``trace_count``: how many times the step has been traced (once per input signature,
-    plus again for a signature evicted from ``cache``). ``cache``: the compiled signatures,
+    plus again for a signature evicted from ``cache``; a step loaded from the compile cache
+    is not traced). ``cache``: the compiled signatures,
     the ``cache_size`` most recently used ones.
     """
 
@@ -93,7 +98,8 @@ class CompiledTrainStep:
     agree_across_ranks: Optional[bool] = None
 
     def __init__(self, fn: Callable, module_override: Optional[Sequence] = None,
-                 gm_transformation: Optional[Callable] = None, parallel_mode: Optional[DataParallel] = None):
+                 gm_transformation: Optional[Callable] = None, parallel_mode: Optional[DataParallel] = None,
+                 cache_dir: Any = None):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.module_override = list(module_override or [])
@@ -115,6 +121,8 @@ class CompiledTrainStep:
         self._last_call: Optional[LastCall] = None  # what the last call saw, to recognise a repeat cheaply
         self._side_group: Optional[dist.ProcessGroup] = None  # see _agreement_group
         self._side_resolved = False
+        root = resolve_cache_dir(cache_dir)  # the persistent compile cache (spmd.step.cache_store), or None
+        self.compile_cache: Optional[CacheStore] = CacheStore(root) if root is not None else None
 
     def _apply_overrides(self, modules: list[nn.Module]) -> None:
         for mod in modules:
@@ -201,6 +209,51 @@ class CompiledTrainStep:
                              dtensors=traced.dtensors)
         return entry, state, created
 
+    def _load_or_compile(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState, list]:
+        """``_compile``'s result, from the persistent compile cache where it holds this step (a hit skips
+        the optimizer probe, tracing, expansion and passes; the lower stage then finds Inductor's code in
+        its own cache), else compiled and stored there. Steps of a transformation other than
+        ``GraphModuleTransformation`` or with ``module_override`` are not cached."""
+        store = self.compile_cache
+        transformation = self.transformation_for(state)
+        if store is None or self.module_override or not isinstance(transformation, GraphModuleTransformation):
+            return self._compile(state, args, kwargs)
+        start = time.perf_counter()
+        key = step_key(self.fn, state, args, kwargs, self.parallel_mode, transformation, self.module_override)
+        payload = store.load(key.digest)
+        if payload is not None and guards_hold(payload["guards"], state):
+            loaded = self._from_artifact(payload, state, args, kwargs)
+            if loaded is not None:
+                loaded[0].compile_times["cache_load"] = time.perf_counter() - start
+                log.info("spmd: %s loaded from the compile cache (%s)", self.__name__, store.path(key.digest))
+                return loaded
+        entry, state, created = self._compile(state, args, kwargs)
+        try:
+            store.save(key.digest, {"artifact": artifact_of(entry, state), "guards": hyper_guards(state),
+                                    "compiled_for": _compiled_for(self.__name__, key)})
+        except UnrecordableGraph as err:
+            log.info("spmd: %s is not kept in the compile cache: %s", self.__name__, err)
+        except OSError as err:
+            warnings.warn(f"spmd.compile: could not write the compile cache entry under {store.root}: {err}; "
+                          "the step runs, compiled again next time.", RuntimeWarning, stacklevel=4)
+        return entry, state, created
+
+    def _from_artifact(self, payload: dict, state: StepState, args: tuple, kwargs: dict
+                       ) -> Optional[tuple[CompiledStep, StepState, list]]:
+        """(entry, state, optimizer state created) from a cache entry, or None where it does not fit
+        ``state`` (then nothing is left changed)."""
+        created = [made for o in state.optimizers if (made := ensure_optimizer_state(o)) is not None]
+        if created:
+            state = StepState(state.modules, state.optimizers, state.scalers)
+        n_inputs = sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs)))
+        entry = step_from_artifact(payload["artifact"], state, self.parallel_mode, n_inputs)
+        if entry is None:
+            undo_created(created)
+            return None
+        restore_hyper_guards(payload["guards"], state)  # later signatures specialise as a trace here would
+        entry.first_step = first_step_slots(state, created)
+        return entry, state, created
+
     def _agree(self, candidate: rank_agreement.Candidate, group: dist.ProcessGroup, compared: bool,
                created: list, args: tuple, kwargs: dict, times: dict) -> rank_agreement.Candidate:
         """What every rank runs this call (``rank_agreement.agree``), or the same error on every rank.
@@ -246,8 +299,9 @@ class CompiledTrainStep:
         return self._side_group
 
     def _remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any]) -> None:
-        """Cache ``entry``, count the trace, and say why the step retraced (warning once when it keeps doing so)."""
-        self.trace_count += 1
+        """Cache ``entry``, count the trace (a step loaded from the compile cache was not traced), and say why
+        the step retraced (warning once when it keeps doing so)."""
+        self.trace_count += "cache_load" not in entry.compile_times
         if self._last_signature is not None:
             changes = describe_changes(self._last_signature, signature) or ["nothing in its signature"]
             # gradients held on entry or not: an accumulation loop's expected second graph (spmd.trace.accumulation)
@@ -419,7 +473,7 @@ class CompiledTrainStep:
             candidate = rank_agreement.Candidate(self.cache.get(key), state)
             if candidate.entry is None:
                 state = self.parallel_mode.prepare(state) or state  # a mode may replace parameters (lazy sharding)
-                entry, state, created = self._compile(state, args, kwargs)
+                entry, state, created = self._load_or_compile(state, args, kwargs)
                 changes = describe_changes(self._last_signature, signature) if self._last_signature else []
                 candidate = rank_agreement.Candidate(entry, state, fresh=True, retraced="; ".join(changes))
         except Exception as err:
@@ -453,6 +507,14 @@ class CompiledTrainStep:
     def _forget_last_call(self, _freed: Any = None) -> None:
         """Drop ``_last_call`` (its tensors with it): one of its modules or optimizers was freed."""
         self._last_call = None
+
+
+def _compiled_for(name: str, key: StepKey) -> dict:
+    """What ``spmd cache list`` shows of an entry: the step, its mode, size and where it was compiled."""
+    described = key.description
+    tensors = described.get("tensors", {})
+    return {"step": name, "parallel mode": described.get("parallel mode"), "torch": described["versions"].get("torch"),
+            "device": described.get("device"), "tensors": len(tensors) if hasattr(tensors, "__len__") else None}
 
 
 def _check_materialized(modules: list[nn.Module]) -> None:
@@ -499,7 +561,8 @@ def _check_runner(transformation: Callable, runner: Any) -> None:
 
 
 def compile(module_override: Optional[Sequence] = None, gm_transformation: Optional[Callable] = None,
-            parallel_mode: Optional[DataParallel] = None) -> Callable[[Callable], CompiledTrainStep]:
+            parallel_mode: Optional[DataParallel] = None, cache_dir: Any = None
+            ) -> Callable[[Callable], CompiledTrainStep]:
     """Compile a whole train step (forward, backward, optimizer step) into one graph.
 
     Example::
@@ -526,6 +589,9 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     does); without one the step sums them (the seed's semantics: gradients x world size).
     ``gm_transformation``: a callable
     from the expanded ``fx.GraphModule`` to what runs it (default: ``default_transformation``).
+    ``cache_dir``: where compiled steps are kept between processes (``spmd.step.cache_store``): a
+    restarted job loads its step instead of tracing it again. Default: ``$SPMD_CACHE_DIR``, else
+    ``spmd`` beside Inductor's cache; ``False`` (or ``SPMD_CACHE_DIR=""``) turns it off.
     ``@spmd.compile`` without parentheses compiles with the defaults. A wrong argument raises
     ``spmd.SpmdConfigError`` here, where it is written.
     """
@@ -535,7 +601,7 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
             return CompiledTrainStep(module_override)
         raise SpmdConfigError("spmd.compile: module_override must be a list of overrides, got the callable "
                               f"{module_override!r}; pass options by name, e.g. spmd.compile(gm_transformation=...).")
-    _check_compile_arguments(module_override, gm_transformation)
+    _check_compile_arguments(module_override, gm_transformation, cache_dir)
     mode = as_data_parallel(parallel_mode)
     if isinstance(gm_transformation, GraphModuleTransformation):
         gm_transformation.check_settings_apply(mode)  # here, where both are written
@@ -543,16 +609,19 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     def decorator(fn: Callable) -> CompiledTrainStep:
         if not callable(fn):
             raise SpmdConfigError(f"spmd.compile: decorates a train step function, got {type(fn).__name__} {fn!r}.")
-        return CompiledTrainStep(fn, module_override, gm_transformation, mode)
+        return CompiledTrainStep(fn, module_override, gm_transformation, mode, cache_dir)
 
     return decorator
 
 
-def _check_compile_arguments(module_override: Any, gm_transformation: Any) -> None:
+def _check_compile_arguments(module_override: Any, gm_transformation: Any, cache_dir: Any = None) -> None:
     """Refuse, where ``spmd.compile(...)`` is written, arguments it cannot use (``SpmdConfigError``)."""
     if module_override is not None and not isinstance(module_override, (list, tuple)):
         raise SpmdConfigError(f"spmd.compile: module_override must be a list of overrides, got "
                               f"{type(module_override).__name__} {module_override!r}.")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike, bool)):
+        raise SpmdConfigError(f"spmd.compile: cache_dir must be a directory (str or path), or False to turn the "
+                              f"compile cache off, got {type(cache_dir).__name__} {cache_dir!r}.")
     if gm_transformation is not None and not callable(gm_transformation):
         raise SpmdConfigError(
             f"spmd.compile: gm_transformation must be a callable taking the expanded fx.GraphModule and returning "

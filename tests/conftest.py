@@ -6,7 +6,8 @@ Inductor cache (FX graphs and compiled C++ kernels), which starts empty each ses
 ``TORCHINDUCTOR_CACHE_DIR`` is set. Two compile threads (at most one per core): the ranks of
 a test compile the same kernels, and through the shared cache one rank compiles each kernel
 while the other waits for it, so with a single compile thread a 2-rank test compiles on one
-core. Both settings can be overridden from the environment.
+core. spmd's own compile cache is off (``SPMD_CACHE_DIR=""``) so each test compiles what it tests;
+the compile-cache tests give their own directory. These settings can be overridden from the environment.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _OWN_CACHE = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_tests_inductor_")
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+os.environ.setdefault("SPMD_CACHE_DIR", "")  # spmd's compile cache off: tests that use it name their own directory
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(min(2, os.cpu_count() or 1)))
 
 import pytest  # noqa: E402

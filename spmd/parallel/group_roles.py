@@ -61,6 +61,31 @@ def role_name(live_name: str) -> str:
     return role
 
 
+def group_names_in(gm: fx.GraphModule) -> set[str]:
+    """The process-group names the collectives of ``gm`` carry."""
+    names = set()
+    for node in gm.graph.nodes:
+        if is_comm_node(node):
+            at = [a.name for a in node.target._schema.arguments].index("group_name")
+            name = node.args[at] if at < len(node.args) else node.kwargs.get("group_name")
+            if isinstance(name, str):
+                names.add(name)
+    return names
+
+
+def roles_resolve(names: set[str], groups: list) -> bool:
+    """Register the role name of each of ``groups`` (the live groups a step uses: ``role_name``), then
+    whether each of ``names`` (a loaded graph's, made in another process) resolves to a group here."""
+    for group in groups:
+        role_name(group.group_name)
+    for name in names:
+        try:
+            dist.distributed_c10d._resolve_process_group(name)
+        except Exception:  # no group of this process plays that role
+            return False
+    return True
+
+
 def name_groups_by_role(gm: fx.GraphModule) -> None:
     """Rename the process group of every collective in ``gm`` to its ``role_name``.
 

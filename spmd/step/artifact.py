@@ -8,8 +8,10 @@ as usual, where Inductor's own cache (``spmd.lower.fx_cache``) finds the code it
 
 Nothing in an artifact is process state: graphs are ``graph_utils.graph_record`` records, a DTensor's
 mesh is named by a parameter that lives on it (rebuilt from the live parameter), and the parallel
-mode that expanded the graph is the live one. A loaded artifact is checked against the live state
-(the graph's inputs by name, in order) and refused, as a miss, where they differ.
+mode that expanded the graph is the live one; collectives name their groups by role
+(``spmd.parallel.group_roles``), resolved to this process's groups on load. A loaded artifact is
+checked against the live state (the graph's inputs by name, in order, and a group for each role)
+and refused, as a miss, where they differ.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..graph_utils.graph_record import GraphRecord, UnrecordableGraph, load_grap
 from ..graph_utils.meta import NAME
 from ..lower.lowering import Lowering
 from ..parallel.data_parallel import PARALLEL_MODE
+from ..parallel.group_roles import group_names_in, roles_resolve
 from ..trace.accumulation import GradPlan
 from ..trace.step_state import StepState
 from .compiled_step import CompiledStep
@@ -84,6 +87,18 @@ def _input_names(gm: fx.GraphModule) -> list[Optional[str]]:
     return [n.meta.get(NAME) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
+def _groups_of(state: StepState, parallel_mode: Any) -> list:
+    """The live process groups the step's collectives may use: the mode's, and each mesh dimension's
+    of the DTensor parameters (a sharded mode's, and what user code reduces over, e.g. clipping)."""
+    groups = [parallel_mode.process_group()]
+    for p in state.params:
+        mesh = getattr(getattr(p, "_spec", None), "mesh", None)
+        if mesh is not None:
+            groups += [mesh.get_group(d) for d in range(mesh.ndim)]
+    unique = {id(g): g for g in groups if g is not None}
+    return list(unique.values())
+
+
 def artifact_of(entry: CompiledStep, state: StepState) -> StepArtifact:
     """``entry`` (a step our transformation made: an ``IterGraphModule``) as a ``StepArtifact``;
     ``UnrecordableGraph`` for a step that cannot be kept (a custom runner, an opaque graph value)."""
@@ -104,13 +119,25 @@ def artifact_of(entry: CompiledStep, state: StepState) -> StepArtifact:
     )
 
 
+def expected_input_names(state: StepState, n_inputs: int, grad_inputs: tuple) -> list[str]:
+    """The names the step's graph inputs have for ``state``, ``n_inputs`` user tensors and the gradients
+    taken (``GradPlan.inputs``), as ``spmd.trace.capture`` names them."""
+    return (list(state.param_names) + list(state.buffer_names) + list(state.state_names)
+            + [s.name for s in state.hyper_slots] + [f"input_{k}" for k in range(n_inputs)]
+            + [f"{state.param_names[i]}.grad" for i in grad_inputs])
+
+
 def step_from_artifact(artifact: StepArtifact, state: StepState, parallel_mode: Any,
-                       expected_inputs: list[Optional[str]]) -> Optional[CompiledStep]:
-    """The ``CompiledStep`` ``artifact`` holds, for ``state`` (whose graph inputs are named
-    ``expected_inputs``), or None where the artifact does not fit it (another format or input layout)."""
-    if artifact.format != FORMAT or artifact.input_names != expected_inputs:
+                       n_inputs: int) -> Optional[CompiledStep]:
+    """The ``CompiledStep`` ``artifact`` holds, for ``state`` and ``n_inputs`` user tensors, or None where
+    the artifact does not fit them (another format, or graph inputs named otherwise)."""
+    if artifact.format != FORMAT:
+        return None
+    if artifact.input_names != expected_input_names(state, n_inputs, tuple(artifact.grads["inputs"])):
         return None
     logical = load_graph(artifact.logical)
+    if not roles_resolve(group_names_in(logical), _groups_of(state, parallel_mode)):
+        return None  # a group role no group of this step plays here
     runner = IterGraphModule(logical)
     nodes = {n.name: n for n in runner.graph.nodes}
     for names, target in artifact.moves:

@@ -50,7 +50,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from ..optim.amp_scaler import GradScaler, scaler_signature
-from ..optim.hyperparams import Learned, assumptions, flags, learned_facts
+from ..optim.hyperparams import assumptions, flags, Learned, learned, learned_facts
 from ..parallel.group_roles import group_role
 from ..trace.step_state import StepState, mesh_signature, training_modes
 
@@ -464,4 +464,15 @@ def guards_hold(guards: dict, state: StepState) -> bool:
     return True
 
 
-__all__ = ["StepKey", "step_key", "describe", "hyper_guards", "guards_hold", "canonical_json"]
+def restore_hyper_guards(guards: dict, state: StepState) -> None:
+    """Make this process know what ``guards`` (``hyper_guards`` of a stored entry) assume, as if it had
+    traced the entry itself: later signatures then retrace when a guarded or specialised value changes."""
+    for where, facts in guards.items():
+        o, g = map(int, where.split("."))
+        optim = state.optimizers[o]
+        known = learned(optim, optim.param_groups[g])
+        known.guards |= {tuple(x) for x in facts["guards"]}
+        known.specialised |= {tuple(x) for x in facts["specialised"]}
+
+
+__all__ = ["StepKey", "step_key", "describe", "hyper_guards", "guards_hold", "restore_hyper_guards", "canonical_json"]

@@ -78,6 +78,7 @@ class CacheStore:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # readable by the other jobs that share the directory, as a plain file would be
             os.replace(tmp, self.path(digest))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

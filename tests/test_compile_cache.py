@@ -1,0 +1,227 @@
+"""The persistent compile cache (``spmd.step.cache_store``, ``spmd.step.artifact``): a step compiled in one
+process is loaded, not traced, in the next, and trains exactly as a compiled one; a damaged entry, a
+changed step and concurrent writers never give a wrong step."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import spmd
+from spmd.step.cache_store import CacheStore, resolve_cache_dir
+from spmd.tools.models import MLP
+from tests.dist import run_distributed
+from tests.parity import ddp_copy, eager_step, train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One process's training: 3 float64 steps of SGD with dampening (a first step of its own) from seed 0;
+# prints the compile phases, the losses and the parameters as JSON.
+_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, spmd
+    from spmd.tools.models import MLP
+    from tests.parity import train_step
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=8).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.5, weight_decay=0.01)
+    step = spmd.compile(cache_dir=sys.argv[1] if sys.argv[1] != "off" else False)(train_step)
+    gen = torch.Generator().manual_seed(1)
+    losses = [step(model, optim, torch.randn(4, 8, dtype=torch.float64, generator=gen)).item() for _ in range(3)]
+    print(json.dumps({"phases": sorted(step.compile_times), "losses": losses,
+                      "params": [p.tolist() for p in model.parameters()]}))
+""")
+
+
+def _fresh_process(cache_dir) -> dict:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_restarted_process_loads_the_step_and_trains_bit_identically(tmp_path):
+    uncached = _fresh_process("off")
+    first = _fresh_process(tmp_path)
+    second = _fresh_process(tmp_path)
+    assert "trace" in first["phases"] and "cache_load" not in first["phases"]
+    assert "cache_load" in second["phases"]
+    assert not {"trace", "optimizer_check", "expand", "transform"} & set(second["phases"]), second["phases"]
+    assert first["losses"] == second["losses"] == uncached["losses"]
+    assert first["params"] == second["params"] == uncached["params"]
+    assert len(list(tmp_path.glob("*.spmd"))) == 1
+
+
+def _model_and_optim(momentum=0.9):
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8).double()
+    ref = MLP(layers=2, dim=8).double()
+    ref.load_state_dict(model.state_dict())
+    make = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=momentum)  # noqa: E731
+    return model, ref, make(model.parameters()), make(ref.parameters())
+
+
+def _train_and_compare(step, model, ref, opt, ref_opt, shape=(4, 8), steps=3):
+    for _ in range(steps):
+        x = torch.randn(*shape, dtype=torch.float64)
+        torch.testing.assert_close(step(model, opt, x), eager_step(ref, ref_opt, x), rtol=0, atol=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+def test_a_changed_step_misses_and_a_guarded_value_is_never_taken_from_another_entry(tmp_path):
+    model, ref, opt, ref_opt = _model_and_optim()
+    _train_and_compare(spmd.compile(cache_dir=tmp_path)(train_step), model, ref, opt, ref_opt)
+    # another batch shape: a miss, compiled and stored beside the first
+    step = spmd.compile(cache_dir=tmp_path)(train_step)
+    _train_and_compare(step, model, ref, opt, ref_opt, shape=(2, 8))
+    assert "trace" in step.compile_times and len(list(tmp_path.glob("*.spmd"))) == 2
+    # momentum 0 where the stored step was traced with momentum != 0: the same key, but the trace's guard
+    # on momentum fails, so it is compiled again, not loaded
+    model, ref, opt, ref_opt = _model_and_optim(momentum=0.0)
+    step = spmd.compile(cache_dir=tmp_path)(train_step)
+    _train_and_compare(step, model, ref, opt, ref_opt)
+    assert "trace" in step.compile_times and "cache_load" not in step.compile_times
+
+
+def test_a_damaged_entry_is_reported_once_removed_and_compiled_again(tmp_path):
+    model, ref, opt, ref_opt = _model_and_optim()
+    _train_and_compare(spmd.compile(cache_dir=tmp_path)(train_step), model, ref, opt, ref_opt, steps=1)
+    (entry,) = tmp_path.glob("*.spmd")
+    entry.write_bytes(entry.read_bytes()[:-100])  # truncated, as by a writer killed mid-write without rename
+    model, ref, opt, ref_opt = _model_and_optim()  # as the first time: the same key
+    step = spmd.compile(cache_dir=tmp_path)(train_step)
+    with pytest.warns(RuntimeWarning, match="is damaged .*truncated.* compiled again"):
+        _train_and_compare(step, model, ref, opt, ref_opt, steps=2)
+    assert "trace" in step.compile_times
+    assert CacheStore(tmp_path).entries()[0].ok, "the compiled step was stored again, whole"
+
+
+def _write_many(root: str, worker: int) -> None:
+    store = CacheStore(root)
+    for i in range(20):
+        store.save("same", {"worker": worker, "i": i, "blob": bytes(200_000)})
+
+
+def test_concurrent_writers_leave_one_whole_entry(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_write_many, args=(str(tmp_path), w)) for w in range(3)]
+    for w in writers:
+        w.start()
+    reader = CacheStore(tmp_path)
+    seen = 0
+    while any(w.is_alive() for w in writers):
+        payload = reader.load("same")
+        seen += payload is not None
+        assert payload is None or len(payload["blob"]) == 200_000
+    for w in writers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    assert reader.load("same")["i"] == 19
+    assert [p.name for p in tmp_path.iterdir()] == ["same.spmd"], "no temporary file is left behind"
+
+
+def test_the_cache_is_turned_off_by_false_or_an_empty_environment_variable(tmp_path, monkeypatch):
+    assert resolve_cache_dir(False) is None
+    monkeypatch.setenv("SPMD_CACHE_DIR", "")
+    assert resolve_cache_dir() is None
+    monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path / "env"))
+    assert resolve_cache_dir() == tmp_path / "env"
+    assert resolve_cache_dir(tmp_path / "given") == tmp_path / "given"
+    monkeypatch.delenv("SPMD_CACHE_DIR")
+    assert resolve_cache_dir().name == "spmd"  # beside Inductor's cache
+    model, ref, opt, ref_opt = _model_and_optim()
+    _train_and_compare(spmd.compile(cache_dir=False)(train_step), model, ref, opt, ref_opt, steps=1)
+    with pytest.raises(spmd.SpmdConfigError, match="cache_dir"):
+        spmd.compile(cache_dir=3)
+
+
+def _two_ranks_load(rank, world_size, cache_dir):
+    for attempt in range(2):  # as a job and its restart: the second loads what the first stored
+        torch.manual_seed(0)
+        model = MLP(layers=3, dim=8).double()
+        ddp = ddp_copy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(rank)
+        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=cache_dir)(train_step)
+        for _ in range(2):
+            x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
+            torch.testing.assert_close(step(model, opt, x), eager_step(ddp, ddp_opt, x), rtol=0, atol=1e-10)
+        assert ("cache_load" in step.compile_times) == (attempt == 1), step.compile_times
+        assert step.trace_count == 1 - attempt
+        for p, q in zip(model.parameters(), ddp.module.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+
+
+def test_two_ranks_load_the_stored_step_and_train_as_ddp(tmp_path):
+    run_distributed(_two_ranks_load, str(tmp_path))
+
+
+def _sharded_restart(rank, world_size, cache_dir):
+    from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer
+
+    runs = []
+    for attempt in range(2):  # as a job and its restart
+        model = gpt(n_layer=1)
+        spmd.shard(model, spmd.DataParallel("fully_shard", wrap_policy=block_policy()))
+        optim = optimizer(model, "adamw")
+        step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", wrap_policy=block_policy()),
+                            cache_dir=cache_dir)(clipped_step)
+        losses = [step(model, optim, *b) for b in batches(rank, 3)]
+        assert ("cache_load" in step.compile_times) == (attempt == 1), step.compile_times
+        runs.append(([(float(l), float(n)) for l, n in losses], [p.full_tensor() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_a_fully_sharded_step_with_clipping_loads_and_trains_bit_identically(tmp_path):
+    run_distributed(_sharded_restart, str(tmp_path))
+
+
+# Two gloo ranks in fresh processes (a job, then its restart): replicate, 3 float64 AdamW steps; rank 0
+# prints its compile phases, losses and parameters as JSON.
+_RANKS_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp, spmd
+    from spmd.tools.models import MLP
+    from tests.parity import train_step
+
+    def rank_main(rank, cache_dir, store):
+        dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+        torch.manual_seed(0)
+        model = MLP(layers=3, dim=8).double()
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=cache_dir)(train_step)
+        gen = torch.Generator().manual_seed(rank)
+        losses = [step(model, optim, torch.randn(4, 8, dtype=torch.float64, generator=gen)).item() for _ in range(3)]
+        if rank == 0:
+            print(json.dumps({"phases": sorted(step.compile_times), "losses": losses,
+                              "params": [p.tolist() for p in model.parameters()]}), flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(rank_main, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+""")
+
+
+def test_two_ranks_restarted_in_fresh_processes_load_the_step(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(_RANKS_SCRIPT)
+    runs = []
+    for attempt in range(2):
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), str(tmp_path / f"store{attempt}")],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert "trace" in runs[0]["phases"] and "cache_load" in runs[1]["phases"]
+    assert "trace" not in runs[1]["phases"]
+    assert runs[0]["losses"] == runs[1]["losses"] and runs[0]["params"] == runs[1]["params"]
