@@ -240,7 +240,8 @@ def _split_is_bitwise(rank, world_size, kind):
                            split(split_model, split_optim, idx, idx.roll(-1, 1)))
     for p, q in zip(plain_model.parameters(), split_model.parameters()):
         assert torch.equal(p, q)
-    last = "_foreach_add_" if kind == "sgd" else "_foreach_addcdiv_"  # in place on the parameters, per part
+    # in place on the parameters, per part (SGD: add_(grads, alpha=-lr) traced as the multiply-add addcmul_)
+    last = "_foreach_addcmul_" if kind == "sgd" else "_foreach_addcdiv_"
     assert len(_foreach_ops(seen["igm"].graph, last)) == 2 * 4, "each group's chain should be cut in 4 parts"
 
 

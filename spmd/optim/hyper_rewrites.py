@@ -205,6 +205,18 @@ def _foreach_scalar(func, args, kwargs):
     return func(args[0], _per_element(args[1], args[0]), *args[2:], **kwargs)
 
 
+def _foreach_mul_scalar(func, args, kwargs):
+    """``_foreach_mul(xs, t)`` with a 0-dim tensor ``t`` where eager passes a number: on the CPU, float16 and
+    bfloat16 elements are multiplied by the number rounded to their dtype (the kernel of the number's
+    overload rounds it; the tensor overload would compute with it in float32)."""
+    if len(args) != 2 or kwargs or not is_scalar_tensor(args[1]) or not isinstance(args[0], (list, tuple)):
+        return NotImplemented
+    xs, scalar = args
+    if not xs or not _reduced(*xs) or any(x.device.type != "cpu" for x in xs) or scalar.dtype == xs[0].dtype:
+        return NotImplemented
+    return func(xs, scalar.to(xs[0].dtype))
+
+
 def _foreach_add_sub(func, args, kwargs):
     """``_foreach_add``/``_foreach_sub`` with a 0-dim tensor ``alpha`` or scalar."""
     if len(args) > 2 or "alpha" in kwargs:
@@ -237,6 +249,7 @@ def _rewrites() -> dict[Any, Callable]:
         table[torch._foreach_addcmul_ if name == "addcmul" else torch._foreach_addcdiv_] = \
             _elementwise_value(fcombine, True, foreach=True)
     table[torch._foreach_lerp] = table[torch._foreach_lerp_] = _foreach_weight
+    table[torch._foreach_mul] = table[torch._foreach_mul_] = _foreach_mul_scalar
     table[torch.Tensor.lerp] = table[torch.Tensor.lerp_] = table[torch.lerp] = _lerp_weight
     for name in ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max"):
         rewrite = {"add": _foreach_add_sub, "sub": _foreach_add_sub, "pow": _foreach_pow}.get(name, _foreach_scalar)

@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from ..graph_utils.optimizer_ops import fused_float_args
+from .eager_foreach import EAGER_FOREACH, eager_foreach
 from .hyper_rewrites import REWRITES, is_scalar_tensor as _is_scalar_tensor
 
 # --- which group values are hyperparameters -----------------------------------------
@@ -90,19 +91,23 @@ def flags(group: dict, items: Optional[list] = None) -> tuple:
     return tuple((k, repr(v)) for k, v in sorted(group.items()) if k != "params" and k not in numeric)
 
 
-# Optimizers whose single-tensor, non-capturable step traces as tensor math as written (under
-# compile torch's ``_get_value`` hands it the step counter as a tensor), so the trace keeps eager's
-# arrangement of the update and rounds as eager does in every dtype. Others trace their capturable
-# arrangement, the same update computed on tensors (some read a value otherwise: RAdam, ASGD).
+# Optimizers whose non-capturable step traces in eager's arrangement of the update, so the trace
+# rounds as eager does in every dtype: the single-tensor step as written (under compile torch's
+# ``_get_value`` hands it the step counter as a tensor), the foreach step as
+# ``spmd.optim.eager_foreach`` computes it. Others trace their capturable arrangement, the same update
+# computed on tensors (some read a value otherwise: RAdam, ASGD).
 _EAGER_ARRANGEMENT = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def traced_capturable(optim: torch.optim.Optimizer, group: dict) -> bool:
-    """The ``capturable`` flag ``group`` is traced with (its ``foreach`` already resolved): False
-    where eager's own non-capturable code traces (``_EAGER_ARRANGEMENT``), else True."""
-    eager = (type(optim) in _EAGER_ARRANGEMENT and not group.get("foreach") and not group.get("fused")
+def traced_capturable(optim: torch.optim.Optimizer, group: dict):
+    """The ``capturable`` flag ``group`` is traced with (its ``foreach`` already resolved): where
+    eager's own non-capturable arrangement traces (``_EAGER_ARRANGEMENT``) False, or for a foreach
+    group ``EAGER_FOREACH``; else True."""
+    eager = (type(optim) in _EAGER_ARRANGEMENT and not group.get("fused")
              and not group.get("differentiable") and not group.get("capturable"))
-    return not eager
+    if not eager:
+        return True
+    return EAGER_FOREACH if group.get("foreach") else False
 
 
 # --- what traces learned ----------------------------------------------------------------
@@ -204,6 +209,18 @@ class HyperMode(TorchFunctionMode):
         self.state_scalars = {id(t) for t in state_scalars if t.dim() == 0 and t.is_floating_point()}
         self.numbers = set(hypers) | self.state_scalars
         self._alive = list(state_scalars)  # keeps the ids valid
+        self._patches: list = []  # ``eager_foreach`` while active
+
+    def __enter__(self):
+        self._patches.append(eager_foreach())
+        self._patches[-1].__enter__()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            self._patches.pop().__exit__(None, None, None)
 
     def _hyper(self, v) -> Optional[TracedHyper]:
         return self.hypers.get(id(v)) if isinstance(v, torch.Tensor) else None
