@@ -198,9 +198,11 @@ class HyperMode(TorchFunctionMode):
 
     Both are Python numbers in eager, and so is anything computed from them alone
     (``numbers``). Where such a value meets 0-dim tensors that are not numbers (the
-    on-device step counters of a capturable optimizer), eager's type promotion lets the
-    tensor's dtype win; the traced float64 value is cast to it, so the arithmetic runs in
-    the dtype eager's does (``_as_python_numbers``).
+    on-device step counters of a capturable optimizer, a hyperparameter the user gave as a
+    float32 tensor), eager's type promotion lets the tensor's dtype win; the traced float64
+    value is cast to it, so the arithmetic runs in the dtype eager's does
+    (``_as_python_numbers``). A hyperparameter input of a dtype other than float64 is such a
+    tensor: a Python number enters the trace as float64, a tensor in its own dtype.
     """
 
     def __init__(self, hypers: dict[int, TracedHyper], state_scalars: list[torch.Tensor]):
@@ -251,11 +253,14 @@ class HyperMode(TorchFunctionMode):
             kwargs = {k: self._specialise(self._hyper(v)) if k in fused and self._hyper(v) else v
                       for k, v in kwargs.items()}
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        for t in tensors:
+            if id(t) in self.hypers and t.dtype != torch.float64:
+                self.numbers.discard(id(t))  # a tensor in eager too (the user's float32 lr)
         numbers_only = bool(tensors) and all(id(t) in self.numbers for t in tensors)
         number_divides = (func in _DIVISIONS and len(args) == 2 and not kwargs and id(args[0]) in self.numbers
                           and isinstance(args[1], torch.Tensor) and id(args[1]) not in self.numbers)
         if not numbers_only:
-            args, kwargs = self._as_python_numbers(tensors, args, kwargs)
+            args, kwargs = self._as_python_numbers(tensors, args, kwargs, _is_inplace(func))
         if number_divides:  # eager: ``number / t`` is ``t.__rtruediv__(number)``, which is ``t.reciprocal() * number``
             return args[1].reciprocal() * args[0]
         if numbers_only and func in _REVERSE_DIVISIONS and len(args) == 2 and isinstance(args[1], numbers.Real):
@@ -297,7 +302,7 @@ class HyperMode(TorchFunctionMode):
         self._alive.append(out)
         return out
 
-    def _as_python_numbers(self, tensors: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _as_python_numbers(self, tensors: list, args: tuple, kwargs: dict, inplace: bool) -> tuple[tuple, dict]:
         """Cast the floating number operands of an op whose other tensors are all 0-dim to those
         tensors' dtype, as a Python number takes the dtype of the tensor it meets."""
         others = [t for t in tensors if id(t) not in self.numbers]
@@ -313,6 +318,8 @@ class HyperMode(TorchFunctionMode):
                 return x.to(target)
             return x
 
+        if inplace and args:  # the target is written, not read as a number: it stays (a cast would write a copy)
+            return (args[0], *pytree.tree_map(cast, args[1:])), pytree.tree_map(cast, kwargs)
         return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
 
 
