@@ -22,6 +22,7 @@ import torch
 
 import spmd
 from spmd import SpmdCompileError
+from spmd.graph_utils.foreach_chains import foreach_chains
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.parity import ddp_copy, eager_step, train_step
@@ -74,6 +75,24 @@ def _low_precision(rank, world_size):
 
 def test_low_precision_parameters_update_as_eager_ddp():
     run_distributed(_low_precision)
+
+
+@pytest.mark.parametrize("optim", ["adamw-foreach", "sgd-momentum-foreach"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_low_precision_foreach_update_stays_one_chain_the_split_can_cut(dtype, optim):
+    """Computed in float32 and rounded once, the update is still foreach ops only (no per-element casts),
+    so ``split_optimizer_per_bucket`` can cut it by parameter position."""
+    seen = {}
+
+    def record(gm):
+        seen["graph"] = gm.graph
+        return gm
+
+    model = MLP(layers=2, dim=64).to(dtype)
+    spmd.compile(gm_transformation=record)(train_step)(model, OPTIMS[optim](model.parameters()),
+                                                       torch.randn(8, 64).to(dtype))
+    chains = foreach_chains(seen["graph"])
+    assert [(c.length, c.why_not) for c in chains] == [(4, None)]
 
 
 def _float64_model():

@@ -86,6 +86,20 @@ def _multiply_add(func, a, b, alpha):
     return a.addcmul_(b, scale, value=sign) if _inplace(func) else torch.addcmul(a, b, scale, value=sign)
 
 
+def _foreach_alpha_reduced(func, xs: list, ys: list, alpha: torch.Tensor):
+    """``_foreach_add(xs, ys, alpha=t)`` (``-`` for sub) for float16/bfloat16 lists as their kernels compute
+    it (``_alpha_reduced``), in foreach ops, so an optimizer's update stays one foreach chain: ``t`` as a
+    1-element float32 tensor per element (it promotes, so ``addcmul`` computes in float32 with one
+    multiply-add), the result rounded once by a foreach copy."""
+    sign = -1 if "sub" in getattr(func, "__name__", "") else 1
+    scale = _opmath(alpha, xs[0], cpu_rounds=True)
+    scales = torch._foreach_mul([torch.ones(1, dtype=torch.float32, device=x.device) for x in xs], scale)
+    values = torch._foreach_addcmul(xs, ys, scales, value=sign)
+    out = xs if _inplace(func) else [torch.empty_like(x) for x in xs]
+    torch._foreach_copy_(out, values)
+    return None if _inplace(func) else out
+
+
 def _floating_pair(a, b) -> bool:
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()
             and a.dtype == b.dtype and b.shape == torch.broadcast_shapes(a.shape, b.shape) == a.shape)
@@ -104,6 +118,9 @@ def _alpha(func, args, kwargs):
             return _multiply_add(func, args[0], other, alpha)
         if (isinstance(other, (list, tuple)) and isinstance(args[0], (list, tuple)) and len(other) == len(args[0])
                 and all(_floating_pair(a, b) for a, b in zip(args[0], other))):
+            if (all(_reduced(a, b) and a.dim() for a, b in zip(args[0], other))
+                    and len({(a.dtype, a.device) for a in args[0]}) == 1):
+                return _foreach_alpha_reduced(func, args[0], other, alpha)
             if any(_reduced(a) for a in args[0]):
                 return _each(func, [_multiply_add(func, a, b, alpha) for a, b in zip(args[0], other)])
             addcmul = torch._foreach_addcmul_ if _inplace(func) else torch._foreach_addcmul
