@@ -35,6 +35,8 @@ import torch
 from torch.optim.optimizer import _view_as_real
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from .hyper_rewrites import opmath_per_element
+
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
@@ -110,24 +112,16 @@ def _reduced(tensors: list) -> bool:
     return bool(tensors) and tensors[0].dtype in _REDUCED
 
 
-def _opmath_scalars(scalars: list, like: list) -> list:
-    """``scalars`` (0-dim tensors, one per element of ``like``) as a float16/bfloat16 kernel reads a number:
-    in float32, here as 1-element float32 tensors on each element's device. Not 0-dim, they promote
-    the element they multiply to float32, so a foreach op computes in float32 as the kernel does
-    and the next op rounds once, and the update stays one foreach chain."""
-    ones = [torch.ones(1, dtype=torch.float32, device=t.device) for t in like]
-    return torch._foreach_mul(ones, scalars)
-
-
 def _scale(tensors: list, scalars: list):
     """``tensors`` times ``scalars`` (one 0-dim tensor per element) as the first step of eager's
     ``addcmul``/``addcdiv`` kernels computes it, or None where that takes one op per element (a
-    float16/bfloat16 0-dim element, whose product would not keep its shape)."""
+    float16/bfloat16 0-dim element, whose product would not keep its shape). float16/bfloat16: the
+    product in float32 (``opmath_per_element``), which the next op rounds once."""
     if not _reduced(tensors):
         return torch._foreach_mul(tensors, scalars)
     if any(t.dim() == 0 for t in tensors):
         return None
-    return torch._foreach_mul(tensors, _opmath_scalars(scalars, tensors))
+    return torch._foreach_mul(tensors, opmath_per_element(scalars, tensors))
 
 
 def _addcmul_value_(self_: list, tensor1: list, tensor2: list, value: torch.Tensor) -> None:

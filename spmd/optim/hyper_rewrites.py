@@ -11,7 +11,10 @@ One op becomes several, and each would round its result: for float16 and bfloat1
 a rewrite runs the float32 kernel of the same arithmetic (``addcmul``, ``addcdiv``, ``lerp``,
 whose multiply-adds are fused as the reduced-precision kernels fuse theirs) and rounds once,
 as the kernel does with its number (a CPU ``add``/``sub`` kernel rounds its ``alpha`` to the
-tensor's dtype first; a CUDA one does not).
+tensor's dtype first, and so does the CPU's foreach multiply by a number; CUDA's do not). A
+foreach op on such lists stays foreach ops (the number as a 1-element float32 tensor per element,
+which promotes them, and one foreach copy to round), so an optimizer's update remains one chain
+that ``graph_utils.foreach_chains`` can cut by position.
 """
 
 from __future__ import annotations
@@ -86,14 +89,20 @@ def _multiply_add(func, a, b, alpha):
     return a.addcmul_(b, scale, value=sign) if _inplace(func) else torch.addcmul(a, b, scale, value=sign)
 
 
+def opmath_per_element(scalars, like: list) -> list:
+    """``scalars`` (a 0-dim tensor, or one per element of ``like``) as float16/bfloat16 kernels read a
+    number, in float32, as a 1-element float32 tensor per element on its device: not 0-dim, it
+    promotes the element it meets, so one foreach op computes in float32 as those kernels do."""
+    return torch._foreach_mul([torch.ones(1, dtype=torch.float32, device=t.device) for t in like], scalars)
+
+
 def _foreach_alpha_reduced(func, xs: list, ys: list, alpha: torch.Tensor):
     """``_foreach_add(xs, ys, alpha=t)`` (``-`` for sub) for float16/bfloat16 lists as their kernels compute
     it (``_alpha_reduced``), in foreach ops, so an optimizer's update stays one foreach chain: ``t`` as a
     1-element float32 tensor per element (it promotes, so ``addcmul`` computes in float32 with one
     multiply-add), the result rounded once by a foreach copy."""
     sign = -1 if "sub" in getattr(func, "__name__", "") else 1
-    scale = _opmath(alpha, xs[0], cpu_rounds=True)
-    scales = torch._foreach_mul([torch.ones(1, dtype=torch.float32, device=x.device) for x in xs], scale)
+    scales = opmath_per_element(_opmath(alpha, xs[0], cpu_rounds=True), xs)
     values = torch._foreach_addcmul(xs, ys, scales, value=sign)
     out = xs if _inplace(func) else [torch.empty_like(x) for x in xs]
     torch._foreach_copy_(out, values)
