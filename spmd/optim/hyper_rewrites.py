@@ -11,7 +11,10 @@ One op becomes several, and each would round its result: for float16 and bfloat1
 a rewrite runs the float32 kernel of the same arithmetic (``addcmul``, ``addcdiv``, ``lerp``,
 whose multiply-adds are fused as the reduced-precision kernels fuse theirs) and rounds once,
 as the kernel does with its number (a CPU ``add``/``sub`` kernel rounds its ``alpha`` to the
-tensor's dtype first; a CUDA one does not).
+tensor's dtype first, and so does the CPU's foreach multiply by a number; CUDA's do not). A
+foreach op on such lists stays foreach ops (the number as a 1-element float32 tensor per element,
+which promotes them, and one foreach copy to round), so an optimizer's update remains one chain
+that ``graph_utils.foreach_chains`` can cut by position.
 """
 
 from __future__ import annotations
@@ -86,6 +89,26 @@ def _multiply_add(func, a, b, alpha):
     return a.addcmul_(b, scale, value=sign) if _inplace(func) else torch.addcmul(a, b, scale, value=sign)
 
 
+def opmath_per_element(scalars, like: list) -> list:
+    """``scalars`` (a 0-dim tensor, or one per element of ``like``) as float16/bfloat16 kernels read a
+    number, in float32, as a 1-element float32 tensor per element on its device: not 0-dim, it
+    promotes the element it meets, so one foreach op computes in float32 as those kernels do."""
+    return torch._foreach_mul([torch.ones(1, dtype=torch.float32, device=t.device) for t in like], scalars)
+
+
+def _foreach_alpha_reduced(func, xs: list, ys: list, alpha: torch.Tensor):
+    """``_foreach_add(xs, ys, alpha=t)`` (``-`` for sub) for float16/bfloat16 lists as their kernels compute
+    it (``_alpha_reduced``), in foreach ops, so an optimizer's update stays one foreach chain: ``t`` as a
+    1-element float32 tensor per element (it promotes, so ``addcmul`` computes in float32 with one
+    multiply-add), the result rounded once by a foreach copy."""
+    sign = -1 if "sub" in getattr(func, "__name__", "") else 1
+    scales = opmath_per_element(_opmath(alpha, xs[0], cpu_rounds=True), xs)
+    values = torch._foreach_addcmul(xs, ys, scales, value=sign)
+    out = xs if _inplace(func) else [torch.empty_like(x) for x in xs]
+    torch._foreach_copy_(out, values)
+    return None if _inplace(func) else out
+
+
 def _floating_pair(a, b) -> bool:
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.is_floating_point()
             and a.dtype == b.dtype and b.shape == torch.broadcast_shapes(a.shape, b.shape) == a.shape)
@@ -104,6 +127,9 @@ def _alpha(func, args, kwargs):
             return _multiply_add(func, args[0], other, alpha)
         if (isinstance(other, (list, tuple)) and isinstance(args[0], (list, tuple)) and len(other) == len(args[0])
                 and all(_floating_pair(a, b) for a, b in zip(args[0], other))):
+            if (all(_reduced(a, b) and a.dim() for a, b in zip(args[0], other))
+                    and len({(a.dtype, a.device) for a in args[0]}) == 1):
+                return _foreach_alpha_reduced(func, args[0], other, alpha)
             if any(_reduced(a) for a in args[0]):
                 return _each(func, [_multiply_add(func, a, b, alpha) for a, b in zip(args[0], other)])
             addcmul = torch._foreach_addcmul_ if _inplace(func) else torch._foreach_addcmul
@@ -205,6 +231,18 @@ def _foreach_scalar(func, args, kwargs):
     return func(args[0], _per_element(args[1], args[0]), *args[2:], **kwargs)
 
 
+def _foreach_mul_scalar(func, args, kwargs):
+    """``_foreach_mul(xs, t)`` with a 0-dim tensor ``t`` where eager passes a number: on the CPU, float16 and
+    bfloat16 elements are multiplied by the number rounded to their dtype (the kernel of the number's
+    overload rounds it; the tensor overload would compute with it in float32)."""
+    if len(args) != 2 or kwargs or not is_scalar_tensor(args[1]) or not isinstance(args[0], (list, tuple)):
+        return NotImplemented
+    xs, scalar = args
+    if not xs or not _reduced(*xs) or any(x.device.type != "cpu" for x in xs) or scalar.dtype == xs[0].dtype:
+        return NotImplemented
+    return func(xs, scalar.to(xs[0].dtype))
+
+
 def _foreach_add_sub(func, args, kwargs):
     """``_foreach_add``/``_foreach_sub`` with a 0-dim tensor ``alpha`` or scalar."""
     if len(args) > 2 or "alpha" in kwargs:
@@ -237,6 +275,7 @@ def _rewrites() -> dict[Any, Callable]:
         table[torch._foreach_addcmul_ if name == "addcmul" else torch._foreach_addcdiv_] = \
             _elementwise_value(fcombine, True, foreach=True)
     table[torch._foreach_lerp] = table[torch._foreach_lerp_] = _foreach_weight
+    table[torch._foreach_mul] = table[torch._foreach_mul_] = _foreach_mul_scalar
     table[torch.Tensor.lerp] = table[torch.Tensor.lerp_] = table[torch.lerp] = _lerp_weight
     for name in ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max"):
         rewrite = {"add": _foreach_add_sub, "sub": _foreach_add_sub, "pow": _foreach_pow}.get(name, _foreach_scalar)

@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from ..graph_utils.optimizer_ops import fused_float_args
+from .eager_foreach import EAGER_FOREACH, eager_foreach
 from .hyper_rewrites import REWRITES, is_scalar_tensor as _is_scalar_tensor
 
 # --- which group values are hyperparameters -----------------------------------------
@@ -90,19 +91,23 @@ def flags(group: dict, items: Optional[list] = None) -> tuple:
     return tuple((k, repr(v)) for k, v in sorted(group.items()) if k != "params" and k not in numeric)
 
 
-# Optimizers whose single-tensor, non-capturable step traces as tensor math as written (under
-# compile torch's ``_get_value`` hands it the step counter as a tensor), so the trace keeps eager's
-# arrangement of the update and rounds as eager does in every dtype. Others trace their capturable
-# arrangement, the same update computed on tensors (some read a value otherwise: RAdam, ASGD).
+# Optimizers whose non-capturable step traces in eager's arrangement of the update, so the trace
+# rounds as eager does in every dtype: the single-tensor step as written (under compile torch's
+# ``_get_value`` hands it the step counter as a tensor), the foreach step as
+# ``spmd.optim.eager_foreach`` computes it. Others trace their capturable arrangement, the same update
+# computed on tensors (some read a value otherwise: RAdam, ASGD).
 _EAGER_ARRANGEMENT = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def traced_capturable(optim: torch.optim.Optimizer, group: dict) -> bool:
-    """The ``capturable`` flag ``group`` is traced with (its ``foreach`` already resolved): False
-    where eager's own non-capturable code traces (``_EAGER_ARRANGEMENT``), else True."""
-    eager = (type(optim) in _EAGER_ARRANGEMENT and not group.get("foreach") and not group.get("fused")
+def traced_capturable(optim: torch.optim.Optimizer, group: dict):
+    """The ``capturable`` flag ``group`` is traced with (its ``foreach`` already resolved): where
+    eager's own non-capturable arrangement traces (``_EAGER_ARRANGEMENT``) False, or for a foreach
+    group ``EAGER_FOREACH``; else True."""
+    eager = (type(optim) in _EAGER_ARRANGEMENT and not group.get("fused")
              and not group.get("differentiable") and not group.get("capturable"))
-    return not eager
+    if not eager:
+        return True
+    return EAGER_FOREACH if group.get("foreach") else False
 
 
 # --- what traces learned ----------------------------------------------------------------
@@ -205,9 +210,11 @@ class HyperMode(TorchFunctionMode):
 
     Both are Python numbers in eager, and so is anything computed from them alone
     (``numbers``). Where such a value meets 0-dim tensors that are not numbers (the
-    on-device step counters of a capturable optimizer), eager's type promotion lets the
-    tensor's dtype win; the traced float64 value is cast to it, so the arithmetic runs in
-    the dtype eager's does (``_as_python_numbers``).
+    on-device step counters of a capturable optimizer, a hyperparameter the user gave as a
+    float32 tensor), eager's type promotion lets the tensor's dtype win; the traced float64
+    value is cast to it, so the arithmetic runs in the dtype eager's does
+    (``_as_python_numbers``). A hyperparameter input of a dtype other than float64 is such a
+    tensor: a Python number enters the trace as float64, a tensor in its own dtype.
     """
 
     def __init__(self, hypers: dict[int, TracedHyper], state_scalars: list[torch.Tensor]):
@@ -216,6 +223,18 @@ class HyperMode(TorchFunctionMode):
         self.state_scalars = {id(t) for t in state_scalars if t.dim() == 0 and t.is_floating_point()}
         self.numbers = set(hypers) | self.state_scalars
         self._alive = list(state_scalars)  # keeps the ids valid
+        self._patches: list = []  # ``eager_foreach`` while active
+
+    def __enter__(self):
+        self._patches.append(eager_foreach())
+        self._patches[-1].__enter__()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            self._patches.pop().__exit__(None, None, None)
 
     def _hyper(self, v) -> Optional[TracedHyper]:
         return self.hypers.get(id(v)) if isinstance(v, torch.Tensor) else None
@@ -246,11 +265,14 @@ class HyperMode(TorchFunctionMode):
             kwargs = {k: self._specialise(self._hyper(v)) if k in fused and self._hyper(v) else v
                       for k, v in kwargs.items()}
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        for t in tensors:
+            if id(t) in self.hypers and t.dtype != torch.float64:
+                self.numbers.discard(id(t))  # a tensor in eager too (the user's float32 lr)
         numbers_only = bool(tensors) and all(id(t) in self.numbers for t in tensors)
         number_divides = (func in _DIVISIONS and len(args) == 2 and not kwargs and id(args[0]) in self.numbers
                           and isinstance(args[1], torch.Tensor) and id(args[1]) not in self.numbers)
         if not numbers_only:
-            args, kwargs = self._as_python_numbers(tensors, args, kwargs)
+            args, kwargs = self._as_python_numbers(tensors, args, kwargs, _is_inplace(func))
         if number_divides:  # eager: ``number / t`` is ``t.__rtruediv__(number)``, which is ``t.reciprocal() * number``
             return args[1].reciprocal() * args[0]
         if numbers_only and func in _REVERSE_DIVISIONS and len(args) == 2 and isinstance(args[1], numbers.Real):
@@ -292,7 +314,7 @@ class HyperMode(TorchFunctionMode):
         self._alive.append(out)
         return out
 
-    def _as_python_numbers(self, tensors: list, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _as_python_numbers(self, tensors: list, args: tuple, kwargs: dict, inplace: bool) -> tuple[tuple, dict]:
         """Cast the floating number operands of an op whose other tensors are all 0-dim to those
         tensors' dtype, as a Python number takes the dtype of the tensor it meets."""
         others = [t for t in tensors if id(t) not in self.numbers]
@@ -308,6 +330,8 @@ class HyperMode(TorchFunctionMode):
                 return x.to(target)
             return x
 
+        if inplace and args:  # the target is written, not read as a number: it stays (a cast would write a copy)
+            return (args[0], *pytree.tree_map(cast, args[1:])), pytree.tree_map(cast, kwargs)
         return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
 
 
