@@ -284,7 +284,7 @@ def test_a_cuda_step_keys_its_device_capability_and_not_its_device_index():
     description = step.cache_key(model, opt, torch.randn(3, 4, device="cuda")).description
     assert description["device"]["cuda capability"] == list(torch.cuda.get_device_capability())
     assert description["tensors"]["parameter weight"]["device"] == "cuda"  # the current device, by type
-    assert description["transformation"]["settings"]["attributes"]["enable_inductor"] is True
+    assert description["transformation"]["settings"]["attributes"]["lowering"]["fields"]["inductor"] is True
     unfused = torch.optim.AdamW(model.parameters(), lr=0.01)
     other = spmd.compile()(train_step).cache_key(model, unfused, torch.randn(3, 4, device="cuda"))
     assert other.digest != step.cache_key(model, opt, torch.randn(3, 4, device="cuda")).digest
