@@ -20,7 +20,7 @@ from ..passes import PassManager, applied_passes, pass_info
 log = logging.getLogger(__name__)
 
 # The pass settings and their defaults; each mode reads some of them (its module's ``PASS_SETTINGS``).
-PASS_DEFAULTS = {"bucket_size_mb": 25.0, "optimizer_parts": 4, "prefetch_units": 1}
+PASS_DEFAULTS = {"bucket_size_mb": 25.0, "optimizer_parts": 4, "prefetch_units": 1, "memory_budget": None}
 
 
 class GraphModuleTransformation:
@@ -34,7 +34,9 @@ class GraphModuleTransformation:
     ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
     (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
     modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
-    once, ``guard_unsharded_memory``). A setting changed from its default that the graph's mode does
+    once, ``guard_unsharded_memory``); both read ``memory_budget`` (``recompute_activations``: None, the
+    default, recomputes cheap forward values in the backward; a fraction in (0, 1] keeps at most that
+    share of the activation memory the default keeps). A setting changed from its default that the graph's mode does
     not read is refused (``SpmdConfigError``) on the first compile, before anything runs.
 
     ``enable_inductor=True`` compiles each graph the step runs (the whole step, or its
@@ -60,7 +62,8 @@ class GraphModuleTransformation:
                  bucket_size_mb: float = PASS_DEFAULTS["bucket_size_mb"], passes: Sequence[Callable] = (),
                  dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False, inductor_comm_passes: bool = False,
                  optimizer_parts: int = PASS_DEFAULTS["optimizer_parts"],
-                 prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None):
+                 prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None,
+                 memory_budget: Optional[float] = PASS_DEFAULTS["memory_budget"]):
         if inductor_comm_passes and not enable_inductor:
             raise ValueError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
         if inductor_options and not enable_inductor:
@@ -71,12 +74,18 @@ class GraphModuleTransformation:
             raise ValueError(f"optimizer_parts must be an int >= 1 (1: one optimizer op), got {optimizer_parts!r}")
         if isinstance(prefetch_units, bool) or not isinstance(prefetch_units, int) or prefetch_units < 1:
             raise ValueError(f"prefetch_units must be an int >= 1 (units gathered ahead), got {prefetch_units!r}")
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                          or not 0.0 < memory_budget <= 1.0):
+            raise SpmdConfigError(f"GraphModuleTransformation: memory_budget must be a fraction in (0, 1] of the "
+                                  f"activation memory the default recompute keeps (None: the default), got "
+                                  f"{memory_budget!r}. Pass e.g. memory_budget=0.5.")
         self.enable_inductor = enable_inductor
         self.enable_cudagraphs = enable_cudagraphs
         self.inductor_comm_passes = inductor_comm_passes
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units
+        self.memory_budget = memory_budget
         self.inductor_options = check_inductor_options(inductor_options)
         # One manager per mode module, built now so declarations and order are checked here, not mid-compile.
         self.pass_managers = {mode: PassManager((mode.pass_pipeline(self) if enable_graph_optimization else [])

@@ -1,0 +1,258 @@
+"""recompute_activations: repeat cheap forward work in the backward instead of keeping its results.
+
+A whole-step graph keeps every forward value its backward reads (``graph_utils.phases``) from
+the forward to the backward; torch.compile's partitioner recomputes the cheap ones in the
+backward. This pass does the same in the one graph that holds forward, backward, optimizer and
+collectives: for each value the backward reads, it decides to keep it or to recompute it right
+before its first backward user from values that stay alive anyway (graph inputs, other kept
+values).
+
+* Default (``memory_budget=None`` or 1.0): recompute every saved value whose recompute is cheap
+  (``graph_utils.recompute_ops.CHEAP``: views, casts, pointwise ops such as GELU, LayerNorm from
+  its kept input; reductions are kept) and reads only values kept anyway, so it frees memory and
+  keeps nothing new: at least what torch.compile's default partitioner recomputes.
+* ``memory_budget=f`` < 1: keep at most ``f`` times the activation bytes the default keeps. Values
+  are recomputed greedily by bytes freed per recompute cost (``recompute_cost``), now also through
+  matmuls and attention (``COMPUTE``), possibly keeping an earlier, smaller value instead (a
+  block's input instead of its intermediates), as torch's ``activation_memory_budget`` does. A
+  budget recompute cannot reach leaves the step at the smallest activation memory it found, and
+  one warning names the estimated peak (``graph_utils.memory``).
+
+Never recomputed: collectives and their results (a recompute never extends a gathered
+parameter's life either), ops that write an argument, random ops (dropout keeps its mask rather
+than drawing a new one), and values read after a graph input they depend on is written in place.
+Collectives and waits keep their positions: recomputed nodes are only inserted, right before the
+node that reads them, never between a gradient and the collective that sends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from ..graph_utils import node_order, set_fake_val, tensor_bytes
+from ..graph_utils.memory import memory_profile
+from ..graph_utils.meta import RECOMPUTE_OF
+from ..graph_utils.optimizer_ops import written_inputs
+from ..graph_utils.phases import backward_nodes, is_gathered, saved_for_backward, storage_root
+from ..graph_utils.recompute_ops import CHEAP, COMPUTE, is_reduction, recompute_cost, recompute_kind
+
+from .comm_fusion import comm_fusion_with_concat
+from .comm_wait import schedule_comm_wait
+from .iteration import refuse_after_moves
+from .manager import graph_optimization_pass
+from .shard_prefetch import prefetch_unit_gathers
+from .shard_reduce_scatter import schedule_reduce_scatter_waits
+from .state_writes import defer_state_writes
+
+log = logging.getLogger(__name__)
+
+PLAN_ATTR = "spmd_recompute_plan"
+_DEFAULT_LIMIT, _BUDGET_LIMIT = 16, 256  # most nodes one saved value's recompute may repeat
+
+
+@dataclass
+class RecomputePlan:
+    """What ``recompute_activations`` decided: saved values (name -> bytes) kept and recomputed.
+
+    ``saved_bytes``: what the step would keep with no recompute; ``default_bytes``: what the
+    default policy keeps; ``kept_bytes``: what is kept now (views of one storage counted once).
+    ``met``: False when the budget asked for less than recompute reaches; ``peak``: the estimated
+    peak of the step then (else None).
+    """
+
+    budget: Optional[float]
+    kept: dict[str, int] = field(default_factory=dict)
+    recomputed: dict[str, int] = field(default_factory=dict)
+    saved_bytes: int = 0
+    default_bytes: int = 0
+    kept_bytes: int = 0
+    met: bool = True
+    peak: Optional[int] = None
+
+
+def recompute_plan(gm) -> Optional[RecomputePlan]:
+    """The plan ``recompute_activations`` left on ``gm`` (None if it did not run)."""
+    return vars(gm).get(PLAN_ATTR)
+
+
+def activation_bytes(kept) -> int:
+    """Bytes of the storages ``kept`` values live in, each counted once, graph inputs not at all."""
+    roots = {storage_root(n) for n in kept}
+    return sum(tensor_bytes(r) for r in roots if r.op != "placeholder")
+
+
+class _Planner:
+    """The decision over one graph: which saved values stay, which are recomputed from what."""
+
+    def __init__(self, graph: fx.Graph):
+        self.backward = backward_nodes(graph)
+        self.saved = saved_for_backward(graph, self.backward)
+        order = node_order(graph)
+        readers = [order[u] for v in self.saved for u in v.users if u in self.backward]
+        end = max(readers, default=-1)
+        # a value written in place before the backward's last read would be read changed by a recompute
+        self.unstable = {w for n in graph.nodes if order[n] <= end for w in written_inputs(n)}
+        self.kept: dict[fx.Node, None] = dict.fromkeys(self.saved)  # ordered set
+        self.recomputed: list[fx.Node] = []
+        self._kind: dict[fx.Node, Optional[str]] = {}
+
+    def kind(self, node: fx.Node) -> Optional[str]:
+        if node not in self._kind:
+            self._kind[node] = recompute_kind(node)[0]
+        return self._kind[node]
+
+    def closure(self, v: fx.Node, allowed: tuple, new_leaves_ok: bool) -> Optional[tuple[list, set]]:
+        """(nodes ``v``'s recompute repeats, values it would newly keep), or None where it cannot."""
+        limit = _BUDGET_LIMIT if new_leaves_ok else _DEFAULT_LIMIT
+        nodes, leaves, seen, stack = [], set(), {v}, [v]
+        while stack:
+            x = stack.pop()
+            if self.kind(x) not in allowed or (COMPUTE not in allowed and x.target is not operator.getitem
+                                               and is_reduction(x)):
+                return None
+            nodes.append(x)
+            if len(nodes) > limit:
+                return None
+            for a in x.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                if a.op == "placeholder" or (a in self.kept and a is not v):
+                    if a in self.unstable:
+                        return None
+                elif a in self.backward or a.op != "call_function":
+                    return None
+                elif self.kind(a) in allowed and not is_gathered(a):
+                    stack.append(a)
+                elif new_leaves_ok and not is_gathered(a) and a not in self.unstable and tensor_bytes(a):
+                    leaves.add(a)
+                else:
+                    return None
+        return nodes, leaves
+
+    def recompute(self, v: fx.Node, new_leaves=()) -> None:
+        del self.kept[v]
+        self.kept.update(dict.fromkeys(a for a in new_leaves if a not in self.recomputed))
+        self.recomputed.append(v)
+
+    def default_policy(self) -> None:
+        """Recompute, until nothing changes, every saved value cheaply recomputable from kept values."""
+        changed = True
+        while changed:
+            changed = False
+            for v in list(self.kept):
+                if self.closure(v, (CHEAP,), False) is not None:
+                    self.recompute(v)
+                    changed = True
+
+    def budget_policy(self, target: int) -> None:
+        """Recompute more, best bytes freed per cost first, until at most ``target`` bytes are kept.
+
+        A candidate is one storage: every kept value in it (a tensor and its views) is recomputed
+        together, since memory is freed only when none of them is kept.
+        """
+        cost: dict[fx.Node, float] = {}
+        while activation_bytes(self.kept) > target:
+            groups: dict[fx.Node, list[fx.Node]] = {}
+            for k in self.kept:
+                groups.setdefault(storage_root(k), []).append(k)
+            best, best_score = None, 0.0
+            for root, members in groups.items():
+                if root.op == "placeholder":
+                    continue
+                found = [self.closure(v, (CHEAP, COMPUTE), True) for v in members]
+                if any(f is None for f in found):
+                    continue
+                nodes = {n for f in found for n in f[0]}
+                leaves = {a for f in found for a in f[1]}
+                added = sum(tensor_bytes(r) for r in {storage_root(a) for a in leaves} if r not in groups)
+                freed = tensor_bytes(root) - added
+                if freed <= 0:
+                    continue
+                for n in nodes - cost.keys():
+                    cost[n] = recompute_cost(n)
+                score = freed / (1.0 + sum(cost[n] for n in nodes))
+                if score > best_score:
+                    best, best_score = (members, leaves), score
+            if best is None:
+                return
+            members, leaves = best
+            for v in members:
+                self.recompute(v, leaves)
+
+
+def plan_recompute(graph: fx.Graph, memory_budget: Optional[float] = None) -> tuple[RecomputePlan, "_Planner"]:
+    """Decide which saved values to recompute (see the module docstring); the graph is not changed."""
+    planner = _Planner(graph)
+    planner.default_policy()
+    default_bytes = activation_bytes(planner.kept)
+    met = True
+    if memory_budget is not None and memory_budget < 1.0:
+        target = int(memory_budget * default_bytes)
+        planner.budget_policy(target)
+        met = activation_bytes(planner.kept) <= target
+    plan = RecomputePlan(memory_budget, {n.name: tensor_bytes(n) for n in planner.kept},
+                         {n.name: tensor_bytes(n) for n in planner.recomputed},
+                         activation_bytes(planner.saved), default_bytes, activation_bytes(planner.kept), met)
+    return plan, planner
+
+
+def _rewrite(graph: fx.Graph, planner: _Planner) -> None:
+    """Insert each recomputed value's chain before its first backward user and point backward users at it."""
+    order = node_order(graph)
+    first = {v: min((u for u in v.users if u in planner.backward), key=order.__getitem__) for v in planner.recomputed}
+    made: dict[fx.Node, fx.Node] = {}
+
+    def materialize(x: fx.Node) -> fx.Node:
+        if x.op == "placeholder" or x in planner.kept:
+            return x
+        if x not in made:
+            new = graph.node_copy(x, materialize)
+            new.meta = {k: v for k, v in x.meta.items() if k in ("stack_trace", "nn_module_stack")}
+            new.meta[RECOMPUTE_OF] = x.name
+            set_fake_val(new)
+            made[x] = new
+        return made[x]
+
+    for v in sorted(planner.recomputed, key=lambda v: order[first[v]]):
+        with graph.inserting_before(first[v]):
+            again = materialize(v)
+        for user in [u for u in v.users if u in planner.backward]:
+            user.replace_input_with(v, again)
+
+
+@graph_optimization_pass(apply_after=[comm_fusion_with_concat, schedule_comm_wait, prefetch_unit_gathers,
+                                      schedule_reduce_scatter_waits, defer_state_writes])
+def recompute_activations(gm, memory_budget: Optional[float] = None) -> None:
+    """Recompute cheap forward values in the backward instead of keeping them (see the module docstring).
+
+    Before: a step graph whose collectives and waits are placed (no cross-iteration moves).
+    After: the graph computes the same values; each recomputed value's chain sits right before its
+    first backward user, which reads it (nodes marked ``meta[RECOMPUTE_OF]``); collectives and waits
+    keep their order. The decision is left on ``gm`` (``recompute_plan``).
+
+    Example::
+
+        recompute_activations(igm, memory_budget=0.5)
+        print(recompute_plan(igm).kept_bytes)
+    """
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                      or not 0.0 < memory_budget <= 1.0):
+        raise ValueError(f"recompute_activations: memory_budget must be a fraction in (0, 1], got {memory_budget!r}")
+    graph = gm.graph
+    refuse_after_moves(graph, "recompute_activations", "recomputing values")
+    plan, planner = plan_recompute(graph, memory_budget)
+    _rewrite(graph, planner)
+    if not plan.met:
+        plan.peak = memory_profile(graph).peak
+        log.warning("spmd: memory_budget=%s asks for at most %.1f MiB of activations; recompute reaches %.1f MiB, "
+                    "so the step runs at its smallest estimated peak, %.1f MiB. Raise memory_budget, or lower "
+                    "the batch size.", memory_budget, memory_budget * plan.default_bytes / 2**20,
+                    plan.kept_bytes / 2**20, plan.peak / 2**20)
+    vars(gm)[PLAN_ATTR] = plan
