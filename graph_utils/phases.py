@@ -13,12 +13,11 @@ what reads only that is never taken for an activation.
 from __future__ import annotations
 
 import bisect
-import operator
 
 import torch
 import torch.fx as fx
 
-from .nodes import is_comm_node, is_wait_node, node_order, view_of_copy_op
+from .nodes import node_order, view_of_copy_op
 
 aten = torch.ops.aten
 
@@ -47,38 +46,37 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return seen
 
 
-def saved_for_backward(graph: fx.Graph, backward: set[fx.Node]) -> list[fx.Node]:
-    """The forward tensors a backward reads, in graph order: what the step keeps for its backward.
+def saved_for_backward(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """The forward tensors a backward reads, in graph order, each with its readers there.
 
-    A value counts when a gradient seed lies between it and a backward node that reads it (so
-    the optimizer's own step counters, computed after the backward, do not). Graph inputs are
-    left out (they live for the whole step anyway), and so are values the graph returns (they
-    live to its end).
+    A value counts when a gradient seed lies between it and a node that reads it: that reader
+    is in a backward pass (or is the ``detach`` autograd makes when it unpacks a saved tensor,
+    which is no seed's descendant), and the value lives across the forward→backward boundary.
+    So the optimizer's own step counters, computed after the backward, do not count. Graph
+    inputs are left out (they live for the whole step anyway), and so are values the graph
+    returns (they live to its end).
     """
     order = node_order(graph)
     seeds = sorted(order[s] for s in gradient_seeds(graph))
-    out = []
+    out = {}
     for n in graph.nodes:
-        if (n.op != "call_function" or n in backward or not isinstance(n.meta.get("val"), torch.Tensor)
+        if (n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor)
                 or any(u.op == "output" for u in n.users)):
             continue
         later = bisect.bisect_right(seeds, order[n])  # the first seed after n
-        if later < len(seeds) and any(u in backward and order[u] >= seeds[later] for u in n.users):
-            out.append(n)
+        readers = [u for u in n.users if later < len(seeds) and order[u] >= seeds[later]]
+        if readers:
+            out[n] = readers
     return out
 
 
+def _is_view(target) -> bool:
+    return view_of_copy_op(target) is not None or target is aten._unsafe_view.default or (
+        isinstance(target, torch._ops.OpOverload) and target.is_view)
+
+
 def storage_root(node: fx.Node) -> fx.Node:
-    """The node whose storage ``node`` shares once its copying views are views again (as lowering makes them)."""
-    while (node.op == "call_function" and view_of_copy_op(node.target) is not None and node.args
-           and isinstance(node.args[0], fx.Node)):
+    """The node whose storage ``node`` shares (through views, and copying views, which lowering makes views)."""
+    while node.op == "call_function" and _is_view(node.target) and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
-
-
-def is_gathered(node: fx.Node) -> bool:
-    """True for a collective's result or a view of one (a gathered parameter, say)."""
-    root = storage_root(node)
-    while root.op == "call_function" and root.target is operator.getitem and isinstance(root.args[0], fx.Node):
-        root = storage_root(root.args[0])
-    return is_comm_node(root) or is_wait_node(root)

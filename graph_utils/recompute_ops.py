@@ -4,7 +4,8 @@ The lists are torch.compile's partitioner's (``torch._functorch.partitioners.get
 its recomputable ops (pointwise ops, views, casts, cheap reductions) are ``CHEAP``; its
 compute-intensive ops (matmuls, attention, convolutions) and any op with a FLOP formula are
 ``COMPUTE``, repeated only under a memory budget. Our graphs add two facts of their own:
-functionalization's copying views (``t_copy``, ``view_copy``: views once lowered) are cheap,
+functionalization's copying views (``t_copy``, ``view_copy``: views once lowered) and every view
+(``split_with_sizes``, which unpacks a gathered parameter buffer) are cheap,
 and ``native_layer_norm`` is cheap: torch's partitioner sees it decomposed, its normalized
 output pointwise from the input it keeps anyway, and repeating the op from that input is the
 same memory-bound work, bit for bit the forward's.
@@ -33,7 +34,7 @@ FLOPS_PER_BYTE = 300  # a GPU's matmul throughput over its memory bandwidth: a F
 _ATTENTION = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                         "_flash_attention_forward", "_efficient_attention_forward"})
-_OURS_CHEAP = frozenset({aten.native_layer_norm, aten._unsafe_view, aten.detach_copy})
+_OURS_CHEAP = frozenset({aten.native_layer_norm, aten._unsafe_view, aten.detach_copy, aten.split_with_sizes})
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,7 +85,7 @@ def recompute_kind(node: fx.Node) -> tuple[Optional[str], str]:
     recomputable, intensive = _torch_lists()
     if packet in intensive or _flop_formula(op) is not None:
         return COMPUTE, "compute-intensive"
-    if packet in recomputable or packet in _OURS_CHEAP or view_of_copy_op(op) is not None:
+    if packet in recomputable or packet in _OURS_CHEAP or op.is_view or view_of_copy_op(op) is not None:
         return CHEAP, "memory-bound"
     return None, "not in the recomputable list"
 

@@ -27,6 +27,7 @@ node that reads them, never between a gradient and the collective that sends it.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -37,9 +38,11 @@ import torch.fx as fx
 
 from ..graph_utils import node_order, set_fake_val, tensor_bytes
 from ..graph_utils.memory import memory_profile
-from ..graph_utils.meta import RECOMPUTE_OF
+from ..graph_utils.meta import CARRIES, RECOMPUTE_OF, UNIT
+from ..graph_utils.nodes import wait_of
+from ..graph_utils.units import gathered_values, unit_gathers
 from ..graph_utils.optimizer_ops import written_inputs
-from ..graph_utils.phases import backward_nodes, is_gathered, saved_for_backward, storage_root
+from ..graph_utils.phases import gradient_seeds, saved_for_backward, storage_root
 from ..graph_utils.recompute_ops import CHEAP, COMPUTE, is_reduction, recompute_cost, recompute_kind
 
 from .comm_fusion import comm_fusion_with_concat
@@ -53,7 +56,7 @@ from .state_writes import defer_state_writes
 log = logging.getLogger(__name__)
 
 PLAN_ATTR = "spmd_recompute_plan"
-_DEFAULT_LIMIT, _BUDGET_LIMIT = 16, 256  # most nodes one saved value's recompute may repeat
+_DEFAULT_LIMIT, _BUDGET_LIMIT = 24, 256  # most nodes one saved value's recompute may repeat
 
 
 @dataclass
@@ -91,13 +94,18 @@ class _Planner:
     """The decision over one graph: which saved values stay, which are recomputed from what."""
 
     def __init__(self, graph: fx.Graph):
-        self.backward = backward_nodes(graph)
-        self.saved = saved_for_backward(graph, self.backward)
-        order = node_order(graph)
-        readers = [order[u] for v in self.saved for u in v.users if u in self.backward]
-        end = max(readers, default=-1)
+        self.readers = saved_for_backward(graph)
+        self.saved = list(self.readers)
+        self.order = node_order(graph)
+        self.at = {v: min(self.order[r] for r in rs) for v, rs in self.readers.items()}  # where v is recomputed
+        seeds = sorted(self.order[s] for s in gradient_seeds(graph))
+        self.boundary = {v: seeds[bisect.bisect_right(seeds, self.order[v])] for v in self.readers}  # its backward
+        ends = [max(self.order[r] for r in rs) for rs in self.readers.values()]
+        end = max(ends, default=-1)
         # a value written in place before the backward's last read would be read changed by a recompute
-        self.unstable = {w for n in graph.nodes if order[n] <= end for w in written_inputs(n)}
+        self.unstable = {w for n in graph.nodes if self.order[n] <= end for w in written_inputs(n)}
+        self.substitute = regathered(graph)
+        self.gathered = {n for g in unit_gathers(graph) for n in gathered_values(g)}
         self.kept: dict[fx.Node, None] = dict.fromkeys(self.saved)  # ordered set
         self.recomputed: list[fx.Node] = []
         self._kind: dict[fx.Node, Optional[str]] = {}
@@ -108,7 +116,12 @@ class _Planner:
         return self._kind[node]
 
     def closure(self, v: fx.Node, allowed: tuple, new_leaves_ok: bool) -> Optional[tuple[list, set]]:
-        """(nodes ``v``'s recompute repeats, values it would newly keep), or None where it cannot."""
+        """(nodes ``v``'s recompute repeats, values it would newly keep), or None where it cannot.
+
+        Its inputs are graph inputs, kept values, forward-gathered parameters the backward gathers
+        again before ``v`` is needed (``regathered``), or, with ``new_leaves_ok``, any other
+        stable value that is no gathered parameter (kept from now on).
+        """
         limit = _BUDGET_LIMIT if new_leaves_ok else _DEFAULT_LIMIT
         nodes, leaves, seen, stack = [], set(), {v}, [v]
         while stack:
@@ -123,14 +136,17 @@ class _Planner:
                 if a in seen:
                     continue
                 seen.add(a)
-                if a.op == "placeholder" or (a in self.kept and a is not v):
+                if a.op in ("placeholder", "get_attr") or (a in self.kept and a is not v):
                     if a in self.unstable:
                         return None
-                elif a in self.backward or a.op != "call_function":
+                elif a in self.substitute:
+                    if self.order[self.substitute[a]] >= self.at[v]:
+                        return None
+                elif a.op != "call_function":
                     return None
-                elif self.kind(a) in allowed and not is_gathered(a):
+                elif self.kind(a) in allowed:
                     stack.append(a)
-                elif new_leaves_ok and not is_gathered(a) and a not in self.unstable and tensor_bytes(a):
+                elif new_leaves_ok and a not in self.gathered and a not in self.unstable and tensor_bytes(a):
                     leaves.add(a)
                 else:
                     return None
@@ -203,28 +219,62 @@ def plan_recompute(graph: fx.Graph, memory_budget: Optional[float] = None) -> tu
     return plan, planner
 
 
+def regathered(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Each forward gather's wait -> the wait of the backward gather of the same unit and parameters.
+
+    The two hold the same values (nothing writes parameters between forward and backward), so a
+    recompute in the backward reads the backward's gathered parameters, and the forward's still
+    die after the forward. Units that keep their parameters (``KEEP``) have no backward gather.
+    """
+    backward = {(g.meta[UNIT], tuple(g.meta.get(CARRIES, ()))): wait_of(g) for g in unit_gathers(graph, "backward")}
+    out = {}
+    for g in unit_gathers(graph, "forward"):
+        again = backward.get((g.meta[UNIT], tuple(g.meta.get(CARRIES, ()))))
+        if again is not None and wait_of(g) is not None:
+            out[wait_of(g)] = again
+    return out
+
+
 def _rewrite(graph: fx.Graph, planner: _Planner) -> None:
-    """Insert each recomputed value's chain before its first backward user and point backward users at it."""
-    order = node_order(graph)
-    first = {v: min((u for u in v.users if u in planner.backward), key=order.__getitem__) for v in planner.recomputed}
+    """Insert each recomputed value's chain before its first backward reader and point its readers at it.
+
+    A node whose op and inputs match a node the graph already computes before that point (the
+    backward's own unpacking of gathered parameters, say) is reused, not repeated.
+    """
+    order = planner.order
     made: dict[fx.Node, fx.Node] = {}
 
-    def materialize(x: fx.Node) -> fx.Node:
-        if x.op == "placeholder" or x in planner.kept:
+    def materialize(x: fx.Node, lo: int, at: int) -> fx.Node:
+        if x.op in ("placeholder", "get_attr") or x in planner.kept:
             return x
+        if x in planner.substitute:
+            return planner.substitute[x]
         if x not in made:
-            new = graph.node_copy(x, materialize)
-            new.meta = {k: v for k, v in x.meta.items() if k in ("stack_trace", "nn_module_stack")}
+            args = fx.node.map_arg(x.args, lambda a: materialize(a, lo, at))
+            kwargs = fx.node.map_arg(x.kwargs, lambda a: materialize(a, lo, at))
+            same = next((u for a in _first_node(args) for u in a.users if u.target is x.target and u.args == args
+                         and u.kwargs == kwargs and u in order and lo <= order[u] < at), None)
+            if same is not None:
+                return same
+            new = graph.call_function(x.target, args, kwargs)
+            new.meta = {k: val for k, val in x.meta.items() if k in ("stack_trace", "nn_module_stack")}
             new.meta[RECOMPUTE_OF] = x.name
             set_fake_val(new)
             made[x] = new
         return made[x]
 
-    for v in sorted(planner.recomputed, key=lambda v: order[first[v]]):
-        with graph.inserting_before(first[v]):
-            again = materialize(v)
-        for user in [u for u in v.users if u in planner.backward]:
-            user.replace_input_with(v, again)
+    for v in sorted(planner.recomputed, key=planner.at.__getitem__):
+        first = min(planner.readers[v], key=order.__getitem__)
+        with graph.inserting_before(first):
+            again = materialize(v, planner.boundary[v], order[first])
+        for reader in planner.readers[v]:
+            reader.replace_input_with(v, again)
+
+
+def _first_node(args) -> list[fx.Node]:
+    nodes: list[fx.Node] = []
+    fx.node.map_arg(args, nodes.append)
+    return nodes[:1]
 
 
 @graph_optimization_pass(apply_after=[comm_fusion_with_concat, schedule_comm_wait, prefetch_unit_gathers,

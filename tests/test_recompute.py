@@ -53,6 +53,7 @@ def test_default_recomputes_layernorm_and_gelu_outputs_from_kept_values():
     ops = {n.target for n in again}
     assert aten.native_layer_norm.default in ops and aten.gelu.default in ops
     assert ops <= {aten.native_layer_norm.default, aten.gelu.default, aten.view_copy.default, aten.t_copy.default,
+                   aten.detach_copy.default,
                    operator.getitem}, ops
     plan = recompute_plan(igm)
     assert plan.kept_bytes == plan.default_bytes < plan.saved_bytes
@@ -65,6 +66,7 @@ def test_default_recomputes_layernorm_and_gelu_outputs_from_kept_values():
     backward = backward_nodes(graph)
     for name in plan.recomputed:  # (or the forward's copy is gone: only the backward read it)
         assert name not in forward or not any(u in backward for u in forward[name].users), name
+    assert len(saved_for_backward(graph)) == len(plan.kept)
 
 
 def test_recomputed_nodes_sit_before_their_first_user_and_collectives_keep_their_places():
@@ -138,8 +140,7 @@ def test_bad_memory_budget_is_a_config_error(budget):
 def test_saved_values_are_what_the_backward_reads_from_the_forward():
     _, expanded = expanded_step("gpt")
     graph = expanded.graph
-    backward = backward_nodes(graph)
-    saved = saved_for_backward(graph, backward)
+    saved = saved_for_backward(graph)
     seed = next(n for n in graph.nodes if n.target is aten.ones_like.default)
     order = node_order(graph)
     assert saved and all(order[n] < order[seed] for n in saved)
@@ -192,3 +193,27 @@ def _fully_shard_parity(rank, world_size, budget):
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_fully_shard_with_recompute_matches_fsdp2_in_float64(budget):
     run_distributed(_fully_shard_parity, budget)
+
+
+def test_fully_shard_recomputes_from_the_backward_gather_and_forward_gathers_still_die_in_the_forward():
+    """A resharding unit's LayerNorm is recomputed in its backward from the parameters the backward
+    gathers again: the forward's gathered parameters are read by no recomputed node."""
+    from spmd.graph_utils.units import gathered_values, unit_gathers, unsharded_interval
+    from tests.dist import fake_process_group
+    from tests.test_graph_memory import _sharded_step_graph
+
+    with fake_process_group(2):
+        graph = _sharded_step_graph("fully_shard")
+    again = _again(graph)
+    norms = [n for n in again if n.target is aten.native_layer_norm.default]
+    assert norms and any(n.target is aten.gelu.default for n in again)
+    forward = {n for g in unit_gathers(graph, "forward") for n in gathered_values(g)}
+    backward = {n for g in unit_gathers(graph, "backward") for n in gathered_values(g)}
+    assert not any(a in forward for n in again for a in n.all_input_nodes)
+    assert any(a in backward for n in again for a in n.all_input_nodes), "the backward's unpacking is reused"
+    assert sum(any(a in backward or RECOMPUTE_OF in a.meta for a in n.all_input_nodes[1:]) for n in norms) >= 4
+    order = node_order(graph)
+    seed = next(n for n in graph.nodes if n.target is aten.ones_like.default)
+    for g in unit_gathers(graph, "forward"):
+        if not g.meta.get("spmd_keep"):
+            assert unsharded_interval(g, order)[1] < order[seed], "a forward gather lives into the backward"
