@@ -217,3 +217,25 @@ def test_fully_shard_recomputes_from_the_backward_gather_and_forward_gathers_sti
     for g in unit_gathers(graph, "forward"):
         if not g.meta.get("spmd_keep"):
             assert unsharded_interval(g, order)[1] < order[seed], "a forward gather lives into the backward"
+
+
+def test_explain_shows_kept_and_recomputed_activations_and_the_peak_by_kind():
+    from tests.shard_helpers import CFG
+
+    def plan_at(budget):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+        step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+            enable_graph_optimization=True, memory_budget=budget))(lm_train_step)
+        idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size))
+        with single_process_group():
+            return spmd.explain(step, model, optim, idx, idx.roll(-1, 1), print_plan=False)
+
+    default, low = plan_at(None), plan_at(0.3)
+    for plan in (default, low):
+        assert plan.activations["kept"] and plan.activations["recomputed"]
+        assert {"parameters", "optimizer state"} <= set(plan.peak_by_kind)
+        assert sum(plan.peak_by_kind.values()) == plan.peak_bytes
+    assert low.activations["kept_bytes"] < default.activations["kept_bytes"] == default.activations["default_bytes"]
+    assert len(low.activations["recomputed"]) > len(default.activations["recomputed"])
