@@ -6,9 +6,9 @@ compute-intensive ops (matmuls, attention, convolutions) and any op with a FLOP 
 ``COMPUTE``, repeated only under a memory budget. Our graphs add two facts of their own:
 functionalization's copying views (``t_copy``, ``view_copy``: views once lowered) and every view
 (``split_with_sizes``, which unpacks a gathered parameter buffer) are cheap,
-and ``native_layer_norm`` is cheap: torch's partitioner sees it decomposed, its normalized
-output pointwise from the input it keeps anyway, and repeating the op from that input is the
-same memory-bound work, bit for bit the forward's.
+and ``native_layer_norm``, ``_log_softmax`` and ``_softmax`` are cheap: torch's partitioner sees
+them decomposed, their outputs pointwise from their input and a small reduction, and repeating
+the op from that input is the same memory-bound work, bit for bit the forward's.
 
 Never repeated: collectives and waits, ops that write an argument, ops that draw random
 numbers (``Tag.nondeterministic_seeded``: dropout, ``rand_like``; attention only with
@@ -34,7 +34,8 @@ FLOPS_PER_BYTE = 300  # a GPU's matmul throughput over its memory bandwidth: a F
 _ATTENTION = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                         "_flash_attention_forward", "_efficient_attention_forward"})
-_OURS_CHEAP = frozenset({aten.native_layer_norm, aten._unsafe_view, aten.detach_copy, aten.split_with_sizes})
+_OURS_CHEAP = frozenset({aten.native_layer_norm, aten._log_softmax, aten._softmax, aten._unsafe_view, aten.detach_copy,
+                         aten.split_with_sizes})
 
 
 @functools.lru_cache(maxsize=1)

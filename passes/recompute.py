@@ -9,8 +9,10 @@ values).
 
 * Default (``memory_budget=None`` or 1.0): recompute every saved value whose recompute is cheap
   (``graph_utils.recompute_ops.CHEAP``: views, casts, pointwise ops such as GELU, LayerNorm from
-  its kept input; reductions are kept) and reads only values kept anyway, so it frees memory and
-  keeps nothing new: at least what torch.compile's default partitioner recomputes.
+  its kept input; reductions are kept) and reads only values kept anyway; then, as torch.compile's
+  min-cut partitioner does, keep a smaller value instead of a larger one a cheap chain computes
+  from it (the bf16 logits instead of the float32 log-softmax of the loss). At least what
+  torch.compile's default partitioner recomputes.
 * ``memory_budget=f`` < 1: keep at most ``f`` times the activation bytes the default keeps. Values
   are recomputed greedily by bytes freed per recompute cost (``recompute_cost``), now also through
   matmuls and attention (``COMPUTE``), possibly keeping an earlier, smaller value instead (a
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 
 PLAN_ATTR = "spmd_recompute_plan"
 _DEFAULT_LIMIT, _BUDGET_LIMIT = 24, 256  # most nodes one saved value's recompute may repeat
+_MAX_COMPUTE = 6  # most matmuls / attentions one recompute may repeat
 
 
 @dataclass
@@ -100,10 +103,12 @@ class _Planner:
         self.at = {v: min(self.order[r] for r in rs) for v, rs in self.readers.items()}  # where v is recomputed
         seeds = sorted(self.order[s] for s in gradient_seeds(graph))
         self.boundary = {v: seeds[bisect.bisect_right(seeds, self.order[v])] for v in self.readers}  # its backward
-        ends = [max(self.order[r] for r in rs) for rs in self.readers.values()]
-        end = max(ends, default=-1)
-        # a value written in place before the backward's last read would be read changed by a recompute
-        self.unstable = {w for n in graph.nodes if self.order[n] <= end for w in written_inputs(n)}
+        # where each value is first written in place (parameters by an optimizer update that may overlap
+        # the backward): a recompute placed later would read it changed
+        self.written: dict[fx.Node, int] = {}
+        for n in reversed(graph.nodes):
+            for w in written_inputs(n):
+                self.written[w] = self.order[n]
         self.substitute = regathered(graph)
         self.gathered = {n for g in unit_gathers(graph) for n in gathered_values(g)}
         self.kept: dict[fx.Node, None] = dict.fromkeys(self.saved)  # ordered set
@@ -120,14 +125,20 @@ class _Planner:
 
         Its inputs are graph inputs, kept values, forward-gathered parameters the backward gathers
         again before ``v`` is needed (``regathered``), or, with ``new_leaves_ok``, any other
-        stable value that is no gathered parameter (kept from now on).
+        stable value that is no gathered parameter (kept from now on). A chain repeats at most
+        ``_MAX_COMPUTE`` compute-intensive ops: about one transformer block's matmuls and attention,
+        so recomputing through other recomputed values never repeats block after block.
         """
-        limit = _BUDGET_LIMIT if new_leaves_ok else _DEFAULT_LIMIT
+        limit = _BUDGET_LIMIT if COMPUTE in allowed else _DEFAULT_LIMIT
         nodes, leaves, seen, stack = [], set(), {v}, [v]
+        heavy = 0
         while stack:
             x = stack.pop()
             if self.kind(x) not in allowed or (COMPUTE not in allowed and x.target is not operator.getitem
                                                and is_reduction(x)):
+                return None
+            heavy += self.kind(x) == COMPUTE
+            if heavy > _MAX_COMPUTE:
                 return None
             nodes.append(x)
             if len(nodes) > limit:
@@ -137,7 +148,7 @@ class _Planner:
                     continue
                 seen.add(a)
                 if a.op in ("placeholder", "get_attr") or (a in self.kept and a is not v):
-                    if a in self.unstable:
+                    if self.written.get(a, len(self.order)) <= self.at[v]:
                         return None
                 elif a in self.substitute:
                     if self.order[self.substitute[a]] >= self.at[v]:
@@ -146,19 +157,31 @@ class _Planner:
                     return None
                 elif self.kind(a) in allowed:
                     stack.append(a)
-                elif new_leaves_ok and a not in self.gathered and a not in self.unstable and tensor_bytes(a):
+                elif new_leaves_ok and a not in self.gathered and a not in self.written and tensor_bytes(a):
                     leaves.add(a)
                 else:
                     return None
         return nodes, leaves
 
     def recompute(self, v: fx.Node, new_leaves=()) -> None:
+        """Stop keeping ``v``; keep ``new_leaves`` instead, read first where ``v`` is.
+
+        A value kept only as such a leaf has no reader of its own: once it is recomputed too, the
+        chains that read it repeat it (``_rewrite``), and it has nothing to rewrite.
+        """
         del self.kept[v]
-        self.kept.update(dict.fromkeys(a for a in new_leaves if a not in self.recomputed))
-        self.recomputed.append(v)
+        for a in new_leaves:
+            self.kept[a] = None
+            if a in self.recomputed:
+                self.recomputed.remove(a)
+            self.at[a] = min(self.at.get(a, self.at[v]), self.at[v])
+            self.boundary.setdefault(a, self.boundary[v])
+        if self.readers.get(v):
+            self.recomputed.append(v)
 
     def default_policy(self) -> None:
-        """Recompute, until nothing changes, every saved value cheaply recomputable from kept values."""
+        """Recompute every saved value cheaply recomputable from kept values, until nothing changes; then
+        keep a smaller value a cheap chain leads from instead of a larger one (``trade``, CHEAP only)."""
         changed = True
         while changed:
             changed = False
@@ -166,9 +189,11 @@ class _Planner:
                 if self.closure(v, (CHEAP,), False) is not None:
                     self.recompute(v)
                     changed = True
+        self.trade((CHEAP,), target=0)
 
-    def budget_policy(self, target: int) -> None:
-        """Recompute more, best bytes freed per cost first, until at most ``target`` bytes are kept.
+    def trade(self, allowed: tuple, target: int) -> None:
+        """Recompute (through ops of ``allowed`` kinds) best bytes freed per cost first, until at most
+        ``target`` bytes are kept or no recompute frees memory; it may keep new, smaller values.
 
         A candidate is one storage: every kept value in it (a tensor and its views) is recomputed
         together, since memory is freed only when none of them is kept.
@@ -182,7 +207,7 @@ class _Planner:
             for root, members in groups.items():
                 if root.op == "placeholder":
                     continue
-                found = [self.closure(v, (CHEAP, COMPUTE), True) for v in members]
+                found = [self.closure(v, allowed, True) for v in members]
                 if any(f is None for f in found):
                     continue
                 nodes = {n for f in found for n in f[0]}
@@ -210,8 +235,11 @@ def plan_recompute(graph: fx.Graph, memory_budget: Optional[float] = None) -> tu
     default_bytes = activation_bytes(planner.kept)
     met = True
     if memory_budget is not None and memory_budget < 1.0:
+        # from no recompute at all: the default's cheap trades (a residual sum recomputed from the block's
+        # matmul output) would leave the budget no block boundary to keep
         target = int(memory_budget * default_bytes)
-        planner.budget_policy(target)
+        planner = _Planner(graph)
+        planner.trade((CHEAP, COMPUTE), target)
         met = activation_bytes(planner.kept) <= target
     plan = RecomputePlan(memory_budget, {n.name: tensor_bytes(n) for n in planner.kept},
                          {n.name: tensor_bytes(n) for n in planner.recomputed},
