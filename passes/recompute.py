@@ -297,6 +297,24 @@ def _rewrite(graph: fx.Graph, planner: _Planner) -> None:
             again = materialize(v, planner.boundary[v], order[first])
         for reader in planner.readers[v]:
             reader.replace_input_with(v, again)
+            _refresh_views(reader, v)
+
+
+def _storage(node: fx.Node):
+    val = node.meta.get("val")
+    return val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else None
+
+
+def _refresh_views(node: fx.Node, old: fx.Node) -> None:
+    """Give ``node`` (and its views, transitively) a fake value over its new input's storage where
+    it viewed ``old``'s: the liveness estimate must not see the forward value read any more."""
+    stale = _storage(old)
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if stale is not None and _storage(n) == stale:
+            set_fake_val(n)
+            todo.extend(n.users)
 
 
 def _first_node(args) -> list[fx.Node]:
