@@ -100,7 +100,9 @@ class _Planner:
         self.readers = saved_for_backward(graph)
         self.saved = list(self.readers)
         self.order = node_order(graph)
-        self.at = {v: min(self.order[r] for r in rs) for v, rs in self.readers.items()}  # where v is recomputed
+        # the first point each value is needed in the backward: its first reader, or earlier where a chain
+        # recomputed for another value reads it (a recomputed node is made once, where first needed)
+        self.at = {v: min(self.order[r] for r in rs) for v, rs in self.readers.items()}
         seeds = sorted(self.order[s] for s in gradient_seeds(graph))
         self.boundary = {v: seeds[bisect.bisect_right(seeds, self.order[v])] for v in self.readers}  # its backward
         # where each value is first written in place (parameters by an optimizer update that may overlap
@@ -120,8 +122,8 @@ class _Planner:
             self._kind[node] = recompute_kind(node)[0]
         return self._kind[node]
 
-    def closure(self, v: fx.Node, allowed: tuple, new_leaves_ok: bool) -> Optional[tuple[list, set]]:
-        """(nodes ``v``'s recompute repeats, values it would newly keep), or None where it cannot.
+    def closure(self, v: fx.Node, allowed: tuple, new_leaves_ok: bool) -> Optional[tuple[list, set, set]]:
+        """(nodes ``v``'s recompute repeats, values it would newly keep, kept values it reads), or None.
 
         Its inputs are graph inputs, kept values, forward-gathered parameters the backward gathers
         again before ``v`` is needed (``regathered``), or, with ``new_leaves_ok``, any other
@@ -130,7 +132,7 @@ class _Planner:
         so recomputing through other recomputed values never repeats block after block.
         """
         limit = _BUDGET_LIMIT if COMPUTE in allowed else _DEFAULT_LIMIT
-        nodes, leaves, seen, stack = [], set(), {v}, [v]
+        nodes, leaves, reads, seen, stack = [], set(), set(), {v}, [v]
         heavy = 0
         while stack:
             x = stack.pop()
@@ -150,6 +152,7 @@ class _Planner:
                 if a.op in ("placeholder", "get_attr") or (a in self.kept and a is not v):
                     if self.written.get(a, len(self.order)) <= self.at[v]:
                         return None
+                    reads.add(a)
                 elif a in self.substitute:
                     if self.order[self.substitute[a]] >= self.at[v]:
                         return None
@@ -161,21 +164,24 @@ class _Planner:
                     leaves.add(a)
                 else:
                     return None
-        return nodes, leaves
+        return nodes, leaves, reads
 
-    def recompute(self, v: fx.Node, new_leaves=()) -> None:
-        """Stop keeping ``v``; keep ``new_leaves`` instead, read first where ``v`` is.
+    def recompute(self, v: fx.Node, found: tuple) -> None:
+        """Stop keeping ``v`` (``found``: its ``closure``); keep its new leaves instead.
 
-        A value kept only as such a leaf has no reader of its own: once it is recomputed too, the
-        chains that read it repeat it (``_rewrite``), and it has nothing to rewrite.
+        What its chain reads is now needed where ``v`` is first needed. A value kept only as a new
+        leaf has no reader of its own: once it is recomputed too, the chains that read it repeat it
+        (``_rewrite``), and it has nothing to rewrite.
         """
+        _, new_leaves, reads = found
         del self.kept[v]
         for a in new_leaves:
             self.kept[a] = None
             if a in self.recomputed:
                 self.recomputed.remove(a)
-            self.at[a] = min(self.at.get(a, self.at[v]), self.at[v])
             self.boundary.setdefault(a, self.boundary[v])
+        for a in (*new_leaves, *reads):
+            self.at[a] = min(self.at.get(a, self.at[v]), self.at[v])
         if self.readers.get(v):
             self.recomputed.append(v)
 
@@ -186,8 +192,9 @@ class _Planner:
         while changed:
             changed = False
             for v in list(self.kept):
-                if self.closure(v, (CHEAP,), False) is not None:
-                    self.recompute(v)
+                found = self.closure(v, (CHEAP,), False)
+                if found is not None:
+                    self.recompute(v, found)
                     changed = True
         self.trade((CHEAP,), target=0)
 
@@ -207,7 +214,10 @@ class _Planner:
             for root, members in groups.items():
                 if root.op == "placeholder":
                     continue
+                for v in members:  # recomputed together: none reads another as kept
+                    del self.kept[v]
                 found = [self.closure(v, allowed, True) for v in members]
+                self.kept.update(dict.fromkeys(members))
                 if any(f is None for f in found):
                     continue
                 nodes = {n for f in found for n in f[0]}
@@ -220,12 +230,11 @@ class _Planner:
                     cost[n] = recompute_cost(n)
                 score = freed / (1.0 + sum(cost[n] for n in nodes))
                 if score > best_score:
-                    best, best_score = (members, leaves), score
+                    best, best_score = (members, found), score
             if best is None:
                 return
-            members, leaves = best
-            for v in members:
-                self.recompute(v, leaves)
+            for v, f in zip(*best):
+                self.recompute(v, f)
 
 
 def plan_recompute(graph: fx.Graph, memory_budget: Optional[float] = None) -> tuple[RecomputePlan, "_Planner"]:
