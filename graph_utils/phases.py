@@ -64,7 +64,7 @@ def saved_for_backward(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
                 or any(u.op == "output" for u in n.users)):
             continue
         later = bisect.bisect_right(seeds, order[n])  # the first seed after n
-        readers = [u for u in n.users if later < len(seeds) and order[u] >= seeds[later]]
+        readers = [u for u in n.users if later < len(seeds) and order[u] > seeds[later]]
         if readers:
             out[n] = readers
     return out

@@ -163,7 +163,9 @@ def _replicate_parity(rank, world_size, budget):
     ddp = ddp_copy(model)
     make = lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, fused=True)  # noqa: E731
     ddp_optim, optim = make(ddp.parameters()), make(model.parameters())
-    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, memory_budget=budget)
+    # small buckets: several all_reduces and optimizer parts among the recomputed nodes
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, memory_budget=budget,
+                                                    bucket_size_mb=0.01)
     step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
                         gm_transformation=transformation)(lm_train_step)
     gen = torch.Generator().manual_seed(rank)
@@ -247,3 +249,36 @@ def test_explain_shows_kept_and_recomputed_activations_and_the_peak_by_kind():
         assert {"parameters", "optimizer state"} <= set(plan.peak_by_kind)
         assert sum(plan.peak_by_kind.values()) == plan.peak_bytes
     assert low.activations["kept_bytes"] < default.activations["kept_bytes"] == default.activations["default_bytes"]
+
+
+def _tiny_graph(write_before_backward: bool) -> torch.fx.Graph:
+    """x * w -> gelu -> sum; the backward (from the seed) reads the gelu; optionally w is written in between."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from spmd.graph_utils import set_fake_val
+
+    graph = torch.fx.Graph()
+    mode = FakeTensorMode()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    with mode:
+        x.meta["val"], w.meta["val"] = torch.empty(4, 8), torch.empty(4, 8)
+
+    def op(target, *args):
+        node = graph.call_function(target, args)
+        set_fake_val(node)
+        return node
+
+    g = op(aten.gelu.default, op(aten.mul.Tensor, x, w))
+    seed = op(aten.ones_like.default, op(aten.sum.default, g))
+    if write_before_backward:
+        op(aten.copy_.default, w, x)
+    graph.output(op(aten.mul.Tensor, seed, g))
+    return graph
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_a_value_is_not_recomputed_from_an_input_written_before_its_backward_reader(written):
+    from spmd.passes import plan_recompute
+
+    plan, _ = plan_recompute(_tiny_graph(written))
+    assert (list(plan.kept), list(plan.recomputed)) == ((["gelu_default"], []) if written else ([], ["gelu_default"]))
