@@ -186,8 +186,9 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
     every collective of the step (``Plan.collectives``: op, phase, bytes, unit by module name
     or bucket), the activations the step keeps for its backward and those it recomputes there
     (``Plan.activations``, from ``recompute_activations``), the estimated peak and what is live
-    there by kind (``Plan.peak_bytes``, ``Plan.peak_by_kind``), the pass pipeline in order with what each pass does, why it is there and its
-    constraints, cross-iteration moves, and warnings for what will run slowly.
+    there by kind (``Plan.peak_bytes``, ``Plan.peak_by_kind``), the pass pipeline in order with
+    what each pass does, why it is there and its constraints, cross-iteration moves, and warnings
+    for what will run slowly.
     ``print_plan``: None (default) prints on rank 0 only, so a multi-rank job prints one plan;
     True prints on this rank, False nowhere. Parameters and optimizer state are left as they were
     (optimizer state created for the trace is removed again).

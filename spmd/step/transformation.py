@@ -36,8 +36,8 @@ class GraphModuleTransformation:
     modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
     once, ``guard_unsharded_memory``); both read ``memory_budget`` (``recompute_activations``: None, the
     default, recomputes cheap forward values in the backward; a fraction in (0, 1] keeps at most that
-    share of the activation memory the default keeps). A setting changed from its default that the graph's mode does
-    not read is refused (``SpmdConfigError``) on the first compile, before anything runs.
+    share of the activation memory the default keeps). A setting changed from its default that the
+    graph's mode does not read is refused (``SpmdConfigError``) on the first compile, before anything runs.
 
     ``enable_inductor=True`` compiles each graph the step runs (the whole step, or its
     setup/main/cleanup parts after a cross-iteration move) with TorchInductor on first
