@@ -12,7 +12,8 @@ the op from that input is the same memory-bound work, bit for bit the forward's.
 
 Never repeated: collectives and waits, ops that write an argument, ops that draw random
 numbers (``Tag.nondeterministic_seeded``: dropout, ``rand_like``; attention only with
-``dropout_p == 0``), and anything not an aten op.
+``dropout_p == 0``), ops that may compute different bits when run again
+(``Tag.nondeterministic_bitwise``), and anything not an aten op.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def recompute_kind(node: fx.Node) -> tuple[Optional[str], str]:
     if written_args(op):
         return None, "writes an argument"
     packet = op.overloadpacket
+    if torch.Tag.nondeterministic_bitwise in op.tags:
+        return None, "may compute different bits when run again"
     if torch.Tag.nondeterministic_seeded in op.tags:
         if packet.__name__ in _ATTENTION and not _arg(node, "dropout_p", 0.0):
             return COMPUTE, "attention without dropout"
