@@ -18,6 +18,8 @@ spelled in one place.
   backward (it does not reshard after forward: the root, shard_grad_op's units).
 * ``CARRIES``: on a sharded mode's gather or reduce-scatter (and its wait), the indices of the
   parameters whose shards or gradients it carries, in order.
+* ``RECOMPUTE_OF``: on a node ``passes.recompute`` added to the backward, the name of the
+  forward node it computes again.
 * ``SYNCED_BUFFERS``: on a buffer broadcast (``broadcast_buffers``) and its wait, the names
   of the buffers it carries.
 """
@@ -33,6 +35,7 @@ PHASE = "spmd_phase"
 KEEP = "spmd_keep"
 SYNCED_BUFFERS = "spmd_synced_buffers"
 CARRIES = "spmd_carries"
+RECOMPUTE_OF = "spmd_recompute_of"
 
 
 class Role:

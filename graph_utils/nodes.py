@@ -78,6 +78,18 @@ def waited_collective(wait: fx.Node) -> Optional[fx.Node]:
     return src if isinstance(src, fx.Node) and is_comm_node(src) else None
 
 
+def view_of_copy_op(target) -> Optional[torch._ops.OpOverload]:
+    """``aten.t_copy`` -> ``aten.t`` (same overload): the view a functionalization's copying view copies, else None."""
+    if not (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
+            and target._opname.endswith("_copy")):
+        return None
+    packet = getattr(torch.ops.aten, target._opname[: -len("_copy")], None)
+    view = getattr(packet, target._overloadname, None) if packet is not None else None
+    if view is None or not view.is_view:
+        return None
+    return view
+
+
 def tensor_bytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (0 when it has no tensor ``meta['val']``)."""
     val = node.meta.get("val")

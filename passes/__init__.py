@@ -19,6 +19,7 @@ from .iteration import IterationGraph, IterMoveError
 from .manager import PassManager, PassOrderError, applied_passes, graph_optimization_pass, pass_info
 from .optimizer_copies import remove_copy_from_optimizer
 from .optimizer_split import split_optimizer_per_bucket
+from .recompute import RecomputePlan, plan_recompute, recompute_activations, recompute_plan
 from .shard_memory import UnshardedMemoryError, guard_unsharded_memory, unsharded_peak
 from .shard_optimizer import split_optimizer_per_unit
 from .shard_prefetch import prefetch_unit_gathers
@@ -31,5 +32,6 @@ __all__ = [
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
     "remove_copy_from_optimizer", "schedule_comm_wait", "split_fused_optimizer", "split_optimizer_per_bucket",
     "UnshardedMemoryError", "guard_unsharded_memory", "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
-    "split_optimizer_per_unit", "unsharded_peak", "defer_state_writes", "early_writes",
+    "split_optimizer_per_unit", "unsharded_peak", "RecomputePlan", "plan_recompute", "recompute_activations",
+    "recompute_plan", "defer_state_writes", "early_writes",
 ]

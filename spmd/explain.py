@@ -11,8 +11,10 @@ import torch.distributed as dist
 
 from .graph_utils import find_node, is_all_reduce, is_comm_node, is_wait_node, tensor_bytes
 from .graph_utils.nodes import node_order
-from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, UNIT
-from .passes import PassManager, pass_info
+from .graph_utils.memory import memory_profile
+from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, ROLE, UNIT, Role
+from .graph_utils.phases import backward_nodes
+from .passes import PassManager, pass_info, recompute_plan
 
 from .api import CompiledTrainStep
 from .parallel.data_parallel import expanded_by
@@ -43,6 +45,9 @@ class Plan:
     passes: list[dict[str, Any]] = field(default_factory=list)
     moves: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    activations: dict[str, Any] = field(default_factory=dict)  # kept / recomputed saved values (see ``explain``)
+    peak_bytes: int = 0  # estimated peak of one step (``graph_utils.memory``)
+    peak_by_kind: dict[str, int] = field(default_factory=dict)  # bytes live at that peak, by kind
 
 
 # Why each built-in pass is in its pipeline: what the step gains from it. What a pass does is
@@ -57,6 +62,7 @@ PASS_PURPOSE = {
     "schedule_reduce_scatter_waits": "gradient reduce-scatters overlap the backward of the units before them",
     "split_optimizer_per_unit": "each unit's update runs as soon as its gradients are reduced",
     "guard_unsharded_memory": "refuses a schedule that would hold too many units' full parameters at once",
+    "recompute_activations": "less memory: cheap forward values are computed again in the backward instead of kept",
     "defer_state_writes": "a step that fails (a raising op, a dead peer) leaves parameters and optimizer state as they were",
 }
 
@@ -178,8 +184,11 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
 
     Returns (and prints with rich) parameters and bytes, gradient buckets and their sizes,
     every collective of the step (``Plan.collectives``: op, phase, bytes, unit by module name
-    or bucket), the pass pipeline in order with what each pass does, why it is there and its
-    constraints, cross-iteration moves, and warnings for what will run slowly.
+    or bucket), the activations the step keeps for its backward and those it recomputes there
+    (``Plan.activations``, from ``recompute_activations``), the estimated peak and what is live
+    there by kind (``Plan.peak_bytes``, ``Plan.peak_by_kind``), the pass pipeline in order with
+    what each pass does, why it is there and its constraints, cross-iteration moves, and warnings
+    for what will run slowly.
     ``print_plan``: None (default) prints on rank 0 only, so a multi-rank job prints one plan;
     True prints on this rank, False nowhere. Parameters and optimizer state are left as they were
     (optimizer state created for the trace is removed again).
@@ -213,10 +222,34 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
         passes=_pass_rows(manager),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )
+    plan.activations, plan.peak_bytes, plan.peak_by_kind = memory_rows(igm)
     plan.warnings = _warnings(plan, optimized=bool(plan.passes), single_tensor_adam=_single_tensor_adam(state.optimizers))
     if print_plan or (print_plan is None and _rank() == 0):
         print_plan_tables(plan)
     return plan
+
+
+def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
+    """(activations kept and recomputed, estimated peak bytes, bytes live at the peak by kind) of a step graph.
+
+    Activations: ``recompute_activations``' plan (names -> bytes of the saved values kept and
+    recomputed, and the totals), empty when it did not run. Kinds: parameters, optimizer state,
+    inputs, activations (forward values) and gradients (backward and optimizer values).
+    """
+    plan = recompute_plan(gm)
+    activations = {} if plan is None else {
+        "kept": plan.kept, "recomputed": plan.recomputed, "kept_bytes": plan.kept_bytes,
+        "default_bytes": plan.default_bytes, "saved_bytes": plan.saved_bytes, "budget": plan.budget, "met": plan.met}
+    profile = memory_profile(gm.graph)
+    backward = backward_nodes(gm.graph)
+    by_role = {Role.PARAM: "parameters", Role.BUFFER: "parameters", Role.STATE: "optimizer state"}
+    kinds: dict[str, int] = {}
+    for v in profile.at_peak:
+        n = v.node
+        kind = (by_role.get(n.meta.get(ROLE), "inputs") if n.op == "placeholder"
+                else "gradients" if n in backward else "activations")
+        kinds[kind] = kinds.get(kind, 0) + v.nbytes
+    return activations, profile.peak, kinds
 
 
 def _rank() -> int:
@@ -254,6 +287,19 @@ def print_plan_tables(plan: Plan) -> None:
         after = list(dict.fromkeys(row["prerequisites"] + row["apply_after"]))
         table.add_row(row["pass"], row["does"], row["why"] or "-", str(row["args"] or ""), ", ".join(after) or "-")
     console.print(table)
+    if plan.peak_by_kind:
+        table = Table(title=f"estimated peak: {plan.peak_bytes / 2**20:.2f} MiB, live there by kind")
+        for col in ("kind", "MiB"):
+            table.add_column(col, justify="right")
+        for kind, nbytes in sorted(plan.peak_by_kind.items(), key=lambda kv: -kv[1]):
+            table.add_row(kind, f"{nbytes / 2**20:.2f}")
+        console.print(table)
+    if plan.activations:
+        a = plan.activations
+        console.print(f"activations kept for the backward: {len(a['kept'])} values, {a['kept_bytes'] / 2**20:.2f} MiB "
+                      f"({len(a['recomputed'])} recomputed in the backward; {a['saved_bytes'] / 2**20:.2f} MiB "
+                      f"without recompute, {a['default_bytes'] / 2**20:.2f} MiB at the default policy; "
+                      f"memory_budget={a['budget']})")
     for m in plan.moves:
         console.print(f"moved to the next iteration: {m['nodes']} nodes before {m['target']} "
                       f"({m['carried']} values carried)")

@@ -33,7 +33,7 @@ def test_explain_reports_known_buckets_and_touches_nothing():
     assert all(b.gradients == 2 for b in plan.buckets)
     assert [r["pass"] for r in plan.passes] == ["comm_fusion_with_concat", "schedule_comm_wait",
                                                  "split_optimizer_per_bucket", "remove_copy_from_optimizer",
-                                                 "defer_state_writes"]
+                                                 "defer_state_writes", "recompute_activations"]
     assert plan.passes[1]["prerequisites"] == ["comm_fusion_with_concat"]
     assert all(b.wait_distance > 1 for b in plan.buckets)
     assert not step.cache, "explain must not compile or run a step"

@@ -199,7 +199,7 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
     transformation = spmd.GraphModuleTransformation(
         enable_graph_optimization=optimize, bucket_size_mb=a.bucket_mb, optimizer_parts=a.optimizer_parts,
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
-        passes=passes, prefetch_units=a.prefetch_units,
+        passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
     if fast_default:  # what @spmd.compile() gives a user who asks for nothing
         transformation = None
@@ -395,6 +395,9 @@ def add_model_arguments(p: argparse.ArgumentParser, batch_help: str, batch_defau
                    help="pipeline: optimizer ops, one per trailing bucket (default 4; 1: one op)")
     s.add_argument("--prefetch-units", type=int, default=1,
                    help="sharded modes: units gathered ahead of the one computing (default 1)")
+    s.add_argument("--memory-budget", type=float, default=None,
+                   help="spmd modes: recompute until at most this fraction of the default's activations is kept "
+                        "(GraphModuleTransformation(memory_budget=...); default: the default recompute)")
     s.add_argument("--inductor-option", action="append", default=[], type=_inductor_option, metavar="NAME=VALUE",
                    help="an Inductor config value for the spmd modes (repeatable; e.g. combo_kernels=True)")
     s.add_argument("--no-inductor", action="store_true",
@@ -421,6 +424,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     for name in ("layers", "dim", "heads", "seq", "vocab", "optimizer", "mp", "bucket_mb", "optimizer_parts",
                  "prefetch_units"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.memory_budget is not None:
+        out += ["--memory-budget", str(args.memory_budget)]
     for name, value in args.inductor_option:
         out += ["--inductor-option", f"{name}={value!r}"]
     return out + [f"--{f.replace('_', '-')}" for f in ("no_autocast", "no_inductor") if getattr(args, f)]

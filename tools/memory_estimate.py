@@ -14,6 +14,10 @@ Inductor, CUDA graphs, capturable fused AdamW) runs on one GPU with the fake pro
 ``torch.cuda.max_memory_allocated`` is what one rank of a ``world``-GPU run allocates.
 
     python -m spmd.tools.memory_estimate --preset gpt1.3b --batch 4 --modes fully_shard,replicate
+    python -m spmd.tools.memory_estimate --preset gpt1.3b --batch 4 --modes fully_shard --memory-budget 1,0.5,0.2
+
+``--memory-budget``: the same at each ``GraphModuleTransformation(memory_budget=...)``, with the
+activation bytes ``recompute_activations`` keeps and recomputes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import spmd
 from spmd.graph_utils import is_comm_node
 from spmd.graph_utils.memory import MemoryProfile, memory_profile
 from spmd.graph_utils.meta import PHASE, ROLE
+from spmd.passes import RecomputePlan, recompute_plan
 
 from .bench_modes import PRESETS, train_step
 from .models import GPT, Block, GPTConfig
@@ -86,11 +91,11 @@ def build(style: str, cfg: GPTConfig, batch: int, device: str = "cpu", fake: boo
     return step, (model, optim, idx, idx.roll(-1, 1), style == "replicate")
 
 
-def final_graph(step, args) -> fx.Graph:
-    """The step graph after the pass pipeline (the logical graph of the ``IterGraphModule``)."""
+def final_module(step, args):
+    """The step's ``IterGraphModule`` after the pass pipeline (its ``graph`` is the logical step graph)."""
     state = step.prepare_state(args, {})
     gm, _, _, _ = step.trace_and_expand(state, args, {})
-    return step.gm_transformation(gm).graph
+    return step.gm_transformation(gm)
 
 
 def classify(graph: fx.Graph) -> dict[fx.Node, str]:
@@ -135,11 +140,17 @@ class Estimate:
     profile: MemoryProfile
     kinds: dict[str, int]    # bytes live at the peak, by kind
     largest: list[tuple[int, str, str]]  # (bytes, kind, node) of the largest non-input values there
+    recompute: Optional[RecomputePlan] = None  # what recompute_activations kept and recomputed
 
     def report(self, top: int = 12) -> str:
-        p = self.profile
+        p, r = self.profile, self.recompute
         lines = [f"{self.style}: estimated peak {p.peak / GiB:.2f} GiB at {describe(p.peak_node)} "
                  f"(node {p.peak_index} of {len(p.nodes)}); inputs {p.inputs / GiB:.2f} GiB"]
+        if r is not None:
+            lines += [f"  activations kept for the backward: {r.kept_bytes / GiB:.3f} GiB at memory_budget={r.budget} "
+                      f"({len(r.kept)} kept, {len(r.recomputed)} recomputed; {r.default_bytes / GiB:.3f} GiB at the "
+                      f"default, {r.saved_bytes / GiB:.3f} GiB without recompute)"
+                      + ("" if r.met else "; the budget is not reachable")]
         lines += [f"  {b / GiB:7.3f} GiB  {k}" for k, b in sorted(self.kinds.items(), key=lambda kv: -kv[1])]
         lines += ["  largest values there:"]
         lines += [f"  {b / 2**20:9.1f} MiB  {k:28s} {d}" for b, k, d in self.largest[:top]]
@@ -148,14 +159,15 @@ class Estimate:
 
 def estimate(style: str, cfg: GPTConfig, batch: int, **transform) -> Estimate:
     """The liveness estimate of one rank's step (call inside ``fake_group``)."""
-    graph = final_graph(*build(style, cfg, batch, **transform))
+    module = final_module(*build(style, cfg, batch, **transform))
+    graph = module.graph
     profile = memory_profile(graph)
     kind = classify(graph)
     kinds: dict[str, int] = defaultdict(int)
     for v in profile.at_peak:
         kinds[kind[v.node]] += v.nbytes
     largest = [(v.nbytes, kind[v.node], describe(v.node)) for v in profile.at_peak if v.node.op != "placeholder"]
-    return Estimate(style, profile, dict(kinds), largest)
+    return Estimate(style, profile, dict(kinds), largest, recompute_plan(module))
 
 
 def measure(style: str, cfg: GPTConfig, batch: int, steps: int = 3, cudagraphs: bool = True,
@@ -211,6 +223,9 @@ def main(argv=None) -> None:
     p.add_argument("--snapshot", default="",
                    help="measure: write the last step's allocator history to FILE.STYLE.pickle")
     p.add_argument("--time-steps", type=int, default=0, help="measure: also time this many steps (median ms)")
+    p.add_argument("--memory-budget", default="",
+                   help="comma-separated memory_budget values to estimate (and measure) each mode at, e.g. 1,0.5,0.2 "
+                        "(default: the default recompute)")
     p.add_argument("--inductor-option", action="append", default=[], metavar="NAME=VALUE",
                    help="measure: an Inductor config value (repeatable), e.g. triton.mix_order_reduction=False")
     a = p.parse_args(argv)
@@ -218,19 +233,23 @@ def main(argv=None) -> None:
     cfg = GPTConfig(vocab_size=shape["vocab"], block_size=shape["seq"], n_layer=shape["layers"],
                     n_head=shape["heads"], n_embd=shape["dim"])
     peaks = {}
+    budgets = [float(b) for b in a.memory_budget.split(",")] if a.memory_budget else [None]
     for style in a.modes.split(","):
-        if not a.no_estimate:
-            with fake_group(a.world):
-                est = estimate(style, cfg, a.batch)
-            print(est.report(), flush=True)
-            peaks[style] = est.profile.peak
-        if a.measure:
-            with fake_group(a.world):
-                options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.inductor_option)}
-                peak, ms = measure(style, cfg, a.batch, cudagraphs=not a.no_cudagraphs,
-                                   snapshot=f"{a.snapshot}.{style}.pickle" if a.snapshot else "",
-                                   timed=a.time_steps, inductor_options=options or None)
-                print(f"{style}: measured peak {peak:.3f} GiB" + (f", {ms:.2f} ms/step" if ms else ""), flush=True)
+        for budget in budgets:
+            label = style if budget is None else f"{style} memory_budget={budget}"
+            if not a.no_estimate:
+                with fake_group(a.world):
+                    est = estimate(style, cfg, a.batch, memory_budget=budget)
+                est.style = label
+                print(est.report(), flush=True)
+                peaks.setdefault(style, est.profile.peak)
+            if a.measure:
+                with fake_group(a.world):
+                    options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.inductor_option)}
+                    peak, ms = measure(style, cfg, a.batch, cudagraphs=not a.no_cudagraphs,
+                                       snapshot=f"{a.snapshot}.{style}.pickle" if a.snapshot else "",
+                                       timed=a.time_steps, inductor_options=options or None, memory_budget=budget)
+                    print(f"{label}: measured peak {peak:.3f} GiB" + (f", {ms:.2f} ms/step" if ms else ""), flush=True)
     if "fully_shard" in peaks and "replicate" in peaks:
         print(f"estimated fully_shard / replicate: {peaks['fully_shard'] / peaks['replicate']:.3f}")
 

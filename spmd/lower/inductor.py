@@ -41,6 +41,7 @@ import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 
 from ..graph_utils import lazy_graph_module
+from ..graph_utils.nodes import view_of_copy_op
 from ..graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
 
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
@@ -166,18 +167,6 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return _opaque_ops[op]
 
 
-def _view_of_copy_op(target):
-    """``aten.t_copy`` -> ``aten.t`` (same overload): functionalization's copying views."""
-    if not (isinstance(target, torch._ops.OpOverload) and target.namespace == "aten"
-            and target._opname.endswith("_copy")):
-        return None
-    packet = getattr(aten, target._opname[: -len("_copy")], None)
-    view = getattr(packet, target._overloadname, None) if packet is not None else None
-    if view is None or not view.is_view:
-        return None
-    return view
-
-
 def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.GraphModule:
     """A copy of ``gm`` ready for Inductor; ``gm`` itself is not changed.
 
@@ -194,7 +183,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        view = _view_of_copy_op(node.target)
+        view = view_of_copy_op(node.target)
         if view is aten.lift_fresh.default:  # a constant made in the step (torch.tensor(2.0)): read it as it is
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)

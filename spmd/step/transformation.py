@@ -19,7 +19,7 @@ from ..passes import PassManager, applied_passes, pass_info
 log = logging.getLogger(__name__)
 
 # The pass settings and their defaults; each mode reads some of them (its module's ``PASS_SETTINGS``).
-PASS_DEFAULTS = {"bucket_size_mb": 25.0, "optimizer_parts": 4, "prefetch_units": 1}
+PASS_DEFAULTS = {"bucket_size_mb": 25.0, "optimizer_parts": 4, "prefetch_units": 1, "memory_budget": None}
 
 
 class GraphModuleTransformation:
@@ -37,13 +37,15 @@ class GraphModuleTransformation:
     ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
     (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
     modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
-    once, ``guard_unsharded_memory``). A setting changed from its default that the step's mode does
-    not read is refused (``SpmdConfigError``, ``check_settings_apply``) where ``spmd.compile`` is given
-    both, else on the first compile, before anything runs.
+    once, ``guard_unsharded_memory``); both read ``memory_budget`` (``recompute_activations``: None, the
+    default, recomputes cheap forward values in the backward; a fraction in (0, 1] keeps at most that
+    share of the activation memory the default keeps). A setting changed from its default that the
+    step's mode does not read is refused (``SpmdConfigError``, ``check_settings_apply``) where
+    ``spmd.compile`` is given both, else on the first compile, before anything runs.
 
     ``enable_inductor=True`` compiles each graph the step runs (the whole step, or its
-    setup/main/cleanup parts after a cross-iteration move) with TorchInductor on first
-    use, keeping the collective and wait positions the passes chose (``spmd.lower.inductor``).
+    setup/main/cleanup/flush parts after a cross-iteration move) with TorchInductor before the
+    step first runs, keeping the collective and wait positions the passes chose (``spmd.lower.inductor``).
     ``enable_cudagraphs=True`` replays each repeated graph as one CUDA graph from its
     second call on (``spmd.lower.cudagraphs``); it needs every input on the GPU, so optimizers
     must be ``capturable=True``. ``enable_cudagraphs="auto"`` replays a graph as one
@@ -64,17 +66,24 @@ class GraphModuleTransformation:
                  bucket_size_mb: float = PASS_DEFAULTS["bucket_size_mb"], passes: Sequence[Callable] = (),
                  dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False, inductor_comm_passes: bool = False,
                  optimizer_parts: int = PASS_DEFAULTS["optimizer_parts"],
-                 prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None):
+                 prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None,
+                 memory_budget: Optional[float] = PASS_DEFAULTS["memory_budget"]):
         if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
             raise SpmdConfigError(f"GraphModuleTransformation: optimizer_parts must be an int >= 1 (1: one "
                                   f"optimizer op), got {optimizer_parts!r}")
         if isinstance(prefetch_units, bool) or not isinstance(prefetch_units, int) or prefetch_units < 1:
             raise SpmdConfigError(f"GraphModuleTransformation: prefetch_units must be an int >= 1 (units gathered "
                                   f"ahead), got {prefetch_units!r}")
+        if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float))
+                                          or not 0.0 < memory_budget <= 1.0):
+            raise SpmdConfigError(f"GraphModuleTransformation: memory_budget must be a fraction in (0, 1] of the "
+                                  f"activation memory the default recompute keeps (None: the default), got "
+                                  f"{memory_budget!r}. Pass e.g. memory_budget=0.5.")
         self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_comm_passes, inductor_options or {})
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units
+        self.memory_budget = memory_budget
         # One manager per mode module, built now so declarations and order are checked here, not mid-compile.
         self.pass_managers = {mode: PassManager((mode.pass_pipeline(self) if enable_graph_optimization else [])
                                                 + list(passes)) for mode in set(STYLES.values())}

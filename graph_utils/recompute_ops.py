@@ -1,0 +1,129 @@
+"""Which ops a recompute may repeat, and what repeating one costs.
+
+The lists are torch.compile's partitioner's (``torch._functorch.partitioners.get_default_op_list``):
+its recomputable ops (pointwise ops, views, casts, cheap reductions) are ``CHEAP``; its
+compute-intensive ops (matmuls, attention, convolutions) and any op with a FLOP formula are
+``COMPUTE``, repeated only under a memory budget. Our graphs add two facts of their own:
+functionalization's copying views (``t_copy``, ``view_copy``: views once lowered) and every view
+(``split_with_sizes``, which unpacks a gathered parameter buffer) are cheap,
+and ``native_layer_norm``, ``_log_softmax`` and ``_softmax`` are cheap: torch's partitioner sees
+them decomposed, their outputs pointwise from their input and a small reduction, and repeating
+the op from that input is the same memory-bound work, bit for bit the forward's.
+
+Never repeated: collectives and waits, ops that write an argument, ops that draw random
+numbers (``Tag.nondeterministic_seeded``: dropout, ``rand_like``; attention only with
+``dropout_p == 0``), ops that may compute different bits when run again
+(``Tag.nondeterministic_bitwise``), and anything not an aten op.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .nodes import is_comm_node, is_wait_node, tensor_bytes, view_of_copy_op
+from .optimizer_ops import written_args
+
+aten = torch.ops.aten
+
+CHEAP, COMPUTE = "cheap", "compute"
+FLOPS_PER_BYTE = 300  # a GPU's matmul throughput over its memory bandwidth: a FLOP costs this much less than a byte
+_ATTENTION = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                        "_flash_attention_forward", "_efficient_attention_forward"})
+_OURS_CHEAP = frozenset({aten.native_layer_norm, aten._log_softmax, aten._softmax, aten._unsafe_view, aten.detach_copy,
+                         aten.split_with_sizes})
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_lists() -> tuple[frozenset, frozenset]:
+    """(recomputable, compute-intensive) op packets of torch's partitioner."""
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = get_default_op_list()
+    return frozenset(ops.recomputable_ops), frozenset(ops.compute_intensive_ops)
+
+
+def _packet(op):
+    return getattr(op, "overloadpacket", op)
+
+
+def _flop_formula(op):
+    from torch.utils.flop_counter import flop_registry
+
+    return flop_registry.get(_packet(op))
+
+
+def _arg(node: fx.Node, name: str, default):
+    schema = node.target._schema
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+    return default
+
+
+def recompute_kind(node: fx.Node) -> tuple[Optional[str], str]:
+    """(``CHEAP`` | ``COMPUTE`` | None, why): whether ``node``'s op may run again, and at what price."""
+    if node.op != "call_function":
+        return None, "not an op"
+    op = node.target
+    if op is operator.getitem:
+        return CHEAP, "unpacks a result"
+    if not isinstance(op, torch._ops.OpOverload):
+        return None, "not an aten op"
+    if is_comm_node(node) or is_wait_node(node):
+        return None, "a collective"
+    if written_args(op):
+        return None, "writes an argument"
+    packet = op.overloadpacket
+    if torch.Tag.nondeterministic_bitwise in op.tags:
+        return None, "may compute different bits when run again"
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        if packet.__name__ in _ATTENTION and not _arg(node, "dropout_p", 0.0):
+            return COMPUTE, "attention without dropout"
+        return None, "draws random numbers"
+    recomputable, intensive = _torch_lists()
+    if packet in intensive or _flop_formula(op) is not None:
+        return COMPUTE, "compute-intensive"
+    if packet in recomputable or packet in _OURS_CHEAP or op.is_view or view_of_copy_op(op) is not None:
+        return CHEAP, "memory-bound"
+    return None, "not in the recomputable list"
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def value_bytes(node: fx.Node) -> int:
+    """Bytes of everything ``node`` produces (all tensors of a tuple result)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(node.meta.get("val")))
+
+
+def is_reduction(node: fx.Node) -> bool:
+    """Output 4x smaller than its inputs (torch's rule): cheap to keep, so not worth repeating."""
+    return value_bytes(node) * 4 < sum(tensor_bytes(a) for a in node.all_input_nodes)
+
+
+def recompute_cost(node: fx.Node) -> float:
+    """Bytes-equivalent time of running ``node`` again: bytes moved plus FLOPs / ``FLOPS_PER_BYTE``."""
+    if node.target is operator.getitem or view_of_copy_op(node.target) is not None:
+        return 0.0  # views once lowered
+    moved = value_bytes(node) + sum(value_bytes(a) for a in node.all_input_nodes)
+    formula = _flop_formula(node.target)
+    flops = 0
+    if formula is not None:
+        try:
+            args = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
+            kwargs = fx.node.map_arg(node.kwargs, lambda a: a.meta.get("val"))
+            flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
+        except Exception:  # a formula that needs what fake values cannot give: count bytes only
+            flops = 0
+    return float(moved) + flops / FLOPS_PER_BYTE
