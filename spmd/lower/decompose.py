@@ -65,11 +65,25 @@ def _trace_decomposition(node: fx.Node, table: dict, mode: FakeTensorMode) -> Op
         return node.target(*args, **kwargs)
 
     traced = make_fx(call, decomposition_table=table, tracing_mode="fake")(*fakes)
-    mutates = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                  and n.target._schema.is_mutable for n in traced.graph.nodes)
-    if mutates or any(n.op == "get_attr" for n in traced.graph.nodes):
-        return None  # not a pure function of the node's arguments: leave the node to Inductor's lowering
+    if _mutations(traced):
+        # Some ops update an argument in place without saying so in their schema (cudnn_batch_norm's
+        # running statistics): functionalized, the update becomes a copy into that argument at the end,
+        # which Inductor lowers as it lowers the step's own writes into its inputs.
+        traced = make_fx(torch.func.functionalize(call, remove="mutations_and_views"),
+                         decomposition_table=table, tracing_mode="fake")(*fakes)
+        placeholders = set(traced.graph.find_nodes(op="placeholder"))
+        if any(n.target is not torch.ops.aten.copy_.default or n.args[0] not in placeholders
+               for n in _mutations(traced)):
+            return None  # not a function of the node's arguments: leave the node to Inductor's lowering
+    if any(n.op == "get_attr" for n in traced.graph.nodes):
+        return None
     return traced
+
+
+def _mutations(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` whose op writes one of its arguments in place."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and n.target._schema.is_mutable]
 
 
 def _splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, tensor_args: list[fx.Node]) -> bool:
