@@ -34,7 +34,7 @@ def _step(model, optim, idx, targets):
 def _replayed_as_cuda_graph(step) -> bool:
     from spmd.lower.cudagraphs import CudaGraphRunner
 
-    runner = next(iter(step.cache.values())).runner._runners["step"]
+    runner = next(iter(step.cache.values())).runner._runners.get("step")  # none: the FX graph runs as it is
     return isinstance(runner, CudaGraphRunner) and runner.graph is not None and not runner.uncaptured
 
 
