@@ -30,6 +30,7 @@ tensor that crosses one and multiplies compile work by the number of regions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -51,6 +52,9 @@ from .decompose import decompose_for_inductor
 from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
 
 log = logging.getLogger(__name__)
+
+# Devices whose step graphs are looked up in Inductor's FX graph cache (see ``_inner_compile``).
+FX_CACHE_DEVICES = ("cpu",)
 aten = torch.ops.aten
 
 # Inductor options that would move collectives or waits away from where our passes put them.
@@ -222,22 +226,26 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tupl
 
     # One fake mode for every value on the graph: our trace, the passes and the decompositions
     # each made theirs, and Inductor's pattern passes combine values they read off the nodes.
-    # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards.
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards. On a GPU
+    # the cache is not consulted (``FX_CACHE_DEVICES``): there the tracing context it needs made a cold
+    # compile of GPT 124M 2.4x slower and a hit saved nothing (BENCHMARKS.md, 2026-11-25).
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+    cacheable = device.type in FX_CACHE_DEVICES
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if cacheable else None)
     with phase(f"lower/{label}/inductor_compile_fx/fake_prop"):
         fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
                  for t in example_inputs]
         with enable_python_dispatcher():
             FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
-    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     with phase(f"lower/{label}/inductor_compile_fx/joint_passes"), V.set_fake_mode(mode):
         gm = _recursive_joint_graph_passes(gm, input_device=device)
     outputs = output_node(gm)
     # every output is the user's (AOT would say the same of an inference graph): keep their strides
     outputs.meta["user_visible_output_idxs"] = [
         i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
-    with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), inductor_cache_context(gm, mode) as cache:
+    context = inductor_cache_context(gm, mode) if cacheable else contextlib.nullcontext({"fx_graph_cache": "off"})
+    with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache:
         compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
 
     def run(*args):
