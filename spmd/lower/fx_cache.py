@@ -36,9 +36,17 @@ def opaque_schemas(gm: fx.GraphModule) -> list[str]:
                    and n.target.namespace == OPAQUE_NAMESPACE})
 
 
+def _user_tag() -> str:
+    """The user's ``cache_key_tag`` ("" where a deletion hid the setting: unittest.mock deletes, then restores)."""
+    try:
+        return torch.compiler.config.cache_key_tag
+    except AttributeError:
+        return ""
+
+
 def _cache_key_tag(gm: fx.GraphModule) -> str:
     """The user's ``cache_key_tag`` followed by a digest of our ops' schemas (the user's tag alone if none)."""
-    user_tag = torch.compiler.config.cache_key_tag
+    user_tag = _user_tag()
     schemas = opaque_schemas(gm)
     if not schemas:
         return user_tag
@@ -62,8 +70,15 @@ def inductor_cache_context(gm: fx.GraphModule, fake_mode) -> Iterator[dict]:
     """
     result: dict = {}
     before = _lookups()
-    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
-            torch.compiler.config.patch(cache_key_tag=_cache_key_tag(gm)):
-        yield result
+    tag = _cache_key_tag(gm)
+    prior = _user_tag()
+    # set and put back by value: ``config.patch`` would delete the setting on the way out, which hides it
+    # from every later reader (Inductor's own cache key included) until someone sets it again
+    torch.compiler.config.cache_key_tag = tag
+    try:
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            yield result
+    finally:
+        torch.compiler.config.cache_key_tag = prior
     after = _lookups()
     result["fx_graph_cache"] = next((k for k in after if after[k] > before[k]), "off")
