@@ -7,7 +7,6 @@ import json
 import re
 import xml.etree.ElementTree as ET
 
-import time
 
 import pytest
 import torch
@@ -145,19 +144,15 @@ def test_annotations_of_other_modes_count_as_steps_when_spmd_has_none():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--record uses NCCL on GPUs (spmd bench --suite gpu)")
-def test_record_itermove_on_cpu_profiles_setup_main_cleanup(tmp_path, capfd):
+def test_record_itermove_on_cpu_profiles_setup_main_cleanup(tmp_path):
     out = tmp_path / "tl"
     assert cli.main(["timeline", "--record", "--steps", "3", "--modes", "spmd_pipeline_itermove", "--nproc", "2",
                      "--layers", "2", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
                      "--no-inductor", "--no-autocast", "--out", str(out)]) == 0
     traces = [out / f"spmd_pipeline_itermove_trace_rank{r}.json" for r in range(2)]
-    printed = capfd.readouterr().out  # rank 0 is a spawned process: its output reaches the file descriptor
-    for _ in range(20):  # ... possibly after cli.main returned, on a loaded machine
-        if all(str(t) in printed for t in traces):
-            break
-        time.sleep(0.5)
-        printed += capfd.readouterr().out
-    assert all(str(t) in printed for t in traces)  # paths to open in Perfetto
+    # the paths to open in Perfetto are printed by rank 0, a spawned process whose output pytest may
+    # collect elsewhere depending on the tests before (it shows under 'Captured stdout'): check the files
+    assert all(t.exists() for t in traces)
     svg = (out / "spmd_pipeline_itermove.svg").read_text()
     assert svg in (out / "spmd_pipeline_itermove.html").read_text()
     for t in traces:  # the window holds the three compiled calls, nothing of the compile or warm-up
