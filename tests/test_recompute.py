@@ -52,9 +52,9 @@ def test_default_recomputes_layernorm_and_gelu_outputs_from_kept_values():
     again = _again(igm.graph)
     ops = {n.target for n in again}
     assert aten.native_layer_norm.default in ops and aten.gelu.default in ops
-    assert ops <= {aten.native_layer_norm.default, aten.gelu.default, aten.view_copy.default, aten.t_copy.default,
-                   aten.detach_copy.default,
-                   operator.getitem}, ops
+    views = {aten.view_copy.default, aten.t_copy.default, aten.detach_copy.default, aten._unsafe_view.default,
+             aten.alias_copy.default}  # which of them a trace holds depends on the torch version
+    assert ops <= {aten.native_layer_norm.default, aten.gelu.default, operator.getitem, *views}, ops
     plan = recompute_plan(igm)
     assert plan.kept_bytes == plan.default_bytes < plan.saved_bytes
     # the GELU's input (the fc output) stays kept: gelu_backward reads it, and the GELU is recomputed from it
