@@ -154,6 +154,12 @@ def single_compile(setup: Setup) -> Step:
     return _eager(setup, lambda m: torch.compile(m, backend=setup.backend))
 
 
+@register("single_compile_ro", single=True, unavailable=_needs_inductor("torch.compile(mode='reduce-overhead')"))
+def single_compile_ro(setup: Setup) -> Step:
+    """One replica per rank under torch.compile(model, mode="reduce-overhead"): Inductor and CUDA graphs."""
+    return _eager(setup, lambda m: torch.compile(m, mode="reduce-overhead"))
+
+
 @register("ddp")
 def ddp(setup: Setup) -> Step:
     """Eager DistributedDataParallel: the parity reference."""
