@@ -33,6 +33,7 @@ from .parallel.grad_check import refuse_untrained_parameters
 from .step.artifact import artifact_of, step_from_artifact
 from .step.cache_key import StepKey, guards_hold, hyper_guards, restore_hyper_guards, step_key
 from .step.cache_store import CacheStore, resolve_cache_dir
+from .step.code_slots import code_slots
 from .graph_utils.graph_record import UnrecordableGraph
 from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .step.iter_graph_module import IterGraphModule
@@ -226,8 +227,10 @@ class CompiledTrainStep:
             if loaded is not None:
                 loaded[0].compile_times["cache_load"] = time.perf_counter() - start
                 log.info("spmd: %s loaded from the compile cache (%s)", self.__name__, store.path(key.digest))
+                self._keep_code(loaded[0], store, key)
                 return loaded
         entry, state, created = self._compile(state, args, kwargs)
+        self._keep_code(entry, store, key)
         try:
             store.save(key.digest, {"artifact": artifact_of(entry, state), "guards": hyper_guards(state),
                                     "compiled_for": _compiled_for(self.__name__, key)})
@@ -237,6 +240,11 @@ class CompiledTrainStep:
             warnings.warn(f"spmd.compile: could not write the compile cache entry under {store.root}: {err}; "
                           "the step runs, compiled again next time.", RuntimeWarning, stacklevel=4)
         return entry, state, created
+
+    def _keep_code(self, entry: CompiledStep, store: CacheStore, key: StepKey) -> None:
+        """Let ``entry``'s graphs keep their Inductor code in ``store`` beside the step (``spmd.step.code_slots``)."""
+        if isinstance(entry.runner, IterGraphModule):
+            entry.runner.code_slots = code_slots(store, key.digest, self.__name__)
 
     def _from_artifact(self, payload: dict, state: StepState, args: tuple, kwargs: dict
                        ) -> Optional[tuple[CompiledStep, StepState, list]]:

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import re
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -50,11 +50,12 @@ from ..compile_times import phase
 from ..errors import SpmdCompileError
 from .decompose import decompose_for_inductor
 from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
+from .inductor_code import code_of, load_code
 
 log = logging.getLogger(__name__)
 
 # Devices whose step graphs are looked up in Inductor's FX graph cache (see ``_inner_compile``).
-FX_CACHE_DEVICES = ("cpu",)
+FX_CACHE_DEVICES = ("cpu", "cuda")
 aten = torch.ops.aten
 
 # Inductor options that would move collectives or waits away from where our passes put them.
@@ -212,11 +213,12 @@ def start_compile_workers() -> None:
     AsyncCompile.wakeup()
 
 
-def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tuple[Callable, str]:
+def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tuple[Any, str]:
     """Inductor's post-AOT half on ``gm`` (already functional and decomposed): joint-graph passes, then
     ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace,
     looked up in Inductor's FX graph cache first (``spmd.lower.fx_cache``).
-    Returns a callable taking the graph's inputs positionally, and the cache lookup's outcome."""
+    Returns what ``compile_fx_inner`` made (called on a list of the graph's inputs) and the cache lookup's
+    outcome."""
     from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
     from torch._inductor.utils import BoxedBool, output_node
     from torch._inductor.virtualized import V
@@ -226,9 +228,7 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tupl
 
     # One fake mode for every value on the graph: our trace, the passes and the decompositions
     # each made theirs, and Inductor's pattern passes combine values they read off the nodes.
-    # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards. On a GPU
-    # the cache is not consulted (``FX_CACHE_DEVICES``): there the tracing context it needs made a cold
-    # compile of GPT 124M 2.4x slower and a hit saved nothing (BENCHMARKS.md, 2026-11-25).
+    # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards.
     devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
     device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     cacheable = device.type in FX_CACHE_DEVICES
@@ -246,16 +246,54 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tupl
         i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
     context = inductor_cache_context(gm, mode) if cacheable else contextlib.nullcontext({"fx_graph_cache": "off"})
     with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache:
-        compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
+        # Inductor gets fake inputs, as from AOT autograd: it compiles from their metadata alone, and its
+        # cache key hashes a real input by value (every parameter copied to the host and pickled: on a
+        # GPU that took longer than the compile it would save)
+        compiled = compile_fx_inner(gm, fakes, cudagraphs=BoxedBool(False), is_inference=True)
+    return compiled, cache["fx_graph_cache"]
 
+
+def _positional(compiled: Callable[[list], Any]) -> Callable:
+    """``compiled`` (Inductor's boxed convention: called on a list, which it may clear) called positionally."""
     def run(*args):
-        return compiled(list(args))  # Inductor's boxed convention: it may clear the list it is given
+        return compiled(list(args))
 
-    return run, cache["fx_graph_cache"]
+    return run
+
+
+def _op_named(name: str) -> torch._ops.OpOverload:
+    """The op ``OpOverload.name()`` calls ``name`` (``aten::_fused_adamw_.tensor_lr``)."""
+    namespace, _, rest = name.partition("::")
+    packet, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+def _wrapped_ops(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The names of the ops ``gm`` calls through their ``opaque_inplace_op``."""
+    wrapping = {opaque: op for op, opaque in _opaque_ops.items()}
+    return tuple(sorted({wrapping[n.target].name() for n in gm.graph.nodes if n.target in wrapping}))
+
+
+def _load_kept_code(slot, label: str) -> Optional[Callable]:
+    """The graph's compiled code from ``slot`` (``spmd.lower.inductor_code``), or None where it holds none
+    or what it holds does not load (said once; the graph is then compiled)."""
+    code = slot.load()
+    if code is None:
+        return None
+    try:
+        with phase(f"lower/{label}/inductor_code_load"):
+            for name in code.wrapped_ops:  # the code calls them by name: define them first
+                opaque_inplace_op(_op_named(name))
+            return load_code(code)
+    except Exception as err:  # noqa: BLE001 - a kept module that does not load is a miss, not a failure
+        log.warning("spmd: the kept Inductor code of the %s graph did not load (%s: %s); compiling it again",
+                    label, type(err).__name__, err)
+        return None
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
-                          inductor_comm_passes: bool = False, options: Optional[dict] = None) -> Callable:
+                          inductor_comm_passes: bool = False, options: Optional[dict] = None,
+                          code_slot: Any = None) -> Callable:
     """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
 
     The graph updates parameters and optimizer state in place and is compiled as
@@ -266,16 +304,24 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     Returns a callable taking the graph's inputs positionally and returning its outputs.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
-    options (``check_inductor_options``).
+    options (``check_inductor_options``). ``code_slot`` (``load()`` and ``save(code)``), where given,
+    keeps the compiled code (``spmd.lower.inductor_code``): what it holds is loaded instead of compiling,
+    and what is compiled is put there.
     """
     from torch._inductor import config
 
     start = time.perf_counter()
     with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes, options)):
+        kept = _load_kept_code(code_slot, label) if code_slot is not None else None
+        if kept is not None:
+            log.info("spmd: loaded the %s graph's kept Inductor code in %.1f s", label, time.perf_counter() - start)
+            return _positional(kept)
         with phase(f"lower/{label}/inductor_prepare"):
             prepared = prepare_for_inductor(gm)
         with phase(f"lower/{label}/inductor_compile_fx"):
             compiled, cache = _inner_compile(prepared, list(example_inputs), label)
     log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,
              len(gm.graph.nodes), time.perf_counter() - start, cache)
-    return compiled
+    if code_slot is not None and (code := code_of(compiled, _wrapped_ops(prepared))) is not None:
+        code_slot.save(code)
+    return _positional(compiled)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -62,10 +62,12 @@ class Lowering:
         if self.inductor and device.type == "cuda":
             start_compile_workers()
 
-    def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int) -> Callable:
-        """What runs one of the step's graphs: Inductor code for ``example_inputs``, maybe as a CUDA graph."""
-        runner = (compile_with_inductor(gm, example_inputs, label, self.inductor_comm_passes, self.inductor_options)
-                  if self.inductor else gm)
+    def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int,
+                    code_slot: Any = None) -> Callable:
+        """What runs one of the step's graphs: Inductor code for ``example_inputs`` (from ``code_slot``
+        where it holds it, see ``compile_with_inductor``), maybe as a CUDA graph."""
+        runner = (compile_with_inductor(gm, example_inputs, label, self.inductor_comm_passes, self.inductor_options,
+                                        code_slot) if self.inductor else gm)
         auto = self.cudagraphs == "auto"
         if auto and (reason := cudagraph_obstacle(gm, example_inputs)):
             log.warning("spmd: the %s graph runs without CUDA graphs: %s", label, reason)

@@ -25,7 +25,7 @@ through ``gm.graph`` reaches all three; nothing has to mirror node maps by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -232,6 +232,9 @@ class IterGraphModule(nn.Module):
         self._reused_args: tuple = ()  # the persistent inputs the pending work updates
         self._finalized = False
         self.lowering: Optional[Lowering] = None  # how ``lower`` compiles each graph (None: run the FX graphs)
+        # (label, example inputs) -> where that graph's compiled code is kept across processes
+        # (``spmd.step.code_slots``); None: nowhere
+        self.code_slots: Optional[Callable[[str, tuple], Any]] = None
         self._runners: dict[str, Callable] = {}  # label -> what runs that graph, made by ``lower``
 
     @property
@@ -322,7 +325,9 @@ class IterGraphModule(nn.Module):
         flush_positions = self._flush_graph()[1] if self.graph.moves else []
         examples = {"step": inputs, "setup": inputs, "main": inputs + carried, "cleanup": inputs + carried,
                     "flush": tuple(inputs[i] for i in flush_positions) + carried}
-        self._runners = {label: self.lowering.lower_graph(label, gm, examples[label], self.num_user_outputs)
+        slot = self.code_slots or (lambda label, examples: None)
+        self._runners = {label: self.lowering.lower_graph(label, gm, examples[label], self.num_user_outputs,
+                                                          slot(label, examples[label]))
                          for label, gm in modules}
 
     def flush(self) -> None:
