@@ -50,12 +50,15 @@ from ..compile_times import phase
 from ..errors import SpmdCompileError
 from .decompose import decompose_for_inductor
 from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
-from .inductor_code import code_of, load_code
+from .inductor_code import InductorCode, code_of, load_code, relocated
 
 log = logging.getLogger(__name__)
 
-# Devices whose step graphs are looked up in Inductor's FX graph cache (see ``_inner_compile``).
-FX_CACHE_DEVICES = ("cpu", "cuda")
+# Devices whose step graphs are looked up in Inductor's FX graph cache (``uses_fx_graph_cache``). Not the
+# GPU: a restart runs the code kept beside the step (``spmd.lower.inductor_code``) and never reaches
+# Inductor, while the tracing context the cache needs made a cold GPU compile slower (BENCHMARKS.md);
+# ``inductor_options={"fx_graph_cache": True}`` asks for it there, to measure it.
+FX_CACHE_DEVICES = ("cpu",)
 aten = torch.ops.aten
 
 # Inductor options that would move collectives or waits away from where our passes put them.
@@ -213,10 +216,10 @@ def start_compile_workers() -> None:
     AsyncCompile.wakeup()
 
 
-def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tuple[Any, str]:
+def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str, fx_cache: bool) -> tuple[Any, str]:
     """Inductor's post-AOT half on ``gm`` (already functional and decomposed): joint-graph passes, then
     ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace,
-    looked up in Inductor's FX graph cache first (``spmd.lower.fx_cache``).
+    looked up in Inductor's FX graph cache first where ``fx_cache`` (``spmd.lower.fx_cache``).
     Returns what ``compile_fx_inner`` made (called on a list of the graph's inputs) and the cache lookup's
     outcome."""
     from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
@@ -229,28 +232,37 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tupl
     # One fake mode for every value on the graph: our trace, the passes and the decompositions
     # each made theirs, and Inductor's pattern passes combine values they read off the nodes.
     # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards.
-    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-    cacheable = device.type in FX_CACHE_DEVICES
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if cacheable else None)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if fx_cache else None)
     with phase(f"lower/{label}/inductor_compile_fx/fake_prop"):
         fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
                  for t in example_inputs]
         with enable_python_dispatcher():
             FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
     with phase(f"lower/{label}/inductor_compile_fx/joint_passes"), V.set_fake_mode(mode):
-        gm = _recursive_joint_graph_passes(gm, input_device=device)
+        gm = _recursive_joint_graph_passes(gm, input_device=_device_of(example_inputs))
     outputs = output_node(gm)
     # every output is the user's (AOT would say the same of an inference graph): keep their strides
     outputs.meta["user_visible_output_idxs"] = [
         i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
-    context = inductor_cache_context(gm, mode) if cacheable else contextlib.nullcontext({"fx_graph_cache": "off"})
+    context = inductor_cache_context(gm, mode) if fx_cache else contextlib.nullcontext({"fx_graph_cache": "off"})
     with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache:
         # Inductor gets fake inputs, as from AOT autograd: it compiles from their metadata alone, and its
-        # cache key hashes a real input by value (every parameter copied to the host and pickled: on a
-        # GPU that took longer than the compile it would save)
+        # FX graph cache key would hash a real input by value (every parameter copied to the host)
         compiled = compile_fx_inner(gm, fakes, cudagraphs=BoxedBool(False), is_inference=True)
     return compiled, cache["fx_graph_cache"]
+
+
+def _device_of(example_inputs: Sequence) -> torch.device:
+    """The accelerator the graph's inputs live on, else the CPU."""
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+
+
+def uses_fx_graph_cache(device: torch.device, options: Optional[dict]) -> bool:
+    """Whether a graph on ``device`` is looked up in Inductor's FX graph cache: on the CPU unless
+    ``options`` turn the cache off, on a GPU only where they turn it on (``FX_CACHE_DEVICES``)."""
+    asked = (options or {}).get("fx_graph_cache")
+    return asked is not False and (device.type in FX_CACHE_DEVICES or asked is True)
 
 
 def _positional(compiled: Callable[[list], Any]) -> Callable:
@@ -274,14 +286,12 @@ def _wrapped_ops(gm: fx.GraphModule) -> tuple[str, ...]:
     return tuple(sorted({wrapping[n.target].name() for n in gm.graph.nodes if n.target in wrapping}))
 
 
-def _load_kept_code(slot, label: str) -> Optional[Callable]:
-    """The graph's compiled code from ``slot`` (``spmd.lower.inductor_code``), or None where it holds none
-    or what it holds does not load (said once; the graph is then compiled)."""
-    code = slot.load()
-    if code is None:
-        return None
+def _load_kept_code(code: InductorCode, device: torch.device, label: str) -> Optional[Callable]:
+    """What runs ``code`` (kept from an earlier compile of this graph, ``spmd.lower.inductor_code``) on
+    ``device``, or None where it does not load there (said once; the graph is then compiled)."""
     try:
         with phase(f"lower/{label}/inductor_code_load"):
+            code = relocated(code, device.index if device.type == "cuda" else None)
             for name in code.wrapped_ops:  # the code calls them by name: define them first
                 opaque_inplace_op(_op_named(name))
             return load_code(code)
@@ -293,7 +303,7 @@ def _load_kept_code(slot, label: str) -> Optional[Callable]:
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
                           inductor_comm_passes: bool = False, options: Optional[dict] = None,
-                          code_slot: Any = None) -> Callable:
+                          kept: Optional[InductorCode] = None) -> tuple[Callable, Optional[InductorCode]]:
     """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
 
     The graph updates parameters and optimizer state in place and is compiled as
@@ -301,27 +311,30 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     Inductor's decompositions are applied node by node (``spmd.lower.decompose``) and
     the graph goes straight to ``compile_fx_inner``: AOT autograd's re-trace of the whole
     step, which ``compile_fx`` would run first, has nothing left to do on a functional graph.
-    Returns a callable taking the graph's inputs positionally and returning its outputs.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
-    options (``check_inductor_options``). ``code_slot`` (``load()`` and ``save(code)``), where given,
-    keeps the compiled code (``spmd.lower.inductor_code``): what it holds is loaded instead of compiling,
-    and what is compiled is put there.
+    options (``check_inductor_options``).
+
+    Returns a callable taking the graph's inputs positionally and returning its outputs, and the code
+    it runs as ``InductorCode`` (None where that code cannot be kept). ``kept``: code an earlier
+    compile of this graph returned; it is loaded instead of compiling, and compiled again where it
+    does not load.
     """
     from torch._inductor import config
 
     start = time.perf_counter()
+    device = _device_of(example_inputs)
     with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes, options)):
-        kept = _load_kept_code(code_slot, label) if code_slot is not None else None
-        if kept is not None:
+        loaded = _load_kept_code(kept, device, label) if kept is not None else None
+        if loaded is not None:
             log.info("spmd: loaded the %s graph's kept Inductor code in %.1f s", label, time.perf_counter() - start)
-            return _positional(kept)
+            return _positional(loaded), kept
         with phase(f"lower/{label}/inductor_prepare"):
             prepared = prepare_for_inductor(gm)
         with phase(f"lower/{label}/inductor_compile_fx"):
-            compiled, cache = _inner_compile(prepared, list(example_inputs), label)
+            compiled, cache = _inner_compile(prepared, list(example_inputs), label,
+                                             uses_fx_graph_cache(device, options))
     log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,
              len(gm.graph.nodes), time.perf_counter() - start, cache)
-    if code_slot is not None and (code := code_of(compiled, _wrapped_ops(prepared))) is not None:
-        code_slot.save(code)
-    return _positional(compiled)
+    code = code_of(compiled, _wrapped_ops(prepared), device.index if device.type == "cuda" else None)
+    return _positional(compiled), code
