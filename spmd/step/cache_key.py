@@ -38,6 +38,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import platform
 import sys
 import types
 from dataclasses import dataclass
@@ -139,16 +140,15 @@ def _spmd_source_digest() -> str:
 def device_facts(state: StepState, inductor: bool = False) -> dict:
     """The CUDA device capability where the step's tensors live on CUDA (kernels are chosen for it); with
     ``inductor``, what the code Inductor generates is written for (kept beside the step and loaded as it
-    is, ``spmd.lower.inductor_code``): the GPU model and its number of SMs, or the CPU's vector ISA."""
+    is, ``spmd.lower.inductor_code``): the GPU model and its number of SMs, or the CPU's architecture and
+    the vector instructions ATen found it has (Inductor's C++ kernels are built for them)."""
     cuda = next((t.device for t in (*state.params, *state.buffers) if t.device.type == "cuda"), None)
     facts = {"cuda capability": list(torch.cuda.get_device_capability(cuda)) if cuda is not None else None}
     if inductor and cuda is not None:
         props = torch.cuda.get_device_properties(cuda)
         facts["kernel target"] = [props.name, props.multi_processor_count]
     elif inductor:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        facts["kernel target"] = [str(pick_vec_isa()) or "no vector ISA"]
+        facts["kernel target"] = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
     return facts
 
 
