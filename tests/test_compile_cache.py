@@ -239,3 +239,54 @@ def test_two_ranks_restarted_in_fresh_processes_load_the_step(tmp_path):
     assert sorted(job) == [False, True] and restart == [False, False]  # one compile per job, none at the restart
     assert all("cache_load" in phases for phases in runs[1]["phases"])
     assert runs[0]["losses"] == runs[1]["losses"] and runs[0]["params"] == runs[1]["params"]
+
+
+class _ToTanh:
+    """An override that only swaps modules: covered by the key (the swapped-in modules, this class's code)."""
+
+    def replacement(self, fqn, submodule):
+        return torch.nn.Tanh() if isinstance(submodule, torch.nn.ReLU) else submodule
+
+
+class _ToSigmoid(_ToTanh):
+    def replacement(self, fqn, submodule):
+        return torch.nn.Sigmoid() if isinstance(submodule, torch.nn.ReLU) else submodule
+
+
+class _Transforms(_ToTanh):
+    def transform(self, gm, flat_state):  # given the live tensors: their values are in no key
+        return gm
+
+
+def _passes_only(gm):
+    return spmd.GraphModuleTransformation(enable_graph_optimization=True)(gm)
+
+
+def _passes_then_nothing(gm):
+    return spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=1.0)(gm)
+
+
+def _loads(cache_dir, **options) -> bool:
+    """A fresh model, optimizer and compiled step trained 2 steps against eager; whether it was loaded."""
+    model, ref, opt, ref_opt = _model_and_optim()
+    step = spmd.compile(cache_dir=cache_dir, **options)(train_step)
+    overrides = options.get("module_override") or []
+    for override in overrides:
+        ref.apply(lambda m: [setattr(m, name, override.replacement(name, sub)) for name, sub in m.named_children()])
+    _train_and_compare(step, model, ref, opt, ref_opt, steps=2)
+    return "cache_load" in step.compile_times
+
+
+def test_a_step_with_module_swaps_or_its_own_transformation_is_cached_under_a_key_covering_their_code(
+        tmp_path, caplog):
+    assert (_loads(tmp_path, module_override=[_ToTanh()]), _loads(tmp_path, module_override=[_ToTanh()])) == \
+        (False, True)
+    assert not _loads(tmp_path, module_override=[_ToSigmoid()])  # other override code: another step
+    assert (_loads(tmp_path, gm_transformation=_passes_only), _loads(tmp_path, gm_transformation=_passes_only)) == \
+        (False, True)
+    assert not _loads(tmp_path, gm_transformation=_passes_then_nothing)
+    entries = len(CacheStore(tmp_path).entries())
+    with caplog.at_level("INFO", logger="spmd.api"):
+        assert not _loads(tmp_path, module_override=[_Transforms()]) and not _loads(tmp_path, module_override=[_Transforms()])
+    assert "not kept in the compile cache: module_override _Transforms transforms the graph" in caplog.text
+    assert len(CacheStore(tmp_path).entries()) == entries
