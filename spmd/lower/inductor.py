@@ -19,9 +19,10 @@ re-trace the whole step only to apply Inductor's decompositions to a graph that 
 already functional: ``spmd.lower.decompose`` applies them node by node and
 ``_inner_compile`` runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
-graph means what it means when run op by op. ``compile_fx_inner`` looks the graph up in
-Inductor's FX graph cache first, so a restarted process loads the code instead of
-compiling it (``spmd.lower.fx_cache`` says what that needs).
+graph means what it means when run op by op. On the CPU ``compile_fx_inner`` looks the graph
+up in Inductor's FX graph cache first (``spmd.lower.fx_cache`` says what that needs); the code
+it returns is also handed back as data (``spmd.lower.inductor_code``), which a cached step keeps
+and a restarted process loads instead of calling Inductor at all.
 
 The alternative, compiling the compute regions between collectives separately, keeps
 the schedule trivially but cuts fusion at every bucket boundary, materializes every
@@ -337,4 +338,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,
              len(gm.graph.nodes), time.perf_counter() - start, cache)
     code = code_of(compiled, _wrapped_ops(prepared), device.index if device.type == "cuda" else None)
+    if code is None:
+        log.info("spmd: the %s graph's Inductor code cannot be kept beside a cached step (it needs more than its "
+                 "module: constants or script objects held on the side); a restart compiles it again", label)
     return _positional(compiled), code
