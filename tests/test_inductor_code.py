@@ -33,7 +33,8 @@ _SCRIPT = textwrap.dedent("""
     device = sys.argv[2]
     torch.manual_seed(0)
     model = MLP(layers=3, dim=8).double().to(device)
-    optim = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)  # an op the code calls as spmd_lowering::*
+    # an op the code calls as spmd_lowering::*; its state on the GPU, so the step replays as a CUDA graph
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True, capturable=device == "cuda")
     # the pass pipeline writes the update in place: the fused op becomes spmd_lowering::*
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
                                                     enable_cudagraphs=device == "cuda")
