@@ -120,6 +120,10 @@ def test_code_held_beside_constants_is_not_kept():
 
     assert code_of(Compiled()) == InductorCode("def call(args): pass", (), (0,), (1,))
     assert code_of(Compiled(), ("aten::x",), 3) == InductorCode("def call(args): pass", (), (0,), (1,), ("aten::x",), 3)
+    Compiled.inputs_to_check, Compiled._defers_input_alignment = [0, 1], True  # the module aligns what it only reads
+    assert code_of(Compiled()).inputs_to_check == (1,)
+    Compiled._defers_input_alignment = False
+    assert code_of(Compiled()).inputs_to_check == (0, 1)
     Compiled.constants = {"constant0": torch.zeros(1)}
     assert code_of(Compiled()) is None
     del Compiled.source_code

@@ -50,9 +50,14 @@ def code_of(compiled: Any, wrapped_ops: tuple = (), cuda_index: Optional[int] = 
     if not all(_empty(getattr(compiled, name, None))
                for name in ("constants", "torchbind_constants", "opaque_value_type_classes", "frozen_param_names")):
         return None
-    return InductorCode(compiled.source_code, tuple(getattr(compiled, "cache_linemap", None) or ()),
-                        tuple(compiled.inputs_to_check), tuple(sorted(compiled.mutated_input_idxs)), tuple(wrapped_ops),
-                        cuda_index)
+    mutated = tuple(sorted(compiled.mutated_input_idxs))
+    checked = tuple(compiled.inputs_to_check)
+    if getattr(compiled, "_defers_input_alignment", False):
+        # the module copies a misaligned input it only reads itself; the wrapper handles the written ones (as
+        # Inductor's own post-compile step wraps them), which must be copied back
+        checked = tuple(i for i in checked if i in mutated)
+    return InductorCode(compiled.source_code, tuple(getattr(compiled, "cache_linemap", None) or ()), checked, mutated,
+                        tuple(wrapped_ops), cuda_index)
 
 
 # Where Inductor's Python wrapper and its Triton kernels name a CUDA device (group 1: the index).
