@@ -105,9 +105,11 @@ def _failing_compile(rank, world_size, cache_dir):
     compile_for_real = step._compile
 
     def fails(*args, **kwargs):
+        time.sleep(3.0)  # the other rank claims meanwhile (one that asks after a failure compiles afresh)
         raise RuntimeError("the compiling rank ran out of memory")
 
     step._compile = fails  # only the rank that compiles calls it
+    dist.barrier()
     with pytest.raises((RuntimeError, spmd.SpmdCompileError)) as raised:
         step(model, optim, torch.randn(4, 5, dtype=torch.float64))
     errors = _gathered(str(raised.value))
