@@ -53,12 +53,14 @@ def uncacheable(module_override: list) -> Optional[str]:
     return None
 
 
-def compiled_for(name: str, key: StepKey) -> dict:
-    """What ``spmd cache list`` shows of an entry: the step, its mode, size and where it was compiled."""
+def compiled_for(name: str, key: StepKey, code: dict) -> dict:
+    """What ``spmd cache list`` shows of an entry: the step, its mode, size, where it was compiled and the
+    graphs whose Inductor code it keeps (``code``: by graph label)."""
     described = key.description
     tensors = described.get("tensors", {})
     return {"step": name, "parallel mode": described.get("parallel mode"), "torch": described["versions"].get("torch"),
-            "device": described.get("device"), "tensors": len(tensors) if hasattr(tensors, "__len__") else None}
+            "device": described.get("device"), "tensors": len(tensors) if hasattr(tensors, "__len__") else None,
+            "inductor code": sorted(code)}
 
 
 @dataclass
@@ -165,7 +167,8 @@ class StepCache:
         try:
             payload = {"artifact": loaded.get("artifact") or artifact_of(entry, state),
                        "guards": loaded.get("guards", hyper_guards(state)),
-                       "compiled_for": compiled_for(self.name, key), "code": dict(entry.runner.inductor_code)}
+                       "compiled_for": compiled_for(self.name, key, entry.runner.inductor_code),
+                       "code": dict(entry.runner.inductor_code)}
         except UnrecordableGraph as err:
             log.info("spmd: %s is not kept in the compile cache: %s", self.name, err)
             return None, str(err)
