@@ -393,7 +393,8 @@ class CompiledTrainStep:
         """Compile the step for these arguments ahead of its first call, without running it.
 
         Traces, transforms and lowers (Inductor compiles every graph the step runs) exactly as the
-        first call with this signature would, and keeps the result, so that call only runs. As
+        first call with this signature would, and keeps the result, so that call only runs; with the
+        compile cache on it is stored there too, for the next job (or loaded from it). As
         the first call would, it creates the optimizer state a step needs (zeros) and, on several
         ranks, takes part in the ranks' agreement: call it on every rank. Returns the compiled
         step (its ``compile_times`` say where the time went).
@@ -567,8 +568,9 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     does); without one the step sums them (the seed's semantics: gradients x world size).
     ``gm_transformation``: a callable
     from the expanded ``fx.GraphModule`` to what runs it (default: ``default_transformation``).
-    ``cache_dir``: where compiled steps are kept between processes (``spmd.step.cache_store``): a
-    restarted job loads its step instead of tracing it again. Default: ``$SPMD_CACHE_DIR``, else
+    ``cache_dir``: where compiled steps are kept between processes (``spmd.step.step_cache``), Inductor's
+    code included: a restarted job loads its step instead of tracing and compiling it again, and on
+    several ranks one rank compiles each step for the others. Default: ``$SPMD_CACHE_DIR``, else
     ``spmd`` beside Inductor's cache; ``False`` (or ``SPMD_CACHE_DIR=""``) turns it off.
     ``@spmd.compile`` without parentheses compiles with the defaults. A wrong argument raises
     ``spmd.SpmdConfigError`` here, where it is written.
