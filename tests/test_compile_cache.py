@@ -290,3 +290,12 @@ def test_a_step_with_module_swaps_or_its_own_transformation_is_cached_under_a_ke
         assert not _loads(tmp_path, module_override=[_Transforms()]) and not _loads(tmp_path, module_override=[_Transforms()])
     assert "not kept in the compile cache: module_override _Transforms transforms the graph" in caplog.text
     assert len(CacheStore(tmp_path).entries()) == entries
+
+
+def test_lowering_ahead_of_time_stores_the_step_for_the_next_job(tmp_path):
+    model, ref, opt, ref_opt = _model_and_optim()
+    ahead = spmd.compile(cache_dir=tmp_path)(train_step)
+    ahead.lower(model, opt, torch.randn(4, 8, dtype=torch.float64))  # e.g. a launcher warming the cache
+    assert len(CacheStore(tmp_path).entries()) == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))  # nothing ran
+    assert _loads(tmp_path)  # the job's first call, with a fresh model and optimizer, loads it
