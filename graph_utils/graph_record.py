@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from . import meta as spmd_meta
+from .lazy import lazy_graph_module
 
 # The metadata a loaded graph must carry again: spmd's own keys (by their values in meta.py).
 KEPT_META = tuple(v for k, v in vars(spmd_meta).items() if k.isupper() and isinstance(v, str))
@@ -138,9 +139,13 @@ def record_graph(gm: fx.GraphModule) -> GraphRecord:
 
 
 def _fake(spec: Any, mode) -> Any:
+    """A fake tensor of ``mode`` with ``spec``'s metadata (made from a meta tensor, as the mode makes its
+    own results: dispatching ``empty_strided`` through the mode costs several times more per node)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     if isinstance(spec, TensorSpec):
-        with mode:
-            return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
+        meta = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+        return FakeTensor(mode, meta, torch.device(spec.device))
     if isinstance(spec, (list, tuple)):
         return type(spec)(_fake(s, mode) for s in spec)
     return spec
@@ -178,4 +183,4 @@ def load_graph(record: GraphRecord) -> fx.GraphModule:
             target = entry["target"]
             _assign_attr(record.constants[target].to(record.constant_devices[target]), root, target)
     graph.lint()
-    return fx.GraphModule(root, graph)
+    return lazy_graph_module(root, graph)  # its code is generated if it ever runs (lowered graphs do not)

@@ -30,10 +30,10 @@ from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
 from .parallel.grad_check import refuse_untrained_parameters
-from .step.artifact import artifact_of, step_from_artifact
-from .step.cache_key import StepKey, guards_hold, hyper_guards, restore_hyper_guards, step_key
+from .step.cache_key import StepKey, step_key
 from .step.cache_store import CacheStore, resolve_cache_dir
-from .graph_utils.graph_record import UnrecordableGraph
+from .step.job_compile import job_store
+from .step.step_cache import StepCache, uncacheable
 from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .step.iter_graph_module import IterGraphModule
 from .step.state_check import StateCheck
@@ -96,6 +96,10 @@ class CompiledTrainStep:
     # step's group has several ranks. True: on a group of one too, to measure what it costs. False:
     # never, to measure a call without it (a rank that then retraces alone hangs the others).
     agree_across_ranks: Optional[bool] = None
+    # On several ranks with the compile cache on, one rank compiles each step and the others load what it
+    # made (spmd.step.job_compile), waiting for it at most compile_wait_s seconds. False: each rank compiles.
+    one_compile_per_job = True
+    compile_wait_s = 1800.0
 
     def __init__(self, fn: Callable, module_override: Optional[Sequence] = None,
                  gm_transformation: Optional[Callable] = None, parallel_mode: Optional[DataParallel] = None,
@@ -210,49 +214,31 @@ class CompiledTrainStep:
         return entry, state, created
 
     def _load_or_compile(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState, list]:
-        """``_compile``'s result, from the persistent compile cache where it holds this step (a hit skips
-        the optimizer probe, tracing, expansion and passes; the lower stage then finds Inductor's code in
-        its own cache), else compiled and stored there. Steps of a transformation other than
-        ``GraphModuleTransformation`` or with ``module_override`` are not cached."""
+        """``_compile``'s result, from the persistent compile cache where it holds this step, or made by the
+        rank that compiles it for the job (``spmd.step.step_cache``: a hit skips the optimizer probe,
+        tracing, expansion, passes and Inductor), else compiled, lowered and stored there. A step whose
+        ``module_override`` transforms the graph is not cached (``step_cache.uncacheable``)."""
         store = self.compile_cache
-        transformation = self.transformation_for(state)
-        if store is None or self.module_override or not isinstance(transformation, GraphModuleTransformation):
+        if store is None:
             return self._compile(state, args, kwargs)
-        start = time.perf_counter()
+        reason = uncacheable(self.module_override)
+        if reason:
+            log.info("spmd: %s is not kept in the compile cache: %s", self.__name__, reason)
+            return self._compile(state, args, kwargs)
+        transformation = self.transformation_for(state)
         key = step_key(self.fn, state, args, kwargs, self.parallel_mode, transformation, self.module_override)
-        payload = store.load(key.digest)
-        if payload is not None and guards_hold(payload["guards"], state):
-            loaded = self._from_artifact(payload, state, args, kwargs)
-            if loaded is not None:
-                loaded[0].compile_times["cache_load"] = time.perf_counter() - start
-                log.info("spmd: %s loaded from the compile cache (%s)", self.__name__, store.path(key.digest))
-                return loaded
-        entry, state, created = self._compile(state, args, kwargs)
-        try:
-            store.save(key.digest, {"artifact": artifact_of(entry, state), "guards": hyper_guards(state),
-                                    "compiled_for": _compiled_for(self.__name__, key)})
-        except UnrecordableGraph as err:
-            log.info("spmd: %s is not kept in the compile cache: %s", self.__name__, err)
-        except OSError as err:
-            warnings.warn(f"spmd.compile: could not write the compile cache entry under {store.root}: {err}; "
-                          "the step runs, compiled again next time.", RuntimeWarning, stacklevel=4)
-        return entry, state, created
+        job = job_store(self.parallel_mode.process_group()) if self.one_compile_per_job else None
+        cache = StepCache(store, self.__name__, self.parallel_mode, job, self.compile_wait_s)
+        return cache.load_or_compile(key, state, args, kwargs, lambda s: self._compile(s, args, kwargs),
+                                     lambda entry, s: self._graph_inputs(entry, s, args, kwargs))
 
-    def _from_artifact(self, payload: dict, state: StepState, args: tuple, kwargs: dict
-                       ) -> Optional[tuple[CompiledStep, StepState, list]]:
-        """(entry, state, optimizer state created) from a cache entry, or None where it does not fit
-        ``state`` (then nothing is left changed)."""
-        created = [made for o in state.optimizers if (made := ensure_optimizer_state(o)) is not None]
-        if created:
-            state = StepState(state.modules, state.optimizers, state.scalers)
-        n_inputs = sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs)))
-        entry = step_from_artifact(payload["artifact"], state, self.parallel_mode, n_inputs)
-        if entry is None:
-            undo_created(created)
-            return None
-        restore_hyper_guards(payload["guards"], state)  # later signatures specialise as a trace here would
-        entry.first_step = first_step_slots(state, created)
-        return entry, state, created
+    @staticmethod
+    def _graph_inputs(entry: CompiledStep, state: StepState, args: tuple, kwargs: dict) -> list:
+        """The inputs ``entry``'s graphs take in a call with these arguments on ``state``: its tensors, the
+        hyperparameter tensors, the user's tensors, the gradients taken (what ``_prepare_call`` passes)."""
+        flat = [*state.flat_tensors(), *entry.hyper_inputs(state.hyper_values(), state)]
+        flat += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        return flat + (entry.grads.entry_grads(state.params) if entry.grads else [])
 
     def _agree(self, candidate: rank_agreement.Candidate, group: dist.ProcessGroup, compared: bool,
                created: list, args: tuple, kwargs: dict, times: dict) -> rank_agreement.Candidate:
@@ -407,7 +393,8 @@ class CompiledTrainStep:
         """Compile the step for these arguments ahead of its first call, without running it.
 
         Traces, transforms and lowers (Inductor compiles every graph the step runs) exactly as the
-        first call with this signature would, and keeps the result, so that call only runs. As
+        first call with this signature would, and keeps the result, so that call only runs; with the
+        compile cache on it is stored there too, for the next job (or loaded from it). As
         the first call would, it creates the optimizer state a step needs (zeros) and, on several
         ranks, takes part in the ranks' agreement: call it on every rank. Returns the compiled
         step (its ``compile_times`` say where the time went).
@@ -509,14 +496,6 @@ class CompiledTrainStep:
         self._last_call = None
 
 
-def _compiled_for(name: str, key: StepKey) -> dict:
-    """What ``spmd cache list`` shows of an entry: the step, its mode, size and where it was compiled."""
-    described = key.description
-    tensors = described.get("tensors", {})
-    return {"step": name, "parallel mode": described.get("parallel mode"), "torch": described["versions"].get("torch"),
-            "device": described.get("device"), "tensors": len(tensors) if hasattr(tensors, "__len__") else None}
-
-
 def _check_materialized(modules: list[nn.Module]) -> None:
     """Refuse parameters or buffers left on the meta device: a step cannot compute with them."""
     on_meta = [f"{name} ({'parameter' if kind else 'buffer'})" for mod in modules
@@ -589,8 +568,9 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     does); without one the step sums them (the seed's semantics: gradients x world size).
     ``gm_transformation``: a callable
     from the expanded ``fx.GraphModule`` to what runs it (default: ``default_transformation``).
-    ``cache_dir``: where compiled steps are kept between processes (``spmd.step.cache_store``): a
-    restarted job loads its step instead of tracing it again. Default: ``$SPMD_CACHE_DIR``, else
+    ``cache_dir``: where compiled steps are kept between processes (``spmd.step.step_cache``), Inductor's
+    code included: a restarted job loads its step instead of tracing and compiling it again, and on
+    several ranks one rank compiles each step for the others. Default: ``$SPMD_CACHE_DIR``, else
     ``spmd`` beside Inductor's cache; ``False`` (or ``SPMD_CACHE_DIR=""``) turns it off.
     ``@spmd.compile`` without parentheses compiles with the defaults. A wrong argument raises
     ``spmd.SpmdConfigError`` here, where it is written.

@@ -6,8 +6,8 @@ and tokens/s are computed from them; spmd's losses match DDP's on every call of 
 the sharded modes and their peers (FSDP2, SimpleFSDP when torchtitan is importable) report
 the same figures, their bf16-parameter losses match DDP's within the bench tolerance and
 each other's exactly; a mode that cannot run here says why. With ``--repeat 1`` a mode is
-freed before the next is built. The cold-cache compile measurement and the GPU suite's
-commands are checked in this process.
+freed before the next is built. The GPU suite's commands are checked in this process
+(``--measure compile``: ``tests/test_bench_compile.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spmd.tools import bench, bench_compile, bench_peers, bench_report, cli, suite
+from spmd.tools import bench, bench_peers, bench_report, cli, suite
 from spmd.tools.bench_modes import MODES as REGISTRY, Setup
 from spmd.tools.models import GPT
 
@@ -187,26 +187,6 @@ def test_table_and_profile_are_printed(run):
     _, _, stdout = run
     assert "min-max" in stdout and "cpu ms/call" in stdout and "spmd_pipeline" in stdout
     assert "the 5 functions with the most own time" in stdout and "Ordered by: internal time" in stdout
-
-
-def test_compile_measure_reports_first_calls_and_spmd_phases(tmp_path, capsys, monkeypatch):
-    p, commands = cli.parsers()
-    args = p.parse_args(["bench", "--measure", "compile", *TINY, "--batch", "2", "--warmup", "2",
-                         "--modes", "single_eager,spmd_replicate", "--json", str(tmp_path / "c.json")])
-    args.batch, args.modes = [2], args.modes.split(",")
-    monkeypatch.setenv("COLUMNS", "200")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        assert bench_compile.compile_rank(0, 1, torch.device("cpu"), args) == 0
-    finally:
-        dist.destroy_process_group()
-    rows = {r["mode"]: r for r in json.loads((tmp_path / "c.json").read_text())["modes"]}
-    spmd_row = rows["spmd_replicate"]
-    assert spmd_row["first_call_s"] >= spmd_row["compile_times"]["trace"] > 0
-    assert spmd_row["warmup_s"] > 0 and rows["single_eager"]["last_call_ms"] > 0
-    assert "compile_times" not in rows["single_eager"]
-    out = capsys.readouterr().out
-    assert "First calls from cold caches" in out and "trace/autograd" in out
 
 
 def test_gpu_suite_runs_each_part_as_its_own_command():

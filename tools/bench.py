@@ -3,7 +3,7 @@
     spmd bench --batch 8,2                        # GPT 124M on every local GPU, every mode, batch 8 then 2
     spmd bench --modes ddp,ddp_ca,spmd_pipeline_cg --steps 50 --repeat 5 --json out.json
     spmd bench --nproc 1 --batch 2 --profile spmd_pipeline   # where spmd's per-call CPU time goes
-    spmd bench --measure compile                  # first call from cold caches, by compile phase
+    spmd bench --measure compile                  # first call cold and in a restarted job, by compile phase
     spmd bench --suite gpu --parts tests --out gpu_out   # GPU parity tests, then the measurements
     spmd bench --preset gpt1.3b --batch 4 --repeat 1 --modes spmd_fully_shard,fsdp2,fsdp2_compile
     spmd bench --layers 1 --dim 64 --heads 2 --seq 32 --vocab 256 --batch 2   # no GPU: 2 CPU ranks
@@ -37,11 +37,12 @@ for a large model (``--preset gpt1.3b``) pass ``--repeat 1``: each mode is then 
 freed (compiled code and cached blocks released) before the next is built, so one GPU holds one
 mode at a time (the JSON's ``baseline_gib`` is what was still allocated when a mode was built).
 
-``--measure compile`` instead builds each mode from cold caches (fresh Inductor and Triton cache
-folders, FX graph cache off) and reports its first call and warm-up next to single-GPU
-``torch.compile``'s, spmd's compile phases (``CompiledTrainStep.compile_times``) and torch's own
-``dynamo_timed`` timers. ``--profile MODE`` prints a cProfile of MODE's calls (after the rounds) or
-of its first call (``--measure compile``).
+``--measure compile`` instead runs each mode twice, each time as a fresh job: from cold caches (empty
+Inductor, Triton and spmd cache folders), then with the folders that run filled, as a restarted job
+would (``bench_compile``), and reports both first calls next to single-GPU ``torch.compile``'s, spmd's
+compile phases (``CompiledTrainStep.compile_times``) and torch's own ``dynamo_timed`` timers.
+``--profile MODE`` prints a cProfile of MODE's calls (after the rounds) or of its first call
+(``--measure compile``).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--measure", choices=("step", "compile"), default="step",
                    help="step: step and CPU time per mode in rounds (default); compile: first call from cold caches")
     r.add_argument("--modes", default=None,
-                   help="comma list (default: every mode for step; single_compile,spmd_pipeline for compile)")
+                   help="comma list (default: every mode for step; for compile single_compile, spmd_default "
+                        "(spmd_pipeline on CPU) and spmd_fully_shard)")
     r.add_argument("--steps", type=int, default=20, help="timed steps per round and mode (default 20)")
     r.add_argument("--warmup", type=int, default=5, help="untimed first calls per mode (default 5)")
     r.add_argument("--repeat", type=int, default=3, help="timed rounds, modes interleaved (default 3)")
@@ -93,11 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list of {', '.join(f'{k} ({v})' for k, v in suite.PARTS.items())}; "
                         "each fits a 10-minute call for one --batch value")
     s.add_argument("--out", default="bench_out", help="suite results folder (default bench_out)")
+    bench_compile.add_arguments(p)
 
 
 def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     args.batch = [int(b) for b in str(args.batch).split(",")]
-    default = "single_compile,spmd_pipeline" if args.measure == "compile" else ",".join(MODES)
+    default = bench_compile.default_modes(torch.cuda.is_available()) if args.measure == "compile" else ",".join(MODES)
     if args.suite and not args.modes:
         args.modes = None  # each suite part has its own default modes
     else:
@@ -115,7 +118,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if args.suite:
         return suite.run(args, p)
     if args.measure == "compile":
-        return launch(bench_compile.compile_rank, args, nproc=args.nproc)
+        return bench_compile.run(args, p)
     return launch(bench_rank, args, nproc=args.nproc)
 
 

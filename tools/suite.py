@@ -19,7 +19,7 @@ Parts (``--parts``, in this order):
   with the last bucket deferred, at the first ``--batch``: exposed communication per step and a
   picture of each (``timeline/``).
 * ``compile``: ``spmd bench --measure compile``: spmd's first call against single-GPU
-  ``torch.compile``'s, both from cold caches (``compile.json``).
+  ``torch.compile``'s, from cold caches and in a restarted job (``compile.json``).
 
 Every part's output also goes to ``<part>.log`` under ``--out``; the model and spmd flags are
 passed on to each. The exit status is non-zero when a part failed. One part at one batch size

@@ -19,9 +19,10 @@ re-trace the whole step only to apply Inductor's decompositions to a graph that 
 already functional: ``spmd.lower.decompose`` applies them node by node and
 ``_inner_compile`` runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
-graph means what it means when run op by op. ``compile_fx_inner`` looks the graph up in
-Inductor's FX graph cache first, so a restarted process loads the code instead of
-compiling it (``spmd.lower.fx_cache`` says what that needs).
+graph means what it means when run op by op. On the CPU ``compile_fx_inner`` looks the graph
+up in Inductor's FX graph cache first (``spmd.lower.fx_cache`` says what that needs); the code
+it returns is also handed back as data (``spmd.lower.inductor_code``), which a cached step keeps
+and a restarted process loads instead of calling Inductor at all.
 
 The alternative, compiling the compute regions between collectives separately, keeps
 the schedule trivially but cuts fusion at every bucket boundary, materializes every
@@ -34,7 +35,7 @@ import contextlib
 import logging
 import re
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -50,10 +51,14 @@ from ..compile_times import phase
 from ..errors import SpmdCompileError
 from .decompose import decompose_for_inductor
 from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
+from .inductor_code import InductorCode, code_of, load_code, relocated
 
 log = logging.getLogger(__name__)
 
-# Devices whose step graphs are looked up in Inductor's FX graph cache (see ``_inner_compile``).
+# Devices whose step graphs are looked up in Inductor's FX graph cache (``uses_fx_graph_cache``). Not the
+# GPU: a restart runs the code kept beside the step (``spmd.lower.inductor_code``) and never reaches
+# Inductor, while the tracing context the cache needs made a cold GPU compile slower (BENCHMARKS.md);
+# ``inductor_options={"fx_graph_cache": True}`` asks for it there, to measure it.
 FX_CACHE_DEVICES = ("cpu",)
 aten = torch.ops.aten
 
@@ -212,11 +217,12 @@ def start_compile_workers() -> None:
     AsyncCompile.wakeup()
 
 
-def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tuple[Callable, str]:
+def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str, fx_cache: bool) -> tuple[Any, str]:
     """Inductor's post-AOT half on ``gm`` (already functional and decomposed): joint-graph passes, then
     ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace,
-    looked up in Inductor's FX graph cache first (``spmd.lower.fx_cache``).
-    Returns a callable taking the graph's inputs positionally, and the cache lookup's outcome."""
+    looked up in Inductor's FX graph cache first where ``fx_cache`` (``spmd.lower.fx_cache``).
+    Returns what ``compile_fx_inner`` made (called on a list of the graph's inputs) and the cache lookup's
+    outcome."""
     from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
     from torch._inductor.utils import BoxedBool, output_node
     from torch._inductor.virtualized import V
@@ -226,36 +232,79 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str) -> tupl
 
     # One fake mode for every value on the graph: our trace, the passes and the decompositions
     # each made theirs, and Inductor's pattern passes combine values they read off the nodes.
-    # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards. On a GPU
-    # the cache is not consulted (``FX_CACHE_DEVICES``): there the tracing context it needs made a cold
-    # compile of GPT 124M 2.4x slower and a hit saved nothing (BENCHMARKS.md, 2026-11-25).
-    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    device = next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-    cacheable = device.type in FX_CACHE_DEVICES
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if cacheable else None)
+    # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards.
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if fx_cache else None)
     with phase(f"lower/{label}/inductor_compile_fx/fake_prop"):
         fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
                  for t in example_inputs]
         with enable_python_dispatcher():
             FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
     with phase(f"lower/{label}/inductor_compile_fx/joint_passes"), V.set_fake_mode(mode):
-        gm = _recursive_joint_graph_passes(gm, input_device=device)
+        gm = _recursive_joint_graph_passes(gm, input_device=_device_of(example_inputs))
     outputs = output_node(gm)
     # every output is the user's (AOT would say the same of an inference graph): keep their strides
     outputs.meta["user_visible_output_idxs"] = [
         i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
-    context = inductor_cache_context(gm, mode) if cacheable else contextlib.nullcontext({"fx_graph_cache": "off"})
+    context = inductor_cache_context(gm, mode) if fx_cache else contextlib.nullcontext({"fx_graph_cache": "off"})
     with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache:
-        compiled = compile_fx_inner(gm, example_inputs, cudagraphs=BoxedBool(False), is_inference=True)
+        # Inductor gets fake inputs, as from AOT autograd: it compiles from their metadata alone, and its
+        # FX graph cache key would hash a real input by value (every parameter copied to the host)
+        compiled = compile_fx_inner(gm, fakes, cudagraphs=BoxedBool(False), is_inference=True)
+    return compiled, cache["fx_graph_cache"]
 
+
+def _device_of(example_inputs: Sequence) -> torch.device:
+    """The accelerator the graph's inputs live on, else the CPU."""
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+
+
+def uses_fx_graph_cache(device: torch.device, options: Optional[dict]) -> bool:
+    """Whether a graph on ``device`` is looked up in Inductor's FX graph cache: on the CPU unless
+    ``options`` turn the cache off, on a GPU only where they turn it on (``FX_CACHE_DEVICES``)."""
+    asked = (options or {}).get("fx_graph_cache")
+    return asked is not False and (device.type in FX_CACHE_DEVICES or asked is True)
+
+
+def _positional(compiled: Callable[[list], Any]) -> Callable:
+    """``compiled`` (Inductor's boxed convention: called on a list, which it may clear) called positionally."""
     def run(*args):
-        return compiled(list(args))  # Inductor's boxed convention: it may clear the list it is given
+        return compiled(list(args))
 
-    return run, cache["fx_graph_cache"]
+    return run
+
+
+def _op_named(name: str) -> torch._ops.OpOverload:
+    """The op ``OpOverload.name()`` calls ``name`` (``aten::_fused_adamw_.tensor_lr``)."""
+    namespace, _, rest = name.partition("::")
+    packet, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+def _wrapped_ops(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The names of the ops ``gm`` calls through their ``opaque_inplace_op``."""
+    wrapping = {opaque: op for op, opaque in _opaque_ops.items()}
+    return tuple(sorted({wrapping[n.target].name() for n in gm.graph.nodes if n.target in wrapping}))
+
+
+def _load_kept_code(code: InductorCode, device: torch.device, label: str) -> Optional[Callable]:
+    """What runs ``code`` (kept from an earlier compile of this graph, ``spmd.lower.inductor_code``) on
+    ``device``, or None where it does not load there (said once; the graph is then compiled)."""
+    try:
+        with phase(f"lower/{label}/inductor_code_load"):
+            code = relocated(code, device.index if device.type == "cuda" else None)
+            for name in code.wrapped_ops:  # the code calls them by name: define them first
+                opaque_inplace_op(_op_named(name))
+            return load_code(code)
+    except Exception as err:  # noqa: BLE001 - a kept module that does not load is a miss, not a failure
+        log.warning("spmd: the kept Inductor code of the %s graph did not load (%s: %s); compiling it again",
+                    label, type(err).__name__, err)
+        return None
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
-                          inductor_comm_passes: bool = False, options: Optional[dict] = None) -> Callable:
+                          inductor_comm_passes: bool = False, options: Optional[dict] = None,
+                          kept: Optional[InductorCode] = None) -> tuple[Callable, Optional[InductorCode]]:
     """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
 
     The graph updates parameters and optimizer state in place and is compiled as
@@ -263,19 +312,33 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     Inductor's decompositions are applied node by node (``spmd.lower.decompose``) and
     the graph goes straight to ``compile_fx_inner``: AOT autograd's re-trace of the whole
     step, which ``compile_fx`` would run first, has nothing left to do on a functional graph.
-    Returns a callable taking the graph's inputs positionally and returning its outputs.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
     options (``check_inductor_options``).
+
+    Returns a callable taking the graph's inputs positionally and returning its outputs, and the code
+    it runs as ``InductorCode`` (None where that code cannot be kept). ``kept``: code an earlier
+    compile of this graph returned; it is loaded instead of compiling, and compiled again where it
+    does not load.
     """
     from torch._inductor import config
 
     start = time.perf_counter()
+    device = _device_of(example_inputs)
     with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes, options)):
+        loaded = _load_kept_code(kept, device, label) if kept is not None else None
+        if loaded is not None:
+            log.info("spmd: loaded the %s graph's kept Inductor code in %.1f s", label, time.perf_counter() - start)
+            return _positional(loaded), kept
         with phase(f"lower/{label}/inductor_prepare"):
             prepared = prepare_for_inductor(gm)
         with phase(f"lower/{label}/inductor_compile_fx"):
-            compiled, cache = _inner_compile(prepared, list(example_inputs), label)
+            compiled, cache = _inner_compile(prepared, list(example_inputs), label,
+                                             uses_fx_graph_cache(device, options))
     log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,
              len(gm.graph.nodes), time.perf_counter() - start, cache)
-    return compiled
+    code = code_of(compiled, _wrapped_ops(prepared), device.index if device.type == "cuda" else None)
+    if code is None:
+        log.info("spmd: the %s graph's Inductor code cannot be kept beside a cached step (it needs more than its "
+                 "module: constants or script objects held on the side); a restart compiles it again", label)
+    return _positional(compiled), code

@@ -20,6 +20,7 @@ from ..errors import SpmdConfigError
 from ..graph_utils.meta import ROLE, Role
 from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
 from .inductor import check_inductor_options, compile_with_inductor, start_compile_workers
+from .inductor_code import InductorCode
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,14 @@ class Lowering:
         if self.inductor and device.type == "cuda":
             start_compile_workers()
 
-    def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int) -> Callable:
-        """What runs one of the step's graphs: Inductor code for ``example_inputs``, maybe as a CUDA graph."""
-        runner = (compile_with_inductor(gm, example_inputs, label, self.inductor_comm_passes, self.inductor_options)
-                  if self.inductor else gm)
+    def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int,
+                    kept: Optional[InductorCode] = None) -> tuple[Callable, Optional[InductorCode]]:
+        """What runs one of the step's graphs (Inductor code for ``example_inputs``, maybe as a CUDA graph) and
+        the Inductor code it runs (None without Inductor, or where the code cannot be kept). ``kept``: the code
+        an earlier lowering of this graph returned, loaded instead of compiling (``compile_with_inductor``);
+        loaded or compiled, it is wrapped alike."""
+        runner, code = (compile_with_inductor(gm, example_inputs, label, self.inductor_comm_passes,
+                                              self.inductor_options, kept) if self.inductor else (gm, None))
         auto = self.cudagraphs == "auto"
         if auto and (reason := cudagraph_obstacle(gm, example_inputs)):
             log.warning("spmd: the %s graph runs without CUDA graphs: %s", label, reason)
@@ -73,7 +78,7 @@ class Lowering:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             runner = CudaGraphRunner(runner, [n.meta.get(ROLE) in Role.STATIC for n in placeholders], num_user_outputs,
                                      label, fall_back=auto, unread=[not n.users for n in placeholders])
-        return runner
+        return runner, code
 
 
 def example_like(node: fx.Node, device_of: Optional[torch.device] = None) -> torch.Tensor:

@@ -38,6 +38,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import platform
 import sys
 import types
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ def step_key(fn: Callable, state: StepState, args: tuple, kwargs: dict, parallel
     """
     return StepKey({
         "versions": versions(),
-        "device": device_facts(state),
+        "device": device_facts(state, may_use_inductor(transformation)),
         "torch settings": torch_settings(),
         "step function": describe(fn),
         "module overrides": describe(list(module_override)),
@@ -136,10 +137,19 @@ def _spmd_source_digest() -> str:
     return digest.hexdigest()
 
 
-def device_facts(state: StepState) -> dict:
-    """The CUDA device capability where the step's tensors live on CUDA (kernels are chosen for it)."""
+def device_facts(state: StepState, inductor: bool = False) -> dict:
+    """The CUDA device capability where the step's tensors live on CUDA (kernels are chosen for it); with
+    ``inductor``, what the code Inductor generates is written for (kept beside the step and loaded as it
+    is, ``spmd.lower.inductor_code``): the GPU model and its number of SMs, or the CPU's architecture and
+    the vector instructions ATen found it has (Inductor's C++ kernels are built for them)."""
     cuda = next((t.device for t in (*state.params, *state.buffers) if t.device.type == "cuda"), None)
-    return {"cuda capability": list(torch.cuda.get_device_capability(cuda)) if cuda is not None else None}
+    facts = {"cuda capability": list(torch.cuda.get_device_capability(cuda)) if cuda is not None else None}
+    if inductor and cuda is not None:
+        props = torch.cuda.get_device_properties(cuda)
+        facts["kernel target"] = [props.name, props.multi_processor_count]
+    elif inductor:
+        facts["kernel target"] = [platform.machine(), torch.backends.cpu.get_cpu_capability()]
+    return facts
 
 
 def torch_settings() -> dict:
@@ -267,14 +277,19 @@ def parallel_settings(mode: Any) -> dict:
     return out
 
 
+def may_use_inductor(transformation: Callable) -> bool:
+    """False for a transformation that says it does not lower through Inductor (``enable_inductor``), else True."""
+    return bool(getattr(transformation, "enable_inductor", True))
+
+
 def transformation_settings(transformation: Callable) -> Any:
     """The transformation's settings (``describe``: its class and attributes, a function its code), without
     its dump options (where graphs are written changes nothing compiled), plus Inductor's configuration where
-    it runs Inductor."""
+    it may run Inductor (a transformation of the user's own may)."""
     out = describe(transformation)
     if isinstance(out, dict):
         out.get("attributes", {}).pop("dump", None)
-    if getattr(transformation, "enable_inductor", False):
+    if may_use_inductor(transformation):
         import torch._inductor.config as inductor_config
 
         out = {"settings": out, "inductor config": describe(inductor_config.save_config_portable())}

@@ -44,6 +44,26 @@ def resolve_cache_dir(cache_dir: Union[str, os.PathLike, bool, None] = None) -> 
     return Path(inductor_cache_dir()) / "spmd"
 
 
+def encode(payload: Any) -> bytes:
+    """An entry's bytes: the header line (format, SHA-256 of the pickled payload, its length), then the pickle."""
+    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    return MAGIC + b" " + hashlib.sha256(data).hexdigest().encode() + b" " + str(len(data)).encode() + b"\n" + data
+
+
+def decode(entry: bytes) -> Any:
+    """The payload of ``entry`` (``encode``'s bytes); ``ValueError`` naming what is wrong with it."""
+    header, sep, data = entry.partition(b"\n")
+    parts = header.split(b" ")
+    if not sep or len(parts) != 4 or b" ".join(parts[:2]) != MAGIC:
+        raise ValueError("not an spmd compile cache entry of this format")
+    digest, length = parts[2].decode(), int(parts[3])
+    if len(data) != length:
+        raise ValueError(f"truncated: {len(data)} of {length} bytes")
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError("its contents do not match their checksum")
+    return pickle.loads(data)
+
+
 @dataclass
 class EntryInfo:
     """One entry as ``spmd cache list`` shows it."""
@@ -67,15 +87,16 @@ class CacheStore:
         return self.root / f"{digest}{SUFFIX}"
 
     def save(self, digest: str, payload: Any) -> Path:
-        """Write ``payload`` as the entry of ``digest``, atomically (temporary file, then rename)."""
-        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-        header = MAGIC + b" " + hashlib.sha256(data).hexdigest().encode() + b" " + str(len(data)).encode() + b"\n"
+        """Write ``payload`` as the entry of ``digest``, atomically (``save_entry``)."""
+        return self.save_entry(digest, encode(payload))
+
+    def save_entry(self, digest: str, entry: bytes) -> Path:
+        """Write ``entry`` (``encode``'s bytes) as the entry of ``digest``: a temporary file, then a rename."""
         self.root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{digest}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                f.write(data)
+                f.write(entry)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)  # readable by the other jobs that share the directory, as a plain file would be
@@ -85,19 +106,12 @@ class CacheStore:
             raise
         return self.path(digest)
 
-    def _read(self, path: Path) -> Any:
-        """The payload of the entry at ``path``; ``ValueError`` naming what is wrong with it."""
-        raw = path.read_bytes()
-        header, sep, data = raw.partition(b"\n")
-        parts = header.split(b" ")
-        if not sep or len(parts) != 4 or b" ".join(parts[:2]) != MAGIC:
-            raise ValueError("not an spmd compile cache entry of this format")
-        digest, length = parts[2].decode(), int(parts[3])
-        if len(data) != length:
-            raise ValueError(f"truncated: {len(data)} of {length} bytes")
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise ValueError("its contents do not match their checksum")
-        return pickle.loads(data)
+    def entry_bytes(self, digest: str) -> Optional[bytes]:
+        """The stored bytes of ``digest``'s entry as they are (unchecked), or None where there is none."""
+        try:
+            return self.path(digest).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def load(self, digest: str) -> Optional[Any]:
         """The payload stored for ``digest``, or None (no entry; a damaged one is reported once, removed)."""
@@ -105,7 +119,7 @@ class CacheStore:
         if not path.exists():
             return None
         try:
-            return self._read(path)
+            return decode(path.read_bytes())
         except FileNotFoundError:  # removed by another process in between
             return None
         except Exception as err:  # noqa: BLE001 - any damage is a miss, said once
@@ -122,7 +136,7 @@ class CacheStore:
         for path in sorted(self.root.glob(f"*{SUFFIX}")):
             stat = path.stat()
             try:
-                payload, ok = self._read(path), True
+                payload, ok = decode(path.read_bytes()), True
             except Exception:  # noqa: BLE001 - listed as damaged
                 payload, ok = None, False
             compiled_for = payload.get("compiled_for") if isinstance(payload, dict) else None

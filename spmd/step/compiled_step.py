@@ -41,12 +41,13 @@ class CompiledStep:
     lowered: bool = False  # ``lower`` ran: calls only run ``runner`` from then on
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
 
-    def lower(self, inputs: list) -> None:
+    def lower(self, inputs: list, kept: Optional[dict] = None) -> None:
         """The lower stage: compile each graph the step runs (``IterGraphModule.lower``) for ``inputs``,
-        the step's graph inputs on its first call, recording the time as the ``lower`` phase."""
+        the step's graph inputs on its first call, recording the time as the ``lower`` phase. ``kept``:
+        Inductor code by graph label from an earlier lowering of this step, loaded instead of compiled."""
         if isinstance(self.runner, IterGraphModule) and not self.runner.lowered:
             with torch.no_grad(), recording(self.compile_times), phase("lower"):
-                self.runner.lower(tuple(inputs))
+                self.runner.lower(tuple(inputs), kept)
         self.lowered = True
 
     def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:

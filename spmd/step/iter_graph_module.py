@@ -35,6 +35,7 @@ from ..graph_utils import lazy_graph_module
 from ..graph_utils.meta import NAME, ROLE, Role
 from ..graph_utils.nodes import first_reader_before, node_order
 from ..graph_utils.optimizer_ops import written_inputs
+from ..lower.inductor_code import InductorCode
 from ..lower.lowering import Lowering, example_like
 from ..passes.iteration import IterMoveError
 
@@ -232,6 +233,8 @@ class IterGraphModule(nn.Module):
         self._reused_args: tuple = ()  # the persistent inputs the pending work updates
         self._finalized = False
         self.lowering: Optional[Lowering] = None  # how ``lower`` compiles each graph (None: run the FX graphs)
+        # label -> the Inductor code that runs that graph (``spmd.lower.inductor_code``), set by ``lower``
+        self.inductor_code: dict[str, InductorCode] = {}
         self._runners: dict[str, Callable] = {}  # label -> what runs that graph, made by ``lower``
 
     @property
@@ -306,24 +309,31 @@ class IterGraphModule(nn.Module):
         """True once ``lower`` made what runs each graph (or there is nothing to lower)."""
         return self.lowering is None or not self.lowering.compiles or bool(self._runners)
 
-    def lower(self, inputs: tuple) -> None:
+    def lower(self, inputs: tuple, kept: Optional[dict[str, InductorCode]] = None) -> None:
         """Lower every graph a run may execute (``graphs_to_run``) with ``lowering``, before the first run.
 
         ``inputs``: the step's inputs for its first call (the example Inductor compiles for); the
         values carried between iterations, which no call has made yet, are uninitialized tensors of
-        their shapes (``example_like``).
+        their shapes (``example_like``). ``kept``: Inductor code by graph label from an earlier lowering
+        of these graphs (``inductor_code`` then), loaded instead of compiling (``Lowering.lower_graph``).
         """
         if self.lowered:
             return
         inputs = tuple(inputs)
+        kept = kept or {}
         modules = self._modules_to_run()
         carried = tuple(example_like(n) for _, gm in modules[1:2]
                         for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE) == Role.CARRIED)
         flush_positions = self._flush_graph()[1] if self.graph.moves else []
         examples = {"step": inputs, "setup": inputs, "main": inputs + carried, "cleanup": inputs + carried,
                     "flush": tuple(inputs[i] for i in flush_positions) + carried}
-        self._runners = {label: self.lowering.lower_graph(label, gm, examples[label], self.num_user_outputs)
-                         for label, gm in modules}
+        runners, codes = {}, {}
+        for label, gm in modules:
+            runners[label], code = self.lowering.lower_graph(label, gm, examples[label], self.num_user_outputs,
+                                                             kept.get(label))
+            if code is not None:
+                codes[label] = code
+        self._runners, self.inductor_code = runners, codes
 
     def flush(self) -> None:
         """Run the last iteration's deferred work now, if any; the next call starts with setup.

@@ -1,0 +1,113 @@
+"""Inductor's compiled code for one of our graphs as data, so a restarted process runs it without Inductor.
+
+What ``compile_fx_inner`` makes for a graph is a Python module (``CompiledFxGraph.source_code``) whose
+``call(args)`` runs the graph: its kernels are written into it as source and compiled when it is loaded,
+through Triton's cache on a GPU and Inductor's C++ cache on the CPU, so a machine whose caches are warm
+loads them in a moment and one whose caches are cold compiles them again, correctly. Keeping that module
+beside the step's artifact spares a restart everything before it: preparing the graph for Inductor,
+propagating fake values, the joint-graph passes, Inductor's lowering, scheduling and code generation.
+
+A graph whose compiled form needs more than its module (constants held on the side, script objects) is
+not kept: ``code_of`` returns None and the graph is compiled on each restart, as before.
+
+Inductor writes the CUDA device it compiled for into the module (device guards, streams, each kernel's
+device properties). Ranks of one job run the same graph on different devices, so code compiled on
+``cuda:0`` is moved to another device before it is loaded there (``relocated``): every place that names
+the device is rewritten, and code that names a device in a form not known here is refused (compiled again).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class InductorCode:
+    """What runs one compiled graph: Inductor's module source and how its inputs must be aligned."""
+
+    source: str
+    linemap: tuple
+    inputs_to_check: tuple  # inputs the kernels assume aligned: a misaligned one is copied first
+    mutated_inputs: tuple  # inputs the graph writes: a copied one is written back
+    wrapped_ops: tuple = ()  # names of the ops the code calls as ``spmd_lowering`` ops (defined before loading)
+    cuda_index: Optional[int] = None  # the CUDA device the source names (None: it runs on the CPU)
+
+
+def _empty(value: Any) -> bool:
+    return value is None or len(value) == 0
+
+
+def code_of(compiled: Any, wrapped_ops: tuple = (), cuda_index: Optional[int] = None) -> Optional[InductorCode]:
+    """``compiled`` (what ``compile_fx_inner`` returned for inputs on CUDA device ``cuda_index``, or None for
+    the CPU; ``wrapped_ops``: the names of the ops its graph called through
+    ``spmd.lower.inductor.opaque_inplace_op``) as an ``InductorCode``, or None where its module alone does
+    not run it (it holds constants or script objects on the side, or this torch names its parts otherwise)."""
+    needed = ("source_code", "inputs_to_check", "mutated_input_idxs")
+    if not all(hasattr(compiled, name) for name in needed) or not isinstance(compiled.source_code, str):
+        return None
+    if not all(_empty(getattr(compiled, name, None))
+               for name in ("constants", "torchbind_constants", "opaque_value_type_classes", "frozen_param_names")):
+        return None
+    mutated = tuple(sorted(compiled.mutated_input_idxs))
+    checked = tuple(compiled.inputs_to_check)
+    if getattr(compiled, "_defers_input_alignment", False):
+        # the module copies a misaligned input it only reads itself; the wrapper handles the written ones (as
+        # Inductor's own post-compile step wraps them), which must be copied back
+        checked = tuple(i for i in checked if i in mutated)
+    return InductorCode(compiled.source_code, tuple(getattr(compiled, "cache_linemap", None) or ()), checked, mutated,
+                        tuple(wrapped_ops), cuda_index)
+
+
+# Where Inductor's Python wrapper and its Triton kernels name a CUDA device (group 1: the index).
+_DEVICE_NAMES = (
+    r"torch\.cuda\._DeviceGuard\((\d+)\)",
+    r"torch\.cuda\.set_device\((\d+)\)",
+    r"get_raw_stream\((\d+)\)",
+    r"device\(type='cuda', index=(\d+)\)",
+    r"DeviceProperties\(type='cuda', index=(\d+)",
+    r"""['"]cuda:(\d+)['"]""",
+)
+_DEVICE_NAME = re.compile("|".join(f"(?:{p})" for p in _DEVICE_NAMES))
+
+
+class NotRelocatable(ValueError):
+    """The code names its CUDA device in a way ``relocated`` does not rewrite safely."""
+
+
+def relocated(code: InductorCode, cuda_index: Optional[int]) -> InductorCode:
+    """``code`` for CUDA device ``cuda_index`` (the same GPU model; the step key says so): ``code`` itself
+    where it already runs there; ``NotRelocatable`` where it names another device than the one it was
+    compiled for, or runs on the CPU while CUDA is asked for (or the other way round)."""
+    if code.cuda_index == cuda_index:
+        return code
+    if code.cuda_index is None or cuda_index is None:
+        raise NotRelocatable(f"compiled for {_where(code.cuda_index)}, asked for {_where(cuda_index)}")
+
+    def rewrite(match: re.Match) -> str:
+        index = next(int(g) for g in match.groups() if g is not None)
+        if index != code.cuda_index:
+            raise NotRelocatable(f"it names cuda:{index} besides cuda:{code.cuda_index}, the device it was compiled for")
+        start, end = next(match.span(i) for i, g in enumerate(match.groups(), 1) if g is not None)
+        whole = match.group(0)
+        return whole[: start - match.start()] + str(cuda_index) + whole[end - match.start():]
+
+    source = _DEVICE_NAME.sub(rewrite, code.source)
+    return replace(code, source=source, cuda_index=cuda_index)
+
+
+def _where(index: Optional[int]) -> str:
+    return "the CPU" if index is None else f"cuda:{index}"
+
+
+def load_code(code: InductorCode) -> Callable[[list], Any]:
+    """A callable running ``code`` on a list of the graph's inputs (Inductor's boxed convention: it may
+    clear the list), compiling its kernels now where the kernel caches do not hold them."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.utils import align_inputs_from_check_idxs
+    from torch.utils._ordered_set import OrderedSet
+
+    key, path = PyCodeCache.write(code.source)
+    module = PyCodeCache.load_by_key_path(key, path, list(code.linemap))
+    return align_inputs_from_check_idxs(module.call, list(code.inputs_to_check), OrderedSet(code.mutated_inputs))
