@@ -51,6 +51,7 @@ from ..compile_times import phase
 from ..errors import SpmdCompileError
 from .decompose import decompose_for_inductor
 from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
+from .one_rank import drop_one_rank_all_reduces
 from .inductor_code import InductorCode, code_of, load_code, relocated
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
       as the graph run op by op does, and as AOT autograd's functionalization would
       have re-derived it.
     * In-place fused optimizer ops become their ``opaque_inplace_op``.
+    * A gradient all_reduce over a group of one rank, and its bucket's packing, become the gradients
+      themselves (``spmd.lower.one_rank``).
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
     """
     graph = fx.Graph()
@@ -200,6 +203,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
             node.target = view
         elif _wrappable_fused_optimizer(node):
             node.target = opaque_inplace_op(node.target)
+    drop_one_rank_all_reduces(graph)
     if decompose:
         decompose_for_inductor(graph)
     graph.lint()
