@@ -44,7 +44,7 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from ..graph_utils import lazy_graph_module
 from ..graph_utils.nodes import view_of_copy_op
-from ..graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
+from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inplace, written_args, written_inputs
 
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from ..compile_times import phase
@@ -52,6 +52,7 @@ from ..errors import SpmdCompileError
 from .decompose import decompose_for_inductor
 from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
 from .one_rank import drop_one_rank_all_reduces
+from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import InductorCode, code_of, load_code, relocated
 
 log = logging.getLogger(__name__)
@@ -156,25 +157,33 @@ def _writes_grads(op: torch._ops.OpOverload) -> bool:
 
 
 def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
-    """A custom op with ``op``'s schema, gradients read-only, that calls ``op``: Inductor keeps it in place.
+    """A custom op with ``op``'s schema, any gradients read-only, that calls ``op``: Inductor keeps it in place.
 
-    Gradients are declared read-only because they are: without ``grad_scale`` the
-    kernels only read them. Declared mutable, they would count as written, and
-    gradients are views into shared bucket buffers, read by several such ops when the
-    optimizer has several param groups (under AOT autograd's functionalization Inductor
-    mishandled that: NaNs).
+    Gradients (a ``grads`` argument) are declared read-only because they are: without
+    ``grad_scale`` the fused optimizer kernels only read them. Declared mutable, they would count
+    as written, and gradients are views into shared bucket buffers, read by several such ops when
+    the optimizer has several param groups (under AOT autograd's functionalization Inductor
+    mishandled that: NaNs). Inductor runs the custom op as it is, one call of ``op``, where it
+    would otherwise lower ``op`` into kernels of its own (``_wrappable_step_count``).
     """
     if op not in _opaque_ops:
         name = f"{op._opname.strip('_')}_{op._overloadname}"
         args = str(op._schema).split("(", 1)[1]
         read_only_grads = re.sub(r"Tensor\(\w!\)\[\] grads", "Tensor[] grads", args)
-        if read_only_grads == args:
+        if read_only_grads == args and _writes_grads(op):
             raise SpmdCompileError(f"spmd: unexpected schema for {op}: {op._schema} (no 'Tensor(a!)[] grads' argument)")
         _opaque_lib.define(name + "(" + read_only_grads)
         _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
         torch.library.register_fake(f"{OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)
         _opaque_ops[op] = getattr(getattr(torch.ops, OPAQUE_NAMESPACE), name).default
     return _opaque_ops[op]
+
+
+def _wrappable_step_count(node: fx.Node) -> bool:
+    """An in-place foreach op that writes step counts only (``spmd.lower.step_counts``): ATen runs it in one
+    call where Inductor would make it a kernel with an input and an output per parameter."""
+    written = written_inputs(node)
+    return is_foreach(node.target) and is_inplace(node.target) and bool(written) and all(map(is_step_count, written))
 
 
 def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.GraphModule:
@@ -185,13 +194,15 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
       runs as a real copy of every gradient). A view reads its base as it is when read,
       as the graph run op by op does, and as AOT autograd's functionalization would
       have re-derived it.
-    * In-place fused optimizer ops become their ``opaque_inplace_op``.
+    * In-place fused optimizer ops become their ``opaque_inplace_op``, and so does the foreach op
+      counting their steps, made in place first (``spmd.lower.step_counts``).
     * A gradient all_reduce over a group of one rank, and its bucket's packing, become the gradients
       themselves (``spmd.lower.one_rank``).
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    count_steps_in_place(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -201,7 +212,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
             graph.erase_node(node)
         elif view is not None:
             node.target = view
-        elif _wrappable_fused_optimizer(node):
+        elif _wrappable_fused_optimizer(node) or _wrappable_step_count(node):
             node.target = opaque_inplace_op(node.target)
     drop_one_rank_all_reduces(graph)
     if decompose:
