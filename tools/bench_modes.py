@@ -22,6 +22,7 @@ suite's ``shard`` part).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -246,6 +247,34 @@ def spmd_default(setup: Setup) -> Step:
     """``@spmd.compile(parallel_mode=DataParallel("replicate"))`` with nothing else: the default path
     (on a GPU: our passes, Inductor and CUDA graphs)."""
     return _spmd(setup, optimize=True, fast_default=True)
+
+
+@contextlib.contextmanager
+def _lowering_before_cold_work():
+    """Lower as spmd did before issue 24's cold-compile work: a group of one rank's all_reduces and bucket
+    copies, and the fused optimizer's step counts, left to Inductor (``spmd.lower.one_rank``,
+    ``spmd.lower.step_counts``). Only for comparing the two in one run."""
+    from spmd.lower import inductor
+
+    saved = inductor.drop_one_rank_all_reduces, inductor.count_steps_in_place
+    inductor.drop_one_rank_all_reduces = inductor.count_steps_in_place = lambda graph: 0
+    try:
+        yield
+    finally:
+        inductor.drop_one_rank_all_reduces, inductor.count_steps_in_place = saved
+
+
+@register("spmd_default_prior_lowering")
+def spmd_default_prior_lowering(setup: Setup) -> Step:
+    """spmd_default lowered as before the cold-compile work (one-rank all_reduces, bucket copies and step counts
+    compiled by Inductor), to compare first calls and step times with spmd_default in one run."""
+    step = _spmd(setup, optimize=True, fast_default=True)
+
+    def prior(idx, targets, last_train_step=False):
+        with _lowering_before_cold_work():  # the first call lowers
+            return step(idx, targets, last_train_step=last_train_step)
+    prior.compile_times = step.compile_times
+    return prior
 
 
 @graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],
