@@ -249,6 +249,21 @@ def spmd_default(setup: Setup) -> Step:
     return _spmd(setup, optimize=True, fast_default=True)
 
 
+@register("spmd_default_no_recompute")
+def spmd_default_no_recompute(setup: Setup) -> Step:
+    """spmd_default without the default recompute (issue 25): what the recompute costs in first call, step time
+    and memory."""
+    from types import SimpleNamespace
+
+    from spmd.parallel import replicate
+
+    settings = SimpleNamespace(bucket_size_mb=setup.args.bucket_mb, optimizer_parts=setup.args.optimizer_parts,
+                               memory_budget=None)
+    passes = [p for p in replicate.pass_pipeline(settings)
+              if getattr(p, "func", p) is not replicate.recompute_activations]
+    return _spmd(setup, optimize=False, cudagraphs="auto" if setup.cuda else False, passes=passes)
+
+
 @contextlib.contextmanager
 def _lowering_before_cold_work():
     """Lower as spmd did before issue 24's cold-compile work: a group of one rank's all_reduces and bucket
