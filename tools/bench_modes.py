@@ -249,18 +249,21 @@ def spmd_default(setup: Setup) -> Step:
     return _spmd(setup, optimize=True, fast_default=True)
 
 
-@register("spmd_default_no_recompute")
-def spmd_default_no_recompute(setup: Setup) -> Step:
-    """spmd_default without the default recompute (issue 25): what the recompute costs in first call, step time
-    and memory."""
+def passes_without_recompute(bucket_mb: float, optimizer_parts: int) -> list:
+    """Replicate's pass pipeline with these settings, less the default recompute (issue 25)."""
     from types import SimpleNamespace
 
     from spmd.parallel import replicate
 
-    settings = SimpleNamespace(bucket_size_mb=setup.args.bucket_mb, optimizer_parts=setup.args.optimizer_parts,
-                               memory_budget=None)
-    passes = [p for p in replicate.pass_pipeline(settings)
-              if getattr(p, "func", p) is not replicate.recompute_activations]
+    settings = SimpleNamespace(bucket_size_mb=bucket_mb, optimizer_parts=optimizer_parts, memory_budget=None)
+    return [p for p in replicate.pass_pipeline(settings) if getattr(p, "func", p) is not replicate.recompute_activations]
+
+
+@register("spmd_default_no_recompute")
+def spmd_default_no_recompute(setup: Setup) -> Step:
+    """spmd_default without the default recompute (issue 25): what the recompute costs in first call, step time
+    and memory."""
+    passes = passes_without_recompute(setup.args.bucket_mb, setup.args.optimizer_parts)
     return _spmd(setup, optimize=False, cudagraphs="auto" if setup.cuda else False, passes=passes)
 
 

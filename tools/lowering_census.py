@@ -14,7 +14,8 @@ count), and torch's ``dynamo_timed`` timers of lowering, scheduling and code gen
 Variants: ``torch_compile`` (``torch.compile(model)``: its forward and backward graphs; the eager
 optimizer is not compiled), ``spmd`` (the replicate step through the pass pipeline and Inductor, with
 fused AdamW) and ``spmd_prior`` (the same, lowered as before issue 24's cold-compile work: see
-``spmd.tools.bench_modes.spmd_default_prior_lowering``). ``--bucket-mb`` scales the gradient buckets so
+``spmd.tools.bench_modes.spmd_default_prior_lowering``) and ``spmd_no_recompute`` (``spmd`` less the
+default recompute of issue 25). ``--bucket-mb`` scales the gradient buckets so
 that the small model has as many as GPT 124M has at 25 MB (about 20).
 """
 
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("torch_compile", "spmd", "spmd_prior")
+VARIANTS = ("torch_compile", "spmd", "spmd_prior", "spmd_no_recompute")
 TIMERS = ("GraphLowering.run", "Scheduler.__init__", "Scheduler.codegen", "compile_fx_inner")
 
 
@@ -86,7 +87,7 @@ def census(args) -> dict:
     from torch._inductor import metrics
     from torch._inductor.async_compile import AsyncCompile
 
-    from .bench_modes import _lowering_before_cold_work, train_step
+    from .bench_modes import _lowering_before_cold_work, passes_without_recompute, train_step
     from .models import GPT, GPTConfig
 
     graphs, sources, moved = [], set(), []
@@ -132,8 +133,13 @@ def census(args) -> dict:
         else:
             import spmd
 
-            step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=spmd.GraphModuleTransformation(
-                enable_graph_optimization=True, enable_inductor=True, bucket_size_mb=args.bucket_mb))(train_step)
+            if args.variant == "spmd_no_recompute":
+                transformation = spmd.GraphModuleTransformation(
+                    enable_inductor=True, passes=passes_without_recompute(args.bucket_mb, optimizer_parts=4))
+            else:
+                transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
+                                                                bucket_size_mb=args.bucket_mb)
+            step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=transformation)(train_step)
             with _lowering_before_cold_work() if args.variant == "spmd_prior" else contextlib.nullcontext():
                 step(model, optim, idx, idx)
         first_call = time.perf_counter() - start
