@@ -268,31 +268,45 @@ def spmd_default_no_recompute(setup: Setup) -> Step:
 
 
 @contextlib.contextmanager
-def _lowering_before_cold_work():
+def lowering_before_cold_work(one_rank_reduces: bool = True, step_counts: bool = True):
     """Lower as spmd did before issue 24's cold-compile work: a group of one rank's all_reduces and bucket
-    copies, and the fused optimizer's step counts, left to Inductor (``spmd.lower.one_rank``,
-    ``spmd.lower.step_counts``). Only for comparing the two in one run."""
+    copies (``one_rank_reduces``, ``spmd.lower.one_rank``), and the fused optimizer's step counts
+    (``step_counts``, ``spmd.lower.step_counts``), left to Inductor. Only for comparing them in one run."""
     from spmd.lower import inductor
 
     saved = inductor.drop_one_rank_all_reduces, inductor.count_steps_in_place
-    inductor.drop_one_rank_all_reduces = inductor.count_steps_in_place = lambda graph: 0
+    if one_rank_reduces:
+        inductor.drop_one_rank_all_reduces = lambda graph: 0
+    if step_counts:
+        inductor.count_steps_in_place = lambda graph: 0
     try:
         yield
     finally:
         inductor.drop_one_rank_all_reduces, inductor.count_steps_in_place = saved
 
 
+def _lowered_as_before(setup: Setup, **before) -> Step:
+    step = _spmd(setup, optimize=True, fast_default=True)
+
+    def prior(idx, targets, last_train_step=False):
+        with lowering_before_cold_work(**before):  # the first call lowers
+            return step(idx, targets, last_train_step=last_train_step)
+    prior.compile_times = step.compile_times
+    return prior
+
+
 @register("spmd_default_prior_lowering")
 def spmd_default_prior_lowering(setup: Setup) -> Step:
     """spmd_default lowered as before the cold-compile work (one-rank all_reduces, bucket copies and step counts
     compiled by Inductor), to compare first calls and step times with spmd_default in one run."""
-    step = _spmd(setup, optimize=True, fast_default=True)
+    return _lowered_as_before(setup)
 
-    def prior(idx, targets, last_train_step=False):
-        with _lowering_before_cold_work():  # the first call lowers
-            return step(idx, targets, last_train_step=last_train_step)
-    prior.compile_times = step.compile_times
-    return prior
+
+@register("spmd_default_one_rank_reduces")
+def spmd_default_one_rank_reduces(setup: Setup) -> Step:
+    """spmd_default with a group of one rank's all_reduces and bucket copies compiled by Inductor (the step counts
+    as now): the one-rank lowering's own share of the difference."""
+    return _lowered_as_before(setup, step_counts=False)
 
 
 @graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],

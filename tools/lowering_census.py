@@ -87,7 +87,7 @@ def census(args) -> dict:
     from torch._inductor import metrics
     from torch._inductor.async_compile import AsyncCompile
 
-    from .bench_modes import _lowering_before_cold_work, passes_without_recompute, train_step
+    from .bench_modes import lowering_before_cold_work, passes_without_recompute, train_step
     from .models import GPT, GPTConfig
 
     graphs, sources, moved = [], set(), []
@@ -140,7 +140,7 @@ def census(args) -> dict:
                 transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
                                                                 bucket_size_mb=args.bucket_mb)
             step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=transformation)(train_step)
-            with _lowering_before_cold_work() if args.variant == "spmd_prior" else contextlib.nullcontext():
+            with lowering_before_cold_work() if args.variant == "spmd_prior" else contextlib.nullcontext():
                 step(model, optim, idx, idx)
         first_call = time.perf_counter() - start
     finally:
