@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch._inductor.utils import run_and_get_code
 
 import spmd
 from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
 from spmd.lower.inductor import prepare_for_inductor
 from spmd.lower.one_rank import drop_one_rank_all_reduces
-from spmd.tools.models import MLP
+from spmd.tools.models import GPT, MLP, GPTConfig
 from tests.dist import fake_process_group, single_process_group
-from tests.parity import eager_step, train_step
+from tests.parity import eager_step, lm_train_step, train_step
 from tests.test_inductor_lowering import _pipeline_igm
 
 aten = torch.ops.aten
@@ -95,12 +97,32 @@ def test_one_rank_step_through_inductor_matches_eager_in_float64():
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.0005,
                                                     enable_inductor=True)
     with single_process_group():
-        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=transformation)(train_step)
+        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=transformation,
+                            cache_dir=False)(train_step)
         for i in range(3):
             batch = torch.randn(4, 8, dtype=torch.float64)
-            loss = step(model, optim, batch, last_train_step=i == 2)
+            loss, codes = run_and_get_code(step, model, optim, batch, last_train_step=i == 2)
             torch.testing.assert_close(loss, eager_step(reference, ref_optim, batch), atol=1e-10, rtol=1e-10)
+            if i == 0:
+                code = "\n".join(codes)
         (entry,) = step.cache.values()
-        assert all(not isinstance(r, fx.GraphModule) for r in entry.runner._runners.values()), "not compiled"
+        assert len(find_node(entry.graph.graph, is_all_reduce)) >= 2, "the test needs several buckets"
+    assert "all_reduce" not in code and "wait_tensor" not in code
+    assert "spmd_lowering.foreach_add_Scalar" in code and "spmd_lowering.fused_adamw" in code
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_default_step_on_one_gpu_compiles_no_collective_and_no_step_count_kernel():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig()).cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+    idx = torch.randint(0, GPTConfig().vocab_size, (2, GPTConfig().block_size), device="cuda")
+    with single_process_group("nccl"):
+        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=False)(lm_train_step)
+        _, codes = run_and_get_code(step, model, optim, idx, idx)
+    code = "\n".join(codes)
+    assert "all_reduce" not in code and "wait_tensor" not in code
+    assert "spmd_lowering.foreach_add_Scalar" in code and "spmd_lowering.fused_adamw" in code
