@@ -37,7 +37,7 @@ from . import replicate, shard
 from .group_roles import name_groups_by_role
 
 STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
-_SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy", "mesh")
+_SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy")
 PARALLEL_MODE = "spmd_parallel_mode"  # gm.meta key: the DataParallel that expanded the graph
 
 
@@ -45,9 +45,11 @@ PARALLEL_MODE = "spmd_parallel_mode"  # gm.meta key: the DataParallel that expan
 class DataParallel:
     """How a train step is spread over ranks.
 
-    ``DataParallel("replicate", grad_reduce="avg" | "sum", group=None)``: each rank
+    ``DataParallel("replicate", grad_reduce="avg" | "sum", group=None, mesh=None)``: each rank
     passes its own local batch (as with DDP); gradients are averaged (or summed) over
-    ``group`` (default: the default process group). ``"avg"``, the default, divides each
+    ``group``, or over the ranks of ``mesh``, a 1-D ``DeviceMesh`` (``mesh["dp"]`` of a
+    (dp, tp) mesh whose "tp" dimension holds tensor-parallel parameters); default: the
+    default process group. ``"avg"``, the default, divides each
     gradient by the world size before the sum, exactly as DDP does, on every backend, so
     an optimizer's lr means what it means under DDP. ``"sum"`` keeps the seed's semantics
     (gradients x world size against DDP); ``spmd.compile()`` without a ``parallel_mode``
@@ -103,6 +105,8 @@ class DataParallel:
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise SpmdConfigError(f"spmd.DataParallel: group must be a torch.distributed.ProcessGroup (e.g. from "
                                   f"dist.new_group), got {self.group!r}")
+        if not self.is_sharded and self.mesh is not None:
+            _check_replicate_mesh(self)
         if not self.is_sharded:
             given = [k for k in _SHARD_OPTIONS if getattr(self, k) is not None]
             if given:
@@ -145,6 +149,8 @@ class DataParallel:
         """The group gradients are reduced over, or None when no process group is initialized."""
         if not dist.is_available() or not dist.is_initialized():
             return None
+        if self.group is None and self.mesh is not None and not self.is_sharded:
+            return self.mesh.get_group()
         return self.group or dist.distributed_c10d._get_default_group()
 
     def broadcasts_buffers(self) -> bool:
@@ -179,6 +185,19 @@ class DataParallel:
     def pass_pipeline(self, settings) -> list:
         """This mode's passes with ``settings`` bound (see ``PASS_SETTINGS`` of its module)."""
         return self.mode.pass_pipeline(settings)
+
+
+def _check_replicate_mesh(dp: DataParallel) -> None:
+    """replicate's ``mesh``: a 1-D ``DeviceMesh``, given instead of ``group``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(dp.mesh, DeviceMesh) or dp.mesh.ndim != 1:
+        raise SpmdConfigError(
+            f"spmd.DataParallel: replicate's mesh must be a 1-D DeviceMesh, the ranks gradients are averaged over "
+            f"(e.g. mesh['dp'] of init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))), got {dp.mesh!r}.")
+    if dp.group is not None:
+        raise SpmdConfigError("spmd.DataParallel: give replicate either group= or mesh=, not both: both name the ranks "
+                              "gradients are averaged over.")
 
 
 def expanded_by(gm: fx.GraphModule) -> DataParallel:

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
-from ..graph_utils import is_comm_node
+from ..graph_utils import comm_group_name, is_comm_node
+from ..graph_utils.nodes import set_comm_group_name
 
 ROLE_PREFIX = "spmd_group:"
 
@@ -65,11 +66,8 @@ def group_names_in(gm: fx.GraphModule) -> set[str]:
     """The process-group names the collectives of ``gm`` carry."""
     names = set()
     for node in gm.graph.nodes:
-        if is_comm_node(node):
-            at = [a.name for a in node.target._schema.arguments].index("group_name")
-            name = node.args[at] if at < len(node.args) else node.kwargs.get("group_name")
-            if isinstance(name, str):
-                names.add(name)
+        if is_comm_node(node) and comm_group_name(node) is not None:
+            names.add(comm_group_name(node))
     return names
 
 
@@ -94,16 +92,10 @@ def name_groups_by_role(gm: fx.GraphModule) -> None:
     """
     renamed: dict[str, str] = {}
     for node in gm.graph.nodes:
-        if not is_comm_node(node):
-            continue
-        at = [a.name for a in node.target._schema.arguments].index("group_name")
-        name = node.args[at] if at < len(node.args) else node.kwargs.get("group_name")
-        if not isinstance(name, str):
+        name = comm_group_name(node) if is_comm_node(node) else None
+        if name is None:
             continue
         if name not in renamed:
             renamed[name] = role_name(name)
-        if at < len(node.args):
-            node.update_arg(at, renamed[name])
-        else:
-            node.update_kwarg("group_name", renamed[name])
+        set_comm_group_name(node, renamed[name])
     gm.recompile()

@@ -36,6 +36,7 @@ from ..passes import (
     schedule_comm_wait, split_optimizer_per_bucket,
 )
 from ..trace.accumulation import LEAVES_GRADS
+from ..trace.step_state import local_tensor
 from .replicate_markers import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,12 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
     """Overwrite ``tensors`` with the values of rank 0 of ``group``.
 
     One flat broadcast per dtype and device (in buckets of at most
-    ``BROADCAST_BUCKET_BYTES``), not one per tensor.
+    ``BROADCAST_BUCKET_BYTES``), not one per tensor. A DTensor (a tensor-parallel parameter) sends
+    its local tensor: the ranks of ``group`` hold the same piece of it.
     """
     src = dist.get_global_rank(group, 0)
     by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
+    for t in map(local_tensor, tensors):
         by_kind[(t.dtype, t.device)].append(t)
     with torch.no_grad():
         for same_kind in by_kind.values():
