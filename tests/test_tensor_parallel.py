@@ -9,11 +9,12 @@ a row-wise embedding and a column-wise head tied to it again): every parameter i
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 import spmd
 from tests.dist import run_distributed
-from tests.shard_helpers import clipped_step, optimizer
-from tests.tp_helpers import DP, batch, max_full_diff, mesh_2d, plain_model, tp_model
+from tests.shard_helpers import assert_same_layout, clipped_step, optim_state_layout, optimizer, plain_step
+from tests.tp_helpers import DP, batch, block_policy, fsdp2_tp_twin, max_full_diff, mesh_2d, plain_model, tp_model
 
 TOL = 1e-10
 
@@ -53,3 +54,56 @@ def test_replicate_with_tensor_parallel_matches_single_process():
     """replicate over "dp" of a sequence-parallel TP model: losses, clipping norm and full parameters
     match one process training the plain model on the global batch."""
     run_distributed(_replicate_against_single_process, world_size=4)
+
+
+def _against_fsdp2_tp(rank, style, mesh, dp_mesh, dp_rank, body, reshard=None):
+    """spmd's ``style`` over ``dp_mesh`` of the TP model against FSDP2 + TP with the same plan and units:
+    losses (and clipping norms), full parameters, and the placements and local shapes of model and
+    optimizer state."""
+    base = plain_model()
+    ref = fsdp2_tp_twin(base, mesh, dp_mesh, reshard_after_forward=reshard)
+    model = tp_model(base, mesh)
+    mode = spmd.DataParallel(style, mesh=dp_mesh, wrap_policy=block_policy(), reshard_after_forward=reshard)
+    spmd.shard(model, mode)
+    assert model.lm_head.weight is model.wte.weight
+    optim, ref_optim = optimizer(model, "adamw"), optimizer(ref, "adamw")
+    step = spmd.compile(parallel_mode=mode)(body)
+    worst = 0.0
+    for k in range(3):
+        ours = torch.utils._pytree.tree_leaves(step(model, optim, *batch(dp_rank, k)))
+        theirs = torch.utils._pytree.tree_leaves(body(ref, ref_optim, *batch(dp_rank, k)))
+        worst = max([worst, *((a - b.detach()).abs().max().item() for a, b in zip(ours, theirs))])
+    params = max_full_diff(model, ref)
+    assert worst <= TOL and params <= TOL, f"{style} + TP: loss diff {worst}, param diff {params}"
+    assert_same_layout(model.state_dict(), ref.state_dict(), "model.state_dict()")
+    assert_same_layout(optim_state_layout(optim), optim_state_layout(ref_optim), "optim.state_dict()")
+    assert len(step.cache) == 1
+    if rank == 0:
+        print(f"{style} + TP {tuple(mesh.shape)}: max |loss diff| {worst:.3g}, max |param diff| {params:.3g}, "
+              f"wte {model.wte.weight.placements}")
+    return step
+
+
+def _sharded_against_fsdp2(rank, world_size):
+    mesh = mesh_2d()
+    dp_rank = mesh["dp"].get_local_rank()
+    _against_fsdp2_tp(rank, "fully_shard", mesh, mesh["dp"], dp_rank, clipped_step)
+    _against_fsdp2_tp(rank, "shard_grad_op", mesh, mesh["dp"], dp_rank, plain_step, reshard=False)
+
+
+def test_sharded_modes_with_tensor_parallel_match_fsdp2():
+    """fully_shard (clipping, resharding units) and shard_grad_op over "dp" of the TP model match eager
+    FSDP2 + TP, placements included (``_StridedShard`` on "dp" where "tp" splits dim 0 too)."""
+    run_distributed(_sharded_against_fsdp2, world_size=4)
+
+
+def _hybrid_against_fsdp2(rank, world_size):
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    _against_fsdp2_tp(rank, "hybrid_shard", mesh, mesh["replicate", "shard"], mesh["replicate"].get_local_rank(),
+                      clipped_step)
+
+
+def test_hybrid_shard_over_a_3d_mesh_matches_fsdp2_hsdp_with_tensor_parallel():
+    """hybrid_shard over (replicate, shard) of a (replicate, shard, tp) mesh: FSDP2's HSDP + TP placements
+    ``(Replicate(), _StridedShard(0), Shard(0))``; 4 ranks, so a shard group of one."""
+    run_distributed(_hybrid_against_fsdp2, world_size=4)

@@ -32,12 +32,14 @@ def tp_model(model: TPGPT, mesh) -> TPGPT:
     return parallelize(copy.deepcopy(model), mesh["tp"])
 
 
-def fsdp2_tp_twin(model: TPGPT, mesh, reshard_after_forward=None) -> TPGPT:
-    """A TP copy of ``model`` with FSDP2 over ``mesh["dp"]``: one unit per block, then the root."""
+def fsdp2_tp_twin(model: TPGPT, mesh, dp_mesh=None, reshard_after_forward=None) -> TPGPT:
+    """A TP copy of ``model`` with FSDP2 over ``dp_mesh`` (default ``mesh["dp"]``): one unit per block, then
+    the root."""
     ref = tp_model(model, mesh)
+    dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
     for block in ref.blocks:
-        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-    fully_shard(ref, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(ref, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     return ref
 
 
