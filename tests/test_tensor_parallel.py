@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import spmd
 from tests.dist import run_distributed
-from tests.shard_helpers import assert_same_layout, clipped_step, optim_state_layout, optimizer, plain_step
-from tests.tp_helpers import DP, batch, block_policy, fsdp2_tp_twin, max_full_diff, mesh_2d, plain_model, tp_model
+from tests.shard_helpers import assert_same_state_layouts, clipped_step, max_param_diff, optimizer, plain_step
+from tests.tp_helpers import DP, batch, block_policy, fsdp2_tp_twin, mesh_2d, plain_model, tp_model
 
 TOL = 1e-10
 
@@ -43,7 +43,7 @@ def _replicate_against_single_process(rank, world_size):
         loss, norm = step(model, optim, *batch(dp_rank, k))
         ref_losses, ref_norm = _global_reference_step(ref, ref_optim, k)
         worst = max(worst, (loss - ref_losses[dp_rank]).abs().item(), (norm - ref_norm).abs().item())
-    params = max_full_diff(model, ref)
+    params = max_param_diff(model, ref)
     assert worst <= TOL and params <= TOL, f"replicate + TP: loss/norm diff {worst}, param diff {params}"
     assert model.lm_head.weight is model.wte.weight and len(step.cache) == 1
     if rank == 0:
@@ -73,10 +73,9 @@ def _against_fsdp2_tp(rank, style, mesh, dp_mesh, dp_rank, body, reshard=None):
         ours = torch.utils._pytree.tree_leaves(step(model, optim, *batch(dp_rank, k)))
         theirs = torch.utils._pytree.tree_leaves(body(ref, ref_optim, *batch(dp_rank, k)))
         worst = max([worst, *((a - b.detach()).abs().max().item() for a, b in zip(ours, theirs))])
-    params = max_full_diff(model, ref)
+    params = max_param_diff(model, ref)
     assert worst <= TOL and params <= TOL, f"{style} + TP: loss diff {worst}, param diff {params}"
-    assert_same_layout(model.state_dict(), ref.state_dict(), "model.state_dict()")
-    assert_same_layout(optim_state_layout(optim), optim_state_layout(ref_optim), "optim.state_dict()")
+    assert_same_state_layouts(model, ref, optim, ref_optim)
     assert len(step.cache) == 1
     if rank == 0:
         print(f"{style} + TP {tuple(mesh.shape)}: max |loss diff| {worst:.3g}, max |param diff| {params:.3g}, "

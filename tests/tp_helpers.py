@@ -10,7 +10,6 @@ from torch.distributed.fsdp import fully_shard
 
 import spmd
 from spmd.tools.tp_models import TPGPT, TPBlock, TPGPTConfig, parallelize
-from tests.shard_helpers import full_params
 
 CFG = TPGPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 DP, TP = 2, 2
@@ -54,12 +53,6 @@ def batch(dp_rank: int, step: int):
     return idx, idx.roll(-1, 1)
 
 
-def max_full_diff(model, ref) -> float:
-    """The largest difference between two models' full parameters (DTensors gathered)."""
-    ours, theirs = full_params(model), full_params(ref)
-    assert ours.keys() == theirs.keys()
-    return max((ours[n] - theirs[n]).abs().max().item() for n in ours)
 
-
-__all__ = ["BATCH", "CFG", "DP", "TP", "batch", "block_policy", "fsdp2_tp_twin", "max_full_diff", "mesh_2d",
+__all__ = ["BATCH", "CFG", "DP", "TP", "batch", "block_policy", "fsdp2_tp_twin", "mesh_2d",
            "plain_model", "spmd", "tp_model"]
