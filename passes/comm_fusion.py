@@ -15,7 +15,7 @@ from numbers import Real
 import torch
 import torch.fx as fx
 
-from ..graph_utils.meta import BUCKET, GRAD_OF
+from ..graph_utils.meta import BUCKET, GRAD_OF, MESH_DIM
 from ..graph_utils import comm_group_name, is_all_reduce, is_comm_node, is_wait_node, node_order, set_fake_val, tensor_bytes, wait_of
 
 from .iteration import refuse_after_moves
@@ -128,6 +128,8 @@ def _fuse(graph: fx.Graph, bucket: list[fx.Node]) -> fx.Node:
         graph.erase_node(comm)
     bucket_params = [comm.meta[GRAD_OF] for comm in bucket]
     fused.meta[BUCKET] = wait.meta[BUCKET] = bucket_params
+    if MESH_DIM in bucket[-1].meta:
+        fused.meta[MESH_DIM] = bucket[-1].meta[MESH_DIM]
     return fused
 
 

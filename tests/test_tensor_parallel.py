@@ -19,6 +19,14 @@ from tests.tp_helpers import DP, batch, block_policy, fsdp2_tp_twin, mesh_2d, pl
 TOL = 1e-10
 
 
+def _assert_same_cache_key_everywhere(step, *args):
+    """The step's compile-cache key names no group or rank of this process: the tp group of ranks 0, 1 and that of
+    ranks 2, 3 play one role, and so do the dp groups."""
+    keys = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(keys, step.cache_key(*args).digest)
+    assert len(set(keys)) == 1, keys
+
+
 def _global_reference_step(model, optim, k):
     """One eager step of the plain model on every data-parallel rank's batch, their losses averaged (what
     averaging the gradients over dp computes); returns each dp rank's loss and the clipping norm."""
@@ -46,6 +54,7 @@ def _replicate_against_single_process(rank, world_size):
     params = max_param_diff(model, ref)
     assert worst <= TOL and params <= TOL, f"replicate + TP: loss/norm diff {worst}, param diff {params}"
     assert model.lm_head.weight is model.wte.weight and len(step.cache) == 1
+    _assert_same_cache_key_everywhere(step, model, optim, *batch(dp_rank, 0))
     if rank == 0:
         print(f"replicate + TP: max |loss or norm diff| {worst:.3g}, max |param diff| {params:.3g}")
 
@@ -77,6 +86,7 @@ def _against_fsdp2_tp(rank, style, mesh, dp_mesh, dp_rank, body, reshard=None):
     assert worst <= TOL and params <= TOL, f"{style} + TP: loss diff {worst}, param diff {params}"
     assert_same_state_layouts(model, ref, optim, ref_optim)
     assert len(step.cache) == 1
+    _assert_same_cache_key_everywhere(step, model, optim, *batch(dp_rank, 0))
     if rank == 0:
         print(f"{style} + TP {tuple(mesh.shape)}: max |loss diff| {worst:.3g}, max |param diff| {params:.3g}, "
               f"wte {model.wte.weight.placements}")
@@ -106,3 +116,58 @@ def test_hybrid_shard_over_a_3d_mesh_matches_fsdp2_hsdp_with_tensor_parallel():
     """hybrid_shard over (replicate, shard) of a (replicate, shard, tp) mesh: FSDP2's HSDP + TP placements
     ``(Replicate(), _StridedShard(0), Shard(0))``; 4 ranks, so a shard group of one."""
     run_distributed(_hybrid_against_fsdp2, world_size=4)
+
+
+def _uneven_and_differing(rank, world_size):
+    """A smaller last batch on dp rank 1 (ranks 2, 3 retrace alone): their tp collectives differ in size from
+    ranks 0, 1's, which is fine, since tp collectives only pair within a tp group. Then a step whose tp
+    collectives differ inside one tp group (tp rank 1 runs a second forward): the same error on every rank."""
+    mesh = mesh_2d()
+    ref = plain_model()
+    model = tp_model(ref, mesh)
+    optim, ref_optim = optimizer(model, "sgd"), optimizer(ref, "sgd")
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", mesh=mesh["dp"]))(plain_step)
+    dp_rank = mesh["dp"].get_local_rank()
+
+    def sized(r, k):
+        idx, targets = batch(r, k)
+        return (idx[:1], targets[:1]) if (r, k) == (1, 2) else (idx, targets)
+
+    for k in range(3):
+        loss = step(model, optim, *sized(dp_rank, k))
+        losses = [ref(*sized(r, k)) for r in range(DP)]
+        (sum(losses) / DP).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        assert (loss - losses[dp_rank]).abs().item() <= TOL
+    assert max_param_diff(model, ref) <= TOL
+    assert step.trace_count == (2 if dp_rank == 1 else 1)
+
+    tp_rank = mesh["tp"].get_local_rank()
+
+    def twice_on_tp_rank_1(model, optim, idx, targets):
+        loss = model(idx, targets) + (model(idx, targets) if tp_rank == 1 else 0)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    differing = spmd.compile(parallel_mode=spmd.DataParallel("replicate", mesh=mesh["dp"]))(twice_on_tp_rank_1)
+    before = [p.full_tensor() for p in model.parameters()]
+    try:
+        differing(model, optim, *batch(dp_rank, 0))
+    except spmd.SpmdCompileError as err:
+        message = str(err)
+    else:
+        raise AssertionError("a step whose tp collectives differ within a tp group ran")
+    assert "ranks 0 and 1, which share a group of the 'tp' mesh dimension" in message, message
+    assert all(torch.equal(p.full_tensor(), b) for p, b in zip(model.parameters(), before)), "nothing ran"
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, message)
+    assert len(set(gathered)) == 1, "the same error on every rank"
+
+
+def test_rank_agreement_compares_collectives_per_mesh_dimension():
+    """Ranks agree per mesh dimension: an uneven last batch on one dp rank trains as the single-process
+    reference does; tp collectives that differ inside a tp group raise one error everywhere, no hang."""
+    run_distributed(_uneven_and_differing, world_size=4)

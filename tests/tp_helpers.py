@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 import spmd
 from spmd.tools.tp_models import TPGPT, TPBlock, TPGPTConfig, parallelize
 
-CFG = TPGPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+CFG = TPGPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
 DP, TP = 2, 2
 BATCH = 2  # per data-parallel rank
 

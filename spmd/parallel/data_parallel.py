@@ -31,10 +31,12 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 
 from ..errors import SpmdCompileError, SpmdConfigError
 from . import replicate, shard
-from .group_roles import name_groups_by_role
+from .group_roles import mesh_dim_labels, name_groups_by_role
+from .units import shard_plan
 
 STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
 _SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy")
@@ -174,11 +176,22 @@ class DataParallel:
         """Mode-specific work on ``tensors`` (parameters, buffers of ``state``) before the step first uses them."""
         self.mode.before_first_run(self, state, tensors)
 
-    def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
+    def mesh_dims(self, state) -> dict[str, str]:
+        """Live process-group name -> the mesh dimension it spans (``group_roles.mesh_dim_labels``), for the
+        mode's own mesh (replicate's ``mesh``, a sharded model's plan mesh) and the step's DTensor parameters'."""
+        own = self.mesh
+        if self.is_sharded:
+            own = next((plan.mesh for m in state.modules if (plan := shard_plan(m)) is not None), own)
+        meshes = [p._spec.mesh for p in state.params if isinstance(p, DTensor)]
+        return mesh_dim_labels(own, meshes, None if self.is_sharded else self.process_group())
+
+    def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None,
+               mesh_dims: Optional[dict[str, str]] = None) -> fx.GraphModule:
         """The traced single-rank graph, expanded for this mode (edited in place), recording this mode on it;
-        its collectives name their groups by role (``spmd.parallel.group_roles``)."""
+        its collectives name their groups by role (``spmd.parallel.group_roles``) and carry their mesh
+        dimension from ``mesh_dims`` (``DataParallel.mesh_dims``)."""
         gm = self.mode.expand(self, gm, grad_order)
-        name_groups_by_role(gm)  # the graph names no group of this process (spmd.parallel.group_roles)
+        name_groups_by_role(gm, mesh_dims)  # the graph names no group of this process (spmd.parallel.group_roles)
         gm.meta[PARALLEL_MODE] = self
         return gm
 

@@ -47,7 +47,8 @@ from ..graph_utils import is_comm_node, is_wait_node
 from ..graph_utils.meta import CARRIES, KEEP, PHASE, UNIT
 from ..passes import (
     defer_state_writes, guard_unsharded_memory, prefetch_unit_gathers, recompute_activations,
-    remove_copy_from_optimizer, schedule_reduce_scatter_waits, split_optimizer_per_unit,
+    remove_copy_from_optimizer, schedule_reduce_scatter_waits, schedule_tensor_parallel_comms,
+    split_optimizer_per_unit,
 )
 from ..trace.step_state import StepState
 from .policies import as_policy
@@ -64,13 +65,15 @@ PASS_SETTINGS = ("prefetch_units", "memory_budget")
 
 
 def pass_pipeline(settings) -> list:
-    """A sharded mode's passes, ``settings`` (a ``GraphModuleTransformation``) bound: gathers
+    """A sharded mode's passes, ``settings`` (a ``GraphModuleTransformation``) bound: tensor-parallel
+    collectives issued early and waited late, gathers
     prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer update per
     unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once),
     optimizer copy removal, state writes after the last collective (a step that fails changes nothing),
     recompute in the backward (``memory_budget``)."""
     depth = settings.prefetch_units
-    return [functools.partial(prefetch_unit_gathers, depth=depth), schedule_reduce_scatter_waits,
+    return [schedule_tensor_parallel_comms, functools.partial(prefetch_unit_gathers, depth=depth),
+            schedule_reduce_scatter_waits,
             split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + depth),
             remove_copy_from_optimizer, defer_state_writes,
             functools.partial(recompute_activations, memory_budget=settings.memory_budget)]

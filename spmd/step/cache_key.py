@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from ..optim.amp_scaler import GradScaler, scaler_signature
 from ..optim.hyperparams import assumptions, flags, Learned, learned, learned_facts
-from ..parallel.group_roles import group_role
+from ..parallel.group_roles import group_role, root_mesh
 from ..trace.step_state import StepState, mesh_signature, training_modes
 
 # Code of these packages is covered by the versions (and spmd's source digest): named, not described.
@@ -176,9 +176,14 @@ def tensor_facts(t: torch.Tensor) -> dict:
     return facts
 
 
-def mesh_facts(mesh: Any) -> list:
-    """A ``DeviceMesh`` as values (``mesh_signature``: device type, shape, dim names, rank layout)."""
-    return describe(mesh_signature(mesh))
+def mesh_facts(mesh: Any) -> Any:
+    """A ``DeviceMesh`` as values (``mesh_signature``: device type, shape, dim names, rank layout). A mesh sliced
+    from a larger one (``mesh["tp"]``) is its dims and shape in the larger one's signature: its own ranks
+    differ between the ranks of the other dims ([0, 1] on rank 0, [2, 3] on rank 2), and a key must not."""
+    root = root_mesh(mesh)
+    if root is mesh:
+        return describe(mesh_signature(mesh))
+    return {"dims": describe(mesh_signature(mesh)[:3]), "of": describe(mesh_signature(root))}
 
 
 def state_tensors(state: StepState) -> dict:
