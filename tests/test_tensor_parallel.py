@@ -19,12 +19,28 @@ from tests.tp_helpers import DP, batch, block_policy, fsdp2_tp_twin, mesh_2d, pl
 TOL = 1e-10
 
 
-def _assert_same_cache_key_everywhere(step, *args):
-    """The step's compile-cache key names no group or rank of this process: the tp group of ranks 0, 1 and that of
-    ranks 2, 3 play one role, and so do the dp groups."""
+def _assert_cache_key_per_tp_coordinate(step, mesh, *args):
+    """The step's compile-cache key names no group of this process: ranks of one dp group (the same place on
+    "tp") share it; ranks of a tp group do not, since DTensor bakes the tp coordinate into the graph (the
+    row-wise embedding's offsets)."""
     keys = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(keys, step.cache_key(*args).digest)
-    assert len(set(keys)) == 1, keys
+    torch.distributed.all_gather_object(keys, (mesh["tp"].get_local_rank(), step.cache_key(*args).digest))
+    by_coordinate = {c: {k for c2, k in keys if c2 == c} for c, _ in keys}
+    assert all(len(v) == 1 for v in by_coordinate.values()) and len(set(k for _, k in keys)) == len(by_coordinate), keys
+
+
+def _loaded_from_the_compile_cache(mesh, mode, folder):
+    """A step loaded from the persistent compile cache trains bit for bit as the one compiled here."""
+    base = plain_model()
+    models = [tp_model(base, mesh) for _ in range(2)]
+    optims = [optimizer(m, "adamw") for m in models]
+    steps = [spmd.compile(parallel_mode=mode, cache_dir=folder)(clipped_step) for _ in range(2)]
+    dp_rank = mesh["dp"].get_local_rank()
+    for k in range(2):
+        compiled, loaded = (step(m, o, *batch(dp_rank, k)) for step, m, o in zip(steps, models, optims))
+        assert all(torch.equal(a, b) for a, b in zip(compiled, loaded))
+    assert "cache_load" not in steps[0].compile_times and "cache_load" in steps[1].compile_times
+    assert max_param_diff(*models) == 0.0
 
 
 def _global_reference_step(model, optim, k):
@@ -38,7 +54,7 @@ def _global_reference_step(model, optim, k):
     return [loss.detach() for loss in losses], norm
 
 
-def _replicate_against_single_process(rank, world_size):
+def _replicate_against_single_process(rank, world_size, folder):
     mesh = mesh_2d()
     ref = plain_model()
     model = tp_model(ref, mesh)
@@ -54,15 +70,17 @@ def _replicate_against_single_process(rank, world_size):
     params = max_param_diff(model, ref)
     assert worst <= TOL and params <= TOL, f"replicate + TP: loss/norm diff {worst}, param diff {params}"
     assert model.lm_head.weight is model.wte.weight and len(step.cache) == 1
-    _assert_same_cache_key_everywhere(step, model, optim, *batch(dp_rank, 0))
+    _assert_cache_key_per_tp_coordinate(step, mesh, model, optim, *batch(dp_rank, 0))
+    _loaded_from_the_compile_cache(mesh, spmd.DataParallel("replicate", mesh=mesh["dp"]), folder)
     if rank == 0:
         print(f"replicate + TP: max |loss or norm diff| {worst:.3g}, max |param diff| {params:.3g}")
 
 
-def test_replicate_with_tensor_parallel_matches_single_process():
+def test_replicate_with_tensor_parallel_matches_single_process(tmp_path):
     """replicate over "dp" of a sequence-parallel TP model: losses, clipping norm and full parameters
-    match one process training the plain model on the global batch."""
-    run_distributed(_replicate_against_single_process, world_size=4)
+    match one process training the plain model on the global batch; a step loaded from the compile
+    cache (one entry per tp coordinate) trains as the compiled one."""
+    run_distributed(_replicate_against_single_process, str(tmp_path), world_size=4)
 
 
 def _against_fsdp2_tp(rank, style, mesh, dp_mesh, dp_rank, body, reshard=None):
@@ -86,7 +104,9 @@ def _against_fsdp2_tp(rank, style, mesh, dp_mesh, dp_rank, body, reshard=None):
     assert worst <= TOL and params <= TOL, f"{style} + TP: loss diff {worst}, param diff {params}"
     assert_same_state_layouts(model, ref, optim, ref_optim)
     assert len(step.cache) == 1
-    _assert_same_cache_key_everywhere(step, model, optim, *batch(dp_rank, 0))
+    _assert_cache_key_per_tp_coordinate(step, mesh, model, optim, *batch(dp_rank, 0))
+    with torch.no_grad():  # eager use outside the step: each unit gathered over dp, computing as TP DTensors
+        assert (model(*batch(dp_rank, 5)) - ref(*batch(dp_rank, 5))).abs().item() <= TOL
     if rank == 0:
         print(f"{style} + TP {tuple(mesh.shape)}: max |loss diff| {worst:.3g}, max |param diff| {params:.3g}, "
               f"wte {model.wte.weight.placements}")

@@ -141,7 +141,11 @@ def _build(mode: str, args, mesh, device) -> Step:
                                                     enable_cudagraphs=cg)
     compiled = spmd.compile(parallel_mode=dp, gm_transformation=transformation)(train_step)
     autocast = bf16 and "replicate" in mode
-    return lambda idx, targets: compiled(model, optim, idx, targets, autocast)
+
+    def step(idx, targets):
+        return compiled(model, optim, idx, targets, autocast)
+    step.compiled = compiled  # the CompiledTrainStep, for tests that look inside
+    return step
 
 
 

@@ -176,14 +176,25 @@ class DataParallel:
         """Mode-specific work on ``tensors`` (parameters, buffers of ``state``) before the step first uses them."""
         self.mode.before_first_run(self, state, tensors)
 
+    def own_mesh(self, state):
+        """The mesh this mode reduces over: replicate's ``mesh``, a sharded model's plan mesh, or None."""
+        if self.is_sharded:
+            return next((plan.mesh for m in state.modules if (plan := shard_plan(m)) is not None), self.mesh)
+        return self.mesh
+
+    def data_parallel_groups(self, state) -> list:
+        """The live process groups this mode reduces over (each dimension of its mesh, or replicate's group)."""
+        mesh = self.own_mesh(state)
+        if mesh is not None:
+            return [mesh.get_group(d) for d in range(mesh.ndim)]
+        group = self.process_group()
+        return [group] if group is not None else []
+
     def mesh_dims(self, state) -> dict[str, str]:
         """Live process-group name -> the mesh dimension it spans (``group_roles.mesh_dim_labels``), for the
         mode's own mesh (replicate's ``mesh``, a sharded model's plan mesh) and the step's DTensor parameters'."""
-        own = self.mesh
-        if self.is_sharded:
-            own = next((plan.mesh for m in state.modules if (plan := shard_plan(m)) is not None), own)
         meshes = [p._spec.mesh for p in state.params if isinstance(p, DTensor)]
-        return mesh_dim_labels(own, meshes, None if self.is_sharded else self.process_group())
+        return mesh_dim_labels(self.own_mesh(state), meshes, None if self.is_sharded else self.process_group())
 
     def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None,
                mesh_dims: Optional[dict[str, str]] = None) -> fx.GraphModule:

@@ -12,7 +12,8 @@ CUDA device capability. The description is a plain JSON value; ``StepKey.digest`
 
 Nothing in it is process state: no object ids or serial numbers, no ``DeviceMesh`` or process
 group objects or group names (a mesh is its device type, shape, dim names and rank layout; a group
-its role, ``spmd.parallel.group_roles.group_role``), no memory addresses, no rank. A device is its
+its role, ``spmd.parallel.group_roles.group_role``), no memory addresses, no rank, except where the
+graph itself depends on it: a tensor-parallel step's coordinate on its tp dims (``mesh_coordinates``). A device is its
 type, plus its index only where it is not the process's current device, so rank 1 on ``cuda:1`` has
 rank 0's key on ``cuda:0``. Numeric hyperparameters (lr, betas, ...) are graph inputs and left out,
 and so are the values of parameters and input tensors.
@@ -97,6 +98,7 @@ def step_key(fn: Callable, state: StepState, args: tuple, kwargs: dict, parallel
         "grad scalers": [scaler_signature(s) for s in state.scalers],
         "inputs": inputs(state, args, kwargs),
         "parallel mode": parallel_settings(parallel_mode),
+        "mesh coordinates": mesh_coordinates(state, parallel_mode),
         "transformation": transformation_settings(transformation),
     })
 
@@ -269,6 +271,24 @@ def parallel_settings(mode: Any) -> dict:
             out[name] = getattr(mode, name)
     group = mode.process_group() if hasattr(mode, "process_group") else None
     out["world size"] = dist.get_world_size(group) if group is not None else 1
+    return out
+
+
+def mesh_coordinates(state: StepState, mode: Any) -> dict:
+    """This rank's coordinate on each mesh dimension the DTensor parameters are split over besides the mode's
+    data-parallel ones (by dimension name). Tracing DTensor's ops bakes it into the graph (which rows of a
+    row-wise embedding this rank holds: its offsets are numbers in the graph), so the ranks of a tp group
+    compile different steps, while the ranks of one dp group, in the same place on "tp", share one."""
+    own = {g.group_name for g in mode.data_parallel_groups(state)} if hasattr(mode, "data_parallel_groups") else set()
+    out: dict[str, int] = {}
+    for p in state.params:
+        if not isinstance(p, DTensor):
+            continue
+        root = root_mesh(p._spec.mesh)
+        coordinate = root.get_coordinate()
+        for d in range(root.ndim):
+            if coordinate is not None and root.get_group(d).group_name not in own:
+                out[root.mesh_dim_names[d] if root.mesh_dim_names else f"dim{d}"] = coordinate[d]
     return out
 
 
