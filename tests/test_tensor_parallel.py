@@ -39,7 +39,8 @@ def _loaded_from_the_compile_cache(mesh, mode, folder):
     for k in range(2):
         compiled, loaded = (step(m, o, *batch(dp_rank, k)) for step, m, o in zip(steps, models, optims))
         assert all(torch.equal(a, b) for a, b in zip(compiled, loaded))
-    assert "cache_load" not in steps[0].compile_times and "cache_load" in steps[1].compile_times
+    # the first compiles, or loads what its dp peer (the same tp coordinate, the same key) stored first
+    assert "cache_load" in steps[1].compile_times
     assert max_param_diff(*models) == 0.0
 
 
