@@ -93,7 +93,7 @@ def agreement_for(dp, modules: Sequence, on_one_rank: bool = False) -> Optional[
             or not set(dist.get_process_group_ranks(group)) <= set(root.mesh.flatten().tolist()):
         side = side_group(group, on_one_rank)
         return Agreement(side) if side is not None else None
-    labels = mesh_dim_labels(dp.mesh if dp.mesh is not None else root, [root], None if dp.is_sharded else group)
+    labels = mesh_dim_labels(dp.mesh, [root], None if dp.is_sharded else group)  # as DataParallel.mesh_dims labels
     names = [labels[root.get_group(d).group_name] for d in range(root.ndim)]
     side = side_group(group, on_one_rank, root.mesh.flatten().tolist())
     return Agreement(side, rank_check.MeshLayout.of(root, names)) if side is not None else None
