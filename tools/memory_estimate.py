@@ -181,7 +181,7 @@ def measure(style: str, cfg: GPTConfig, batch: int, steps: int = 3, cudagraphs: 
     """
     from spmd.checks import rank_check
 
-    exchange, rank_check.exchange = rank_check.exchange, lambda local, group: None
+    exchange, rank_check.exchange = rank_check.exchange, lambda local, group, layout=None: None
     try:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
