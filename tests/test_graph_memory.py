@@ -64,9 +64,9 @@ def test_memory_estimate_reports_each_modes_peak_and_sharding_lowers_it(capsys):
     assert 0.3 < ratio < 1.0
 
 
-def _sharded_step_graph(style: str) -> fx.Graph:
+def _sharded_step_graph(style: str, memory_budget=None) -> fx.Graph:
     """A 2-block GPT's step graph (fused AdamW, a vocabulary large beside its width, as a 1.3B GPT's
-    is) after the sharded passes, in a fake 2-rank group."""
+    is) after the sharded passes (``memory_budget`` for their recompute), in a fake 2-rank group."""
     import dataclasses
 
     import spmd
@@ -78,7 +78,7 @@ def _sharded_step_graph(style: str) -> fx.Graph:
     mode = spmd.DataParallel(style, wrap_policy=block_policy())
     spmd.shard(model, mode)
     optim = optimizer(model, "adamw")
-    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True)
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, memory_budget=memory_budget)
     step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(plain_step)
     idx = torch.randint(0, 4099, (2, CFG.block_size), generator=torch.Generator().manual_seed(0))
     args = (model, optim, idx, idx.roll(-1, 1))
