@@ -78,12 +78,39 @@ def _alias_tracker(nodes: list[fx.Node]):
     return _Tracker(nodes)
 
 
-def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], bool]] = None) -> MemoryProfile:
+def _inlined_last_uses(nodes: list[fx.Node], tracker, inlined: Callable[[fx.Node], bool]) -> dict:
+    """Each storage -> the position of its last reader, where a node ``inlined`` says a compiler computes
+    inside its readers reads nothing itself: its readers read its inputs (transitively)."""
+    skip = {n for n in nodes if inlined(n)}
+    owner = tracker.storage_to_allocator
+    memo: dict[fx.Node, set] = {}
+
+    def reads(node: fx.Node) -> set:
+        if node not in memo:
+            out: set = set()
+            for key in tracker.get_storage_uses(node):
+                src = owner.get(key)
+                out |= reads(src) if src in skip and src is not node else {key}
+            memo[node] = out
+        return memo[node]
+
+    last = {}
+    for i, node in enumerate(nodes):
+        if node not in skip:
+            for key in reads(node):
+                last[key] = i
+    return {"skip": skip, "last": last}
+
+
+def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], bool]] = None,
+                   inlined: Optional[Callable[[fx.Node], bool]] = None) -> MemoryProfile:
     """The live bytes after each node of ``graph`` and what is live at the peak.
 
     ``releasable(node)``: whether a storage ``node`` allocated may be freed after its last
     use (default: everything but placeholders and ``get_attr``). Nodes without a tensor
-    ``meta["val"]`` allocate nothing.
+    ``meta["val"]`` allocate nothing. ``inlined(node)``: whether the compiler computes ``node``
+    inside the kernels that read it (``recompute_ops.inductor_inlines``: Inductor's pointwise
+    fusion): it allocates nothing, and what it reads lives until its readers run.
 
     Example::
 
@@ -95,11 +122,16 @@ def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], boo
     tracker = _alias_tracker(nodes)
     owner = tracker.storage_to_allocator
     size = {key: int(key.storage.nbytes()) for key in owner}
+    fused = _inlined_last_uses(nodes, tracker, inlined) if inlined is not None else None
+    freed_at: dict[int, list] = {}
+    if fused is not None:
+        for key, i in fused["last"].items():
+            freed_at.setdefault(i, []).append(key)
     live_set = {key for n in nodes if n.op in ("placeholder", "get_attr") for key in tracker.get_fresh_allocations(n)}
     current = inputs = sum(size[k] for k in live_set)
     live, peak, peak_index, peak_set = [], current, 0, set(live_set)
     for i, node in enumerate(nodes):
-        if node.op not in ("placeholder", "get_attr", "output"):
+        if node.op not in ("placeholder", "get_attr", "output") and (fused is None or node not in fused["skip"]):
             for key in tracker.get_fresh_allocations(node):
                 if key not in live_set:
                     live_set.add(key)
@@ -109,7 +141,7 @@ def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], boo
             peak, peak_index, peak_set = current, i, set(live_set)
         if node.op == "output":
             continue
-        for key in tracker.get_storages_last_used(node):
+        for key in (tracker.get_storages_last_used(node) if fused is None else freed_at.get(i, ())):
             if key in live_set and releasable(owner[key]):
                 live_set.discard(key)
                 current -= size[key]

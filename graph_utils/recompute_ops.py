@@ -180,3 +180,30 @@ def _inductor_decompositions() -> frozenset:
     from torch._inductor.decomposition import select_decomp_table
 
     return frozenset(select_decomp_table())
+
+
+# Ops Inductor decomposes into a pointwise result over small reductions it realizes apart (with SPLITTABLE).
+_POINTWISE_RESULT = frozenset({aten.nll_loss_backward.default, aten._log_softmax_backward_data.default,
+                               aten._softmax_backward_data.default})
+
+
+def inductor_inlines(node: fx.Node) -> bool:
+    """Whether Inductor computes ``node`` inside the kernels that read it, never into a buffer of its own: a
+    pointwise op (or a softmax or backward op it decomposes into a pointwise result over small row
+    statistics) that the graph does not return and whose every reader (through views) is a kernel
+    pointwise producers fuse into. A forward value read by such a backward kernel is recomputed there
+    from what it reads, which then lives until that kernel runs."""
+    if node.op != "call_function" or is_view_like(node) or any(u.op == "output" for u in node.users):
+        return False
+    if not (is_pointwise(node) or node.target in _POINTWISE_RESULT or node.target in SPLITTABLE):
+        return False
+    todo = list(node.users)
+    while todo:
+        u = todo.pop()
+        if u.op == "output":
+            return False
+        if is_view_like(u):
+            todo.extend(u.users)
+        elif not fuses_into(u):
+            return False
+    return True

@@ -31,7 +31,7 @@ from ..graph_utils import set_fake_val
 from ..graph_utils.decompose import decompose_node
 from ..graph_utils.memory import memory_profile
 from ..graph_utils.meta import RECOMPUTE_OF
-from ..graph_utils.recompute_ops import fuses_into, is_view_like
+from ..graph_utils.recompute_ops import fuses_into, inductor_inlines, is_view_like
 from ..graph_utils.recompute_plan import FUSED, Planner, RecomputePlan, plan_recompute
 
 from .comm_fusion import comm_fusion_with_concat
@@ -152,7 +152,8 @@ def _first_node(args) -> list[fx.Node]:
 
 @graph_optimization_pass(apply_after=[comm_fusion_with_concat, schedule_comm_wait, prefetch_unit_gathers,
                                       schedule_reduce_scatter_waits, defer_state_writes])
-def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: bool = False) -> None:
+def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: bool = False,
+                          lowered_by_inductor: bool = False) -> None:
     """Recompute forward values in the backward instead of keeping them (see the module docstring and
     ``graph_utils.recompute_plan``).
 
@@ -162,7 +163,8 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     recomputes is computed from its row statistics in the forward too; collectives and waits keep
     their order. The decision is left on ``gm`` (``recompute_plan``). A budget recompute cannot meet
     leaves the step at the smallest activation memory it found, and one warning names the estimated
-    peak (``graph_utils.memory``).
+    peak (``graph_utils.memory``; with ``lowered_by_inductor``, what Inductor fuses counted as never
+    allocated). ``free_only``: only the free recomputes (``recompute="free"``).
 
     Example::
 
@@ -182,7 +184,7 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     _rewrite(graph, planner)
     graph.lint()
     if not plan.met:
-        plan.peak = memory_profile(graph).peak
+        plan.peak = memory_profile(graph, inlined=inductor_inlines if lowered_by_inductor else None).peak
         log.warning("spmd: memory_budget=%s asks for at most %.1f MiB of activations; recompute reaches %.1f MiB, "
                     "so the step runs at its smallest estimated peak, %.1f MiB. Raise memory_budget, or lower "
                     "the batch size.", memory_budget, memory_budget * plan.default_bytes / 2**20,

@@ -14,6 +14,7 @@ from .graph_utils.nodes import node_order
 from .graph_utils.memory import memory_profile
 from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, ROLE, UNIT, Role
 from .graph_utils.phases import backward_nodes
+from .graph_utils.recompute_ops import inductor_inlines
 from .passes import PassManager, pass_info, recompute_plan
 
 from .api import CompiledTrainStep
@@ -233,14 +234,16 @@ def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
     """(activations kept and recomputed, estimated peak bytes, bytes live at the peak by kind) of a step graph.
 
     Activations: ``recompute_activations``' plan (names -> bytes of the saved values kept and
-    recomputed, and the totals), empty when it did not run. Kinds: parameters, optimizer state,
+    recomputed, and the totals), empty when it did not run. Where the step is lowered through
+    Inductor, the peak counts what Inductor computes inside its readers as never allocated. Kinds: parameters, optimizer state,
     inputs, activations (forward values) and gradients (backward and optimizer values).
     """
     plan = recompute_plan(gm)
     activations = {} if plan is None else {
         "kept": plan.kept, "recomputed": plan.recomputed, "kept_bytes": plan.kept_bytes,
         "default_bytes": plan.default_bytes, "saved_bytes": plan.saved_bytes, "budget": plan.budget, "met": plan.met}
-    profile = memory_profile(gm.graph)
+    lowering = getattr(gm, "lowering", None)  # lowered through Inductor: what it fuses is never allocated
+    profile = memory_profile(gm.graph, inlined=inductor_inlines if lowering is not None and lowering.inductor else None)
     backward = backward_nodes(gm.graph)
     by_role = {Role.PARAM: "parameters", Role.BUFFER: "parameters", Role.STATE: "optimizer state"}
     kinds: dict[str, int] = {}

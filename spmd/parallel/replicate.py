@@ -57,7 +57,8 @@ def pass_pipeline(settings) -> list:
     return [functools.partial(comm_fusion_with_concat, bucket_size_mb=settings.bucket_size_mb), schedule_comm_wait,
             *split, remove_copy_from_optimizer, defer_state_writes,
             *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
-                                 free_only=settings.recompute == "free")] if settings.recompute else [])]
+                                 free_only=settings.recompute == "free",
+                                 lowered_by_inductor=settings.enable_inductor)] if settings.recompute else [])]
 
 
 def prepare(dp, state) -> None:

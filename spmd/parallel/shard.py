@@ -74,7 +74,8 @@ def pass_pipeline(settings) -> list:
             split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + depth),
             remove_copy_from_optimizer, defer_state_writes,
             *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
-                                 free_only=settings.recompute == "free")] if settings.recompute else [])]
+                                 free_only=settings.recompute == "free",
+                                 lowered_by_inductor=settings.enable_inductor)] if settings.recompute else [])]
 
 
 def validate_options(dp) -> None:

@@ -38,9 +38,13 @@ class GraphModuleTransformation:
     ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
     (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
     modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
-    once, ``guard_unsharded_memory``); both read ``memory_budget`` (``recompute_activations``: None, the
-    default, recomputes cheap forward values in the backward; a fraction in (0, 1] keeps at most that
-    share of the activation memory the default keeps). A setting changed from its default that the
+    once, ``guard_unsharded_memory``); both read ``recompute`` and ``memory_budget``
+    (``recompute_activations``, ``graph_utils.recompute_plan``): ``recompute=True``, the default,
+    recomputes in the backward the forward values Inductor fuses into the kernels that read them (no
+    extra kernel, at most one more write of the value); ``"free"`` only those that cost no extra
+    memory traffic; ``False`` keeps everything the backward reads. ``memory_budget`` (None: the
+    default) in (0, 1] keeps at most that share of the activation memory the default keeps,
+    recomputing matmuls too. A setting changed from its default that the
     step's mode does not read is refused (``SpmdConfigError``, ``check_settings_apply``) where
     ``spmd.compile`` is given both, else on the first compile, before anything runs.
 
