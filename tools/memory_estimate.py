@@ -22,8 +22,9 @@ run on the CPU op by op: times only, no peaks.
 
 ``--memory-budget``: the same at each ``GraphModuleTransformation(memory_budget=...)`` (1: the
 default), with the activation bytes ``recompute_activations`` keeps and recomputes. Replicate is
-measured at the default only (its role is the denominator of the fully_shard / replicate ratio;
-``--measure-all-budgets`` measures it at each).
+measured at the default only (its role is the denominator of the fully_shard / replicate ratio);
+``--measure-budgets 1,0.05`` measures only the rows at those budgets (each measured row compiles
+the step, which is most of its time on a GPU).
 """
 
 from __future__ import annotations
@@ -230,8 +231,9 @@ def main(argv=None) -> None:
                         "(1: the default recompute)")
     p.add_argument("--recompute", choices=("true", "free", "false"), default="true",
                    help="GraphModuleTransformation(recompute=...) of the default rows (default true)")
-    p.add_argument("--measure-all-budgets", action="store_true",
-                   help="measure replicate at every budget too (default: at the default only)")
+    p.add_argument("--measure-budgets", default="",
+                   help="measure: only the rows at these budgets (comma-separated, 1: the default; default: every "
+                        "--memory-budget for the sharded modes, the default only for replicate)")
     p.add_argument("--peers", default="fsdp2_ac,fsdp2_ac_compile",
                    help="measure: peers run beside a sharded mode: " + ", ".join(PEERS) + " (comma-separated; "
                         "'' for none)")
@@ -242,6 +244,8 @@ def main(argv=None) -> None:
     cfg = GPTConfig(vocab_size=shape["vocab"], block_size=shape["seq"], n_layer=shape["layers"],
                     n_head=shape["heads"], n_embd=shape["dim"])
     budgets = [None if float(b) == 1.0 else float(b) for b in a.memory_budget.split(",")] if a.memory_budget else [None]
+    measured_budgets = ({None if float(b) == 1.0 else float(b) for b in a.measure_budgets.split(",")}
+                        if a.measure_budgets else None)
     recompute = {"true": True, "free": "free", "false": False}[a.recompute]
     options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.inductor_option)}
     modes = [m for m in a.modes.split(",") if m]
@@ -264,7 +268,9 @@ def main(argv=None) -> None:
                 print(est.report(), flush=True)
                 if budget is None:
                     peaks[style] = est.profile.peak
-            if a.measure and (budget is None or style != "replicate" or a.measure_all_budgets):
+            wanted = (budget in measured_budgets if measured_budgets is not None
+                      else budget is None or style != "replicate")
+            if a.measure and wanted:
                 with fake_group(a.world):
                     row.measured = measure_spmd(
                         style, cfg, a.batch, steps=a.steps, timed=a.time_steps, cudagraphs=not a.no_cudagraphs,
@@ -281,6 +287,9 @@ def main(argv=None) -> None:
         print(f"estimated fully_shard / replicate: {peaks['fully_shard'] / peaks['replicate']:.3f}")
     if a.measure:
         print(table(rows), flush=True)
+        measured = {r.label: r.measured.peak for r in rows if r.measured is not None and r.measured.peak}
+        if "fully_shard" in measured and "replicate" in measured:
+            print(f"measured fully_shard / replicate: {measured['fully_shard'] / measured['replicate']:.3f}")
 
 
 if __name__ == "__main__":
