@@ -400,3 +400,20 @@ def test_a_value_is_not_recomputed_from_an_input_written_before_its_backward_rea
 
     plan, _ = plan_recompute(_tiny_graph(written))
     assert (list(plan.kept), list(plan.recomputed)) == ((["gelu_default"], []) if written else ([], ["gelu_default"]))
+
+
+def test_the_default_recompute_adds_no_kernel_under_inductor():
+    """Lowered through Inductor (CPU, up to its fused kernels): the default's recomputes all land in kernels
+    the step has anyway, so it schedules as many kernels as recompute=False and none of recomputed nodes
+    alone, moving at most the GELU outputs' bytes more; a budget's recomputes do add kernels."""
+    from spmd.tools.inductor_kernels import kernels
+
+    cfg = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    off, default = kernels("replicate", cfg, 2, recompute=False), kernels("replicate", cfg, 2)
+    assert default.generated == off.generated and default.extern == off.extern, (default, off)
+    assert default.recompute_only == 0 and default.with_recompute > 0
+    gelu_outputs = cfg.n_layer * 2 * cfg.block_size * 4 * cfg.n_embd * 2  # bf16
+    assert off.bytes <= default.bytes <= off.bytes + gelu_outputs, (default.bytes - off.bytes, gelu_outputs)
+    assert default.peak <= off.peak
+    budget = kernels("replicate", cfg, 2, memory_budget=0.3)
+    assert budget.generated + budget.extern > off.generated + off.extern
