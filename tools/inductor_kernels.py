@@ -32,8 +32,7 @@ from spmd.graph_utils.meta import RECOMPUTE_OF
 from spmd.lower.inductor import compile_with_inductor
 from spmd.lower.lowering import example_like
 
-from .bench_modes import PRESETS
-from .memory_estimate import build, fake_group, final_module
+from .memory_estimate import add_shape_arguments, build, fake_group, final_module, shape_config
 from .models import GPTConfig
 
 GiB = 2 ** 30
@@ -146,18 +145,12 @@ def kernels(style: str, cfg: GPTConfig, batch: int, world: int = 2, **transform)
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=PRESETS, default="gpt124m")
-    for flag in PRESETS["gpt124m"]:
-        p.add_argument(f"--{flag}", type=int, default=None)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--world", type=int, default=2)
+    add_shape_arguments(p, "gpt124m", 8)
     p.add_argument("--mode", default="replicate", choices=("replicate", "fully_shard", "shard_grad_op"))
     p.add_argument("--recompute", default="false,free,true", help="settings to compare: true, free, false")
     p.add_argument("--memory-budget", default="", help="also these memory_budget values (comma-separated)")
     a = p.parse_args(argv)
-    shape = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in PRESETS[a.preset].items()}
-    cfg = GPTConfig(vocab_size=shape["vocab"], block_size=shape["seq"], n_layer=shape["layers"],
-                    n_head=shape["heads"], n_embd=shape["dim"])
+    cfg = shape_config(a)
     settings = [(f"recompute={r}", {"recompute": {"true": True, "free": "free", "false": False}[r]})
                 for r in a.recompute.split(",") if r]
     settings += [(f"memory_budget={b}", {"memory_budget": float(b)}) for b in a.memory_budget.split(",") if b]

@@ -210,13 +210,25 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=PRESETS, default="gpt1.3b")
+def add_shape_arguments(p: argparse.ArgumentParser, preset: str, batch: int) -> None:
+    """``--preset``, the model flags that override it, ``--batch`` and ``--world`` (the simulated group)."""
+    p.add_argument("--preset", choices=PRESETS, default=preset)
     for flag in PRESETS["gpt124m"]:
         p.add_argument(f"--{flag}", type=int, default=None)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=batch)
     p.add_argument("--world", type=int, default=2)
+
+
+def shape_config(a: argparse.Namespace) -> GPTConfig:
+    """The GPT the flags of ``add_shape_arguments`` describe."""
+    shape = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in PRESETS[a.preset].items()}
+    return GPTConfig(vocab_size=shape["vocab"], block_size=shape["seq"], n_layer=shape["layers"],
+                     n_head=shape["heads"], n_embd=shape["dim"])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_arguments(p, "gpt1.3b", 4)
     p.add_argument("--modes", default="fully_shard,replicate")
     p.add_argument("--measure", action="store_true", help="also run each row in the simulated group (GPU)")
     p.add_argument("--no-estimate", action="store_true", help="measure only")
@@ -240,9 +252,7 @@ def main(argv=None) -> None:
     p.add_argument("--inductor-option", action="append", default=[], metavar="NAME=VALUE",
                    help="measure: an Inductor config value (repeatable), e.g. triton.mix_order_reduction=False")
     a = p.parse_args(argv)
-    shape = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in PRESETS[a.preset].items()}
-    cfg = GPTConfig(vocab_size=shape["vocab"], block_size=shape["seq"], n_layer=shape["layers"],
-                    n_head=shape["heads"], n_embd=shape["dim"])
+    cfg = shape_config(a)
     budgets = [None if float(b) == 1.0 else float(b) for b in a.memory_budget.split(",")] if a.memory_budget else [None]
     measured_budgets = ({None if float(b) == 1.0 else float(b) for b in a.measure_budgets.split(",")}
                         if a.measure_budgets else None)
