@@ -111,6 +111,8 @@ class Planner:
         # the first point each value is needed in the backward: its first reader, or earlier where a chain
         # recomputed for another value reads it (a recomputed node is made once, where first needed)
         self.at = {v: min(self.order[r] for r in rs) for v, rs in self.readers.items()}
+        # its last reader: a chain the default makes again in a later region reads its inputs there
+        self.until = {v: max(self.order[r] for r in rs) for v, rs in self.readers.items()}
         seeds = sorted(self.order[s] for s in gradient_seeds(graph))
         self.boundary = {v: seeds[bisect.bisect_right(seeds, self.order[v])] for v in self.readers}  # its backward
         # where each value is first written in place (parameters by an optimizer update that may overlap
@@ -167,7 +169,7 @@ class Planner:
                     continue
                 seen.add(a)
                 if a.op in ("placeholder", "get_attr") or (a in self.kept and a is not v):
-                    if self.written.get(a, len(self.order)) <= self.at[v]:
+                    if self.written.get(a, len(self.order)) <= max(self.at[v], self.until.get(v, -1)):
                         return None
                     reads.add(a)
                 elif a in self.substitute:
