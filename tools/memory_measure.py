@@ -19,6 +19,7 @@ A peak is ``torch.cuda.max_memory_allocated`` above what was allocated before th
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class _Row:
     """What a row allocated: the counter is reset and the base read when the row starts."""
 
     def __enter__(self):
+        gc.collect()  # the previous row's step, model and CUDA graphs
         self.cuda = torch.cuda.is_available()
         if self.cuda:
             torch.cuda.synchronize()
