@@ -76,9 +76,12 @@ def _peak(scheduler) -> Optional[int]:
         return None
     nodes = scheduler.nodes
     inputs = OrderedSet(V.graph.graph_inputs.keys())
-    assign_memory_planning_info_for_scheduler_buffers(nodes, scheduler.name_to_buf)
-    buffers, _, _ = compute_memory_timeline(nodes, get_freeable_input_buf(nodes, inputs),
-                                            OrderedSet(V.graph.get_output_names()))
+    try:
+        assign_memory_planning_info_for_scheduler_buffers(nodes, scheduler.name_to_buf)
+        buffers, _, _ = compute_memory_timeline(nodes, get_freeable_input_buf(nodes, inputs),
+                                                OrderedSet(V.graph.get_output_names()))
+    except (TypeError, AttributeError, ValueError):  # these private helpers' signatures move between versions
+        return None
     change = [0] * (len(nodes) + 1)
     for b in buffers:
         if not isinstance(b.buffer, FreeableInputBuffer):
