@@ -31,7 +31,7 @@ from ..graph_utils import set_fake_val
 from ..graph_utils.decompose import decompose_node
 from ..graph_utils.memory import memory_profile
 from ..graph_utils.meta import RECOMPUTE_OF
-from ..graph_utils.recompute_ops import fuses_into, inductor_inlines, is_view_like
+from ..graph_utils.recompute_ops import fuses_into, is_view_like
 from ..graph_utils.recompute_plan import FUSED, Planner, RecomputePlan, plan_recompute
 
 from .comm_fusion import comm_fusion_with_concat
@@ -163,8 +163,7 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     recomputes is computed from its row statistics in the forward too; collectives and waits keep
     their order. The decision is left on ``gm`` (``recompute_plan``). A budget recompute cannot meet
     leaves the step at the smallest activation memory it found, and one warning names the estimated
-    peak (``graph_utils.memory``; with ``lowered_by_inductor``, what Inductor fuses counted as never
-    allocated). ``free_only``: only the free recomputes (``recompute="free"``).
+    peak (``graph_utils.memory``, counted as Inductor compiles the step with ``lowered_by_inductor``). ``free_only``: only the free recomputes (``recompute="free"``).
 
     Example::
 
@@ -184,7 +183,7 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     _rewrite(graph, planner)
     graph.lint()
     if not plan.met:
-        plan.peak = memory_profile(graph, inlined=inductor_inlines if lowered_by_inductor else None).peak
+        plan.peak = memory_profile(graph, inductor=lowered_by_inductor).peak
         log.warning("spmd: memory_budget=%s asks for at most %.1f MiB of activations; recompute reaches %.1f MiB, "
                     "so the step runs at its smallest estimated peak, %.1f MiB. Raise memory_budget, or lower "
                     "the batch size.", memory_budget, memory_budget * plan.default_bytes / 2**20,

@@ -14,7 +14,6 @@ from .graph_utils.nodes import node_order
 from .graph_utils.memory import memory_profile
 from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, ROLE, UNIT, Role
 from .graph_utils.phases import backward_nodes
-from .graph_utils.recompute_ops import inductor_inlines
 from .passes import PassManager, pass_info, recompute_plan
 
 from .api import CompiledTrainStep
@@ -243,7 +242,7 @@ def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
         "kept": plan.kept, "recomputed": plan.recomputed, "kept_bytes": plan.kept_bytes,
         "default_bytes": plan.default_bytes, "saved_bytes": plan.saved_bytes, "budget": plan.budget, "met": plan.met}
     lowering = getattr(gm, "lowering", None)  # lowered through Inductor: what it fuses is never allocated
-    profile = memory_profile(gm.graph, inlined=inductor_inlines if lowering is not None and lowering.inductor else None)
+    profile = memory_profile(gm.graph, inductor=lowering is not None and lowering.inductor)
     backward = backward_nodes(gm.graph)
     by_role = {Role.PARAM: "parameters", Role.BUFFER: "parameters", Role.STATE: "optimizer state"}
     kinds: dict[str, int] = {}

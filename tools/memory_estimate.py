@@ -45,7 +45,6 @@ import spmd
 from spmd.graph_utils import is_comm_node
 from spmd.graph_utils.memory import MemoryProfile, memory_profile
 from spmd.graph_utils.meta import PHASE, ROLE
-from spmd.graph_utils.recompute_ops import inductor_inlines
 from spmd.passes import RecomputePlan, recompute_plan
 
 from .bench_modes import PRESETS, train_step
@@ -172,7 +171,7 @@ def estimate(style: str, cfg: GPTConfig, batch: int, unfused: bool = False, **tr
     """The liveness estimate of one rank's step, Inductor's fusion counted (call inside ``fake_group``)."""
     module = final_module(*build(style, cfg, batch, **transform))
     graph = module.graph
-    profile = memory_profile(graph, inlined=inductor_inlines)
+    profile = memory_profile(graph, inductor=True)
     kind = classify(graph)
     kinds: dict[str, int] = defaultdict(int)
     for v in profile.at_peak:
