@@ -42,7 +42,7 @@ def _peak_and_estimate(recompute):
     from spmd.tools.bench_modes import train_step
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=8192, block_size=256, n_layer=2, n_head=4, n_embd=256)
+    cfg = GPTConfig(vocab_size=32768, block_size=512, n_layer=4, n_head=8, n_embd=512)  # fixed costs small beside it
     model = GPT(cfg).cuda()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
     step = spmd.compile(gm_transformation=spmd.api.default_transformation("cuda", recompute=recompute))(train_step)
