@@ -19,7 +19,8 @@ from .iteration import IterationGraph, IterMoveError
 from .manager import PassManager, PassOrderError, applied_passes, graph_optimization_pass, pass_info
 from .optimizer_copies import remove_copy_from_optimizer
 from .optimizer_split import split_optimizer_per_bucket
-from .recompute import RecomputePlan, plan_recompute, recompute_activations, recompute_plan
+from ..graph_utils.recompute_plan import RecomputePlan, plan_recompute
+from .recompute import recompute_activations, recompute_plan
 from .shard_memory import UnshardedMemoryError, guard_unsharded_memory, unsharded_peak
 from .shard_optimizer import split_optimizer_per_unit
 from .shard_prefetch import prefetch_unit_gathers

@@ -246,14 +246,16 @@ def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
     """(activations kept and recomputed, estimated peak bytes, bytes live at the peak by kind) of a step graph.
 
     Activations: ``recompute_activations``' plan (names -> bytes of the saved values kept and
-    recomputed, and the totals), empty when it did not run. Kinds: parameters, optimizer state,
+    recomputed, and the totals), empty when it did not run. Where the step is lowered through
+    Inductor, the peak counts what Inductor computes inside its readers as never allocated. Kinds: parameters, optimizer state,
     inputs, activations (forward values) and gradients (backward and optimizer values).
     """
     plan = recompute_plan(gm)
     activations = {} if plan is None else {
         "kept": plan.kept, "recomputed": plan.recomputed, "kept_bytes": plan.kept_bytes,
         "default_bytes": plan.default_bytes, "saved_bytes": plan.saved_bytes, "budget": plan.budget, "met": plan.met}
-    profile = memory_profile(gm.graph)
+    lowering = getattr(gm, "lowering", None)  # lowered through Inductor: what it fuses is never allocated
+    profile = memory_profile(gm.graph, inductor=lowering is not None and lowering.inductor)
     backward = backward_nodes(gm.graph)
     by_role = {Role.PARAM: "parameters", Role.BUFFER: "parameters", Role.STATE: "optimizer state"}
     kinds: dict[str, int] = {}

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
+from spmd.api import default_transformation
 from spmd.graph_utils import find_node, is_all_reduce
 from spmd.graph_utils.meta import ROLE, Role
 from spmd.passes import (
@@ -191,7 +192,8 @@ def ddp_ca(setup: Setup) -> Step:
 
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
-          optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False) -> Step:
+          optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False,
+          recompute=True) -> Step:
     a = setup.args
     model = setup.model()
     if style == "replicate":
@@ -207,8 +209,8 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
         passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
-    if fast_default:  # what @spmd.compile() gives a user who asks for nothing
-        transformation = None
+    if fast_default:  # what @spmd.compile() gives a user who asks for nothing (but its recompute setting)
+        transformation = None if recompute is True else default_transformation(setup.device.type, recompute=recompute)
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
 
     def step(idx, targets, last_train_step=False):
@@ -246,6 +248,18 @@ def spmd_default(setup: Setup) -> Step:
     """``@spmd.compile(parallel_mode=DataParallel("replicate"))`` with nothing else: the default path
     (on a GPU: our passes, Inductor and CUDA graphs)."""
     return _spmd(setup, optimize=True, fast_default=True)
+
+
+@register("spmd_default_recompute_free")
+def spmd_default_recompute_free(setup: Setup) -> Step:
+    """spmd_default with ``recompute="free"``: only the recomputes that cost no extra memory traffic."""
+    return _spmd(setup, optimize=True, fast_default=True, recompute="free")
+
+
+@register("spmd_default_recompute_off")
+def spmd_default_recompute_off(setup: Setup) -> Step:
+    """spmd_default with ``recompute=False``: the backward reads every forward value it needs as kept."""
+    return _spmd(setup, optimize=True, fast_default=True, recompute=False)
 
 
 @graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],

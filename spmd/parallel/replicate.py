@@ -44,7 +44,7 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
-PASS_SETTINGS = ("bucket_size_mb", "optimizer_parts", "memory_budget")
+PASS_SETTINGS = ("bucket_size_mb", "optimizer_parts", "memory_budget", "recompute")
 
 
 def pass_pipeline(settings) -> list:
@@ -52,13 +52,16 @@ def pass_pipeline(settings) -> list:
     issued early and waited late -> comm fusion into
     ``bucket_size_mb`` buckets -> comm-wait scheduling -> optimizer split per trailing bucket into at
     most ``optimizer_parts`` ops (none for 1) -> optimizer copy removal -> state writes after the last
-    collective (a step that fails changes nothing) -> recompute in the backward (``memory_budget``)."""
+    collective (a step that fails changes nothing) -> recompute in the backward (``memory_budget``; none with
+    ``recompute=False``)."""
     parts = settings.optimizer_parts
     split = [functools.partial(split_optimizer_per_bucket, max_parts=parts)] if parts > 1 else []
     return [schedule_tensor_parallel_comms,
             functools.partial(comm_fusion_with_concat, bucket_size_mb=settings.bucket_size_mb), schedule_comm_wait,
             *split, remove_copy_from_optimizer, defer_state_writes,
-            functools.partial(recompute_activations, memory_budget=settings.memory_budget)]
+            *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
+                                 free_only=settings.recompute == "free",
+                                 lowered_by_inductor=settings.enable_inductor)] if settings.recompute else [])]
 
 
 def prepare(dp, state) -> None:

@@ -61,7 +61,7 @@ from .units import ShardPlan, Unit, replaced_submodules, shard, shard_plan
 log = logging.getLogger(__name__)
 
 
-PASS_SETTINGS = ("prefetch_units", "memory_budget")
+PASS_SETTINGS = ("prefetch_units", "memory_budget", "recompute")
 
 
 def pass_pipeline(settings) -> list:
@@ -70,13 +70,16 @@ def pass_pipeline(settings) -> list:
     prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer update per
     unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once),
     optimizer copy removal, state writes after the last collective (a step that fails changes nothing),
-    recompute in the backward (``memory_budget``)."""
+    recompute in the backward (``memory_budget``; none with
+    ``recompute=False``)."""
     depth = settings.prefetch_units
     return [schedule_tensor_parallel_comms, functools.partial(prefetch_unit_gathers, depth=depth),
             schedule_reduce_scatter_waits,
             split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + depth),
             remove_copy_from_optimizer, defer_state_writes,
-            functools.partial(recompute_activations, memory_budget=settings.memory_budget)]
+            *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
+                                 free_only=settings.recompute == "free",
+                                 lowered_by_inductor=settings.enable_inductor)] if settings.recompute else [])]
 
 
 def validate_options(dp) -> None:
