@@ -257,6 +257,10 @@ def _foreach_pow(func, args, kwargs):
     return _foreach_scalar(func, args, kwargs)
 
 
+# Foreach ops whose 0-dim tensor scalar becomes one tensor per element (``_foreach_scalar``, ``_foreach_pow``)
+_SCALAR_TO_LIST = ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max")
+
+
 def _rewrites() -> dict[Any, Callable]:
     table: dict[Any, Callable] = {}
     for name in ("add", "add_", "sub", "sub_"):
@@ -285,7 +289,6 @@ def _rewrites() -> dict[Any, Callable]:
     return table
 
 
-_SCALAR_TO_LIST = ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max")  # by ``_foreach_scalar``
 REWRITES = _rewrites()
 # The List overloads (one tensor per element) that the rewrites make of foreach ops given a 0-dim tensor:
 # on DTensor parameters each needs a DTensor sharding strategy (``spmd._torch_version.add_dtensor_list_strategies``).
