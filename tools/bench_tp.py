@@ -20,9 +20,9 @@ in every mode). Modes (``--modes``, default all that can run here):
 
 With ``--mp bf16`` (the GPU default) the sharded modes gather parameters in bf16 and reduce gradients
 in fp32 (``MixedPrecisionPolicy``) and replicate runs its forward under bf16 autocast; ``--mp none``
-trains in fp32 (the CPU default). Each mode is built, warmed up (``--warmup`` calls, the first
-compiles) and timed over ``--steps`` calls on the same batches (per dp rank; the same on its tp
-peers), then freed. Rank 0 prints, per mode: median ms/step (CUDA events on a GPU, one synchronize
+trains in fp32 (the CPU default). Every mode steps foreach AdamW, capturable on a GPU. Each mode is
+built, warmed up (``--warmup`` calls, the first compiles) and timed over ``--steps`` calls on the same
+batches (per dp rank; the same on its tp peers), then freed. Rank 0 prints, per mode: median ms/step (CUDA events on a GPU, one synchronize
 at the end; wall time on the CPU), its min-max, tokens/s/GPU, peak GiB (GPU), the first call's
 seconds, and max |Δloss| against ``fsdp2_tp`` over every call and rank; ``--json`` keeps it all.
 """
@@ -116,6 +116,12 @@ def _model(args, mesh, device) -> TPGPT:
     return parallelize(model, mesh["tp"])
 
 
+def _optimizer(model, device) -> torch.optim.Optimizer:
+    """Every mode's optimizer: foreach AdamW (what torch picks for CUDA DTensors, named so that the CPU runs
+    the same update), capturable on a GPU (step counters on the device, as CUDA graphs need)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True, capturable=device.type == "cuda")
+
+
 def _build(mode: str, args, mesh, device) -> Step:
     """Mode ``mode``'s step ``step(idx, targets) -> loss``: it owns its model, optimizer and compiled code."""
     model = _model(args, mesh, device)
@@ -127,7 +133,7 @@ def _build(mode: str, args, mesh, device) -> Step:
                 block.compile(fullgraph=True)
             fully_shard(block, mesh=mesh["dp"], mp_policy=mp_policy or MixedPrecisionPolicy())
         fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy or MixedPrecisionPolicy())
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optim = _optimizer(model, device)
         return lambda idx, targets: train_step(model, optim, idx, targets, autocast=False)
     cg = mode.endswith("_cg")
     if "replicate" in mode:
@@ -135,7 +141,7 @@ def _build(mode: str, args, mesh, device) -> Step:
     else:
         dp = spmd.DataParallel("fully_shard", mesh=mesh["dp"], wrap_policy={TPBlock}, mp_policy=mp_policy)
         spmd.shard(model, dp)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=device.type == "cuda")
+    optim = _optimizer(model, device)
     gpu = device.type == "cuda"
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=gpu,
                                                     enable_cudagraphs=cg)
