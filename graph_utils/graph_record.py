@@ -180,7 +180,7 @@ def load_graph(record: GraphRecord) -> fx.GraphModule:
             node.meta[key] = _fake(value, mode) if key == "val" else value
         env[entry["name"]] = node
         if entry["op"] == "get_attr":
-            target = entry["target"]
+            target = node.target  # the attribute's name (the record's target carries a "str:" prefix)
             _assign_attr(record.constants[target].to(record.constant_devices[target]), root, target)
     graph.lint()
     return lazy_graph_module(root, graph)  # its code is generated if it ever runs (lowered graphs do not)

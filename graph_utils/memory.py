@@ -19,9 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
 import torch.fx as fx
 
 from .nodes import is_comm_node, is_wait_node
+from .recompute_ops import inductor_inlines
+
+_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 
 @dataclass
@@ -51,22 +55,30 @@ class MemoryProfile:
         return self.nodes[self.peak_index]
 
 
-def _alias_tracker(nodes: list[fx.Node]):
-    """torch's ``GraphAliasTracker`` with the two collective facts above added."""
+def _alias_tracker(nodes: list[fx.Node], inplace_all_reduce: bool = False):
+    """torch's ``GraphAliasTracker`` with the two collective facts above added; ``inplace_all_reduce``: an
+    all_reduce whose input nothing else reads reduces that buffer in place (Inductor reinplaces it)."""
     from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
 
     class _Tracker(GraphAliasTracker):
         def __init__(self, nodes):
-            self.same_as = {}  # a wait's fake storage -> its collective's: views of the wait alias the collective
+            self.same_as = {}  # a node's fake storage -> the one it is: views of a wait alias its collective
             super().__init__(nodes)
+
+        def _alias(self, own, result):
+            if len(own) == len(result) == 1:
+                self.same_as[next(iter(own))] = next(iter(result))
+            return result
 
         def _get_output_storages(self, node):
             own = GraphAliasTracker._get_output_storages(node)
             if is_wait_node(node) and node.args and isinstance(node.args[0], fx.Node):
-                result = self.node_to_output_storages[node.args[0]]  # the collective's own result
-                if len(own) == len(result) == 1:
-                    self.same_as[next(iter(own))] = next(iter(result))
-                return result
+                return self._alias(own, self.node_to_output_storages[node.args[0]])  # the collective's own result
+            if (inplace_all_reduce and node.target is _ALL_REDUCE and isinstance(node.args[0], fx.Node)
+                    and len(node.args[0].users) == 1):
+                source = self.node_to_output_storages[node.args[0]]
+                if [k.storage.nbytes() for k in source] == [k.storage.nbytes() for k in own]:
+                    return self._alias(own, source)
             return type(own)(self.same_as.get(key, key) for key in own)
 
         def _get_input_storages(self, node):
@@ -78,12 +90,40 @@ def _alias_tracker(nodes: list[fx.Node]):
     return _Tracker(nodes)
 
 
-def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], bool]] = None) -> MemoryProfile:
+def _inlined_last_uses(nodes: list[fx.Node], tracker, inlined: Callable[[fx.Node], bool]) -> dict:
+    """Each storage -> the position of its last reader, where a node ``inlined`` says a compiler computes
+    inside its readers reads nothing itself: its readers read its inputs (transitively)."""
+    skip = {n for n in nodes if inlined(n)}
+    owner = tracker.storage_to_allocator
+    memo: dict[fx.Node, set] = {}
+
+    def reads(node: fx.Node) -> set:
+        if node not in memo:
+            out: set = set()
+            for key in tracker.get_storage_uses(node):
+                src = owner.get(key)
+                out |= reads(src) if src in skip and src is not node else {key}
+            memo[node] = out
+        return memo[node]
+
+    last = {}
+    for i, node in enumerate(nodes):
+        if node not in skip:
+            for key in reads(node):
+                last[key] = i
+    return {"skip": skip, "last": last}
+
+
+def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], bool]] = None,
+                   inductor: bool = False) -> MemoryProfile:
     """The live bytes after each node of ``graph`` and what is live at the peak.
 
     ``releasable(node)``: whether a storage ``node`` allocated may be freed after its last
     use (default: everything but placeholders and ``get_attr``). Nodes without a tensor
-    ``meta["val"]`` allocate nothing.
+    ``meta["val"]`` allocate nothing. ``inductor``: count as Inductor compiles the graph: a node it
+    computes inside the kernels that read it (``recompute_ops.inductor_inlines``: pointwise fusion)
+    allocates nothing, and what it reads lives until its readers run; an all_reduce reduces an input
+    nothing else reads in place (functional, it would allocate its result beside its input).
 
     Example::
 
@@ -92,14 +132,19 @@ def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], boo
     """
     releasable = releasable or (lambda n: n.op not in ("placeholder", "get_attr"))
     nodes = list(graph.nodes)
-    tracker = _alias_tracker(nodes)
+    tracker = _alias_tracker(nodes, inplace_all_reduce=inductor)
     owner = tracker.storage_to_allocator
     size = {key: int(key.storage.nbytes()) for key in owner}
+    fused = _inlined_last_uses(nodes, tracker, inductor_inlines) if inductor else None
+    freed_at: dict[int, list] = {}
+    if fused is not None:
+        for key, i in fused["last"].items():
+            freed_at.setdefault(i, []).append(key)
     live_set = {key for n in nodes if n.op in ("placeholder", "get_attr") for key in tracker.get_fresh_allocations(n)}
     current = inputs = sum(size[k] for k in live_set)
     live, peak, peak_index, peak_set = [], current, 0, set(live_set)
     for i, node in enumerate(nodes):
-        if node.op not in ("placeholder", "get_attr", "output"):
+        if node.op not in ("placeholder", "get_attr", "output") and (fused is None or node not in fused["skip"]):
             for key in tracker.get_fresh_allocations(node):
                 if key not in live_set:
                     live_set.add(key)
@@ -109,7 +154,7 @@ def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], boo
             peak, peak_index, peak_set = current, i, set(live_set)
         if node.op == "output":
             continue
-        for key in tracker.get_storages_last_used(node):
+        for key in (tracker.get_storages_last_used(node) if fused is None else freed_at.get(i, ())):
             if key in live_set and releasable(owner[key]):
                 live_set.discard(key)
                 current -= size[key]

@@ -22,6 +22,9 @@ spelled in one place.
   forward node it computes again.
 * ``SYNCED_BUFFERS``: on a buffer broadcast (``broadcast_buffers``) and its wait, the names
   of the buffers it carries.
+* ``MESH_DIM``: on each collective, the name of the device-mesh dimension whose ranks it runs
+  over (``"dp"``, ``"tp"``, a hybrid mesh's ``"replicate"``/``"shard"``; set by the expansion,
+  ``spmd.parallel.group_roles``), absent for a group of no mesh the step knows.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ KEEP = "spmd_keep"
 SYNCED_BUFFERS = "spmd_synced_buffers"
 CARRIES = "spmd_carries"
 RECOMPUTE_OF = "spmd_recompute_of"
+MESH_DIM = "spmd_mesh_dim"
 
 
 class Role:

@@ -56,6 +56,22 @@ def is_comm_node(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in COLLECTIVE_OPS
 
 
+def comm_group_name(comm: fx.Node) -> Optional[str]:
+    """The process-group name a collective runs over (its ``group_name`` argument), or None where it is not a string."""
+    at = [a.name for a in comm.target._schema.arguments].index("group_name")
+    name = comm.args[at] if at < len(comm.args) else comm.kwargs.get("group_name")
+    return name if isinstance(name, str) else None
+
+
+def set_comm_group_name(comm: fx.Node, name: str) -> None:
+    """Point a collective at the process group named ``name`` (its ``group_name`` argument)."""
+    at = [a.name for a in comm.target._schema.arguments].index("group_name")
+    if at < len(comm.args):
+        comm.update_arg(at, name)
+    else:
+        comm.update_kwarg("group_name", name)
+
+
 def is_all_reduce(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is c10d.all_reduce.default
 

@@ -14,6 +14,14 @@ Never repeated: collectives and waits, ops that write an argument, ops that draw
 numbers (``Tag.nondeterministic_seeded``: dropout, ``rand_like``; attention only with
 ``dropout_p == 0``), ops that may compute different bits when run again
 (``Tag.nondeterministic_bitwise``), and anything not an aten op.
+
+What Inductor fuses decides what a recompute costs. A pointwise chain (``is_pointwise``) recomputed
+right before a reader that Inductor compiles into a generated kernel (``fuses_into``: a pointwise op,
+a reduction, or a backward op it decomposes into those) is inlined into that kernel: it costs the
+reads of the chain's inputs instead of the read of the kept value, and no kernel of its own. A reader
+that is an extern kernel (a matmul, attention, a collective, a fused optimizer) needs its input in
+memory: recomputing that input costs a kernel that writes it and a read back, which is torch's
+partitioner's "materialized in the backward" rule (``ban_recompute_materialized_backward``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ _ATTENTION = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_prod
                         "_flash_attention_forward", "_efficient_attention_forward"})
 _OURS_CHEAP = frozenset({aten.native_layer_norm, aten._log_softmax, aten._softmax, aten._unsafe_view, aten.detach_copy,
                          aten.split_with_sizes})
+# A softmax is its row statistics (max, sum of exponentials: reductions, small) and a pointwise rest:
+# split in the forward (``passes.recompute``), the rest is recomputed inside the kernel that reads it.
+SPLITTABLE = frozenset({aten._log_softmax.default, aten._softmax.default})
+_COPIES = frozenset({aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default})
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,3 +139,71 @@ def recompute_cost(node: fx.Node) -> float:
         except Exception:  # a formula that needs what fake values cannot give: count bytes only
             flops = 0
     return float(moved) + flops / FLOPS_PER_BYTE
+
+
+def is_view_like(node: fx.Node) -> bool:
+    """A view, a copying view (a view once lowered), an alias or an element of a tuple result: no data of its own."""
+    op = node.target
+    if op is operator.getitem:
+        return True
+    return isinstance(op, torch._ops.OpOverload) and (op.is_view or view_of_copy_op(op) is not None
+                                                      or op in (aten._unsafe_view.default, aten.detach.default,
+                                                                aten.alias.default))
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    """An op ``recompute_kind`` allows whose every output element reads the same element of its inputs
+    (``Tag.pointwise``, a cast or copy, or a view): Inductor inlines it into the kernel that reads it."""
+    if recompute_kind(node)[0] != CHEAP:
+        return False
+    op = node.target
+    return is_view_like(node) or op in _COPIES or torch.Tag.pointwise in op.tags
+
+
+def fuses_into(node: fx.Node) -> bool:
+    """Whether Inductor reads ``node``'s inputs in a kernel it generates (a pointwise op, a reduction, a
+    norm, or a backward op its decomposition table turns into those), where a pointwise producer is
+    inlined, rather than in an extern kernel that reads them from memory."""
+    op = node.target
+    if node.op != "call_function" or is_comm_node(node) or is_wait_node(node):
+        return False
+    kind = recompute_kind(node)[0]
+    if kind == COMPUTE:
+        return False
+    if kind == CHEAP:
+        return True
+    return isinstance(op, torch._ops.OpOverload) and op in _inductor_decompositions() and _flop_formula(op) is None
+
+
+@functools.lru_cache(maxsize=1)
+def _inductor_decompositions() -> frozenset:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return frozenset(select_decomp_table())
+
+
+# Ops Inductor decomposes into a pointwise result over small reductions it realizes apart (with SPLITTABLE).
+_POINTWISE_RESULT = frozenset({aten.nll_loss_backward.default, aten._log_softmax_backward_data.default,
+                               aten._softmax_backward_data.default})
+
+
+def inductor_inlines(node: fx.Node) -> bool:
+    """Whether Inductor computes ``node`` inside the kernels that read it, never into a buffer of its own: a
+    pointwise op (or a softmax or backward op it decomposes into a pointwise result over small row
+    statistics) that the graph does not return and whose every reader (through views) is a kernel
+    pointwise producers fuse into. A forward value read by such a backward kernel is recomputed there
+    from what it reads, which then lives until that kernel runs."""
+    if node.op != "call_function" or is_view_like(node) or any(u.op == "output" for u in node.users):
+        return False
+    if not (is_pointwise(node) or node.target in _POINTWISE_RESULT or node.target in SPLITTABLE):
+        return False
+    todo = list(node.users)
+    while todo:
+        u = todo.pop()
+        if u.op == "output":
+            return False
+        if is_view_like(u):
+            todo.extend(u.users)
+        elif not fuses_into(u):
+            return False
+    return True

@@ -48,13 +48,14 @@ def first_consumer(block: list[fx.Node]) -> fx.Node | None:
     return min(consumers, key=order.__getitem__)
 
 
-def place_waits_before_first_use(graph: fx.Graph) -> None:
-    """``schedule_comm_wait``'s edit on a graph: each collective's wait block moves to before its first consumer.
+def place_waits_before_first_use(graph: fx.Graph, only=None) -> None:
+    """``schedule_comm_wait``'s edit on a graph: each collective's wait block moves to before its first consumer
+    (``only``: a predicate choosing the collectives whose waits move; default all).
 
     Moves only later in the graph; applying it again after consumers moved later is safe.
     """
     plans = []
-    for comm in [n for n in graph.nodes if is_comm_node(n)]:
+    for comm in [n for n in graph.nodes if is_comm_node(n) and (only is None or only(n))]:
         users = list(comm.users)
         if len(users) != 1 or not is_wait_node(users[0]):
             continue

@@ -5,7 +5,7 @@ Takes the expanded graph from ``spmd.parallel``; hands the optimized graph to ``
 """
 
 from .comm_fusion import comm_fusion_with_concat, plan_buckets
-from .comm_wait import schedule_comm_wait
+from .comm_wait import placed_by_mode, schedule_comm_wait, schedule_tensor_parallel_comms
 from ..graph_utils.foreach_chains import ForeachChain, foreach_chains, split_foreach_chain
 from ..graph_utils.fused_optimizer import (
     ForeachAddBlock,
@@ -19,7 +19,8 @@ from .iteration import IterationGraph, IterMoveError
 from .manager import PassManager, PassOrderError, applied_passes, graph_optimization_pass, pass_info
 from .optimizer_copies import remove_copy_from_optimizer
 from .optimizer_split import split_optimizer_per_bucket
-from .recompute import RecomputePlan, plan_recompute, recompute_activations, recompute_plan
+from ..graph_utils.recompute_plan import RecomputePlan, plan_recompute
+from .recompute import recompute_activations, recompute_plan
 from .shard_memory import UnshardedMemoryError, guard_unsharded_memory, unsharded_peak
 from .shard_optimizer import split_optimizer_per_unit
 from .shard_prefetch import prefetch_unit_gathers
@@ -30,7 +31,7 @@ __all__ = [
     "ForeachAddBlock", "ForeachChain", "IterationGraph", "IterMoveError", "PassOrderError", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
     "comm_fusion_with_concat", "find_all_descendants", "get_all_fused_optimizer_blocks",
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
-    "remove_copy_from_optimizer", "schedule_comm_wait", "split_fused_optimizer", "split_optimizer_per_bucket",
+    "remove_copy_from_optimizer", "placed_by_mode", "schedule_comm_wait", "schedule_tensor_parallel_comms", "split_fused_optimizer", "split_optimizer_per_bucket",
     "UnshardedMemoryError", "guard_unsharded_memory", "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
     "split_optimizer_per_unit", "unsharded_peak", "RecomputePlan", "plan_recompute", "recompute_activations",
     "recompute_plan", "defer_state_writes", "early_writes",

@@ -15,8 +15,8 @@ from numbers import Real
 import torch
 import torch.fx as fx
 
-from ..graph_utils.meta import BUCKET, GRAD_OF
-from ..graph_utils import is_all_reduce, is_comm_node, is_wait_node, node_order, set_fake_val, tensor_bytes, wait_of
+from ..graph_utils.meta import BUCKET, GRAD_OF, MESH_DIM
+from ..graph_utils import comm_group_name, is_all_reduce, is_comm_node, is_wait_node, node_order, set_fake_val, tensor_bytes, wait_of
 
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
@@ -41,8 +41,11 @@ def _bucket_key(comm: fx.Node) -> tuple:
 def plan_buckets(graph: fx.Graph, bucket_bytes: float) -> list[list[fx.Node]]:
     """Group the gradient all_reduces of ``graph`` into buckets, greedily in graph order.
 
-    A bucket holds consecutive gradient all_reduces (any other collective in between
-    closes it) with the same (group, reduce op, dtype), at most ``bucket_bytes`` in
+    A bucket holds consecutive gradient all_reduces (another collective on their group in
+    between closes it; one on another group, a tensor-parallel collective on the "tp" ranks
+    between data-parallel gradients, does not unless it reads a member's result: each group
+    issues its own collectives in the same order on every rank either way) with the same
+    (group, reduce op, dtype), at most ``bucket_bytes`` in
     all unless a single gradient is larger. A bucket is also closed before an
     all_reduce whose input depends on the result of a member's wait, or when a node
     that mutates memory depends on a member's wait (fusing would have to move it past
@@ -67,7 +70,8 @@ def plan_buckets(graph: fx.Graph, bucket_bytes: float) -> list[list[fx.Node]]:
             current.append(node)
             size, key = size + nbytes, _bucket_key(node)
             waits.add(wait_of(node))
-        elif is_comm_node(node):
+        elif is_comm_node(node) and (key is None or comm_group_name(node) == key[0]
+                                     or any(a in tainted for a in node.all_input_nodes)):
             close()
         elif node in waits:
             tainted.add(node)
@@ -124,6 +128,8 @@ def _fuse(graph: fx.Graph, bucket: list[fx.Node]) -> fx.Node:
         graph.erase_node(comm)
     bucket_params = [comm.meta[GRAD_OF] for comm in bucket]
     fused.meta[BUCKET] = wait.meta[BUCKET] = bucket_params
+    if MESH_DIM in bucket[-1].meta:
+        fused.meta[MESH_DIM] = bucket[-1].meta[MESH_DIM]
     return fused
 
 

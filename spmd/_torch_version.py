@@ -11,6 +11,7 @@ code that depends on it reads it from here.
 from __future__ import annotations
 
 import warnings
+from typing import Iterable
 
 import torch
 
@@ -22,6 +23,19 @@ TESTED = ((2, 11), (2, 15))  # inclusive range of (major, minor)
 INDUCTOR_OPTION_SINCE = {
     "aten_distributed_optimizations.enable_simple_overlap": (2, 14),
 }
+
+# DTensor's sharding strategies for foreach ops. torch 2.13 derives one for every foreach overload of a
+# pointwise op from that op's own strategy; 2.11 registers a fixed list that lacks some List overloads
+# (``_foreach_lerp_.List``, ``_foreach_clamp_min.List``, ...). spmd.optim.hyper_rewrites turns a foreach op
+# given a hyperparameter tensor where eager passes a number into its List form, so an optimizer stepping
+# DTensor parameters (tensor parallel, the sharded modes) needs them: ``add_dtensor_list_strategies``.
+DTENSOR_FOREACH_LISTS_SINCE = (2, 13)
+
+# How FakeTensor says that one op met tensors on two devices. Newer versions raise
+# FakeTensorDeviceMismatchError, "Expected all tensors to be on the same device, but found at least two
+# devices, cpu and meta!"; torch 2.11 has no such class and raises a RuntimeError, "Unhandled FakeTensor
+# Device Propagation for aten.add.Tensor, found two different devices cpu, meta".
+FAKE_DEVICE_MISMATCH_TEXTS = ("Expected all tensors to be on the same device", "found two different devices")
 
 
 def installed() -> tuple[int, int]:
@@ -45,3 +59,26 @@ def warn_if_untested() -> None:
             f"Install a tested version, e.g. pip install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}'.",
             RuntimeWarning, stacklevel=3,
         )
+
+
+def add_dtensor_list_strategies(ops: Iterable[torch._ops.OpOverload]) -> None:
+    """Give each of ``ops`` (foreach List overloads of pointwise ops) that DTensor has no sharding strategy for
+    the one torch 2.11 gives the List overloads it has (``list_pointwise_strategy``: each element placed as
+    its pointwise op places one tensor), as torch does from ``DTENSOR_FOREACH_LISTS_SINCE`` on.
+
+    This writes into torch's own table of DTensor strategies, once per op and process, and only adds ops
+    that would otherwise raise; from ``DTENSOR_FOREACH_LISTS_SINCE`` on it does nothing.
+    """
+    if installed() >= DTENSOR_FOREACH_LISTS_SINCE:
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+    from torch.distributed.tensor._ops._pointwise_ops import list_pointwise_strategy
+    from torch.distributed.tensor._ops.utils import register_op_strategy
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = (propagator.op_strategy_funcs, propagator.op_to_rules,
+              getattr(propagator, "op_single_dim_strategy_funcs", {}))
+    for op in ops:
+        if not any(op in table for table in tables):
+            register_op_strategy(op, schema_info=RuntimeSchemaInfo(needs_pytree=True))(list_pointwise_strategy)

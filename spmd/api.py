@@ -53,19 +53,20 @@ def _input_name(path: tuple) -> str:
     return f"input {head}{pytree.keystr(rest) if rest else ''}"
 
 
-def default_transformation(device_type: str) -> Callable:
+def default_transformation(device_type: str, **settings) -> Callable:
     """What ``spmd.compile()`` does with a step whose parameters live on ``device_type`` when not told.
 
     GPU: the fast path, our passes, Inductor, and CUDA graphs where every input of a graph
     is on the GPU (else one warning says which input is not). CPU: our passes, without
     Inductor (BENCHMARKS.md, "The CPU default": the passes make a gloo step faster, while
     Inductor's C++ compile takes a small model's first call from about 1 s to 15-40 s).
-    ``spmd.GraphModuleTransformation()`` asks for the traced graph as it is.
+    ``spmd.GraphModuleTransformation()`` asks for the traced graph as it is. ``settings``: further
+    ``GraphModuleTransformation`` settings on top of these (``recompute=False``).
     """
     if device_type == "cuda":
         return GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
-                                         enable_cudagraphs="auto")
-    return GraphModuleTransformation(enable_graph_optimization=True)
+                                         enable_cudagraphs="auto", **settings)
+    return GraphModuleTransformation(enable_graph_optimization=True, **settings)
 
 
 def _rank() -> int:
@@ -123,7 +124,7 @@ class CompiledTrainStep:
         self._last_signature: Optional[dict[str, Any]] = None
         self._last_run: Optional[CompiledStep] = None
         self._last_call: Optional[LastCall] = None  # what the last call saw, to recognise a repeat cheaply
-        self._side_group: Optional[dist.ProcessGroup] = None  # see _agreement_group
+        self._side_group: Optional[rank_agreement.Agreement] = None  # see _agreement_group
         self._side_resolved = False
         root = resolve_cache_dir(cache_dir)  # the persistent compile cache (spmd.step.cache_store), or None
         self.compile_cache: Optional[CacheStore] = CacheStore(root) if root is not None else None
@@ -167,7 +168,8 @@ class CompiledTrainStep:
                     lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for),
                     found_inf_group=self.parallel_mode.process_group())
             with phase("expand"):
-                gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order)
+                gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order,
+                                               mesh_dims=self.parallel_mode.mesh_dims(state))
                 refuse_untrained_parameters(self.parallel_mode, gm, state)
         except BaseException:
             undo_created(created)
@@ -240,7 +242,7 @@ class CompiledTrainStep:
         flat += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         return flat + (entry.grads.entry_grads(state.params) if entry.grads else [])
 
-    def _agree(self, candidate: rank_agreement.Candidate, group: dist.ProcessGroup, compared: bool,
+    def _agree(self, candidate: rank_agreement.Candidate, group: rank_agreement.Agreement, compared: bool,
                created: list, args: tuple, kwargs: dict, times: dict) -> rank_agreement.Candidate:
         """What every rank runs this call (``rank_agreement.agree``), or the same error on every rank.
 
@@ -274,13 +276,15 @@ class CompiledTrainStep:
             undo_created(created)
             raise
 
-    def _agreement_group(self) -> Optional[dist.ProcessGroup]:
-        """The gloo group this step's ranks agree over before every call (``spmd.checks.rank_agreement``),
-        or None (one rank, or ``agree_across_ranks=False``); made on the first call."""
+    def _agreement_group(self, args: tuple, kwargs: dict) -> Optional[rank_agreement.Agreement]:
+        """Where this step's ranks agree before every call (``spmd.checks.rank_agreement``: a gloo group, and
+        over a multi-dimensional mesh which of its ranks compare which collectives), or None (one rank, or
+        ``agree_across_ranks=False``); made on the first call, from the modules it is called with."""
         if not self._side_resolved:
             wanted = self.agree_across_ranks
-            self._side_group = None if wanted is False else rank_agreement.side_group(
-                self.parallel_mode.process_group(), on_one_rank=bool(wanted))
+            modules = find_modules_and_optimizers(args, kwargs)[0] if wanted is not False else []
+            self._side_group = None if wanted is False else rank_agreement.agreement_for(
+                self.parallel_mode, modules, on_one_rank=bool(wanted))
             self._side_resolved = True
         return self._side_group
 
@@ -413,7 +417,7 @@ class CompiledTrainStep:
         (a repeated call), or looked up and compiled; lowered before it is returned."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         signed = [*leaves, *closure_scalers(self.fn)]  # what the step depends on besides its state
-        group = self._agreement_group()
+        group = self._agreement_group(args, kwargs)
         found = self._repeat_last_call(signed, spec)
         compared = found is not None and group is not None and not rank_agreement.agreed(found[0], group)
         if found is None or compared:  # a rank that runs another graph this call: compare in detail
@@ -442,7 +446,7 @@ class CompiledTrainStep:
         return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], last.check.params
 
     def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec,
-                 group: Optional[dist.ProcessGroup] = None, compared: bool = False
+                 group: Optional[rank_agreement.Agreement] = None, compared: bool = False
                  ) -> tuple[CompiledStep, list, list]:
         """(entry, graph inputs before the user's tensors, the parameters), from
         the full signature: the cached entry, or a new one compiled. With ``group``, the ranks then

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .graph_utils import find_node, is_all_reduce, is_comm_node, is_wait_node, tensor_bytes
 from .graph_utils.nodes import node_order
 from .graph_utils.memory import memory_profile
-from .graph_utils.meta import BUCKET, GRAD_OF, PHASE, ROLE, UNIT, Role
+from .graph_utils.meta import BUCKET, CARRIES, GRAD_OF, MESH_DIM, PHASE, ROLE, UNIT, Role
 from .graph_utils.phases import backward_nodes
 from .passes import PassManager, pass_info, recompute_plan
 
@@ -53,6 +53,8 @@ class Plan:
 # Why each built-in pass is in its pipeline: what the step gains from it. What a pass does is
 # the first sentence of its docstring (``pass_summary``); a user's pass shows only that.
 PASS_PURPOSE = {
+    "schedule_tensor_parallel_comms": "tensor-parallel collectives (and clipping's) start as soon as their input "
+                                      "exists and are waited for only where their result is read",
     "comm_fusion_with_concat": "fewer, larger all_reduces: each collective's fixed latency is paid once per bucket",
     "schedule_comm_wait": "the backward keeps computing while a bucket is reduced, instead of waiting at once",
     "split_optimizer_per_bucket": "the update of the buckets reduced first starts while the last bucket is reduced",
@@ -95,10 +97,16 @@ def unit_names(modules) -> dict[int, str]:
     return names
 
 
+def _carries_gradients(comm) -> bool:
+    """A data-parallel gradient all_reduce: tagged with the gradients it reduces (a tensor-parallel all_reduce,
+    or clipping's, is not)."""
+    return any(key in comm.meta for key in (GRAD_OF, BUCKET, CARRIES))
+
+
 def _buckets(graph) -> list[Bucket]:
     order = node_order(graph)
     out = []
-    for comm in find_node(graph, is_all_reduce):
+    for comm in find_node(graph, lambda n: is_all_reduce(n) and _carries_gradients(n)):
         waits = [u for u in comm.users if is_wait_node(u)]
         distance = order[waits[0]] - order[comm] - 1 if waits else -1
         members = comm.meta.get(BUCKET) or [comm.meta.get(GRAD_OF)]
@@ -113,16 +121,21 @@ _OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coa
 
 
 def collective_rows(graph, names: Optional[dict[int, str]] = None) -> list[dict[str, Any]]:
-    """Every collective in graph order: op, phase, bytes (of its result), and the unit or gradient bucket it serves.
+    """Every collective in graph order: op, phase, bytes (of its result), the mesh dimension it runs over, and the
+    unit or gradient bucket it serves.
 
     ``unit`` is the unit's index, ``unit_name`` its module's name from ``names`` (``unit_names``).
+    ``mesh_dim``: the name of the mesh dimension whose ranks it spans (``"dp"``, ``"tp"``; ``meta[MESH_DIM]``),
+    or None for a group of no mesh the step knows.
 
     A sharded mode labels its collectives' phase; a gradient all_reduce (``GRAD_OF``/``BUCKET``)
-    is "backward". Any other collective (e.g. ``clip_grad_norm_``'s) is "forward" before the
-    first labelled backward collective, "optimizer" after the last one, else "backward".
+    is "backward". Any other collective (a tensor-parallel one, ``clip_grad_norm_``'s) is "forward"
+    where no backward computes it (``graph_utils.phases.backward_nodes``), "optimizer" after the last
+    labelled backward collective, else "backward".
     """
     comms = [n for n in graph.nodes if is_comm_node(n)]
     order = node_order(graph)
+    computed_in_backward = backward_nodes(graph)
 
     def labelled(n):
         return n.meta.get(PHASE) or ("backward" if GRAD_OF in n.meta or BUCKET in n.meta else None)
@@ -132,14 +145,14 @@ def collective_rows(graph, names: Optional[dict[int, str]] = None) -> list[dict[
     for n in comms:
         phase = labelled(n)
         if phase is None:
-            phase = ("forward" if not backward or order[n] < backward[0]
-                     else "optimizer" if order[n] > backward[-1] else "backward")
+            phase = ("forward" if n not in computed_in_backward
+                     else "optimizer" if backward and order[n] > backward[-1] else "backward")
         vals = n.meta.get("val")
         nbytes = (sum(v.numel() * v.element_size() for v in vals) if isinstance(vals, (list, tuple))
                   else tensor_bytes(n))
         bucket = n.meta.get(BUCKET) or ([n.meta[GRAD_OF]] if GRAD_OF in n.meta else None)
         rows.append({"op": _OP_NAMES.get(n.target.overloadpacket.__name__, n.target.overloadpacket.__name__),
-                     "phase": phase, "bytes": nbytes, "unit": n.meta.get(UNIT),
+                     "phase": phase, "bytes": nbytes, "mesh_dim": n.meta.get(MESH_DIM), "unit": n.meta.get(UNIT),
                      "unit_name": (names or {}).get(n.meta.get(UNIT)), "bucket": bucket, "name": n.name})
     return rows
 
@@ -183,8 +196,8 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
     """Trace ``train_step`` on these arguments and report the plan, without running a step.
 
     Returns (and prints with rich) parameters and bytes, gradient buckets and their sizes,
-    every collective of the step (``Plan.collectives``: op, phase, bytes, unit by module name
-    or bucket), the activations the step keeps for its backward and those it recomputes there
+    every collective of the step (``Plan.collectives``: op, phase, bytes, the mesh dimension it runs
+    over, unit by module name or bucket), the activations the step keeps for its backward and those it recomputes there
     (``Plan.activations``, from ``recompute_activations``), the estimated peak and what is live
     there by kind (``Plan.peak_bytes``, ``Plan.peak_by_kind``), the pass pipeline in order with
     what each pass does, why it is there and its constraints, cross-iteration moves, and warnings
@@ -233,14 +246,16 @@ def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
     """(activations kept and recomputed, estimated peak bytes, bytes live at the peak by kind) of a step graph.
 
     Activations: ``recompute_activations``' plan (names -> bytes of the saved values kept and
-    recomputed, and the totals), empty when it did not run. Kinds: parameters, optimizer state,
+    recomputed, and the totals), empty when it did not run. Where the step is lowered through
+    Inductor, the peak counts what Inductor computes inside its readers as never allocated. Kinds: parameters, optimizer state,
     inputs, activations (forward values) and gradients (backward and optimizer values).
     """
     plan = recompute_plan(gm)
     activations = {} if plan is None else {
         "kept": plan.kept, "recomputed": plan.recomputed, "kept_bytes": plan.kept_bytes,
         "default_bytes": plan.default_bytes, "saved_bytes": plan.saved_bytes, "budget": plan.budget, "met": plan.met}
-    profile = memory_profile(gm.graph)
+    lowering = getattr(gm, "lowering", None)  # lowered through Inductor: what it fuses is never allocated
+    profile = memory_profile(gm.graph, inductor=lowering is not None and lowering.inductor)
     backward = backward_nodes(gm.graph)
     by_role = {Role.PARAM: "parameters", Role.BUFFER: "parameters", Role.STATE: "optimizer state"}
     kinds: dict[str, int] = {}
@@ -271,14 +286,14 @@ def print_plan_tables(plan: Plan) -> None:
             table.add_row(b.name, str(b.gradients), f"{b.bytes / 2**20:.3f}", str(b.wait_distance))
         console.print(table)
     table = Table(title="collectives of the step (graph order)")
-    for col in ("#", "op", "phase", "MiB", "unit / bucket"):
+    for col in ("#", "op", "phase", "mesh dim", "MiB", "unit / bucket"):
         table.add_column(col, justify="right")
     for i, c in enumerate(plan.collectives):
         if c["unit"] is not None:
             owner = c["unit_name"] or f"unit {c['unit']}"
         else:
             owner = f"{len(c['bucket'])} gradients" if c["bucket"] else "-"
-        table.add_row(str(i), c["op"], c["phase"], f"{c['bytes'] / 2**20:.3f}", owner)
+        table.add_row(str(i), c["op"], c["phase"], c["mesh_dim"] or "-", f"{c['bytes'] / 2**20:.3f}", owner)
     console.print(table)
     table = Table(title="pass pipeline (in order)")
     for col in ("pass", "what it does", "why it is here", "args", "runs after"):

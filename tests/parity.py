@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -96,3 +99,32 @@ def check_sgd_grad_sum(step, world_size, impl, steps=3):
     gap = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp_avg.module.parameters()))
     assert gap > 1e-6, f"summed and averaged gradients train alike here ({gap:.1e}): the check is blind"
     return model
+
+
+@contextlib.contextmanager
+def capturable_on_cpu() -> Iterator[None]:
+    """torch's capturable optimizer code paths, allowed on the CPU for as long as the context lasts.
+
+    torch refuses ``capturable=True`` for CPU tensors (``_get_capturable_supported_devices``, which
+    each optimizer module imports by name, as does spmd's optimizer probe), yet the path is what a
+    CUDA user meets: on-device 0-dim step counters that compute in their own dtype, hyperparameters
+    as tensors all through the foreach update. Allowing "cpu" drives that code on the CPU.
+    """
+    import spmd.checks.optimizer_probe
+
+    supported = importlib.import_module("torch.optim.optimizer")._get_capturable_supported_devices
+
+    def with_cpu(supports_xla: bool = True) -> list[str]:
+        return [*supported(supports_xla), "cpu"]
+
+    modules = [importlib.import_module(f"torch.optim.{name}")
+               for name in ("optimizer", "adam", "adamw", "nadam", "radam", "adamax", "asgd")]
+    patched = [m for m in (*modules, spmd.checks.optimizer_probe) if hasattr(m, "_get_capturable_supported_devices")]
+    originals = [m._get_capturable_supported_devices for m in patched]
+    for m in patched:
+        m._get_capturable_supported_devices = with_cpu
+    try:
+        yield
+    finally:
+        for m, original in zip(patched, originals):
+            m._get_capturable_supported_devices = original

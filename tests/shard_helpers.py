@@ -102,6 +102,12 @@ def assert_same_layout(ours: dict, theirs: dict, what: str) -> None:
             assert a.shape == b.shape
 
 
+def assert_same_state_layouts(model, ref, optim, ref_optim) -> None:
+    """``assert_same_layout`` on the model state dicts and on the optimizer states."""
+    assert_same_layout(model.state_dict(), ref.state_dict(), "model.state_dict()")
+    assert_same_layout(optim_state_layout(optim), optim_state_layout(ref_optim), "optim.state_dict()")
+
+
 def optim_state_layout(optim) -> dict:
     sd = optim.state_dict()
     return {f"{i}.{k}": v for i, st in sd["state"].items() for k, v in st.items()}
@@ -111,6 +117,6 @@ def block_policy():
     return {Block}
 
 
-__all__ = ["CFG", "LR", "accumulating_step", "assert_same_layout", "batches", "block_policy", "clipped_step",
+__all__ = ["CFG", "LR", "accumulating_step", "assert_same_layout", "assert_same_state_layouts", "batches", "block_policy", "clipped_step",
            "fsdp2_twin", "full_params", "gpt", "max_param_diff", "optim_state_layout", "optimizer", "plain_step",
            "spmd"]

@@ -189,8 +189,10 @@ def _replicate_on_gpus(rank, world_size):
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True)
     mode = spmd.DataParallel("replicate", grad_reduce="avg")
-    accum_step = spmd.compile(parallel_mode=mode)(accum_mse)
-    train_step = spmd.compile(parallel_mode=mode)(train_mse)
+    # no compile cache, whatever SPMD_CACHE_DIR says: a step loaded from it (or from the peer rank that
+    # compiled it) is not traced here, and the trace counts below are what this test checks
+    accum_step = spmd.compile(parallel_mode=mode, cache_dir=False)(accum_mse)
+    train_step = spmd.compile(parallel_mode=mode, cache_dir=False)(train_mse)
     torch.manual_seed(rank)
     for step in range(4):
         for micro in range(3):

@@ -41,16 +41,45 @@ def _formatted(model, optim, x):
     return loss
 
 
+def _two_devices(model, optim, x):
+    loss = (model(x) * torch.ones(4, device="meta")).sum()  # cpu and meta in one op
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 @pytest.mark.parametrize("step, match", [
     (_masked, r"shape depends on tensor values .* torch.where\(mask, x, 0\)"),
     (_formatted, r"formats a tensor as text .* print\(f'\{loss.item\(\):.3f\}'\)"),
-], ids=["boolean-mask", "f-string"])
+    (_two_devices, r"tensors on different devices \(cpu and meta\)\. Move the batch"),
+], ids=["boolean-mask", "f-string", "two-devices"])
 def test_untraceable_step_names_cause_and_fix_and_touches_nothing(step, match):
     model, optim = _model_and_adam()
     snap = _snapshot(model, optim)
     with pytest.raises(SpmdCompileError, match=match) as info:
         spmd.compile()(step)(model, optim, torch.randn(8, 4))
     assert "FakeTensor" not in str(info.value) and "SymInt" not in str(info.value)
+    _assert_unchanged(model, optim, snap)
+
+
+def test_a_translator_that_fails_leaves_torchs_error_as_it_was(monkeypatch, caplog):
+    """Explaining an error must never raise one of its own (torch 2.11 lacked a class the device-mismatch
+    translation imported): the user gets torch's error, and the log says why it was not translated."""
+    import spmd.trace.capture
+    import spmd.trace.trace_errors
+
+    def broken(err):
+        raise ImportError("a name this torch lacks")
+
+    monkeypatch.setattr(spmd.trace.trace_errors, "translate", broken)
+    monkeypatch.setattr(spmd.trace.capture, "_translate_trace_error", broken)
+    model, optim = _model_and_adam()
+    snap = _snapshot(model, optim)
+    with pytest.raises(Exception) as info:
+        spmd.compile()(_masked)(model, optim, torch.randn(8, 4))
+    assert not isinstance(info.value, (SpmdCompileError, ImportError)), repr(info.value)
+    assert "could not translate" in caplog.text and "a name this torch lacks" in caplog.text
     _assert_unchanged(model, optim, snap)
 
 

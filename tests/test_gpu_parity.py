@@ -192,7 +192,9 @@ def _cudagraphs_follow_lr_and_reloaded_state(rank, world_size):
         seen["igm"] = igm
         return igm
 
-    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), gm_transformation=transformation)
+    # no compile cache, whatever SPMD_CACHE_DIR says: ``seen`` is filled only where this process compiles
+    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), gm_transformation=transformation,
+                  cache_dir=False)
     def train_step(model, optim, batch):
         loss = model(batch).sum()
         loss.backward()
@@ -237,7 +239,9 @@ def _one_cycle_cudagraphs(rank, world_size, impl):
         seen["igm"] = igm
         return igm
 
-    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), gm_transformation=transformation)
+    # no compile cache, whatever SPMD_CACHE_DIR says: ``seen`` is filled only where this process compiles
+    @spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), gm_transformation=transformation,
+                  cache_dir=False)
     def train_step(model, optim, batch):
         loss = model(batch).sum()
         loss.backward()

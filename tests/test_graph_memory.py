@@ -50,6 +50,34 @@ def test_a_wait_aliases_its_collective_and_the_collective_input_lives_until_the_
     assert prof.peak == 4 * KIB, "x, y (until the wait), the reduced buffer and z"
     adds = [n for n in graph.nodes if n.target is aten.add.Tensor]
     assert prof.live[prof.nodes.index(adds[-1])] == 4 * KIB, "y freed at the wait, the view of w is no new buffer"
+    # as Inductor compiles it: the all_reduce reduces y in place (nothing else reads y), the adds are computed
+    # inside the sum that reads them: x, y and the sum
+    assert memory_profile(graph, inductor=True).peak == 2 * KIB + 4
+
+
+def test_what_inductor_computes_inside_its_readers_is_never_allocated_and_its_inputs_live_until_them():
+    from spmd.graph_utils.recompute_ops import inductor_inlines
+
+    def fn(x, w):                  # x, w: 1 KiB each, always live
+        a = x @ w                  # +1 KiB: a matmul's output is a buffer
+        b = a.exp()                # pointwise, read only by the reduction: computed inside it, never allocated
+        return b.sum(dim=1)        # +1/16 KiB
+
+    graph = _graph(fn, (16, 16), (16, 16))
+    exp = next(n for n in graph.nodes if n.target is aten.exp.default)
+    assert inductor_inlines(exp)
+    unfused, fused = memory_profile(graph), memory_profile(graph, inductor=True)
+    assert unfused.peak == 4 * KIB, "x, w, a and b (a dies after the exp)"
+    assert fused.peak == 3 * KIB + KIB // 16, "b is never allocated: a lives until the sum, which reads it"
+    assert exp not in {v.node for v in fused.at_peak}
+    mm = next(n for n in graph.nodes if n.target is aten.mm.default)
+    assert mm in {v.node for v in fused.at_peak}
+
+    def feeds_a_matmul(x, w):
+        return (x * 2) @ w         # the product is the matmul's input: a buffer of its own
+
+    graph = _graph(feeds_a_matmul, (16, 16), (16, 16))
+    assert not inductor_inlines(next(n for n in graph.nodes if n.target is aten.mul.Tensor))
 
 
 def test_memory_estimate_reports_each_modes_peak_and_sharding_lowers_it(capsys):
@@ -64,9 +92,9 @@ def test_memory_estimate_reports_each_modes_peak_and_sharding_lowers_it(capsys):
     assert 0.3 < ratio < 1.0
 
 
-def _sharded_step_graph(style: str) -> fx.Graph:
+def _sharded_step_graph(style: str, memory_budget=None) -> fx.Graph:
     """A 2-block GPT's step graph (fused AdamW, a vocabulary large beside its width, as a 1.3B GPT's
-    is) after the sharded passes, in a fake 2-rank group."""
+    is) after the sharded passes (``memory_budget`` for their recompute), in a fake 2-rank group."""
     import dataclasses
 
     import spmd
@@ -78,7 +106,7 @@ def _sharded_step_graph(style: str) -> fx.Graph:
     mode = spmd.DataParallel(style, wrap_policy=block_policy())
     spmd.shard(model, mode)
     optim = optimizer(model, "adamw")
-    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True)
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, memory_budget=memory_budget)
     step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(plain_step)
     idx = torch.randint(0, 4099, (2, CFG.block_size), generator=torch.Generator().manual_seed(0))
     args = (model, optim, idx, idx.roll(-1, 1))
@@ -86,6 +114,26 @@ def _sharded_step_graph(style: str) -> fx.Graph:
     for made in created:
         made.undo()
     return transformation(gm).graph
+
+
+def test_memory_estimate_measures_each_row_beside_fsdp2_with_checkpointed_blocks(capsys):
+    """``memory_estimate --measure`` on a CPU (op by op, no peaks): every budget row of fully_shard runs,
+    replicate at its default, and FSDP2 with every block checkpointed, eager and compiled, each timed;
+    the summary table holds them all."""
+    from spmd.tools.memory_estimate import main
+
+    main(["--preset", "gpt124m", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--vocab", "64",
+          "--batch", "2", "--modes", "fully_shard,replicate", "--memory-budget", "1,0.3", "--measure",
+          "--steps", "1", "--time-steps", "1"])
+    out = capsys.readouterr().out
+    summary = out.rsplit("estimate / measured", 1)[1].splitlines()[2:]
+    rows = {line.split("  ")[0]: line.split() for line in summary if line.strip()}
+    assert list(rows) == ["fully_shard", "fully_shard memory_budget=0.3", "replicate", "replicate memory_budget=0.3",
+                          "fsdp2_ac (FSDP2, every block checkpointed)",
+                          "fsdp2_ac_compile (FSDP2, every block checkpointed, compiled)"], list(rows)
+    timed = {label: cells[-1] != "-" for label, cells in rows.items()}
+    assert timed == {**dict.fromkeys(rows, True), "replicate memory_budget=0.3": False}, timed
+    assert all(float(rows[label][-4]) > 0 for label in list(rows)[:4]), "each spmd row has its estimate"
 
 
 def test_fully_shards_root_copies_its_parameters_out_and_its_gather_buffer_dies_before_the_peak():

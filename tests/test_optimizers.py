@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import spmd
 from tests.dist import run_distributed
-from tests.parity import ddp_copy, square_mean_step
+from tests.parity import capturable_on_cpu, ddp_copy, square_mean_step
 
 O = torch.optim
 REPLICATE = spmd.DataParallel("replicate", grad_reduce="avg")
@@ -312,29 +312,12 @@ CAPTURABLE = [(torch.optim.Adam, dict(foreach=False)), (torch.optim.Adam, dict(f
               (torch.optim.Adamax, dict(foreach=False)), (torch.optim.ASGD, dict(foreach=False))]
 
 
-@pytest.fixture
-def capturable_on_cpu(monkeypatch):
-    """torch's capturable code paths, allowed on the CPU: their on-device 0-dim step counters
-    compute in their own dtype, the case a CUDA user meets."""
-    import importlib
-
-    supported = importlib.import_module("torch.optim.optimizer")._get_capturable_supported_devices
-
-    def with_cpu(supports_xla: bool = True) -> list[str]:
-        return [*supported(supports_xla), "cpu"]
-
-    for name in ("optimizer", "adam", "adamw", "nadam", "radam", "adamax", "asgd"):
-        module = importlib.import_module(f"torch.optim.{name}")
-        if hasattr(module, "_get_capturable_supported_devices"):
-            monkeypatch.setattr(module, "_get_capturable_supported_devices", with_cpu)
-    import spmd.checks.optimizer_probe
-    monkeypatch.setattr(spmd.checks.optimizer_probe, "_get_capturable_supported_devices", with_cpu)
-
-
 @pytest.mark.parametrize("cls,settings", CAPTURABLE, ids=[f"{c.__name__}-{s}" for c, s in CAPTURABLE])
-def test_capturable_optimizers_compute_in_their_step_counters_dtype(capturable_on_cpu, cls, settings):
+@capturable_on_cpu()
+def test_capturable_optimizers_compute_in_their_step_counters_dtype(cls, settings):
     """float64 parameters, float32 step counters: a Python-number hyperparameter meeting a counter
-    takes its dtype, and ``number / t`` is ``t.reciprocal() * number``, as in eager."""
+    takes its dtype, and ``number / t`` is ``t.reciprocal() * number``, as in eager (torch's capturable
+    paths allowed on the CPU: ``tests.parity.capturable_on_cpu``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1)).double()
     ref = copy.deepcopy(model)

@@ -20,6 +20,7 @@ from spmd.errors import SpmdConfigError
 from spmd.graph_utils import is_comm_node, is_wait_node, node_order
 from spmd.graph_utils.meta import RECOMPUTE_OF
 from spmd.graph_utils.phases import backward_nodes, saved_for_backward, storage_root
+from spmd.graph_utils.recompute_ops import fuses_into, is_pointwise, is_view_like
 from spmd.passes import recompute_activations, recompute_plan, schedule_comm_wait
 from spmd.tools.models import GPT, GPTConfig
 from tests.dist import run_distributed, single_process_group
@@ -47,27 +48,91 @@ def _again(graph):
     return [n for n in graph.nodes if RECOMPUTE_OF in n.meta]
 
 
-def test_default_recomputes_layernorm_and_gelu_outputs_from_kept_values():
-    igm, _ = _recomputed_graph()
-    again = _again(igm.graph)
-    ops = {n.target for n in again}
-    assert aten.native_layer_norm.default in ops and aten.gelu.default in ops
-    views = {aten.view_copy.default, aten.t_copy.default, aten.detach_copy.default, aten._unsafe_view.default,
-             aten.alias_copy.default}  # which of them a trace holds depends on the torch version
-    assert ops <= {aten.native_layer_norm.default, aten.gelu.default, operator.getitem, *views}, ops
-    plan = recompute_plan(igm)
+def _autocast_graph(recompute=True, model=None):
+    """The tiny GPT's replicate step under bf16 autocast (traced on fake tensors) after the default pipeline."""
+    from spmd.tools.memory_estimate import build, fake_group, final_module
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    with fake_group(2):
+        return final_module(*build("replicate", cfg, 2, recompute=recompute))
+
+
+def _consumers(node):
+    """``node``'s readers through views: the ops that read its data."""
+    out, todo = [], list(node.users)
+    while todo:
+        u = todo.pop()
+        if is_view_like(u):
+            todo.extend(u.users)
+        else:
+            out.append(u)
+    return out
+
+
+def test_default_recomputes_only_chains_inductor_fuses_into_their_readers():
+    igm = _autocast_graph()
+    graph, plan = igm.graph, recompute_plan(igm)
+    again = _again(graph)
+    assert again and all(is_pointwise(n) for n in again), [n.target for n in again if not is_pointwise(n)]
+    # the log-softmax of the loss is split: its row max and sum of exponentials are kept, the float32 rest is
+    # recomputed from the bf16 logits inside the loss's backward kernels
+    assert not [n for n in graph.nodes if n.target is aten._log_softmax.default]
+    kept = {n for n in graph.nodes if n.name in plan.kept}
+    assert {aten.amax.default, aten.sum.dim_IntList, aten.mm.default} <= {n.target for n in kept}
+    assert not [n for n in kept if n.target in (aten.sub.Tensor, aten.exp.default)], "no float32 logits kept"
+    # the loss's two backward readers of the log-softmax (no extern kernel between them) share one recompute
+    (result,) = [n for n in again if n.meta[RECOMPUTE_OF] in plan.fused and n.target is aten.sub.Tensor
+                 and any(u.target is aten.nll_loss_backward.default for u in n.users)]
+    assert [u.target for u in _consumers(result)].count(aten._log_softmax_backward_data.default) == 1
+    # every free recompute is read only by kernels Inductor inlines it into; each GELU is recomputed beside
+    # its gelu_backward, from the fc output (a matmul's output, kept for gelu_backward anyway)
+    for n in again:
+        if n.meta[RECOMPUTE_OF] in plan.fused:
+            assert all(fuses_into(c) for c in _consumers(n)), n
+    gelus = [n for n in again if n.target is aten.gelu.default]
+    assert len(gelus) == 2 and all(storage_root(g.args[0]).target is aten.addmm.default for g in gelus)
+    assert all(storage_root(g.args[0]) in {storage_root(n) for n in kept} for g in gelus)
+    # LayerNorm outputs (a matmul reads them; their input comes from a generated kernel) and bf16 weights are kept
+    assert not [n for n in again if n.target in (aten.native_layer_norm.default, aten._to_copy.default)
+                and storage_root(n.args[0]).op == "placeholder"]
+    assert not [n for n in again if n.target is aten.native_layer_norm.default]
     assert plan.kept_bytes == plan.default_bytes < plan.saved_bytes
-    # the GELU's input (the fc output) stays kept: gelu_backward reads it, and the GELU is recomputed from it
-    gelu = next(n for n in again if n.target is aten.gelu.default)
-    fc = storage_root(gelu.args[0])
-    assert fc.name in plan.kept and RECOMPUTE_OF not in fc.meta and fc.target is aten.addmm.default
-    # no backward reader of a recomputed value reads the forward's copy any more
-    graph = igm.graph
-    forward = {n.name: n for n in graph.nodes}
-    backward = backward_nodes(graph)
-    for name in plan.recomputed:  # (or the forward's copy is gone: only the backward read it)
-        assert name not in forward or not any(u in backward for u in forward[name].users), name
-    assert len(saved_for_backward(graph)) == len(plan.kept)
+
+
+def test_free_recompute_keeps_what_costs_a_write_and_off_keeps_everything():
+    free = _autocast_graph(recompute="free")
+    assert _again(free.graph) and not [n for n in _again(free.graph) if n.target is aten.gelu.default]
+    assert {n.meta[RECOMPUTE_OF] for n in _again(free.graph)} and recompute_plan(free).fused == list(
+        recompute_plan(free).recomputed)
+    off = _autocast_graph(recompute=False)
+    assert recompute_plan(off) is None and not _again(off.graph)
+    assert [n for n in off.graph.nodes if n.target is aten._log_softmax.default]
+    default = recompute_plan(_autocast_graph())
+    assert default.kept_bytes < recompute_plan(free).kept_bytes
+
+
+class _ScaledGelu(nn.Module):
+    """GELU of a matmul's output (``plain``), or of a value a generated kernel computes from it."""
+
+    def __init__(self, plain: bool):
+        super().__init__()
+        self.a, self.b, self.plain = nn.Linear(8, 16), nn.Linear(16, 8), plain
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(F.gelu(h if self.plain else h * 2.0))
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_value_recomputed_beside_its_reader_comes_from_an_extern_kernel(plain):
+    """Inductor would fuse a recompute of GELU(h * 2) into the forward kernel that computes h * 2: kept."""
+    torch.manual_seed(0)
+    model = _ScaledGelu(plain)
+    step, seen = compiled_with_passes([recompute_activations], body=square_mean_step)
+    with single_process_group():
+        step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8), last_train_step=True)
+    recomputed = [n.target for n in _again(seen["igm"].graph)]
+    assert (aten.gelu.default in recomputed) is plain, recomputed
 
 
 def test_recomputed_nodes_sit_before_their_first_user_and_collectives_keep_their_places():
@@ -148,6 +213,17 @@ def test_saved_values_are_what_the_backward_reads_from_the_forward():
     assert {n.target for n in saved} >= {aten.add.Tensor, aten.view_copy.default}
 
 
+@pytest.mark.parametrize("recompute", [None, 1, "off", "all"])
+def test_bad_recompute_setting_is_a_config_error(recompute):
+    with pytest.raises(SpmdConfigError, match="recompute must be True"):
+        spmd.GraphModuleTransformation(enable_graph_optimization=True, recompute=recompute)
+
+
+def test_a_budget_with_recompute_off_is_a_config_error():
+    with pytest.raises(SpmdConfigError, match="recompute=False turns off"):
+        spmd.GraphModuleTransformation(enable_graph_optimization=True, memory_budget=0.5, recompute=False)
+
+
 def _check_covered(graph, budget):
     """Something was recomputed (the test would not cover it otherwise); under a budget, matmuls too."""
     again = {n.target for n in _again(graph)}
@@ -184,6 +260,47 @@ def test_replicate_with_recompute_matches_eager_ddp_in_float64(budget):
     run_distributed(_replicate_parity, budget)
 
 
+class _DropoutClassifier(nn.Module):
+    """GELU, dropout, logits a penalty reads too (kept, so the log-softmax is recomputed from them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 24)
+
+    def forward(self, x, y):
+        logits = self.b(F.dropout(F.gelu(self.a(x)), p=0.25, training=self.training))
+        return F.cross_entropy(logits, y) + 1e-2 * logits.square().mean()
+
+
+def _dropout_parity(rank, world_size, budget):
+    torch.manual_seed(0)
+    model = _DropoutClassifier().to(torch.float64)
+    ddp = ddp_copy(model)
+    optim, ddp_optim = (torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, ddp))
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
+                        gm_transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True,
+                                                                         memory_budget=budget))(lm_train_step)
+    gen = torch.Generator().manual_seed(rank)
+    for i in range(3):
+        x, y = torch.randn(8, 16, generator=gen, dtype=torch.float64), torch.randint(0, 24, (8,), generator=gen)
+        torch.manual_seed(100 * rank + i)  # the same dropout masks for both
+        loss = step(model, optim, x, y)
+        torch.manual_seed(100 * rank + i)
+        torch.testing.assert_close(loss, eager_step(ddp, ddp_optim, x, y), atol=1e-12, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=0, msg=lambda m: f"parameter {name}: {m}")
+    (entry,) = step.cache.values()
+    graph = entry.runner.graph
+    assert not [n for n in graph.nodes if n.target is aten._log_softmax.default], "the log-softmax was split"
+    assert aten.sub.Tensor in {n.target for n in _again(graph)}, "the log-softmax is recomputed from the logits"
+    assert [n.target for n in graph.nodes if n.target is aten.bernoulli.p] == [aten.bernoulli.p]
+
+
+@pytest.mark.parametrize("budget", [None, 0.05])
+def test_recompute_with_dropout_and_a_split_log_softmax_matches_eager_ddp_in_float64(budget):
+    run_distributed(_dropout_parity, budget)
+
+
 def _fully_shard_parity(rank, world_size, budget):
     model = gpt(torch.float64)
     ref = fsdp2_twin(model)
@@ -207,14 +324,14 @@ def test_fully_shard_with_recompute_matches_fsdp2_in_float64(budget):
 
 
 def test_fully_shard_recomputes_from_the_backward_gather_and_forward_gathers_still_die_in_the_forward():
-    """A resharding unit's LayerNorm is recomputed in its backward from the parameters the backward
-    gathers again: the forward's gathered parameters are read by no recomputed node."""
+    """Under a budget, a resharding unit's LayerNorm is recomputed in its backward from the parameters the
+    backward gathers again: the forward's gathered parameters are read by no recomputed node."""
     from spmd.graph_utils.units import gathered_values, unit_gathers, unsharded_interval
     from tests.dist import fake_process_group
     from tests.test_graph_memory import _sharded_step_graph
 
     with fake_process_group(2):
-        graph = _sharded_step_graph("fully_shard")
+        graph = _sharded_step_graph("fully_shard", memory_budget=0.5)
     again = _again(graph)
     norms = [n for n in again if n.target is aten.native_layer_norm.default]
     assert norms and any(n.target is aten.gelu.default for n in again)
@@ -222,7 +339,7 @@ def test_fully_shard_recomputes_from_the_backward_gather_and_forward_gathers_sti
     backward = {n for g in unit_gathers(graph, "backward") for n in gathered_values(g)}
     assert not any(a in forward for n in again for a in n.all_input_nodes)
     assert any(a in backward for n in again for a in n.all_input_nodes), "the backward's unpacking is reused"
-    assert sum(any(a in backward or RECOMPUTE_OF in a.meta for a in n.all_input_nodes[1:]) for n in norms) >= 4
+    assert sum(any(a in backward or RECOMPUTE_OF in a.meta for a in n.all_input_nodes[1:]) for n in norms) >= 2
     order = node_order(graph)
     seed = next(n for n in graph.nodes if n.target is aten.ones_like.default)
     for g in unit_gathers(graph, "forward"):
@@ -252,7 +369,8 @@ def test_explain_shows_kept_and_recomputed_activations_and_the_peak_by_kind():
 
 
 def _tiny_graph(write_before_backward: bool) -> torch.fx.Graph:
-    """x * w -> gelu -> sum; the backward (from the seed) reads the gelu; optionally w is written in between."""
+    """x * w (a column times a row) -> gelu -> sum; the backward (from the seed) reads the gelu, which the
+    default recomputes from x and w (smaller than it); optionally w is written in between."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from spmd.graph_utils import set_fake_val
@@ -261,7 +379,7 @@ def _tiny_graph(write_before_backward: bool) -> torch.fx.Graph:
     mode = FakeTensorMode()
     x, w = graph.placeholder("x"), graph.placeholder("w")
     with mode:
-        x.meta["val"], w.meta["val"] = torch.empty(4, 8), torch.empty(4, 8)
+        x.meta["val"], w.meta["val"] = torch.empty(4, 1), torch.empty(1, 8)
 
     def op(target, *args):
         node = graph.call_function(target, args)
@@ -271,7 +389,7 @@ def _tiny_graph(write_before_backward: bool) -> torch.fx.Graph:
     g = op(aten.gelu.default, op(aten.mul.Tensor, x, w))
     seed = op(aten.ones_like.default, op(aten.sum.default, g))
     if write_before_backward:
-        op(aten.copy_.default, w, x)
+        op(aten.copy_.default, w, op(aten.mul.Tensor, w, 2.0))
     graph.output(op(aten.mul.Tensor, seed, g))
     return graph
 
@@ -282,3 +400,20 @@ def test_a_value_is_not_recomputed_from_an_input_written_before_its_backward_rea
 
     plan, _ = plan_recompute(_tiny_graph(written))
     assert (list(plan.kept), list(plan.recomputed)) == ((["gelu_default"], []) if written else ([], ["gelu_default"]))
+
+
+def test_the_default_recompute_adds_no_kernel_under_inductor():
+    """Lowered through Inductor (CPU, up to its fused kernels): the default's recomputes all land in kernels
+    the step has anyway, so it schedules as many kernels as recompute=False and none of recomputed nodes
+    alone, moving at most the GELU outputs' bytes more; a budget's recomputes do add kernels."""
+    from spmd.tools.inductor_kernels import kernels
+
+    cfg = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    off, default = kernels("replicate", cfg, 2, recompute=False), kernels("replicate", cfg, 2)
+    assert default.generated == off.generated and default.extern == off.extern, (default, off)
+    assert default.recompute_only == 0 and default.with_recompute > 0
+    gelu_outputs = cfg.n_layer * 2 * cfg.block_size * 4 * cfg.n_embd * 2  # bf16
+    assert off.bytes <= default.bytes <= off.bytes + gelu_outputs, (default.bytes - off.bytes, gelu_outputs)
+    assert default.peak <= off.peak
+    budget = kernels("replicate", cfg, 2, memory_budget=0.3)
+    assert budget.generated + budget.extern > off.generated + off.extern

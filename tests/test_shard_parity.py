@@ -21,8 +21,8 @@ from spmd.graph_utils import node_order
 from spmd.graph_utils.fused_optimizer import is_fused_adam
 from tests.dist import run_distributed
 from tests.shard_helpers import (
-    accumulating_step, assert_same_layout, batches, block_policy, clipped_step, fsdp2_twin, gpt, max_param_diff,
-    optim_state_layout, optimizer, plain_step,
+    accumulating_step, assert_same_state_layouts, batches, block_policy, clipped_step, fsdp2_twin, gpt, max_param_diff,
+    optimizer, plain_step,
 )
 
 TOL = 1e-10
@@ -52,8 +52,7 @@ def _run_against_fsdp2(rank, style, reshard, kind, body, steps=3, mesh=None, ac=
             worst = max(worst, (a - b.detach()).abs().max().item())
     params = max_param_diff(model, ref)
     assert worst <= tol and params <= tol, f"{style} {kind} {body.__name__}: loss diff {worst}, param diff {params}"
-    assert_same_layout(model.state_dict(), ref.state_dict(), "model.state_dict()")
-    assert_same_layout(optim_state_layout(optim), optim_state_layout(ref_optim), "optim.state_dict()")
+    assert_same_state_layouts(model, ref, optim, ref_optim)
     assert len(step.cache) == 1
     if rank == 0:
         print(f"{style} reshard={reshard} {kind} {body.__name__} ac={ac} autocast={autocast} passes={passes} "

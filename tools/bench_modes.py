@@ -33,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
+from spmd.api import default_transformation
 from spmd.graph_utils import find_node, is_all_reduce
 from spmd.graph_utils.meta import ROLE, Role
 from spmd.passes import (
@@ -192,7 +193,8 @@ def ddp_ca(setup: Setup) -> Step:
 
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
-          optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False) -> Step:
+          optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False,
+          recompute=True) -> Step:
     a = setup.args
     model = setup.model()
     if style == "replicate":
@@ -208,8 +210,8 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
         passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
-    if fast_default:  # what @spmd.compile() gives a user who asks for nothing
-        transformation = None
+    if fast_default:  # what @spmd.compile() gives a user who asks for nothing (but its recompute setting)
+        transformation = None if recompute is True else default_transformation(setup.device.type, recompute=recompute)
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
 
     def step(idx, targets, last_train_step=False):
@@ -249,22 +251,16 @@ def spmd_default(setup: Setup) -> Step:
     return _spmd(setup, optimize=True, fast_default=True)
 
 
-def passes_without_recompute(bucket_mb: float, optimizer_parts: int) -> list:
-    """Replicate's pass pipeline with these settings, less the default recompute (issue 25)."""
-    from types import SimpleNamespace
-
-    from spmd.parallel import replicate
-
-    settings = SimpleNamespace(bucket_size_mb=bucket_mb, optimizer_parts=optimizer_parts, memory_budget=None)
-    return [p for p in replicate.pass_pipeline(settings) if getattr(p, "func", p) is not replicate.recompute_activations]
+@register("spmd_default_recompute_free")
+def spmd_default_recompute_free(setup: Setup) -> Step:
+    """spmd_default with ``recompute="free"``: only the recomputes that cost no extra memory traffic."""
+    return _spmd(setup, optimize=True, fast_default=True, recompute="free")
 
 
-@register("spmd_default_no_recompute")
-def spmd_default_no_recompute(setup: Setup) -> Step:
-    """spmd_default without the default recompute (issue 25): what the recompute costs in first call, step time
-    and memory."""
-    passes = passes_without_recompute(setup.args.bucket_mb, setup.args.optimizer_parts)
-    return _spmd(setup, optimize=False, cudagraphs="auto" if setup.cuda else False, passes=passes)
+@register("spmd_default_recompute_off")
+def spmd_default_recompute_off(setup: Setup) -> Step:
+    """spmd_default with ``recompute=False``: the backward reads every forward value it needs as kept."""
+    return _spmd(setup, optimize=True, fast_default=True, recompute=False)
 
 
 @contextlib.contextmanager

@@ -66,12 +66,12 @@ def _measure(rank: int, world_size: int, device: torch.device, calls: int, repea
     for _ in range(repeats):
         for agree in (True, False):
             best[agree] = min(best[agree], _per_call_us(steps[agree], args[agree], calls, device))
-    side = steps[True]._agreement_group()
+    side = steps[True]._agreement_group(args[True], {})
     report = steps[True]._last_run.report
     times = []
     for _ in range(calls):
         start = time.perf_counter()
-        rank_check.same_everywhere(report, side)
+        rank_check.same_everywhere(report, side.group, side.layout)
         times.append(time.perf_counter() - start)
     exchange = statistics.median(times) * 1e6
     if rank == 0:

@@ -2,6 +2,7 @@
 
     spmd demo                  train a small GPT with spmd.compile next to DDP and compare them
     spmd bench                 time every data-parallel mode side by side (also --measure compile, --suite gpu)
+    spmd bench-tp              time the tensor-parallel GPT on a (dp, tp) mesh: spmd against FSDP2 + TP
     spmd inspect DIR           read a graph dump folder: the pass pipeline, stage diffs, one node
     spmd timeline              draw a profiler trace as a GPU timeline, or --record one per mode
     spmd cache ACTION          list, verify or clear the compile cache's entries
@@ -17,11 +18,12 @@ import argparse
 import sys
 from typing import Optional
 
-from . import bench, cache_cli, demo, inspect_dump, timeline
+from . import bench, bench_tp, cache_cli, demo, inspect_dump, timeline
 
 COMMANDS = {
     "demo": (demo, "train a small GPT with spmd.compile next to DDP and compare them"),
     "bench": (bench, "time every data-parallel mode side by side (--measure compile, --suite gpu)"),
+    "bench-tp": (bench_tp, "time the tensor-parallel GPT on a (dp, tp) mesh: spmd against FSDP2 + TP"),
     "inspect": (inspect_dump, "read a graph dump folder: the pass pipeline, stage diffs, one node"),
     "timeline": (timeline, "draw a profiler trace as a GPU timeline, or --record one per mode"),
     "cache": (cache_cli, "list, verify or clear the compile cache's entries (size, age, what each was compiled for)"),

@@ -87,7 +87,7 @@ def census(args) -> dict:
     from torch._inductor import metrics
     from torch._inductor.async_compile import AsyncCompile
 
-    from .bench_modes import lowering_before_cold_work, passes_without_recompute, train_step
+    from .bench_modes import lowering_before_cold_work, train_step
     from .models import GPT, GPTConfig
 
     graphs, sources, moved = [], set(), []
@@ -134,8 +134,8 @@ def census(args) -> dict:
             import spmd
 
             if args.variant == "spmd_no_recompute":
-                transformation = spmd.GraphModuleTransformation(
-                    enable_inductor=True, passes=passes_without_recompute(args.bucket_mb, optimizer_parts=4))
+                transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
+                                                                bucket_size_mb=args.bucket_mb, recompute=False)
             else:
                 transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
                                                                 bucket_size_mb=args.bucket_mb)

@@ -4,20 +4,27 @@
 in a fake process group of ``world`` ranks, the pass pipeline runs on it as
 ``GraphModuleTransformation(enable_graph_optimization=True)`` runs it, and
 ``graph_utils.memory.memory_profile`` walks the final graph: the estimated peak, where it
-happens, and what is live there by kind. The graph is the aten graph before Inductor, so
-temporaries Inductor fuses away (an unfused cross-entropy's three logits-sized buffers, say)
-are counted: a guide to what dominates, not a measurement.
+happens, and what is live there by kind. It counts what Inductor computes inside the kernels
+that read it as never allocated (``recompute_ops.inductor_inlines``: an unfused cross-entropy's
+float32 logits-sized values, say); ``--unfused`` also prints the peak of the graph run op by op.
 
-``measure`` (``--measure``, CUDA): the same step compiled as ``spmd bench`` compiles it (passes,
-Inductor, CUDA graphs, capturable fused AdamW) runs on one GPU with the fake process group of
-``world`` ranks: collectives move no data but every buffer has its real size, so
-``torch.cuda.max_memory_allocated`` is what one rank of a ``world``-GPU run allocates.
+``--measure``: each row also runs (``memory_measure``) in the same simulated group: the spmd step
+compiled as ``spmd bench`` compiles it (Inductor, CUDA graphs, capturable fused AdamW), and, where a
+sharded mode is asked for, FSDP2 with every block activation-checkpointed, eager and with compiled
+blocks (``--peers``), as torchtitan trains with full activation checkpointing. A table at the end
+sets the estimated peak beside the measured one and the step time, row by row (after
+each measured row a line says what it measured, so a run cut short keeps it). Without CUDA the rows
+run on the CPU op by op: times only, no peaks.
 
     python -m spmd.tools.memory_estimate --preset gpt1.3b --batch 4 --modes fully_shard,replicate
-    python -m spmd.tools.memory_estimate --preset gpt1.3b --batch 4 --modes fully_shard --memory-budget 1,0.5,0.2
+    python -m spmd.tools.memory_estimate --preset gpt1.3b --batch 4 --modes fully_shard,replicate \
+        --memory-budget 1,0.5,0.2,0.05 --measure --time-steps 20
 
-``--memory-budget``: the same at each ``GraphModuleTransformation(memory_budget=...)``, with the
-activation bytes ``recompute_activations`` keeps and recomputes.
+``--memory-budget``: the same at each ``GraphModuleTransformation(memory_budget=...)`` (1: the
+default), with the activation bytes ``recompute_activations`` keeps and recomputes. Replicate is
+measured at the default only (its role is the denominator of the fully_shard / replicate ratio);
+``--measure-budgets 1,0.05`` measures only the rows at those budgets (each measured row compiles
+the step, which is most of its time on a GPU).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from spmd.graph_utils.meta import PHASE, ROLE
 from spmd.passes import RecomputePlan, recompute_plan
 
 from .bench_modes import PRESETS, train_step
+from .memory_measure import PEERS, Measured, measure_fsdp2_ac, measure_spmd
 from .models import GPT, Block, GPTConfig
 
 GiB = 2 ** 30
@@ -141,11 +149,13 @@ class Estimate:
     kinds: dict[str, int]    # bytes live at the peak, by kind
     largest: list[tuple[int, str, str]]  # (bytes, kind, node) of the largest non-input values there
     recompute: Optional[RecomputePlan] = None  # what recompute_activations kept and recomputed
+    unfused: Optional[int] = None  # the peak of the graph run op by op, nothing fused
 
     def report(self, top: int = 12) -> str:
         p, r = self.profile, self.recompute
         lines = [f"{self.style}: estimated peak {p.peak / GiB:.2f} GiB at {describe(p.peak_node)} "
-                 f"(node {p.peak_index} of {len(p.nodes)}); inputs {p.inputs / GiB:.2f} GiB"]
+                 f"(node {p.peak_index} of {len(p.nodes)}); inputs {p.inputs / GiB:.2f} GiB"
+                 + ("" if self.unfused is None else f"; {self.unfused / GiB:.2f} GiB op by op, nothing fused")]
         if r is not None:
             lines += [f"  activations kept for the backward: {r.kept_bytes / GiB:.3f} GiB at memory_budget={r.budget} "
                       f"({len(r.kept)} kept, {len(r.recomputed)} recomputed; {r.default_bytes / GiB:.3f} GiB at the "
@@ -157,101 +167,138 @@ class Estimate:
         return "\n".join(lines)
 
 
-def estimate(style: str, cfg: GPTConfig, batch: int, **transform) -> Estimate:
-    """The liveness estimate of one rank's step (call inside ``fake_group``)."""
+def estimate(style: str, cfg: GPTConfig, batch: int, unfused: bool = False, **transform) -> Estimate:
+    """The liveness estimate of one rank's step, Inductor's fusion counted (call inside ``fake_group``)."""
     module = final_module(*build(style, cfg, batch, **transform))
     graph = module.graph
-    profile = memory_profile(graph)
+    profile = memory_profile(graph, inductor=True)
     kind = classify(graph)
     kinds: dict[str, int] = defaultdict(int)
     for v in profile.at_peak:
         kinds[kind[v.node]] += v.nbytes
     largest = [(v.nbytes, kind[v.node], describe(v.node)) for v in profile.at_peak if v.node.op != "placeholder"]
-    return Estimate(style, profile, dict(kinds), largest, recompute_plan(module))
+    return Estimate(style, profile, dict(kinds), largest, recompute_plan(module),
+                    memory_profile(graph).peak if unfused else None)
 
 
-def measure(style: str, cfg: GPTConfig, batch: int, steps: int = 3, cudagraphs: bool = True,
-            snapshot: str = "", timed: int = 0, **transform) -> tuple[float, Optional[float]]:
-    """Peak GiB allocated by ``steps`` compiled steps on this process's GPU (call inside ``fake_group``).
+@dataclass
+class Row:
+    """One line of the summary table: a mode at a budget (or a peer), its estimate and what was measured."""
 
-    Inductor and CUDA graphs as ``spmd bench``'s ``spmd_*_cg`` modes. The ranks' fingerprint
-    exchange is skipped: in a fake group every rank is this process. ``snapshot``: a file to
-    write the allocator's history of the last step to (``torch.cuda.memory._dump_snapshot``).
-    Returns (peak GiB, median ms of ``timed`` more steps or None): the time has no communication in it.
-    """
-    from spmd.checks import rank_check
+    label: str
+    estimate: Optional[float] = None  # GiB
+    measured: Optional[Measured] = None
 
-    exchange, rank_check.exchange = rank_check.exchange, lambda local, group: None
-    try:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step, args = build(style, cfg, batch, device="cuda", fake=False, enable_inductor=True,
-                           enable_cudagraphs=cudagraphs, **transform)
-        for k in range(steps):
-            if snapshot and k == steps - 1:
-                torch.cuda.synchronize()
-                torch.cuda.memory._record_memory_history(max_entries=200000)
-            step(*args)
-        torch.cuda.synchronize()
-    finally:
-        rank_check.exchange = exchange
-    if snapshot:
-        torch.cuda.memory._dump_snapshot(snapshot)
-        torch.cuda.memory._record_memory_history(enabled=None)
-    peak = (torch.cuda.max_memory_allocated() - base) / GiB
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(timed + 1)]
-    for k in range(timed):
-        marks[k].record()
-        step(*args)
-    marks[-1].record()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
-    return peak, (times[len(times) // 2] if times else None)
+    def cells(self) -> list[str]:
+        m = self.measured or Measured(None, None)
+        ratio = f"{self.estimate / m.peak:.3f}" if self.estimate is not None and m.peak else "-"
+        return [self.label, _gib(self.estimate), _gib(m.peak), ratio, "-" if m.ms is None else f"{m.ms:.2f}"]
+
+
+def _gib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def table(rows: list[Row]) -> str:
+    """The summary: estimated and measured peak (GiB), their ratio and the median step time, row by row."""
+    head = ["row", "estimated GiB", "measured GiB", "estimate / measured", "ms/step"]
+    cells = [head] + [r.cells() for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+def add_shape_arguments(p: argparse.ArgumentParser, preset: str, batch: int) -> None:
+    """``--preset``, the model flags that override it, ``--batch`` and ``--world`` (the simulated group)."""
+    p.add_argument("--preset", choices=PRESETS, default=preset)
+    for flag in PRESETS["gpt124m"]:
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--world", type=int, default=2)
+
+
+def shape_config(a: argparse.Namespace) -> GPTConfig:
+    """The GPT the flags of ``add_shape_arguments`` describe."""
+    shape = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in PRESETS[a.preset].items()}
+    return GPTConfig(vocab_size=shape["vocab"], block_size=shape["seq"], n_layer=shape["layers"],
+                     n_head=shape["heads"], n_embd=shape["dim"])
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=PRESETS, default="gpt1.3b")
-    for flag in PRESETS["gpt124m"]:
-        p.add_argument(f"--{flag}", type=int, default=None)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--world", type=int, default=2)
+    add_shape_arguments(p, "gpt1.3b", 4)
     p.add_argument("--modes", default="fully_shard,replicate")
-    p.add_argument("--measure", action="store_true", help="also run the compiled step on this GPU")
+    p.add_argument("--measure", action="store_true", help="also run each row in the simulated group (GPU)")
     p.add_argument("--no-estimate", action="store_true", help="measure only")
+    p.add_argument("--unfused", action="store_true", help="also print each graph's peak run op by op, nothing fused")
     p.add_argument("--no-cudagraphs", action="store_true", help="measure without CUDA graphs")
     p.add_argument("--snapshot", default="",
-                   help="measure: write the last step's allocator history to FILE.STYLE.pickle")
+                   help="measure: write the last warm-up step's allocator history to FILE.ROW.pickle")
+    p.add_argument("--steps", type=int, default=3, help="measure: warm-up steps per row (default 3)")
     p.add_argument("--time-steps", type=int, default=0, help="measure: also time this many steps (median ms)")
     p.add_argument("--memory-budget", default="",
                    help="comma-separated memory_budget values to estimate (and measure) each mode at, e.g. 1,0.5,0.2 "
-                        "(default: the default recompute)")
+                        "(1: the default recompute)")
+    p.add_argument("--recompute", choices=("true", "free", "false"), default="true",
+                   help="GraphModuleTransformation(recompute=...) of the default rows (default true)")
+    p.add_argument("--measure-budgets", default="",
+                   help="measure: only the rows at these budgets (comma-separated, 1: the default; default: every "
+                        "--memory-budget for the sharded modes, the default only for replicate)")
+    p.add_argument("--peers", default="fsdp2_ac,fsdp2_ac_compile",
+                   help="measure: peers run beside a sharded mode: " + ", ".join(PEERS) + " (comma-separated; "
+                        "'' for none)")
     p.add_argument("--inductor-option", action="append", default=[], metavar="NAME=VALUE",
                    help="measure: an Inductor config value (repeatable), e.g. triton.mix_order_reduction=False")
     a = p.parse_args(argv)
-    shape = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in PRESETS[a.preset].items()}
-    cfg = GPTConfig(vocab_size=shape["vocab"], block_size=shape["seq"], n_layer=shape["layers"],
-                    n_head=shape["heads"], n_embd=shape["dim"])
+    cfg = shape_config(a)
+    budgets = [None if float(b) == 1.0 else float(b) for b in a.memory_budget.split(",")] if a.memory_budget else [None]
+    measured_budgets = ({None if float(b) == 1.0 else float(b) for b in a.measure_budgets.split(",")}
+                        if a.measure_budgets else None)
+    recompute = {"true": True, "free": "free", "false": False}[a.recompute]
+    options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.inductor_option)}
+    modes = [m for m in a.modes.split(",") if m]
+    peers = [q for q in a.peers.split(",") if q] if a.measure and any(m != "replicate" for m in modes) else []
+    unknown = [q for q in peers if q not in PEERS]
+    if unknown:
+        p.error(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
+    rows: list[Row] = []
     peaks = {}
-    budgets = [float(b) for b in a.memory_budget.split(",")] if a.memory_budget else [None]
-    for style in a.modes.split(","):
+    for style in modes:
         for budget in budgets:
-            label = style if budget is None else f"{style} memory_budget={budget}"
+            transform = {"memory_budget": budget} if budget is not None else {"recompute": recompute}
+            row = Row(style if budget is None else f"{style} memory_budget={budget}")
+            rows.append(row)
             if not a.no_estimate:
                 with fake_group(a.world):
-                    est = estimate(style, cfg, a.batch, memory_budget=budget)
-                est.style = label
+                    est = estimate(style, cfg, a.batch, unfused=a.unfused, **transform)
+                est.style = row.label
+                row.estimate = est.profile.peak / GiB
                 print(est.report(), flush=True)
-                peaks.setdefault(style, est.profile.peak)
-            if a.measure:
+                if budget is None:
+                    peaks[style] = est.profile.peak
+            wanted = (budget in measured_budgets if measured_budgets is not None
+                      else budget is None or style != "replicate")
+            if a.measure and wanted:
                 with fake_group(a.world):
-                    options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.inductor_option)}
-                    peak, ms = measure(style, cfg, a.batch, cudagraphs=not a.no_cudagraphs,
-                                       snapshot=f"{a.snapshot}.{style}.pickle" if a.snapshot else "",
-                                       timed=a.time_steps, inductor_options=options or None, memory_budget=budget)
-                    print(f"{label}: measured peak {peak:.3f} GiB" + (f", {ms:.2f} ms/step" if ms else ""), flush=True)
+                    row.measured = measure_spmd(
+                        style, cfg, a.batch, steps=a.steps, timed=a.time_steps, cudagraphs=not a.no_cudagraphs,
+                        snapshot=f"{a.snapshot}.{row.label.replace(' ', '_')}.pickle" if a.snapshot else "",
+                        inductor_options=options or None, **transform)
+                print(f"measured {row.label}: " + " | ".join(row.cells()[2:]), flush=True)
+    for peer in peers:
+        row = Row(f"{peer} (FSDP2, every block checkpointed{', compiled' if PEERS[peer] else ''})")
+        rows.append(row)
+        with fake_group(a.world):
+            row.measured = measure_fsdp2_ac(cfg, a.batch, PEERS[peer], steps=a.steps, timed=a.time_steps)
+        print(f"measured {row.label}: " + " | ".join(row.cells()[2:]), flush=True)
     if "fully_shard" in peaks and "replicate" in peaks:
         print(f"estimated fully_shard / replicate: {peaks['fully_shard'] / peaks['replicate']:.3f}")
+    if a.measure:
+        print(table(rows), flush=True)
+        measured = {r.label: r.measured.peak for r in rows if r.measured is not None and r.measured.peak}
+        if "fully_shard" in measured and "replicate" in measured:
+            print(f"measured fully_shard / replicate: {measured['fully_shard'] / measured['replicate']:.3f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,13 @@ the details (``gather_reports``); each rank then computes the same ``SpmdCompile
 from them, naming the ranks and the first difference in the user's terms.
 ``spmd.checks.rank_agreement`` runs this on every call.
 
+Over a mesh of several dimensions (tensor parallelism: "dp" x "tp"; hybrid_shard: "replicate" x
+"shard"), the collectives are compared per mesh dimension (``MeshLayout``): a dimension's
+collectives only pair up among the ranks of one of its groups, so only those must agree. Ranks of
+two tp groups whose batches differ (a smaller last batch on one dp rank) issue tp collectives of
+other sizes, and that is fine; ranks of one tp group must not. Parameter shapes and collectives on
+groups of no mesh dimension are compared over every rank.
+
 One difference is repaired instead of refused, as DDP's ``find_unused_parameters=True``
 does: a parameter some ranks compute a gradient for and others do not
 (``zero_gradient_plan``). Where it gets none, its gradient is zero and is reduced like
@@ -20,6 +27,7 @@ the others, in the same order as on the ranks that compute it.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import astuple, dataclass, field
 from typing import Optional, Sequence
 
@@ -30,7 +38,7 @@ import torch.fx as fx
 
 from ..errors import SpmdCompileError
 from ..graph_utils import is_comm_node
-from ..graph_utils.meta import BUCKET, GRAD_OF, SYNCED_BUFFERS
+from ..graph_utils.meta import BUCKET, GRAD_OF, MESH_DIM, SYNCED_BUFFERS
 from ..parallel.replicate import grad_keys
 from ..step.iter_graph_module import IterGraphModule
 
@@ -45,6 +53,7 @@ class Collective:
     numel: int
     group: str
     what: str       # in the user's terms: "the gradient of fc.weight", "the buffers [bn.running_mean]"
+    dim: str = ""   # the mesh dimension its group spans (``meta[MESH_DIM]``), "" where none is known
 
     def describe(self) -> str:
         where = "" if self.graph == "step" else f" in the {self.graph} graph"
@@ -61,6 +70,7 @@ class RankReport:
     grad_keys: list[tuple[int, int]] = field(default_factory=list)  # (parameter, occurrence) per gradient reduce
     param_names: list[str] = field(default_factory=list)
     retraced: str = ""  # why this rank traced for this call, if it did ("input 2 shape (4, 8) -> (3, 8)")
+    slots: dict = field(default_factory=dict)  # mesh dim -> this rank's group along it (``MeshLayout.mine``)
 
     def __getstate__(self) -> dict:  # what other ranks receive: the fields, without the posted tensor
         return {k: v for k, v in self.__dict__.items() if k != "_posted"}
@@ -80,6 +90,74 @@ class RankReport:
             cached = self.__dict__["_fingerprint"] = [int(self.error is not None), *halves, len(self.collectives)]
         return cached
 
+    def dim_fingerprints(self, dims: Sequence[str]) -> list[list[int]]:
+        """[failed, two halves of a hash of the structure], then per dim of ``dims`` and last for the
+        collectives on no dim of ``dims``: two halves of a hash of those collectives and their number."""
+        key = "_dim_fingerprints:" + ",".join(dims)
+        cached = self.__dict__.get(key)
+        if cached is None:
+            parts = [[int(self.error is not None), *_halves(repr(self.structure))]]
+            for dim in (*dims, None):
+                mine = [astuple(c) for c in self.collectives if (c.dim == dim if dim is not None else c.dim not in dims)]
+                parts.append([*_halves(repr(mine)), len(mine)])
+            cached = self.__dict__[key] = parts
+        return cached
+
+
+def _halves(text: str) -> list[int]:
+    digest = hashlib.sha256(text.encode()).digest()
+    return [int.from_bytes(digest[k:k + 8], "little") >> 2 for k in (0, 8)]
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Which ranks compare which collectives over a multi-dimensional mesh.
+
+    ``dims``: the mesh dimensions by the names collectives carry (``meta[MESH_DIM]``); along dim
+    ``dims[i]`` the mesh has ``groups[i]`` groups, and this rank lies in group ``mine[i]`` (its
+    coordinates on the other dimensions, as one index). Every rank builds it from the same mesh.
+    """
+
+    dims: tuple[str, ...]
+    groups: tuple[int, ...]
+    mine: tuple[int, ...]
+
+    @staticmethod
+    def of(mesh, names: Sequence[str]) -> "MeshLayout":
+        """The layout of ``mesh`` (a root ``DeviceMesh``), its dims named ``names``, for this rank."""
+        shape, coord = list(mesh.shape), mesh.get_coordinate()
+        groups, mine = [], []
+        for d in range(mesh.ndim):
+            others = [k for k in range(mesh.ndim) if k != d]
+            index = 0
+            for k in others:
+                index = index * shape[k] + coord[k]
+            groups.append(math.prod(shape[k] for k in others))
+            mine.append(index)
+        return MeshLayout(tuple(names), tuple(groups), tuple(mine))
+
+    def slots(self) -> dict[str, int]:
+        return dict(zip(self.dims, self.mine))
+
+
+_ABSENT = -(2 ** 63)  # a slot this rank does not post to: below every value a rank posts
+
+
+def _posted(local: RankReport, layout: Optional[MeshLayout]) -> list[int]:
+    """The integers ``same_everywhere`` reduces with MAX: values, then their negations (absent slots
+    ``_ABSENT`` in both halves, so only the ranks of a slot's group decide it)."""
+    if layout is None:
+        fp = local.fingerprint()
+        return [*fp, *(-v for v in fp)]
+    parts = local.dim_fingerprints(layout.dims)
+    values, negated = [*parts[0], *parts[-1]], [*(-v for v in parts[0]), *(-v for v in parts[-1])]
+    for d, (groups, mine) in enumerate(zip(layout.groups, layout.mine)):
+        for g in range(groups):
+            ours = parts[1 + d] if g == mine else None
+            values += ours if ours else [_ABSENT] * 3
+            negated += [-v for v in ours] if ours else [_ABSENT] * 3
+    return [*values, *negated]
+
 
 def _what(node: fx.Node, param_names: Sequence[str]) -> str:
     if BUCKET in node.meta:
@@ -92,8 +170,9 @@ def _what(node: fx.Node, param_names: Sequence[str]) -> str:
     return ""
 
 
-def _group_label(name: str, seen: dict[str, str]) -> str:
-    """A rank-independent label for the group named ``name``: its size and order of first use.
+def _group_label(name: str, seen: dict[str, str], dim: str = "") -> str:
+    """A rank-independent label for the group named ``name``: its mesh dimension (``dim``) or order of
+    first use, and its size.
 
     Group names differ between ranks that use different subgroups in the same role (the
     shard group of ranks {0, 1} and that of ranks {2, 3} in hybrid sharding), so they
@@ -104,7 +183,7 @@ def _group_label(name: str, seen: dict[str, str]) -> str:
             size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(name))
         except Exception:  # not a registered group name: the name itself is all there is
             size = name
-        seen[name] = f"group {len(seen)} of size {size}"
+        seen[name] = f"the '{dim}' group of size {size}" if dim else f"group {len(seen)} of size {size}"
     return seen[name]
 
 
@@ -119,13 +198,15 @@ def collectives_of(label: str, graph: fx.Graph, param_names: Sequence[str]) -> l
         vals = val if isinstance(val, (list, tuple)) else [val]
         dtype = ",".join(sorted({str(v.dtype).replace("torch.", "") for v in vals if isinstance(v, torch.Tensor)}))
         numel = sum(v.numel() for v in vals if isinstance(v, torch.Tensor))
-        out.append(Collective(label, n.target._opname, dtype, numel, _group_label(str(n.args[-1]), groups),
-                              _what(n, param_names)))
+        dim = n.meta.get(MESH_DIM, "")
+        out.append(Collective(label, n.target._opname, dtype, numel, _group_label(str(n.args[-1]), groups, dim),
+                              _what(n, param_names), dim))
     return out
 
 
-def report(state, gm: fx.GraphModule, runner) -> RankReport:
-    """This rank's report on a compiled step: ``gm`` the expanded graph, ``runner`` what will run."""
+def report(state, gm: fx.GraphModule, runner, layout: Optional[MeshLayout] = None) -> RankReport:
+    """This rank's report on a compiled step: ``gm`` the expanded graph, ``runner`` what will run,
+    ``layout`` the mesh its collectives are compared over (None: one group, every rank)."""
     if isinstance(runner, IterGraphModule):
         graphs = runner.graphs_to_run()
     elif isinstance(runner, fx.GraphModule):
@@ -142,6 +223,7 @@ def report(state, gm: fx.GraphModule, runner) -> RankReport:
         collectives=[c for label, graph in graphs for c in collectives_of(label, graph, state.param_names)],
         grad_keys=grad_keys(grad_reduces, param_of=lambda n: n.meta[GRAD_OF]),
         param_names=list(state.param_names),
+        slots=layout.slots() if layout is not None else {},
     )
 
 
@@ -151,17 +233,18 @@ def _device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def same_everywhere(local: RankReport, group: dist.ProcessGroup) -> bool:
-    """True when every rank of ``group`` posts the same fingerprint and none failed.
+def same_everywhere(local: RankReport, group: dist.ProcessGroup, layout: Optional[MeshLayout] = None) -> bool:
+    """True when every rank of ``group`` posts the same fingerprint and none failed; with ``layout``, the
+    same structure everywhere and, per mesh dimension, the same collectives within each of its groups.
 
-    One all_reduce (MAX) of the fingerprint and its negation, seven integers: a rank's
-    values equal every other's exactly when the maximum equals the minimum.
+    One all_reduce (MAX) of the fingerprints and their negations (seven integers on one group): a rank's
+    values equal every other's exactly when the maximum equals the minimum. With ``layout`` each
+    dimension has a slot per group, where only that group's ranks post (``_posted``).
     """
     device = _device(group)
     posted = local.__dict__.get("_posted")  # made once per report: a repeated call only copies it
     if posted is None or posted.device != device:
-        fp = local.fingerprint()
-        posted = local.__dict__["_posted"] = torch.tensor([*fp, *(-v for v in fp)], dtype=torch.int64, device=device)
+        posted = local.__dict__["_posted"] = torch.tensor(_posted(local, layout), dtype=torch.int64, device=device)
     both = posted.clone()
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     top = both.tolist()
@@ -176,13 +259,14 @@ def gather_reports(local: RankReport, group: dist.ProcessGroup) -> list[RankRepo
     return reports
 
 
-def exchange(local: RankReport, group: dist.ProcessGroup) -> Optional[list[RankReport]]:
+def exchange(local: RankReport, group: dist.ProcessGroup,
+             layout: Optional[MeshLayout] = None) -> Optional[list[RankReport]]:
     """None when every rank of ``group`` compiled the same thing; else every rank's report.
 
     ``same_everywhere`` first; the reports themselves travel only when fingerprints differ
     or a rank failed.
     """
-    return None if same_everywhere(local, group) else gather_reports(local, group)
+    return None if same_everywhere(local, group, layout) else gather_reports(local, group)
 
 
 def zero_gradient_plan(reports: Sequence[RankReport]) -> Optional[list[tuple[int, int]]]:
@@ -223,6 +307,8 @@ def mismatch_error(reports: Sequence[RankReport]) -> SpmdCompileError:
             f"The error on rank {failed[0]}: {reports[failed[0]].error}"
         )
     ref = reports[0]
+    if ref.slots and all(r.structure == ref.structure for r in reports):
+        return _mesh_mismatch(reports)
     differ = [k for k, r in enumerate(reports) if r.fingerprint() != ref.fingerprint()]
     other = reports[differ[0]]
     fix = ("Every rank must build the same model and issue the same collectives in the same order: do not "
@@ -243,6 +329,31 @@ def mismatch_error(reports: Sequence[RankReport]) -> SpmdCompileError:
     return SpmdCompileError(f"{head}: {'; '.join(lines)}.{retraced} {fix}")
 
 
+def _mesh_mismatch(reports: Sequence[RankReport]) -> SpmdCompileError:
+    """The error when ranks of one group of a mesh dimension (or all ranks, for collectives on no mesh
+    dimension) issue different collectives over it: the first such pair, and where they differ."""
+    dims = list(reports[0].slots)
+    for dim in (*dims, None):
+        def mine(r):
+            return [c for c in r.collectives if (c.dim == dim if dim is not None else c.dim not in dims)]
+        firsts: dict[int, int] = {}
+        for k, r in enumerate(reports):
+            first = firsts.setdefault(r.slots.get(dim, 0) if dim is not None else 0, k)
+            if mine(r) != mine(reports[first]):
+                which = f"their collectives over the '{dim}' mesh dimension" if dim else "their collectives"
+                where = _first_difference(mine(reports[first]), mine(r), k, first)
+                return SpmdCompileError(
+                    f"spmd.compile: train_step differs between ranks {first} and {k}, which share a group of the "
+                    f"'{dim}' mesh dimension, so running it would hang: {which} differ: {where}. Every rank of a "
+                    "tensor-parallel or data-parallel group must build the same model and trace the same step: do not "
+                    "branch on the rank or on data around module calls or backward() in train_step."
+                    if dim else
+                    f"spmd.compile: train_step differs between ranks ({_ranks([k])} from rank {first}), so running it "
+                    f"would hang: {where}. Every rank must issue the same collectives in the same order.")
+    return SpmdCompileError("spmd.compile: train_step differs between ranks, so running it would hang, though their "
+                            "collectives agree per mesh dimension; please report it with spmd.explain's output.")
+
+
 def _structure_difference(ref: list[tuple], other: list[tuple], rank: int) -> str:
     for a, b in zip(ref, other):
         if a != b:
@@ -251,12 +362,12 @@ def _structure_difference(ref: list[tuple], other: list[tuple], rank: int) -> st
     return f"rank 0 has {len(ref)} parameters and buffers, rank {rank} has {len(other)}"
 
 
-def _first_difference(ref: list[Collective], other: list[Collective], rank: int) -> str:
+def _first_difference(ref: list[Collective], other: list[Collective], rank: int, ref_rank: int = 0) -> str:
     for k, (a, b) in enumerate(zip(ref, other)):
         if a != b:
-            return f"their collective {k} is {a.describe()} on rank 0 but {b.describe()} on rank {rank}"
+            return f"their collective {k} is {a.describe()} on rank {ref_rank} but {b.describe()} on rank {rank}"
     if len(ref) == len(other):
         return "their collectives are the same"
-    longer, shorter, who = (ref, other, 0) if len(ref) > len(other) else (other, ref, rank)
-    return (f"rank 0 issues {len(ref)} collectives and rank {rank} {len(other)}; the first extra one, "
+    longer, shorter, who = (ref, other, ref_rank) if len(ref) > len(other) else (other, ref, rank)
+    return (f"rank {ref_rank} issues {len(ref)} collectives and rank {rank} {len(other)}; the first extra one, "
             f"on rank {who}, is {longer[len(shorter)].describe()}")

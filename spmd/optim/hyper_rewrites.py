@@ -257,6 +257,10 @@ def _foreach_pow(func, args, kwargs):
     return _foreach_scalar(func, args, kwargs)
 
 
+# Foreach ops whose 0-dim tensor scalar becomes one tensor per element (``_foreach_scalar``, ``_foreach_pow``)
+_SCALAR_TO_LIST = ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max")
+
+
 def _rewrites() -> dict[Any, Callable]:
     table: dict[Any, Callable] = {}
     for name in ("add", "add_", "sub", "sub_"):
@@ -277,7 +281,7 @@ def _rewrites() -> dict[Any, Callable]:
     table[torch._foreach_lerp] = table[torch._foreach_lerp_] = _foreach_weight
     table[torch._foreach_mul] = table[torch._foreach_mul_] = _foreach_mul_scalar
     table[torch.Tensor.lerp] = table[torch.Tensor.lerp_] = table[torch.lerp] = _lerp_weight
-    for name in ("add", "sub", "pow", "maximum", "minimum", "clamp_min", "clamp_max"):
+    for name in _SCALAR_TO_LIST:
         rewrite = {"add": _foreach_add_sub, "sub": _foreach_add_sub, "pow": _foreach_pow}.get(name, _foreach_scalar)
         for n in (f"_foreach_{name}", f"_foreach_{name}_"):
             if hasattr(torch, n):
@@ -286,3 +290,7 @@ def _rewrites() -> dict[Any, Callable]:
 
 
 REWRITES = _rewrites()
+# The List overloads (one tensor per element) that the rewrites make of foreach ops given a 0-dim tensor:
+# on DTensor parameters each needs a DTensor sharding strategy (``spmd._torch_version.add_dtensor_list_strategies``).
+LIST_FORMS = tuple(getattr(torch.ops.aten, n).List for name in ("lerp", *_SCALAR_TO_LIST)
+                   for n in (f"_foreach_{name}", f"_foreach_{name}_") if hasattr(torch.ops.aten, n))

@@ -43,9 +43,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from .._torch_version import add_dtensor_list_strategies
 from ..graph_utils.optimizer_ops import fused_float_args
 from .eager_foreach import EAGER_FOREACH, eager_foreach
-from .hyper_rewrites import REWRITES, is_scalar_tensor as _is_scalar_tensor
+from .hyper_rewrites import LIST_FORMS, REWRITES, is_scalar_tensor as _is_scalar_tensor
 
 # --- which group values are hyperparameters -----------------------------------------
 
@@ -226,6 +227,7 @@ class HyperMode(TorchFunctionMode):
         self._patches: list = []  # ``eager_foreach`` while active
 
     def __enter__(self):
+        add_dtensor_list_strategies(LIST_FORMS)  # for DTensor parameters on torch 2.11: what ``REWRITES`` makes
         self._patches.append(eager_foreach())
         self._patches[-1].__enter__()
         return super().__enter__()

@@ -31,13 +31,15 @@ from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.tensor import DTensor
 
 from ..errors import SpmdCompileError, SpmdConfigError
 from . import replicate, shard
-from .group_roles import name_groups_by_role
+from .group_roles import mesh_dim_labels, name_groups_by_role
+from .units import shard_plan
 
 STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
-_SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy", "mesh")
+_SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy")
 PARALLEL_MODE = "spmd_parallel_mode"  # gm.meta key: the DataParallel that expanded the graph
 
 
@@ -45,9 +47,11 @@ PARALLEL_MODE = "spmd_parallel_mode"  # gm.meta key: the DataParallel that expan
 class DataParallel:
     """How a train step is spread over ranks.
 
-    ``DataParallel("replicate", grad_reduce="avg" | "sum", group=None)``: each rank
+    ``DataParallel("replicate", grad_reduce="avg" | "sum", group=None, mesh=None)``: each rank
     passes its own local batch (as with DDP); gradients are averaged (or summed) over
-    ``group`` (default: the default process group). ``"avg"``, the default, divides each
+    ``group``, or over the ranks of ``mesh``, a 1-D ``DeviceMesh`` (``mesh["dp"]`` of a
+    (dp, tp) mesh whose "tp" dimension holds tensor-parallel parameters); default: the
+    default process group. ``"avg"``, the default, divides each
     gradient by the world size before the sum, exactly as DDP does, on every backend, so
     an optimizer's lr means what it means under DDP. ``"sum"`` keeps the seed's semantics
     (gradients x world size against DDP); ``spmd.compile()`` without a ``parallel_mode``
@@ -103,6 +107,8 @@ class DataParallel:
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise SpmdConfigError(f"spmd.DataParallel: group must be a torch.distributed.ProcessGroup (e.g. from "
                                   f"dist.new_group), got {self.group!r}")
+        if not self.is_sharded and self.mesh is not None:
+            _check_replicate_mesh(self)
         if not self.is_sharded:
             given = [k for k in _SHARD_OPTIONS if getattr(self, k) is not None]
             if given:
@@ -145,6 +151,8 @@ class DataParallel:
         """The group gradients are reduced over, or None when no process group is initialized."""
         if not dist.is_available() or not dist.is_initialized():
             return None
+        if self.group is None and self.mesh is not None and not self.is_sharded:
+            return self.mesh.get_group()
         return self.group or dist.distributed_c10d._get_default_group()
 
     def broadcasts_buffers(self) -> bool:
@@ -168,17 +176,52 @@ class DataParallel:
         """Mode-specific work on ``tensors`` (parameters, buffers of ``state``) before the step first uses them."""
         self.mode.before_first_run(self, state, tensors)
 
-    def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None) -> fx.GraphModule:
+    def own_mesh(self, state):
+        """The mesh this mode reduces over: replicate's ``mesh``, a sharded model's plan mesh, or None."""
+        if self.is_sharded:
+            return next((plan.mesh for m in state.modules if (plan := shard_plan(m)) is not None), self.mesh)
+        return self.mesh
+
+    def data_parallel_groups(self, state) -> list:
+        """The live process groups this mode reduces over (each dimension of its mesh, or replicate's group)."""
+        mesh = self.own_mesh(state)
+        if mesh is not None:
+            return [mesh.get_group(d) for d in range(mesh.ndim)]
+        group = self.process_group()
+        return [group] if group is not None else []
+
+    def mesh_dims(self, state) -> dict[str, str]:
+        """Live process-group name -> the mesh dimension it spans (``group_roles.mesh_dim_labels``), for the
+        mode's own mesh (replicate's ``mesh``, a sharded model's plan mesh) and the step's DTensor parameters'."""
+        meshes = [p._spec.mesh for p in state.params if isinstance(p, DTensor)]
+        return mesh_dim_labels(self.own_mesh(state), meshes, None if self.is_sharded else self.process_group())
+
+    def expand(self, gm: fx.GraphModule, grad_order: Optional[Sequence[tuple[int, int]]] = None,
+               mesh_dims: Optional[dict[str, str]] = None) -> fx.GraphModule:
         """The traced single-rank graph, expanded for this mode (edited in place), recording this mode on it;
-        its collectives name their groups by role (``spmd.parallel.group_roles``)."""
+        its collectives name their groups by role (``spmd.parallel.group_roles``) and carry their mesh
+        dimension from ``mesh_dims`` (``DataParallel.mesh_dims``)."""
         gm = self.mode.expand(self, gm, grad_order)
-        name_groups_by_role(gm)  # the graph names no group of this process (spmd.parallel.group_roles)
+        name_groups_by_role(gm, mesh_dims)  # the graph names no group of this process (spmd.parallel.group_roles)
         gm.meta[PARALLEL_MODE] = self
         return gm
 
     def pass_pipeline(self, settings) -> list:
         """This mode's passes with ``settings`` bound (see ``PASS_SETTINGS`` of its module)."""
         return self.mode.pass_pipeline(settings)
+
+
+def _check_replicate_mesh(dp: DataParallel) -> None:
+    """replicate's ``mesh``: a 1-D ``DeviceMesh``, given instead of ``group``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(dp.mesh, DeviceMesh) or dp.mesh.ndim != 1:
+        raise SpmdConfigError(
+            f"spmd.DataParallel: replicate's mesh must be a 1-D DeviceMesh, the ranks gradients are averaged over "
+            f"(e.g. mesh['dp'] of init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))), got {dp.mesh!r}.")
+    if dp.group is not None:
+        raise SpmdConfigError("spmd.DataParallel: give replicate either group= or mesh=, not both: both name the ranks "
+                              "gradients are averaged over.")
 
 
 def expanded_by(gm: fx.GraphModule) -> DataParallel:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from .shard import _cast_floats
 from .shard_comm import GatherUnit, layout_of, unit_groups
+from .tensor_parallel import as_module_param
 from .units import ShardPlan, Unit
 
 
@@ -45,7 +46,7 @@ def _point(unit: Unit, tensors: list[torch.Tensor]) -> None:
 def _gather(plan: ShardPlan, unit: Unit, params: list[DTensor]) -> list[torch.Tensor]:
     """The unit's full parameters, one ``GatherUnit`` per gather dtype (differentiable into the shards)."""
     groups = unit_groups(plan.mesh)
-    layouts = [layout_of(p, plan.dp.mp_policy) for p in params]
+    layouts = [layout_of(p, plan.dp.mp_policy, tp=tp) for p, tp in zip(params, unit.tp)]
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, lay in enumerate(layouts):
         by_dtype.setdefault(lay.gather_dtype, []).append(i)
@@ -54,7 +55,7 @@ def _gather(plan: ShardPlan, unit: Unit, params: list[DTensor]) -> list[torch.Te
         out = GatherUnit.apply([layouts[i] for i in indices], groups, unit.index, False, False, None,
                                *[params[i] for i in indices])
         for i, t in zip(indices, out):
-            fulls[i] = t
+            fulls[i] = as_module_param(t, layouts[i].tp)
     return fulls
 
 

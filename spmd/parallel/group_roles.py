@@ -13,18 +13,25 @@ The role name is a value: the group's size, the pattern of its ranks, each relat
 play one role on every rank), and the description its creator gave it (``default_pg``,
 ``mesh_shard``). Two live groups of one process with one pattern and description (two ``new_group``
 calls over the same ranks) cannot share it: the second keeps its own name, as before.
+
+Each collective also gets the name of the mesh dimension its group spans (``meta[MESH_DIM]``,
+``mesh_dim_labels``): with tensor parallelism a step runs collectives over two or more dimensions of
+one mesh ("dp" and "tp"), and the passes, ``spmd.explain`` and the ranks' agreement tell them apart by it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 import torch.fx as fx
 from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
-from ..graph_utils import is_comm_node
+from ..graph_utils import comm_group_name, is_comm_node
+from ..graph_utils.meta import MESH_DIM
+from ..graph_utils.nodes import set_comm_group_name
 
 ROLE_PREFIX = "spmd_group:"
 
@@ -65,11 +72,8 @@ def group_names_in(gm: fx.GraphModule) -> set[str]:
     """The process-group names the collectives of ``gm`` carry."""
     names = set()
     for node in gm.graph.nodes:
-        if is_comm_node(node):
-            at = [a.name for a in node.target._schema.arguments].index("group_name")
-            name = node.args[at] if at < len(node.args) else node.kwargs.get("group_name")
-            if isinstance(name, str):
-                names.add(name)
+        if is_comm_node(node) and comm_group_name(node) is not None:
+            names.add(comm_group_name(node))
     return names
 
 
@@ -86,24 +90,47 @@ def roles_resolve(names: set[str], groups: list) -> bool:
     return True
 
 
-def name_groups_by_role(gm: fx.GraphModule) -> None:
-    """Rename the process group of every collective in ``gm`` to its ``role_name``.
+def root_mesh(mesh):
+    """The mesh ``mesh`` was sliced or concatenated from (itself for a mesh ``init_device_mesh`` made)."""
+    return mesh._get_root_mesh()
+
+
+def mesh_dim_labels(own_mesh, meshes: Sequence, own_group: Optional[dist.ProcessGroup] = None) -> dict[str, str]:
+    """Live group name -> the name of the mesh dimension the group spans, for each dimension of the root
+    meshes of ``own_mesh`` (the parallel mode's) and ``meshes`` (the DTensor parameters').
+
+    A dimension is named as its root mesh names it; an unnamed one of the mode's own mesh "dp"
+    (1-D) or "dp_replicate"/"dp_shard" (2-D), any other "dim{i}". ``own_group``: replicate's group,
+    "dp" where no mesh names it.
+    """
+    labels: dict[str, str] = {}
+    for k, mesh in enumerate(m for m in (own_mesh, *meshes) if m is not None):
+        root = root_mesh(mesh)
+        unnamed = (("dp",), ("dp_replicate", "dp_shard")) if k == 0 and own_mesh is not None else ()
+        defaults = next((d for d in unnamed if len(d) == root.ndim), tuple(f"dim{i}" for i in range(root.ndim)))
+        names = root.mesh_dim_names or defaults
+        for i in range(root.ndim):
+            labels.setdefault(root.get_group(i).group_name, names[i])
+    if own_group is not None:
+        labels.setdefault(own_group.group_name, "dp")
+    return labels
+
+
+def name_groups_by_role(gm: fx.GraphModule, dims: Optional[dict[str, str]] = None) -> None:
+    """Rename the process group of every collective in ``gm`` to its ``role_name``, and label it with its
+    mesh dimension (``meta[MESH_DIM]``) where ``dims`` (``mesh_dim_labels``) knows its group.
 
     Before: collectives carry this process's group names. After: each carries its group's role
     name, which resolves to the same group; nothing else changed.
     """
     renamed: dict[str, str] = {}
     for node in gm.graph.nodes:
-        if not is_comm_node(node):
+        name = comm_group_name(node) if is_comm_node(node) else None
+        if name is None:
             continue
-        at = [a.name for a in node.target._schema.arguments].index("group_name")
-        name = node.args[at] if at < len(node.args) else node.kwargs.get("group_name")
-        if not isinstance(name, str):
-            continue
+        if dims and name in dims:
+            node.meta[MESH_DIM] = dims[name]
         if name not in renamed:
             renamed[name] = role_name(name)
-        if at < len(node.args):
-            node.update_arg(at, renamed[name])
-        else:
-            node.update_kwarg("group_name", renamed[name])
+        set_comm_group_name(node, renamed[name])
     gm.recompile()

@@ -33,9 +33,10 @@ from ..graph_utils.nodes import node_order
 from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
 from ..passes import (
     comm_fusion_with_concat, defer_state_writes, recompute_activations, remove_copy_from_optimizer,
-    schedule_comm_wait, split_optimizer_per_bucket,
+    schedule_comm_wait, schedule_tensor_parallel_comms, split_optimizer_per_bucket,
 )
 from ..trace.accumulation import LEAVES_GRADS
+from ..trace.step_state import local_tensor
 from .replicate_markers import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
 
 log = logging.getLogger(__name__)
@@ -43,19 +44,24 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
-PASS_SETTINGS = ("bucket_size_mb", "optimizer_parts", "memory_budget")
+PASS_SETTINGS = ("bucket_size_mb", "optimizer_parts", "memory_budget", "recompute")
 
 
 def pass_pipeline(settings) -> list:
-    """Replicate's passes, ``settings`` (a ``GraphModuleTransformation``) bound: comm fusion into
+    """Replicate's passes, ``settings`` (a ``GraphModuleTransformation``) bound: tensor-parallel collectives
+    issued early and waited late -> comm fusion into
     ``bucket_size_mb`` buckets -> comm-wait scheduling -> optimizer split per trailing bucket into at
     most ``optimizer_parts`` ops (none for 1) -> optimizer copy removal -> state writes after the last
-    collective (a step that fails changes nothing) -> recompute in the backward (``memory_budget``)."""
+    collective (a step that fails changes nothing) -> recompute in the backward (``memory_budget``; none with
+    ``recompute=False``)."""
     parts = settings.optimizer_parts
     split = [functools.partial(split_optimizer_per_bucket, max_parts=parts)] if parts > 1 else []
-    return [functools.partial(comm_fusion_with_concat, bucket_size_mb=settings.bucket_size_mb), schedule_comm_wait,
+    return [schedule_tensor_parallel_comms,
+            functools.partial(comm_fusion_with_concat, bucket_size_mb=settings.bucket_size_mb), schedule_comm_wait,
             *split, remove_copy_from_optimizer, defer_state_writes,
-            functools.partial(recompute_activations, memory_budget=settings.memory_budget)]
+            *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
+                                 free_only=settings.recompute == "free",
+                                 lowered_by_inductor=settings.enable_inductor)] if settings.recompute else [])]
 
 
 def prepare(dp, state) -> None:
@@ -89,11 +95,12 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
     """Overwrite ``tensors`` with the values of rank 0 of ``group``.
 
     One flat broadcast per dtype and device (in buckets of at most
-    ``BROADCAST_BUCKET_BYTES``), not one per tensor.
+    ``BROADCAST_BUCKET_BYTES``), not one per tensor. A DTensor (a tensor-parallel parameter) sends
+    its local tensor: the ranks of ``group`` hold the same piece of it.
     """
     src = dist.get_global_rank(group, 0)
     by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
+    for t in map(local_tensor, tensors):
         by_kind[(t.dtype, t.device)].append(t)
     with torch.no_grad():
         for same_kind in by_kind.values():

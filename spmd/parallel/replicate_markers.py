@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..trace.accumulation import take_entry_grad
 
@@ -30,6 +31,18 @@ def _(grad, param_index):
 
 
 TAG_GRAD = torch.ops.spmd.tag_grad.default
+
+
+def tagged(grad: torch.Tensor, param: torch.Tensor, param_index: int) -> torch.Tensor:
+    """``grad`` of ``param`` wrapped in ``tag_grad``; a DTensor gradient (a tensor-parallel parameter's)
+    is first brought to its parameter's placements, as FSDP2 and DDP bring it before they reduce over
+    the data-parallel ranks (a sequence-parallel norm's gradient arrives as ``Partial``: one all_reduce
+    over its mesh), and its local tensor is tagged: the data-parallel reduction adds local tensors."""
+    if not isinstance(grad, DTensor):
+        return tag_grad(grad, param_index)
+    if isinstance(param, DTensor) and grad.placements != param.placements:
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return DTensor(tag_grad(grad._local_tensor, param_index), grad._spec, requires_grad=False)
 
 
 @torch.library.custom_op("spmd::sync_buffers", mutates_args=())
@@ -86,7 +99,7 @@ class _ZeroGradsForUnused:
         for i in sorted(self.indices - self.seen):
             p = self.params[i]
             old = take_entry_grad(p)
-            zero = tag_grad(torch.zeros_like(p) if old is None else old + torch.zeros_like(p), i)
+            zero = tagged(torch.zeros_like(p) if old is None else old + torch.zeros_like(p), p, i)
             p.grad = zero if p.grad is None else p.grad + zero
         self.seen, self.queued = set(), False
 
@@ -104,7 +117,7 @@ def tag_gradients(state, params: list[torch.Tensor],
     def on_grad(g, i):
         unused.on_grad(i)
         old = take_entry_grad(params[i])  # accumulated in earlier calls: reduce the sum, as DDP does
-        return tag_grad(g if old is None else old + g, i)
+        return tagged(g if old is None else old + g, params[i], i)
 
     for i, p in enumerate(params):
         if state.param_trained[i]:

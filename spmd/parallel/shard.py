@@ -47,32 +47,39 @@ from ..graph_utils import is_comm_node, is_wait_node
 from ..graph_utils.meta import CARRIES, KEEP, PHASE, UNIT
 from ..passes import (
     defer_state_writes, guard_unsharded_memory, prefetch_unit_gathers, recompute_activations,
-    remove_copy_from_optimizer, schedule_reduce_scatter_waits, split_optimizer_per_unit,
+    remove_copy_from_optimizer, schedule_reduce_scatter_waits, schedule_tensor_parallel_comms,
+    split_optimizer_per_unit,
 )
 from ..trace.step_state import StepState
 from .policies import as_policy
 from .shard_comm import (
     UNIT_TAG, GatherUnit, ParamLayout, UnitGroups, gather_unit, in_backward, layout_of, unit_groups,
 )
+from .tensor_parallel import as_module_param
 from .units import ShardPlan, Unit, replaced_submodules, shard, shard_plan
 
 log = logging.getLogger(__name__)
 
 
-PASS_SETTINGS = ("prefetch_units", "memory_budget")
+PASS_SETTINGS = ("prefetch_units", "memory_budget", "recompute")
 
 
 def pass_pipeline(settings) -> list:
-    """A sharded mode's passes, ``settings`` (a ``GraphModuleTransformation``) bound: gathers
+    """A sharded mode's passes, ``settings`` (a ``GraphModuleTransformation``) bound: tensor-parallel
+    collectives issued early and waited late, gathers
     prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer update per
     unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once),
     optimizer copy removal, state writes after the last collective (a step that fails changes nothing),
-    recompute in the backward (``memory_budget``)."""
+    recompute in the backward (``memory_budget``; none with
+    ``recompute=False``)."""
     depth = settings.prefetch_units
-    return [functools.partial(prefetch_unit_gathers, depth=depth), schedule_reduce_scatter_waits,
+    return [schedule_tensor_parallel_comms, functools.partial(prefetch_unit_gathers, depth=depth),
+            schedule_reduce_scatter_waits,
             split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + depth),
             remove_copy_from_optimizer, defer_state_writes,
-            functools.partial(recompute_activations, memory_budget=settings.memory_budget)]
+            *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
+                                 free_only=settings.recompute == "free",
+                                 lowered_by_inductor=settings.enable_inductor)] if settings.recompute else [])]
 
 
 def validate_options(dp) -> None:
@@ -118,11 +125,6 @@ def prepare(dp, state: StepState) -> Optional[StepState]:
     if not fresh:
         return None
     for mod in fresh:
-        if any(isinstance(p, DTensor) for p in mod.parameters()):
-            raise SpmdCompileError(
-                f"spmd.compile: {type(mod).__name__} holds DTensor parameters that spmd.shard did not create "
-                "(fully_shard applied?). Shard the plain model with spmd.shard(model, mode) instead."
-            )
         params = {id(p) for p in mod.parameters()}
         if any(id(p) in params for o in state.optimizers for p, s in o.state.items() if s):
             raise SpmdCompileError(
@@ -155,6 +157,10 @@ class _GatherGroup:
             for mod, attr in holders:
                 mod._parameters[attr] = t
 
+    def as_module_params(self, fulls) -> list[torch.Tensor]:
+        """The gathered ``fulls`` as the modules compute with them (tensor-parallel ones as DTensors on their tp mesh)."""
+        return [as_module_param(f, lay.tp) for f, lay in zip(fulls, self.layouts)]
+
 
 @dataclass
 class _Recipe:
@@ -165,6 +171,7 @@ class _Recipe:
     size: tuple
     stride: tuple
     offset: int         # storage offset relative to that parameter's gathered base
+    spec: Any = None    # a DTensor's spec (a tensor-parallel parameter's view), for its local tensor
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
@@ -196,19 +203,22 @@ class _Resharding:
         return self.regathered[key]
 
     def pack(self, t: torch.Tensor) -> Any:
-        if is_traceable_wrapper_subclass(t) or not self.storages:
+        spec, local = (t._spec, t._local_tensor) if isinstance(t, DTensor) else (None, t)
+        if is_traceable_wrapper_subclass(local) or not self.storages:
             return t
-        hit = self.storages.get(StorageWeakRef(t.untyped_storage()))
+        hit = self.storages.get(StorageWeakRef(local.untyped_storage()))
         if hit is None:
             return t
         group, k, base = hit
-        return _Recipe(group, k, tuple(t.size()), tuple(t.stride()), t.storage_offset() - base.storage_offset())
+        return _Recipe(group, k, tuple(local.size()), tuple(local.stride()),
+                       local.storage_offset() - base.storage_offset(), spec)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Recipe):
             return packed
         base = _base(self.regather(packed.group)[packed.position])
-        return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
+        local = base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
+        return local if packed.spec is None else DTensor(local, packed.spec, requires_grad=False)
 
 
 def _cast_floats(tree: Any, dtype: Optional[torch.dtype]) -> Any:
@@ -235,9 +245,9 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
         for group in groups:
             fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, not unit.reshard_after_forward,
                                      copy_out, None, *group.leaves)
-            group.kept = list(fulls)
             if unit.reshard_after_forward:
-                resharding.register(group, group.kept)
+                resharding.register(group, fulls)
+            group.kept = group.as_module_params(fulls)
             group.point_modules_at(group.kept)
         return _cast_floats((args, kwargs), cast_inputs)
 
@@ -256,8 +266,8 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
                 # and runs its own backward from these tensors, whose gradients must reach the reduce-scatter
                 # (a non-reentrant one only keeps the tensors its recompute saves, which match the forward's)
                 with torch.enable_grad():
-                    fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, False, False,
-                                             resharding.regather(group), *group.leaves)
+                    fulls = group.as_module_params(GatherUnit.apply(group.layouts, group.groups, unit.index, False,
+                                                                    False, resharding.regather(group), *group.leaves))
             else:
                 fulls = group.kept
             group.point_modules_at(fulls)
@@ -284,19 +294,19 @@ def _gather_groups(plan: ShardPlan, unit: Unit, traced: dict[int, int]) -> list[
     """
     groups = unit_groups(plan.mesh)
     by_dtype: dict[torch.dtype, _GatherGroup] = {}
-    for holders, p in zip(unit.params, unit.current_params()):
+    for holders, name, tp, p in zip(unit.params, unit.names, unit.tp, unit.current_params()):
         if id(p) not in traced:
             raise SpmdCompileError(
-                f"spmd.compile: parameter {unit.names[unit.params.index(holders)]} of a sharded unit is not among "
+                f"spmd.compile: parameter {name} of a sharded unit is not among "
                 "the step's parameters. Pass the whole sharded model to train_step."
             )
         if not isinstance(p, DTensor):
             raise SpmdCompileError(
-                f"spmd.compile: parameter {unit.names[unit.params.index(holders)]} is no longer a DTensor (was it "
+                f"spmd.compile: parameter {name} is no longer a DTensor (was it "
                 "replaced by a plain tensor after spmd.shard?). Load state into the sharded parameters "
                 "(set_state_dict, load_state_dict) instead of replacing them."
             )
-        lay = layout_of(p, plan.dp.mp_policy, traced[id(p)])
+        lay = layout_of(p, plan.dp.mp_policy, traced[id(p)], tp)
         group = by_dtype.setdefault(lay.gather_dtype, _GatherGroup(unit, [], [], [], groups))
         group.holders.append(holders)
         group.leaves.append(p)

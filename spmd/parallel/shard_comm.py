@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .tensor_parallel import TensorParallel
+
 c10d = torch.ops._c10d_functional
 
 
@@ -65,7 +67,8 @@ def _(x):
 
 @dataclass
 class ParamLayout:
-    """How one parameter is sharded: global shape, this rank's rows, padded rows per shard, spec."""
+    """How one parameter is sharded: the shape gathered (the global shape, or a tensor-parallel
+    parameter's tp piece), this rank's rows, padded rows per shard, spec."""
 
     shape: torch.Size
     local_rows: int
@@ -75,6 +78,7 @@ class ParamLayout:
     param_dtype: Optional[torch.dtype]   # None: gathered in orig_dtype (FSDP2's clamping)
     reduce_dtype: Optional[torch.dtype]  # None: reduced in the gradient's dtype
     index: int = -1                      # the parameter's position among the step's parameters
+    tp: Optional[TensorParallel] = None  # a tensor-parallel parameter's split over its tp mesh
 
     @property
     def row_numel(self) -> int:
@@ -95,10 +99,12 @@ class UnitGroups:
     replicate_size: int = 1
 
 
-def layout_of(param: DTensor, mp_policy, index: int = -1) -> ParamLayout:
-    """``param``'s layout; dtypes clamped as FSDP2's ``init_dtype_attrs`` clamps them."""
+def layout_of(param: DTensor, mp_policy, index: int = -1, tp: Optional[TensorParallel] = None) -> ParamLayout:
+    """``param``'s layout (``tp``: its tensor-parallel split, whose mesh dims follow the dp ones in its
+    spec); dtypes clamped as FSDP2's ``init_dtype_attrs`` clamps them."""
     spec = param._spec
-    shards = spec.mesh.size(spec.mesh.ndim - 1)
+    shards = spec.mesh.size(spec.mesh.ndim - 1 - (tp.mesh.ndim if tp is not None else 0))
+    shape = tp.local_shape if tp is not None else param.shape
     orig = param.dtype
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None)
@@ -106,8 +112,8 @@ def layout_of(param: DTensor, mp_policy, index: int = -1) -> ParamLayout:
         reduce_dtype = None
     if param_dtype == orig or not orig.is_floating_point:
         param_dtype = None
-    return ParamLayout(param.shape, param._local_tensor.size(0), math.ceil(param.shape[0] / shards), spec, orig,
-                       param_dtype, reduce_dtype, index)
+    return ParamLayout(shape, param._local_tensor.size(0), math.ceil(shape[0] / shards), spec, orig,
+                       param_dtype, reduce_dtype, index, tp)
 
 
 def divide_factors(reduce_dtype: torch.dtype, world: int) -> tuple[Optional[float], Optional[float], str]:

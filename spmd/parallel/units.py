@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import SpmdCompileError
 from .policies import enclosing_units, owning_unit, unit_modules
+from .tensor_parallel import TensorParallel, composed_placement, tensor_parallel_of
 
 if TYPE_CHECKING:
     from .data_parallel import DataParallel
@@ -50,6 +51,7 @@ class Unit:
     params: list[list[tuple[nn.Module, str]]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     reshard_after_forward: bool = False
+    tp: list[Optional[TensorParallel]] = field(default_factory=list)  # per parameter: its tensor-parallel split
 
     def current_params(self) -> list[nn.Parameter]:
         """The parameter objects the unit's modules hold now."""
@@ -159,6 +161,9 @@ def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
     Call it on every rank after ``dist.init_process_group`` and before building the
     optimizer. Units come from ``mode.wrap_policy`` (FSDP's semantics); each parameter
     becomes a ``DTensor`` sharded on dim 0 over ``mode.mesh`` (default: the whole world).
+    A tensor-parallel parameter (a DTensor on ``mesh["tp"]`` from ``parallelize_module``, with
+    ``mode.mesh`` = ``mesh["dp"]``) has its tp piece sharded the same way, placed as FSDP2 + TP
+    places it (``spmd.parallel.tensor_parallel``).
     A model built on the meta device stays there: ``model.to_empty(device=...)`` then
     allocates only this rank's shards. Outside the compiled step the model runs eagerly as
     FSDP2's does, each unit gathered for its forward and resharded after
@@ -178,11 +183,7 @@ def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
         raise SpmdCompileError("spmd.shard: no process group is initialized. Call dist.init_process_group first.")
     if shard_plan(model) is not None:
         raise SpmdCompileError("spmd.shard: this model is already sharded; shard a model once.")
-    already = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    if already:
-        raise SpmdCompileError(f"spmd.shard: parameters {already[:3]} are DTensors already (fully_shard applied?); "
-                               "pass a plain model.")
-    scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+    scalars = [n for n, p in model.named_parameters() if p.dim() == 0 and not isinstance(p, DTensor)]
     if scalars:
         raise SpmdCompileError(f"spmd.shard: parameters {scalars[:3]} are 0-dim and cannot be sharded on dim 0; "
                                "give them shape (1,).")
@@ -195,18 +196,29 @@ def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
                else "Pass a 1-D mesh, or use hybrid_shard for a 2-D one.")
         )
     units = build_units(model, mode)
+    for unit in units:  # every parameter checked before any is replaced
+        unit.tp = [tensor_parallel_of(name, p, mesh) for name, p in zip(unit.names, unit.current_params())]
+        for tp in unit.tp:
+            if tp is not None:
+                composed_placement(tp, mesh)
     plan = ShardPlan(mode, mesh, units)
     device = torch.device(mesh.device_type)
     shard_rank = mesh.get_local_rank(mesh.ndim - 1)
     with torch.no_grad():
         for unit in units:
-            for holders in unit.params:
+            for holders, tp in zip(unit.params, unit.tp):
                 mod, attr = holders[0]
                 p = mod._parameters[attr]
                 target = p.device if p.device.type in ("meta", device.type) else device
-                local = _local_shard(p, plan.shard_size, shard_rank, target)
-                sharded = DTensor.from_local(local, mesh, plan.placements, run_check=False,
-                                             shape=p.shape, stride=p.stride())
+                if tp is None:
+                    local = _local_shard(p, plan.shard_size, shard_rank, target)
+                    sharded = DTensor.from_local(local, mesh, plan.placements, run_check=False,
+                                                 shape=p.shape, stride=p.stride())
+                else:  # this rank's rows of its tensor-parallel piece, on the composed mesh, as FSDP2 + TP
+                    local = _local_shard(p._local_tensor, plan.shard_size, shard_rank, target)
+                    composed, placements = composed_placement(tp, mesh)
+                    sharded = DTensor.from_local(local, composed, placements, run_check=False, shape=tp.shape,
+                                                 stride=tp.stride)
                 new = nn.Parameter(sharded, requires_grad=p.requires_grad)
                 for m, a in holders:
                     m._parameters[a] = new

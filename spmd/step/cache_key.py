@@ -12,7 +12,8 @@ CUDA device capability. The description is a plain JSON value; ``StepKey.digest`
 
 Nothing in it is process state: no object ids or serial numbers, no ``DeviceMesh`` or process
 group objects or group names (a mesh is its device type, shape, dim names and rank layout; a group
-its role, ``spmd.parallel.group_roles.group_role``), no memory addresses, no rank. A device is its
+its role, ``spmd.parallel.group_roles.group_role``), no memory addresses, no rank, except where the
+graph itself depends on it: a tensor-parallel step's coordinate on its tp dims (``mesh_coordinates``). A device is its
 type, plus its index only where it is not the process's current device, so rank 1 on ``cuda:1`` has
 rank 0's key on ``cuda:0``. Numeric hyperparameters (lr, betas, ...) are graph inputs and left out,
 and so are the values of parameters and input tensors.
@@ -52,7 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from ..optim.amp_scaler import GradScaler, scaler_signature
 from ..optim.hyperparams import assumptions, flags, Learned, learned, learned_facts
-from ..parallel.group_roles import group_role
+from ..parallel.group_roles import group_role, root_mesh
 from ..trace.step_state import StepState, mesh_signature, training_modes
 
 # Code of these packages is covered by the versions (and spmd's source digest): named, not described.
@@ -98,6 +99,7 @@ def step_key(fn: Callable, state: StepState, args: tuple, kwargs: dict, parallel
         "grad scalers": [scaler_signature(s) for s in state.scalers],
         "inputs": inputs(state, args, kwargs),
         "parallel mode": parallel_settings(parallel_mode),
+        "mesh coordinates": mesh_coordinates(state, parallel_mode),
         "transformation": transformation_settings(transformation),
     })
 
@@ -186,9 +188,14 @@ def tensor_facts(t: torch.Tensor) -> dict:
     return facts
 
 
-def mesh_facts(mesh: Any) -> list:
-    """A ``DeviceMesh`` as values (``mesh_signature``: device type, shape, dim names, rank layout)."""
-    return describe(mesh_signature(mesh))
+def mesh_facts(mesh: Any) -> Any:
+    """A ``DeviceMesh`` as values (``mesh_signature``: device type, shape, dim names, rank layout). A mesh sliced
+    from a larger one (``mesh["tp"]``) is its dims and shape in the larger one's signature: its own ranks
+    differ between the ranks of the other dims ([0, 1] on rank 0, [2, 3] on rank 2), and a key must not."""
+    root = root_mesh(mesh)
+    if root is mesh:
+        return describe(mesh_signature(mesh))
+    return {"dims": describe(mesh_signature(mesh)[:3]), "of": describe(mesh_signature(root))}
 
 
 def state_tensors(state: StepState) -> dict:
@@ -280,6 +287,24 @@ def parallel_settings(mode: Any) -> dict:
 def may_use_inductor(transformation: Callable) -> bool:
     """False for a transformation that says it does not lower through Inductor (``enable_inductor``), else True."""
     return bool(getattr(transformation, "enable_inductor", True))
+
+
+def mesh_coordinates(state: StepState, mode: Any) -> dict:
+    """This rank's coordinate on each mesh dimension the DTensor parameters are split over besides the mode's
+    data-parallel ones (by dimension name). Tracing DTensor's ops bakes it into the graph (which rows of a
+    row-wise embedding this rank holds: its offsets are numbers in the graph), so the ranks of a tp group
+    compile different steps, while the ranks of one dp group, in the same place on "tp", share one."""
+    own = {g.group_name for g in mode.data_parallel_groups(state)} if hasattr(mode, "data_parallel_groups") else set()
+    out: dict[str, int] = {}
+    for p in state.params:
+        if not isinstance(p, DTensor):
+            continue
+        root = root_mesh(p._spec.mesh)
+        coordinate = root.get_coordinate()
+        for d in range(root.ndim):
+            if coordinate is not None and root.get_group(d).group_name not in own:
+                out[root.mesh_dim_names[d] if root.mesh_dim_names else f"dim{d}"] = coordinate[d]
+    return out
 
 
 def transformation_settings(transformation: Callable) -> Any:

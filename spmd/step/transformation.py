@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch.fx as fx
 
@@ -19,7 +19,8 @@ from ..passes import PassManager, applied_passes, pass_info
 log = logging.getLogger(__name__)
 
 # The pass settings and their defaults; each mode reads some of them (its module's ``PASS_SETTINGS``).
-PASS_DEFAULTS = {"bucket_size_mb": 25.0, "optimizer_parts": 4, "prefetch_units": 1, "memory_budget": None}
+PASS_DEFAULTS = {"bucket_size_mb": 25.0, "optimizer_parts": 4, "prefetch_units": 1, "memory_budget": None,
+                 "recompute": True}
 
 
 class GraphModuleTransformation:
@@ -37,9 +38,13 @@ class GraphModuleTransformation:
     ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
     (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
     modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
-    once, ``guard_unsharded_memory``); both read ``memory_budget`` (``recompute_activations``: None, the
-    default, recomputes cheap forward values in the backward; a fraction in (0, 1] keeps at most that
-    share of the activation memory the default keeps). A setting changed from its default that the
+    once, ``guard_unsharded_memory``); both read ``recompute`` and ``memory_budget``
+    (``recompute_activations``, ``graph_utils.recompute_plan``): ``recompute=True``, the default,
+    recomputes in the backward the forward values Inductor fuses into the kernels that read them (no
+    extra kernel, at most one more write of the value); ``"free"`` only those that cost no extra
+    memory traffic; ``False`` keeps everything the backward reads. ``memory_budget`` (None: the
+    default) in (0, 1] keeps at most that share of the activation memory the default keeps,
+    recomputing matmuls too. A setting changed from its default that the
     step's mode does not read is refused (``SpmdConfigError``, ``check_settings_apply``) where
     ``spmd.compile`` is given both, else on the first compile, before anything runs.
 
@@ -67,7 +72,8 @@ class GraphModuleTransformation:
                  dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False, inductor_comm_passes: bool = False,
                  optimizer_parts: int = PASS_DEFAULTS["optimizer_parts"],
                  prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None,
-                 memory_budget: Optional[float] = PASS_DEFAULTS["memory_budget"]):
+                 memory_budget: Optional[float] = PASS_DEFAULTS["memory_budget"],
+                 recompute: Union[bool, str] = PASS_DEFAULTS["recompute"]):
         if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
             raise SpmdConfigError(f"GraphModuleTransformation: optimizer_parts must be an int >= 1 (1: one "
                                   f"optimizer op), got {optimizer_parts!r}")
@@ -79,11 +85,18 @@ class GraphModuleTransformation:
             raise SpmdConfigError(f"GraphModuleTransformation: memory_budget must be a fraction in (0, 1] of the "
                                   f"activation memory the default recompute keeps (None: the default), got "
                                   f"{memory_budget!r}. Pass e.g. memory_budget=0.5.")
+        if not (recompute is True or recompute is False or recompute == "free"):
+            raise SpmdConfigError(f"GraphModuleTransformation: recompute must be True (the default), 'free' (only "
+                                  f"recomputes that cost no extra memory traffic) or False (none), got {recompute!r}")
+        if not recompute and memory_budget is not None:
+            raise SpmdConfigError(f"GraphModuleTransformation: memory_budget={memory_budget!r} asks for recompute, "
+                                  "which recompute=False turns off. Drop one of the two.")
         self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_comm_passes, inductor_options or {})
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units
         self.memory_budget = memory_budget
+        self.recompute = recompute
         # One manager per mode module, built now so declarations and order are checked here, not mid-compile.
         self.pass_managers = {mode: PassManager((mode.pass_pipeline(self) if enable_graph_optimization else [])
                                                 + list(passes)) for mode in set(STYLES.values())}

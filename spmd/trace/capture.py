@@ -49,7 +49,7 @@ from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_gra
 from .direct_functionalize import functionalize_optimizer_writes
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
-from .trace_errors import reporting
+from .trace_errors import reporting, translated
 from .user_objects import reachable_objects, untouched
 
 # --- the traced result ------------------------------------------------------------
@@ -349,10 +349,10 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     except SpmdCompileError:
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know
-        translated = _translate_trace_error(err)
-        if translated is None:
+        better = translated(_translate_trace_error, err)
+        if better is None:
             raise
-        raise translated from err
+        raise better from err
     finally:
         hook.remove()
 

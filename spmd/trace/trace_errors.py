@@ -13,7 +13,8 @@ placeholder once and never again. ``reporting`` wraps the tracer so that:
 * a step that returns a parameter, buffer or optimizer state tensor warns that the caller
   gets a copy of its value after the step, where eager would give the live tensor;
 * torch's own log of the failed fake kernel (a long traceback on stderr) stays quiet while
-  the error is translated; the original error remains the ``__cause__``.
+  the error is translated; the original error remains the ``__cause__``. A translator that fails
+  itself leaves torch's error as it was (``translated``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.fx as fx
 
+from .._torch_version import FAKE_DEVICE_MISMATCH_TEXTS
 from ..errors import SpmdCompileError
 from ..graph_utils.meta import NAME, ROLE, Role
+
+log = logging.getLogger(__name__)
 
 _DATA_DEPENDENT_SHAPE = ("SymIntArrayRef expected to contain only concrete integers", "DynamicOutputShapeException",
                          "dynamic output shape", "unbacked symint", "Could not guard on data-dependent expression u",
@@ -50,7 +54,7 @@ def data_dependent_shape_error() -> SpmdCompileError:
 def translate(err: BaseException) -> Optional[SpmdCompileError]:
     """An ``SpmdCompileError`` naming the cause and the fix for an error torch raised while the step
     was traced, or None when ``err`` is not one this module knows."""
-    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorDeviceMismatchError
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
     text = str(err)
     if isinstance(err, DynamicOutputShapeException) or any(m in text for m in _DATA_DEPENDENT_SHAPE):
@@ -61,7 +65,7 @@ def translate(err: BaseException) -> Optional[SpmdCompileError]:
             "tensor has no value yet. Return the tensor and format it after the step: "
             "loss = train_step(...); print(f'{loss.item():.3f}')."
         )
-    if isinstance(err, FakeTensorDeviceMismatchError) or "Expected all tensors to be on the same device" in text:
+    if any(m in text for m in FAKE_DEVICE_MISMATCH_TEXTS):
         devices = sorted(set(re.findall(r"\b(cpu|meta|cuda(?::\d+)?|mps|xpu)\b", text)))
         return SpmdCompileError(
             f"spmd.compile: train_step computes with tensors on different devices ({' and '.join(devices)}). Move "
@@ -70,6 +74,17 @@ def translate(err: BaseException) -> Optional[SpmdCompileError]:
             "model.to_empty(device=...) and initialize it, or load a state dict with assign=True)."
         )
     return None
+
+
+def translated(translator: Callable[[BaseException], Optional[SpmdCompileError]],
+               err: BaseException) -> Optional[SpmdCompileError]:
+    """``translator(err)``, or None where the translator itself fails: the user then gets torch's own
+    error, never one raised while explaining it (a translator's failure is logged)."""
+    try:
+        return translator(err)
+    except Exception:  # noqa: BLE001 - whatever went wrong, torch's error is the one to raise
+        log.warning("spmd: could not translate %s: %s", type(err).__name__, err, exc_info=True)
+        return None
 
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
@@ -185,7 +200,7 @@ def reporting(trace: Callable) -> Callable:
         except SpmdCompileError:
             raise
         except Exception as err:
-            better = translate(err)
+            better = translated(translate, err)
             if better is None:
                 raise
             raise better from err
