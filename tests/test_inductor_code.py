@@ -75,8 +75,7 @@ def test_a_restarted_process_runs_the_kept_code_without_inductor_and_trains_iden
     store = CacheStore(tmp_path / "spmd")
     (entry,) = store.entries()
     code = store.load(entry.digest)["code"]
-    assert list(code) == ["step"]  # the ops it calls through opaque ops are defined before it loads
-    assert code["step"].wrapped_ops == ("aten::_foreach_add_.Scalar", "aten::_fused_adamw_.tensor_lr")
+    assert list(code) == ["step"] and code["step"].wrapped_ops == ("aten::_fused_adamw_.tensor_lr",)
     assert code["step"].cuda_index == (0 if device == "cuda" else None)
 
 

@@ -1,4 +1,5 @@
-"""A process group of one rank: its gradient all_reduces and bucket copies leave the code Inductor compiles."""
+"""A process group of one rank: with ``lean_lowering``, its gradient all_reduces and bucket copies leave the code
+Inductor compiles; by default they stay."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch.fx as fx
 from torch._inductor.utils import run_and_get_code
 
 import spmd
+from spmd.api import default_transformation
+from spmd.errors import SpmdConfigError
 from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
 from spmd.lower.inductor import prepare_for_inductor
 from spmd.lower.one_rank import drop_one_rank_all_reduces
@@ -23,9 +26,9 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def _bucketed_step_graph(group) -> tuple[fx.GraphModule, fx.GraphModule]:
+def _bucketed_step_graph(group, **lean) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The step graph of MLP(3, 16) with fused AdamW after comm fusion into several buckets, made under
-    ``group``, and what ``prepare_for_inductor`` makes of it while the group is live."""
+    ``group``, and what ``prepare_for_inductor`` makes of it (with ``lean=...`` if given) while the group is live."""
     transform, seen = _pipeline_igm(0.002)
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16)
@@ -33,7 +36,7 @@ def _bucketed_step_graph(group) -> tuple[fx.GraphModule, fx.GraphModule]:
     with group:
         spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="sum"),
                      gm_transformation=transform)(train_step)(model, optim, torch.randn(4, 16))
-        return seen["igm"].logical_gm, prepare_for_inductor(seen["igm"].logical_gm, decompose=False)
+        return seen["igm"].logical_gm, prepare_for_inductor(seen["igm"].logical_gm, decompose=False, **lean)
 
 
 def _calls(graph: fx.Graph, *targets) -> list[fx.Node]:
@@ -41,7 +44,7 @@ def _calls(graph: fx.Graph, *targets) -> list[fx.Node]:
 
 
 def test_one_rank_buckets_leave_the_compiled_graph_and_the_step_graph_keeps_them():
-    gm, prepared = _bucketed_step_graph(single_process_group())
+    gm, prepared = _bucketed_step_graph(single_process_group(), lean=True)
     assert len(find_node(gm.graph, is_all_reduce)) >= 2, "the test needs several buckets"
     assert not find_node(prepared.graph, is_all_reduce) and not find_node(prepared.graph, is_wait_node)
     assert not _calls(prepared.graph, aten.cat.default, aten.split_with_sizes.default)
@@ -52,8 +55,32 @@ def test_one_rank_buckets_leave_the_compiled_graph_and_the_step_graph_keeps_them
         assert grad.meta["val"].shape == param.meta["val"].shape
 
 
+def test_by_default_the_compiled_graph_keeps_one_rank_reduces_and_the_step_count_add():
+    assert spmd.GraphModuleTransformation(enable_inductor=True).lowering.lean is False
+    assert default_transformation("cuda").lowering.lean is False
+    gm, prepared = _bucketed_step_graph(single_process_group())
+    assert len(find_node(prepared.graph, is_all_reduce)) == len(find_node(gm.graph, is_all_reduce)) >= 2
+    assert len(_calls(prepared.graph, aten.cat.default)) == len(_calls(gm.graph, aten.cat.default))
+    assert _calls(prepared.graph, aten._foreach_add.Scalar), "the step counts' add is left to Inductor"
+    assert not _calls(prepared.graph, aten._foreach_add_.Scalar, torch.ops.spmd_lowering.foreach_add_Scalar.default)
+
+
+def test_each_lean_part_turns_on_alone():
+    gm, one_rank = _bucketed_step_graph(single_process_group(), lean="one_rank")
+    assert not find_node(one_rank.graph, is_all_reduce) and _calls(one_rank.graph, aten._foreach_add.Scalar)
+    gm, step_counts = _bucketed_step_graph(single_process_group(), lean="step_counts")
+    assert len(find_node(step_counts.graph, is_all_reduce)) == len(find_node(gm.graph, is_all_reduce))
+    assert _calls(step_counts.graph, torch.ops.spmd_lowering.foreach_add_Scalar.default)
+
+
+@pytest.mark.parametrize("settings", [dict(lean_lowering=True), dict(enable_inductor=True, lean_lowering="one")])
+def test_lean_lowering_is_refused_without_inductor_or_with_an_unknown_part(settings):
+    with pytest.raises(SpmdConfigError, match="lean_lowering"):
+        spmd.GraphModuleTransformation(**settings)
+
+
 def test_buckets_over_two_ranks_stay_in_the_compiled_graph():
-    gm, prepared = _bucketed_step_graph(fake_process_group(2))
+    gm, prepared = _bucketed_step_graph(fake_process_group(2), lean=True)
     assert len(find_node(prepared.graph, is_all_reduce)) == len(find_node(gm.graph, is_all_reduce)) >= 2
 
 
@@ -95,7 +122,7 @@ def test_one_rank_step_through_inductor_matches_eager_in_float64():
 
     optim, ref_optim = adamw(model), adamw(reference)
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=0.0005,
-                                                    enable_inductor=True)
+                                                    enable_inductor=True, lean_lowering=True)
     with single_process_group():
         step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=transformation,
                             cache_dir=False)(train_step)
@@ -115,13 +142,14 @@ def test_one_rank_step_through_inductor_matches_eager_in_float64():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_default_step_on_one_gpu_compiles_no_collective_and_no_step_count_kernel():
+def test_the_lean_default_step_on_one_gpu_compiles_no_collective_and_no_step_count_kernel():
     torch.manual_seed(0)
     model = GPT(GPTConfig()).cuda()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
     idx = torch.randint(0, GPTConfig().vocab_size, (2, GPTConfig().block_size), device="cuda")
     with single_process_group("nccl"):
-        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=False)(lm_train_step)
+        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=False,
+                            gm_transformation=default_transformation("cuda", lean_lowering=True))(lm_train_step)
         _, codes = run_and_get_code(step, model, optim, idx, idx)
     code = "\n".join(codes)
     assert "all_reduce" not in code and "wait_tensor" not in code

@@ -1,4 +1,5 @@
-"""A fused optimizer's step counts: incremented in place by one ATen call in the graph Inductor compiles."""
+"""A fused optimizer's step counts with ``lean_lowering``: incremented in place by one ATen call in the graph
+Inductor compiles."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ c10d = torch.ops._c10d_functional
 
 
 def test_step_counts_are_added_in_place_before_the_fused_ops_that_read_them():
-    gm, prepared = _bucketed_step_graph(fake_process_group(2))
+    gm, prepared = _bucketed_step_graph(fake_process_group(2), lean="step_counts")
     assert _calls(gm.graph, aten._foreach_add.Scalar), "the traced step adds to its counts functionally"
     assert not _calls(prepared.graph, aten._foreach_add.Scalar, aten._foreach_add_.Scalar)
     (add,) = _calls(prepared.graph, torch.ops.spmd_lowering.foreach_add_Scalar.default)

@@ -22,7 +22,6 @@ suite's ``shard`` part).
 from __future__ import annotations
 
 import argparse
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -194,7 +193,7 @@ def ddp_ca(setup: Setup) -> Step:
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
           optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False,
-          recompute=True) -> Step:
+          recompute=True, lean=False) -> Step:
     a = setup.args
     model = setup.model()
     if style == "replicate":
@@ -210,8 +209,11 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
         passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
-    if fast_default:  # what @spmd.compile() gives a user who asks for nothing (but its recompute setting)
-        transformation = None if recompute is True else default_transformation(setup.device.type, recompute=recompute)
+    if fast_default:  # what @spmd.compile() gives a user who asks for nothing, but for the settings changed here
+        changed = {"recompute": recompute} if recompute is not True else {}
+        if lean:
+            changed["lean_lowering"] = lean
+        transformation = default_transformation(setup.device.type, **changed) if changed else None
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
 
     def step(idx, targets, last_train_step=False):
@@ -263,46 +265,26 @@ def spmd_default_recompute_off(setup: Setup) -> Step:
     return _spmd(setup, optimize=True, fast_default=True, recompute=False)
 
 
-@contextlib.contextmanager
-def lowering_before_cold_work(one_rank_reduces: bool = True, step_counts: bool = True):
-    """Lower as spmd did before issue 24's cold-compile work: a group of one rank's all_reduces and bucket
-    copies (``one_rank_reduces``, ``spmd.lower.one_rank``), and the fused optimizer's step counts
-    (``step_counts``, ``spmd.lower.step_counts``), left to Inductor. Only for comparing them in one run."""
-    from spmd.lower import inductor
-
-    saved = inductor.drop_one_rank_all_reduces, inductor.count_steps_in_place
-    if one_rank_reduces:
-        inductor.drop_one_rank_all_reduces = lambda graph: 0
-    if step_counts:
-        inductor.count_steps_in_place = lambda graph: 0
-    try:
-        yield
-    finally:
-        inductor.drop_one_rank_all_reduces, inductor.count_steps_in_place = saved
+_LEAN_UNAVAILABLE = _needs_cuda("lean_lowering and the default's Inductor")  # on the CPU the default runs no Inductor
 
 
-def _lowered_as_before(setup: Setup, **before) -> Step:
-    step = _spmd(setup, optimize=True, fast_default=True)
-
-    def prior(idx, targets, last_train_step=False):
-        with lowering_before_cold_work(**before):  # the first call lowers
-            return step(idx, targets, last_train_step=last_train_step)
-    prior.compile_times = step.compile_times
-    return prior
+@register("spmd_default_lean", unavailable=_LEAN_UNAVAILABLE)
+def spmd_default_lean(setup: Setup) -> Step:
+    """spmd_default with ``lean_lowering=True``: a group of one rank's all_reduces and bucket copies leave the graph
+    Inductor compiles, and the fused optimizer's step counts are added by one ATen call."""
+    return _spmd(setup, optimize=True, fast_default=True, lean=True)
 
 
-@register("spmd_default_prior_lowering")
-def spmd_default_prior_lowering(setup: Setup) -> Step:
-    """spmd_default lowered as before the cold-compile work (one-rank all_reduces, bucket copies and step counts
-    compiled by Inductor), to compare first calls and step times with spmd_default in one run."""
-    return _lowered_as_before(setup)
+@register("spmd_default_lean_one_rank", unavailable=_LEAN_UNAVAILABLE)
+def spmd_default_lean_one_rank(setup: Setup) -> Step:
+    """spmd_default with ``lean_lowering="one_rank"``: only the one-rank all_reduces and bucket copies leave."""
+    return _spmd(setup, optimize=True, fast_default=True, lean="one_rank")
 
 
-@register("spmd_default_one_rank_reduces")
-def spmd_default_one_rank_reduces(setup: Setup) -> Step:
-    """spmd_default with a group of one rank's all_reduces and bucket copies compiled by Inductor (the step counts
-    as now): the one-rank lowering's own share of the difference."""
-    return _lowered_as_before(setup, step_counts=False)
+@register("spmd_default_lean_step_counts", unavailable=_LEAN_UNAVAILABLE)
+def spmd_default_lean_step_counts(setup: Setup) -> Step:
+    """spmd_default with ``lean_lowering="step_counts"``: only the step counts are added by one ATen call."""
+    return _spmd(setup, optimize=True, fast_default=True, lean="step_counts")
 
 
 @graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],

@@ -13,16 +13,15 @@ count), and torch's ``dynamo_timed`` timers of lowering, scheduling and code gen
 
 Variants: ``torch_compile`` (``torch.compile(model)``: its forward and backward graphs; the eager
 optimizer is not compiled), ``spmd`` (the replicate step through the pass pipeline and Inductor, with
-fused AdamW) and ``spmd_prior`` (the same, lowered as before issue 24's cold-compile work: see
-``spmd.tools.bench_modes.spmd_default_prior_lowering``) and ``spmd_no_recompute`` (``spmd`` less the
-default recompute of issue 25). ``--bucket-mb`` scales the gradient buckets so
-that the small model has as many as GPT 124M has at 25 MB (about 20).
+fused AdamW), ``spmd_lean`` (the same with ``lean_lowering=True``: the one-rank all_reduces, bucket
+copies and step counts out of Inductor's graph), ``spmd_lean_one_rank`` and ``spmd_lean_step_counts``
+(one of the two each) and ``spmd_no_recompute`` (``spmd`` with ``recompute=False``). ``--bucket-mb``
+scales the gradient buckets so that the small model has as many as GPT 124M has at 25 MB (about 20).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -30,7 +29,8 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("torch_compile", "spmd", "spmd_prior", "spmd_no_recompute")
+VARIANTS = ("torch_compile", "spmd", "spmd_lean", "spmd_lean_one_rank", "spmd_lean_step_counts",
+            "spmd_no_recompute")
 TIMERS = ("GraphLowering.run", "Scheduler.__init__", "Scheduler.codegen", "compile_fx_inner")
 
 
@@ -87,7 +87,7 @@ def census(args) -> dict:
     from torch._inductor import metrics
     from torch._inductor.async_compile import AsyncCompile
 
-    from .bench_modes import lowering_before_cold_work, train_step
+    from .bench_modes import train_step
     from .models import GPT, GPTConfig
 
     graphs, sources, moved = [], set(), []
@@ -133,15 +133,12 @@ def census(args) -> dict:
         else:
             import spmd
 
-            if args.variant == "spmd_no_recompute":
-                transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
-                                                                bucket_size_mb=args.bucket_mb, recompute=False)
-            else:
-                transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
-                                                                bucket_size_mb=args.bucket_mb)
+            lean = {"spmd_lean": True, "spmd_lean_one_rank": "one_rank", "spmd_lean_step_counts": "step_counts"}
+            transformation = spmd.GraphModuleTransformation(
+                enable_graph_optimization=True, enable_inductor=True, bucket_size_mb=args.bucket_mb,
+                recompute=args.variant != "spmd_no_recompute", lean_lowering=lean.get(args.variant, False))
             step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=transformation)(train_step)
-            with lowering_before_cold_work() if args.variant == "spmd_prior" else contextlib.nullcontext():
-                step(model, optim, idx, idx)
+            step(model, optim, idx, idx)
         first_call = time.perf_counter() - start
     finally:
         dist.destroy_process_group()
