@@ -161,6 +161,8 @@ CHANGES = {
     "a pass setting": lambda: key(transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True,
                                                                                 bucket_size_mb=10.0)),
     "the pass pipeline": lambda: key(transformation=spmd.GraphModuleTransformation()),
+    "the lean lowering": lambda: key(transformation=spmd.GraphModuleTransformation(enable_inductor=True,
+                                                                                   lean_lowering=True)),
     "the step function's body": lambda: key(fn=_body("model(x).mean()")),
     "a value the step function closes over": lambda: _with_closure(3.0),
     "the default dtype": lambda: _with_default_dtype(torch.float64),
@@ -182,6 +184,7 @@ def test_the_key_changes_with_each_factor(factor):
             "a value the step function closes over": lambda: _with_closure(2.0),
             "a transformation function's code": lambda: key(transformation=_transformation("gm")),
             "a pass setting": lambda: key(transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True)),
+            "the lean lowering": lambda: key(transformation=spmd.GraphModuleTransformation(enable_inductor=True)),
             }.get(factor, key)()
     assert CHANGES[factor]().digest != base.digest, factor
 

@@ -13,7 +13,8 @@ first ``--warmup`` calls, synchronized. A run's first call is its slowest rank's
 
 The table gives per mode the first call cold and warm, warm/cold, each against ``single_compile``'s,
 the last call's time (a loaded step must run as fast as a compiled one), whether the losses match, and
-how many ranks compiled (one compile per job: one rank per distinct step; none in a warm run). Then spmd's
+how many ranks compiled (one compile per job: one rank per distinct step; none in a warm run) and how many
+kernels Inductor generated in the cold run (on a GPU, in brackets, how many Triton compiled afresh). Then spmd's
 compile phases (``CompiledTrainStep.compile_times``) of the cold run's compiling rank, of a rank that
 loaded what it made, and of the warm run, and torch's own ``dynamo_timed`` timers of the cold run.
 ``--profile MODE`` adds a cProfile of MODE's first call on rank 0, cold and warm. ``--json`` keeps it all.
@@ -129,6 +130,7 @@ def merge(ranks: list[dict], wall_s: float) -> dict:
     loaded = [r for r, rec in enumerate(ranks) if "cache_load" in rec["compile_times"]]
     return dict(status="ok", first_call_s=max(r["first_call_s"] for r in ranks), last_call_ms=ranks[0]["last_call_ms"],
                 warmup_s=max(r["warmup_s"] for r in ranks), loss=ranks[0]["loss"], device=ranks[0]["device"],
+                kernels=max(r.get("kernels", 0) for r in ranks),
                 caches=ranks[0]["caches"], torch_timings=ranks[0]["torch_timings"], compiled_on=compiled,
                 loaded_on=loaded, wall_s=wall_s, ranks=ranks,
                 **({"profile": ranks[0]["profile"]} if ranks[0].get("profile") else {}))
@@ -137,6 +139,7 @@ def merge(ranks: list[dict], wall_s: float) -> dict:
 def measure_rank(rank: int, world: int, device: torch.device, args) -> int:
     """Build ``--compile-run``'s mode and time its first ``--warmup`` calls; writes this rank's record."""
     from torch._dynamo.utils import counters
+    from torch._inductor import metrics
 
     from .bench import make_batches
 
@@ -166,7 +169,7 @@ def measure_rank(rank: int, world: int, device: torch.device, args) -> int:
                   caches={k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
                           if "cache" in k},
                   compile_times=step.compile_times() if hasattr(step, "compile_times") else {},
-                  torch_timings=torch_timings())
+                  kernels=metrics.generated_kernel_count, torch_timings=torch_timings())
     if profiler:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
@@ -206,26 +209,33 @@ def report(console, rows: list[dict], args, device: torch.device) -> None:
                         "each run a fresh job", caption=f"first calls synchronized, the slowest rank's; "
                                                         f"x {REFERENCE}: this mode's first call / {REFERENCE}'s")
     for col in ("mode", "cold s", "warm s", "warm/cold", f"cold x {REFERENCE}", f"warm x {REFERENCE}",
-                "last call ms cold/warm", "same loss", "ranks compiled cold/warm", "note"):
+                "last call ms cold/warm", "same loss", "ranks compiled cold/warm", "kernels (compiled) cold", "note"):
         table.add_column(col, justify="left" if col in ("mode", "note") else "right")
     for r in rows:
         cold, warm = r["cold"], r["warm"]
         bad = next((run for run in (cold, warm) if run["status"] != "ok"), None)
         if bad is not None:
-            table.add_row(r["mode"], *["—"] * 8, f"[red]{escape(bad['reason'])}[/]")
+            table.add_row(r["mode"], *["—"] * 9, f"[red]{escape(bad['reason'])}[/]")
             continue
         spmd = bool(cold["ranks"][0]["compile_times"])
         compiled = f"{len(cold['compiled_on'])}/{len(warm['compiled_on'])}" if spmd else "—"
         table.add_row(r["mode"], f"{cold['first_call_s']:.2f}", f"{warm['first_call_s']:.2f}",
                       _fmt(r["warm_over_cold"], ".2f"), _fmt(r["cold_over_reference"], ".2f"),
                       _fmt(r["warm_over_reference"], ".2f"), f"{cold['last_call_ms']:.1f}/{warm['last_call_ms']:.1f}",
-                      "yes" if cold["loss"] == warm["loss"] else "[red]no[/]", compiled,
+                      "yes" if cold["loss"] == warm["loss"] else "[red]no[/]", compiled, _kernels(cold),
                       ", ".join(f"{k}={v}" for k, v in sorted(warm["caches"].items()) if v))
     console.print(table)
     for r in rows:
         if r["cold"]["status"] == "ok" and r["warm"]["status"] == "ok":
             _phases(console, r)
     _torch_timers(console, [r for r in rows if r["cold"]["status"] == "ok"])
+
+
+def _kernels(run: dict) -> str:
+    """Inductor's kernels generated in a run (its compiling rank's), and in brackets those compiled afresh
+    (Triton's ``async_compile_cache_miss``: kernels identical in code are compiled once)."""
+    compiled = run["caches"].get("async_compile_cache_miss")
+    return f"{run.get('kernels', 0)}" + (f" ({compiled})" if compiled is not None else "")
 
 
 def _phases(console, row: dict) -> None:

@@ -193,7 +193,7 @@ def ddp_ca(setup: Setup) -> Step:
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
           optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False,
-          recompute=True) -> Step:
+          recompute=True, lean=False) -> Step:
     a = setup.args
     model = setup.model()
     if style == "replicate":
@@ -209,8 +209,11 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
         passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
-    if fast_default:  # what @spmd.compile() gives a user who asks for nothing (but its recompute setting)
-        transformation = None if recompute is True else default_transformation(setup.device.type, recompute=recompute)
+    if fast_default:  # what @spmd.compile() gives a user who asks for nothing, but for the settings changed here
+        changed = {"recompute": recompute} if recompute is not True else {}
+        if lean:
+            changed["lean_lowering"] = lean
+        transformation = default_transformation(setup.device.type, **changed) if changed else None
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
 
     def step(idx, targets, last_train_step=False):
@@ -260,6 +263,28 @@ def spmd_default_recompute_free(setup: Setup) -> Step:
 def spmd_default_recompute_off(setup: Setup) -> Step:
     """spmd_default with ``recompute=False``: the backward reads every forward value it needs as kept."""
     return _spmd(setup, optimize=True, fast_default=True, recompute=False)
+
+
+_LEAN_UNAVAILABLE = _needs_cuda("lean_lowering and the default's Inductor")  # on the CPU the default runs no Inductor
+
+
+@register("spmd_default_lean", unavailable=_LEAN_UNAVAILABLE)
+def spmd_default_lean(setup: Setup) -> Step:
+    """spmd_default with ``lean_lowering=True``: a group of one rank's all_reduces and bucket copies leave the graph
+    Inductor compiles, and the fused optimizer's step counts are added by one ATen call."""
+    return _spmd(setup, optimize=True, fast_default=True, lean=True)
+
+
+@register("spmd_default_lean_one_rank", unavailable=_LEAN_UNAVAILABLE)
+def spmd_default_lean_one_rank(setup: Setup) -> Step:
+    """spmd_default with ``lean_lowering="one_rank"``: only the one-rank all_reduces and bucket copies leave."""
+    return _spmd(setup, optimize=True, fast_default=True, lean="one_rank")
+
+
+@register("spmd_default_lean_step_counts", unavailable=_LEAN_UNAVAILABLE)
+def spmd_default_lean_step_counts(setup: Setup) -> Step:
+    """spmd_default with ``lean_lowering="step_counts"``: only the step counts are added by one ATen call."""
+    return _spmd(setup, optimize=True, fast_default=True, lean="step_counts")
 
 
 @graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],

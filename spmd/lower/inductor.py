@@ -14,6 +14,9 @@ what our passes decided:
   without a grad scaler: Inductor calls them in place on the graph inputs and does not
   treat the gradient buckets they read as written.
 
+``lean`` (``Lowering.lean``, off by default) adds exact rewrites that take work out of the graph
+Inductor compiles (``LEAN_PARTS``: ``spmd.lower.one_rank``, ``spmd.lower.step_counts``).
+
 The graph does not pass through ``compile_fx``'s AOT-autograd front end, which would
 re-trace the whole step only to apply Inductor's decompositions to a graph that is
 already functional: ``spmd.lower.decompose`` applies them node by node and
@@ -35,7 +38,7 @@ import contextlib
 import logging
 import re
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -44,13 +47,15 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from ..graph_utils import lazy_graph_module
 from ..graph_utils.nodes import view_of_copy_op
-from ..graph_utils.optimizer_ops import is_fused_optimizer, is_inplace, written_args
+from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inplace, written_args, written_inputs
 
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from ..compile_times import phase
 from ..errors import SpmdCompileError
 from .decompose import decompose_for_inductor
 from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
+from .one_rank import drop_one_rank_all_reduces
+from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import InductorCode, code_of, load_code, relocated
 
 log = logging.getLogger(__name__)
@@ -155,19 +160,20 @@ def _writes_grads(op: torch._ops.OpOverload) -> bool:
 
 
 def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
-    """A custom op with ``op``'s schema, gradients read-only, that calls ``op``: Inductor keeps it in place.
+    """A custom op with ``op``'s schema, any gradients read-only, that calls ``op``: Inductor keeps it in place.
 
-    Gradients are declared read-only because they are: without ``grad_scale`` the
-    kernels only read them. Declared mutable, they would count as written, and
-    gradients are views into shared bucket buffers, read by several such ops when the
-    optimizer has several param groups (under AOT autograd's functionalization Inductor
-    mishandled that: NaNs).
+    Gradients (a ``grads`` argument) are declared read-only because they are: without
+    ``grad_scale`` the fused optimizer kernels only read them. Declared mutable, they would count
+    as written, and gradients are views into shared bucket buffers, read by several such ops when
+    the optimizer has several param groups (under AOT autograd's functionalization Inductor
+    mishandled that: NaNs). Inductor runs the custom op as it is, one call of ``op``, where it
+    would otherwise lower ``op`` into kernels of its own (``_wrappable_step_count``).
     """
     if op not in _opaque_ops:
         name = f"{op._opname.strip('_')}_{op._overloadname}"
         args = str(op._schema).split("(", 1)[1]
         read_only_grads = re.sub(r"Tensor\(\w!\)\[\] grads", "Tensor[] grads", args)
-        if read_only_grads == args:
+        if read_only_grads == args and _writes_grads(op):
             raise SpmdCompileError(f"spmd: unexpected schema for {op}: {op._schema} (no 'Tensor(a!)[] grads' argument)")
         _opaque_lib.define(name + "(" + read_only_grads)
         _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
@@ -176,7 +182,25 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     return _opaque_ops[op]
 
 
-def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.GraphModule:
+def _wrappable_step_count(node: fx.Node) -> bool:
+    """An in-place foreach op that writes step counts only (``spmd.lower.step_counts``): ATen runs it in one
+    call where Inductor would make it a kernel with an input and an output per parameter."""
+    written = written_inputs(node)
+    return is_foreach(node.target) and is_inplace(node.target) and bool(written) and all(map(is_step_count, written))
+
+
+# The exact rewrites ``prepare_for_inductor`` can make besides its own, by name (``Lowering.lean``): a
+# gradient all_reduce over a group of one rank leaves the graph (``one_rank``); a fused optimizer's step
+# counts are added in place by one ATen call (``step_counts``).
+LEAN_PARTS = ("one_rank", "step_counts")
+
+
+def lean_parts(lean: Union[bool, str]) -> frozenset[str]:
+    """The rewrites of ``LEAN_PARTS`` that ``lean`` turns on: all for True, none for False, else the one it names."""
+    return frozenset(LEAN_PARTS if lean is True else () if lean is False else (lean,))
+
+
+def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union[bool, str] = False) -> fx.GraphModule:
     """A copy of ``gm`` ready for Inductor; ``gm`` itself is not changed.
 
     * ``*_copy`` view ops (``detach_copy``, ``t_copy``, ...) left by our functionalization
@@ -186,9 +210,20 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
       have re-derived it.
     * In-place fused optimizer ops become their ``opaque_inplace_op``.
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
+
+    ``lean`` (``Lowering.lean``: True, False, or one of ``LEAN_PARTS``) adds exact rewrites that take
+    work out of the graph Inductor compiles; off by default until measured on a GPU (BENCHMARKS.md):
+
+    * ``"step_counts"``: the foreach op counting a fused optimizer's steps is made in place
+      (``spmd.lower.step_counts``) and becomes its ``opaque_inplace_op`` too: one ATen call, no kernel.
+    * ``"one_rank"``: a gradient all_reduce over a group of one rank, and its bucket's packing, become
+      the gradients themselves (``spmd.lower.one_rank``).
     """
+    parts = lean_parts(lean)
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    if "step_counts" in parts:
+        count_steps_in_place(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -198,8 +233,10 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True) -> fx.Graph
             graph.erase_node(node)
         elif view is not None:
             node.target = view
-        elif _wrappable_fused_optimizer(node):
+        elif _wrappable_fused_optimizer(node) or ("step_counts" in parts and _wrappable_step_count(node)):
             node.target = opaque_inplace_op(node.target)
+    if "one_rank" in parts:
+        drop_one_rank_all_reduces(graph)
     if decompose:
         decompose_for_inductor(graph)
     graph.lint()
@@ -304,7 +341,8 @@ def _load_kept_code(code: InductorCode, device: torch.device, label: str) -> Opt
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
                           inductor_comm_passes: bool = False, options: Optional[dict] = None,
-                          kept: Optional[InductorCode] = None) -> tuple[Callable, Optional[InductorCode]]:
+                          kept: Optional[InductorCode] = None,
+                          lean: Union[bool, str] = False) -> tuple[Callable, Optional[InductorCode]]:
     """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
 
     The graph updates parameters and optimizer state in place and is compiled as
@@ -314,7 +352,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     step, which ``compile_fx`` would run first, has nothing left to do on a functional graph.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
-    options (``check_inductor_options``).
+    options (``check_inductor_options``); ``lean``: the exact rewrites ``prepare_for_inductor`` adds.
 
     Returns a callable taking the graph's inputs positionally and returning its outputs, and the code
     it runs as ``InductorCode`` (None where that code cannot be kept). ``kept``: code an earlier
@@ -331,7 +369,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
             log.info("spmd: loaded the %s graph's kept Inductor code in %.1f s", label, time.perf_counter() - start)
             return _positional(loaded), kept
         with phase(f"lower/{label}/inductor_prepare"):
-            prepared = prepare_for_inductor(gm)
+            prepared = prepare_for_inductor(gm, lean=lean)
         with phase(f"lower/{label}/inductor_compile_fx"):
             compiled, cache = _inner_compile(prepared, list(example_inputs), label,
                                              uses_fx_graph_cache(device, options))

@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..errors import SpmdConfigError
 from ..graph_utils.meta import ROLE, Role
 from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
-from .inductor import check_inductor_options, compile_with_inductor, start_compile_workers
+from .inductor import LEAN_PARTS, check_inductor_options, compile_with_inductor, start_compile_workers
 from .inductor_code import InductorCode
 
 log = logging.getLogger(__name__)
@@ -34,19 +34,31 @@ class Lowering:
     graph from its second call on; ``"auto"`` where every input is on the GPU and its capture
     succeeds, else run it as it is, saying why once. ``inductor_comm_passes``: let Inductor's own
     comm passes place the collectives instead (to compare the two). ``inductor_options``: further
-    Inductor config values, checked by ``check_inductor_options``.
+    Inductor config values, checked by ``check_inductor_options``. ``lean``: exact rewrites that take
+    work out of the graph Inductor compiles (``prepare_for_inductor``): True for all of
+    ``LEAN_PARTS``, one of them by name (``"one_rank"``: a gradient all_reduce over a group of one
+    rank and its bucket's copies leave the graph; ``"step_counts"``: a fused optimizer's step counts
+    are added in place by one ATen call), False (the default) for none. Off by default until measured
+    on a GPU (BENCHMARKS.md).
     """
 
     inductor: bool = False
     cudagraphs: Union[bool, str] = False
     inductor_comm_passes: bool = False
     inductor_options: dict = field(default_factory=dict, hash=False)
+    lean: Union[bool, str] = False
 
     def __post_init__(self):
         if self.inductor_comm_passes and not self.inductor:
             raise SpmdConfigError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
         if self.inductor_options and not self.inductor:
             raise SpmdConfigError("GraphModuleTransformation: inductor_options need enable_inductor=True")
+        if not (self.lean is True or self.lean is False or self.lean in LEAN_PARTS):
+            raise SpmdConfigError(f"GraphModuleTransformation: lean_lowering must be True, False or one of "
+                                  f"{list(LEAN_PARTS)}, got {self.lean!r}")
+        if self.lean and not self.inductor:
+            raise SpmdConfigError("GraphModuleTransformation: lean_lowering changes what Inductor compiles and needs "
+                                  "enable_inductor=True. Pass enable_inductor=True or drop lean_lowering.")
         if self.cudagraphs not in (True, False, "auto"):
             raise SpmdConfigError(f"GraphModuleTransformation: enable_cudagraphs must be True, False or 'auto', "
                                   f"got {self.cudagraphs!r}")
@@ -70,7 +82,8 @@ class Lowering:
         an earlier lowering of this graph returned, loaded instead of compiling (``compile_with_inductor``);
         loaded or compiled, it is wrapped alike."""
         runner, code = (compile_with_inductor(gm, example_inputs, label, self.inductor_comm_passes,
-                                              self.inductor_options, kept) if self.inductor else (gm, None))
+                                              self.inductor_options, kept, lean=self.lean)
+                        if self.inductor else (gm, None))
         auto = self.cudagraphs == "auto"
         if auto and (reason := cudagraph_obstacle(gm, example_inputs)):
             log.warning("spmd: the %s graph runs without CUDA graphs: %s", label, reason)

@@ -58,7 +58,12 @@ class GraphModuleTransformation:
     saying why in one warning. ``inductor_options``: further Inductor config values
     (``{"combo_kernels": True}``), checked by ``spmd.lower.inductor.check_inductor_options``. ``inductor_comm_passes=True`` (with ``enable_inductor``)
     lets Inductor's own comm passes (its overlap scheduler and bucketer) place the
-    collectives instead of keeping ours; it exists to compare the two.
+    collectives instead of keeping ours; it exists to compare the two. ``lean_lowering`` (with
+    ``enable_inductor``; ``Lowering.lean``) takes work that computes nothing new out of the graph
+    Inductor compiles, exactly: ``"one_rank"`` drops a gradient all_reduce over a group of one rank
+    (one GPU) with its bucket's copies, ``"step_counts"`` adds a fused optimizer's step counts in
+    place by one ATen call instead of a kernel, True does both. False, the default, until a GPU
+    measurement shows it pays (BENCHMARKS.md).
 
     Dumps (``graph_utils.DumpOptions``): ``dump_graphs=True``, or the environment variable
     ``SPMD_DUMP_DIR``, writes the traced graph, the graph after each pass and the
@@ -73,7 +78,7 @@ class GraphModuleTransformation:
                  optimizer_parts: int = PASS_DEFAULTS["optimizer_parts"],
                  prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None,
                  memory_budget: Optional[float] = PASS_DEFAULTS["memory_budget"],
-                 recompute: Union[bool, str] = PASS_DEFAULTS["recompute"]):
+                 recompute: Union[bool, str] = PASS_DEFAULTS["recompute"], lean_lowering: Union[bool, str] = False):
         if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
             raise SpmdConfigError(f"GraphModuleTransformation: optimizer_parts must be an int >= 1 (1: one "
                                   f"optimizer op), got {optimizer_parts!r}")
@@ -91,7 +96,8 @@ class GraphModuleTransformation:
         if not recompute and memory_budget is not None:
             raise SpmdConfigError(f"GraphModuleTransformation: memory_budget={memory_budget!r} asks for recompute, "
                                   "which recompute=False turns off. Drop one of the two.")
-        self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_comm_passes, inductor_options or {})
+        self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_comm_passes, inductor_options or {},
+                                 lean=lean_lowering)
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units
