@@ -14,6 +14,10 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    end, so running the graph on the real tensors updates them. When the only writes
    are the optimizer's (the usual step), ``spmd.trace.direct_functionalize`` rewrites those
    nodes in place of a second trace; anything else is re-traced under ``functionalize``.
+   Either way views stay views (``remove="mutations"``, as AOT autograd functionalizes): each
+   kernel reads its operands laid out as eager's does. A copying view (``t_copy``) hands a matmul
+   a contiguous copy where eager hands it a transposed view, and the BLAS may round the other
+   layout differently (MKL's AVX-512 DGEMM does, a float64 loss one rounding apart).
 
 The trace leaves the user's objects as it found them (``spmd.trace.user_objects``).
 
@@ -377,7 +381,7 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     with phase("trace/functionalize"), lazy_graph_modules():
         pure = functionalize_optimizer_writes(impure)  # the common case, without a second trace
         if pure is None:
-            pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"),
+            pure = make_fx(torch.func.functionalize(replay, remove="mutations"),
                            tracing_mode="fake")(*flat_inputs)
     n_inputs = len(flat_inputs) - len(state.flat_tensors()) - len(state.hyper_slots) - len(grads.inputs)
     roles = ([Role.PARAM] * len(state.params) + [Role.BUFFER] * len(state.buffers)
