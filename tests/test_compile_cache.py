@@ -10,12 +10,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import spmd
+from spmd.parallel.group_roles import ROLE_PREFIX, role_name
 from spmd.step.cache_store import CacheStore, resolve_cache_dir
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
@@ -173,6 +175,27 @@ def _two_ranks_load(rank, world_size, cache_dir):
 
 def test_two_ranks_load_the_stored_step_and_train_as_ddp(tmp_path):
     run_distributed(_two_ranks_load, str(tmp_path))
+
+
+def _second_group_over_the_same_ranks(rank, world_size, cache_dir):
+    first, second = (dist.new_group(list(range(world_size))) for _ in range(2))
+    assert role_name(first.group_name).startswith(ROLE_PREFIX)  # the first holds the role of both
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8).double()
+    ddp = ddp_copy(model)
+    opt, ddp_opt = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, ddp))
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", group=second), cache_dir=cache_dir)(train_step)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    torch.testing.assert_close(step(model, opt, x), eager_step(ddp, ddp_opt, x), rtol=0, atol=1e-10)
+    assert _loaded_on_each_rank(step) == [False, False]
+    assert not list(Path(cache_dir).glob("*.spmd"))
+
+
+def test_a_step_whose_group_keeps_this_process_name_is_neither_kept_nor_shared(tmp_path):
+    """A second live group over the same ranks cannot take the first's role name: its collectives carry this
+    process's name for it, which another process may give another group. Such a step is not stored, nor handed
+    to the other rank (which compiles its own), and trains as DDP."""
+    run_distributed(_second_group_over_the_same_ranks, str(tmp_path))
 
 
 def _sharded_restart(rank, world_size, cache_dir):
