@@ -53,7 +53,7 @@ from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_gra
 from .direct_functionalize import functionalize_optimizer_writes
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
-from .trace_errors import reporting
+from .trace_errors import refuse_data_dependent_shapes, reporting
 from .user_objects import reachable_objects, untouched
 
 # --- the traced result ------------------------------------------------------------
@@ -346,6 +346,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             for _ in range(len(hyper_values) + 1):
                 with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
+                refuse_data_dependent_shapes(impure)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
                     break
