@@ -346,11 +346,11 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             for _ in range(len(hyper_values) + 1):
                 with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
-                refuse_data_dependent_shapes(impure)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
                     break
                 _specialise(state, read)  # the graph reads them as numbers: trace again with their values
+            refuse_data_dependent_shapes(impure)  # a hyperparameter read as a number is a symbol until specialised
     except SpmdCompileError:
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know
