@@ -26,7 +26,9 @@ TIMEOUT_S = 180
 # __main__ with its output in the folder's output.txt; prints {folder: exit status} as JSON at the end.
 _FORK_SERVER = textwrap.dedent("""
     import json, os, runpy, sys, traceback
-    import torch, spmd, spmd.tools.models  # noqa: F401 - imported once, before the forks
+    # imported once, before the forks: torch, spmd, and what a compiled step's first call imports
+    import torch, spmd, spmd.tools.models, torch._dynamo, torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.compile_fx, torch.distributed.tensor.parallel, torch.distributed.fsdp  # noqa: F401
 
     children = {}
     for folder in sys.argv[1:]:
