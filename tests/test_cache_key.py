@@ -20,7 +20,9 @@ import spmd
 from spmd.graph_utils import is_comm_node
 from spmd.parallel.group_roles import ROLE_PREFIX, role_name, roles_resolve
 from spmd.step import IterGraphModule
-from spmd.step.cache_key import StepKey, canonical_json, guards_hold, hyper_guards
+from spmd.step.cache_key import StepKey
+from spmd.step.describe import canonical_json
+from spmd.step.hyper_guards import guards_hold, hyper_guards
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,10 +14,8 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    end, so running the graph on the real tensors updates them. When the only writes
    are the optimizer's (the usual step), ``spmd.trace.direct_functionalize`` rewrites those
    nodes in place of a second trace; anything else is re-traced under ``functionalize``.
-   Either way views stay views (``remove="mutations"``, as AOT autograd functionalizes): each
-   kernel reads its operands laid out as eager's does. A copying view (``t_copy``) hands a matmul
-   a contiguous copy where eager hands it a transposed view, and the BLAS may round the other
-   layout differently (MKL's AVX-512 DGEMM does, a float64 loss one rounding apart).
+   Either way views stay views (``remove="mutations"``): each kernel reads its operands laid out as
+   eager's does (a copying ``t_copy`` sent matmuls down another BLAS kernel, rounding differently).
 
 The trace leaves the user's objects as it found them (``spmd.trace.user_objects``).
 
