@@ -4,7 +4,7 @@ The lists are torch.compile's partitioner's (``torch._functorch.partitioners.get
 its recomputable ops (pointwise ops, views, casts, cheap reductions) are ``CHEAP``; its
 compute-intensive ops (matmuls, attention, convolutions) and any op with a FLOP formula are
 ``COMPUTE``, repeated only under a memory budget. Our graphs add two facts of their own:
-functionalization's copying views (``t_copy``, ``view_copy``: views once lowered) and every view
+copying views (``t_copy``, ``view_copy``: views once lowered) and every view
 (``split_with_sizes``, which unpacks a gathered parameter buffer) are cheap,
 and ``native_layer_norm``, ``_log_softmax`` and ``_softmax`` are cheap: torch's partitioner sees
 them decomposed, their outputs pointwise from their input and a small reduction, and repeating

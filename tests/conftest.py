@@ -7,7 +7,10 @@ Inductor cache (FX graphs and compiled C++ kernels), which starts empty each ses
 a test compile the same kernels, and through the shared cache one rank compiles each kernel
 while the other waits for it, so with a single compile thread a 2-rank test compiles on one
 core. spmd's own compile cache is off (``SPMD_CACHE_DIR=""``) so each test compiles what it tests;
-the compile-cache tests give their own directory. These settings can be overridden from the environment.
+the compile-cache tests give their own directory. Inductor takes the vector instruction sets the CPU's
+flags list as usable (``TORCHINDUCTOR_VEC_ISA_OK=1``) instead of building and loading a probe library per
+instruction set, which costs every process that compiles into an empty Inductor cache about 10 s (the
+tests that restart a job start several such processes). These settings can be overridden from the environment.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ if _OWN_CACHE:
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 os.environ.setdefault("SPMD_CACHE_DIR", "")  # spmd's compile cache off: tests that use it name their own directory
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(min(2, os.cpu_count() or 1)))
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")  # the CPU's vector ISAs from its flags, unprobed (see above)
 
 import pytest  # noqa: E402
 

@@ -19,9 +19,14 @@ of the session (spawning ranks and importing torch, spmd and Inductor once per r
 a test body usually less). Before each body a rank resets what a test may have changed in its
 process (``reset_process_state``): Dynamo's caches, the default dtype and device, grad mode,
 anomaly mode, deterministic algorithms, Inductor, Dynamo and functorch config, environment
-variables, working directory, thread count, warning filters and random seeds. Nothing else
-carries over that a body may rely on: state a body creates (compiled steps, optimizers,
-process subgroups) belongs to it. A body must leave the default process group initialized.
+variables, working directory, thread count, warning filters and random seeds, and the role names
+(``spmd.parallel.group_roles``) the process groups a body made hold: a live group of an earlier test
+over the same ranks (a device mesh's) would keep a later test's groups from their roles, and its
+steps out of the compile cache. (The groups themselves stay: torch names a group made with
+``use_local_synchronization`` by its ranks and the number of live groups, so destroying groups
+would let a new group reuse a destroyed one's name and rendezvous keys, and hang.) Nothing else
+carries over that a body may rely on: state a body creates (compiled steps, optimizers, process
+subgroups) belongs to it. A body must leave the default process group initialized.
 
 Failures: an exception on any rank fails the test with that rank's traceback (and the other
 ranks' when they fail too); a rank that dies fails it with its exit code; ranks that have not
@@ -56,6 +61,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from spmd.parallel.group_roles import release_role
 
 DEFAULT_TIMEOUT_S = 300.0
 _STARTUP_TIMEOUT_S = 180.0  # spawn, import torch, rendezvous
@@ -310,6 +317,9 @@ class _ProcessState:
 
     def restore(self) -> None:
         reset_process_state()
+        for group in dist.distributed_c10d._world.pg_names:
+            if group is not dist.GroupMember.WORLD:
+                release_role(group)
         for module, clean in self.configs:
             now = module.get_config_copy()
             for key, value in clean.items():

@@ -18,9 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import spmd
 from spmd.graph_utils import is_comm_node
-from spmd.parallel.group_roles import ROLE_PREFIX, role_name
+from spmd.parallel.group_roles import ROLE_PREFIX, role_name, roles_resolve
 from spmd.step import IterGraphModule
-from spmd.step.cache_key import StepKey, canonical_json, guards_hold, hyper_guards
+from spmd.step.cache_key import StepKey
+from spmd.step.describe import canonical_json
+from spmd.step.hyper_guards import guards_hold, hyper_guards
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -270,6 +272,7 @@ def _group_names_on_ranks(rank, world_size):
     # a second live group over the same ranks, made the same way, cannot take the first's role: it keeps its name
     assert role_name(made[0].group_name).startswith(ROLE_PREFIX)
     assert role_name(made[1].group_name) == made[1].group_name
+    assert not roles_resolve({made[1].group_name}, made), "a process's own group name is never taken from a stored step"
     for group in made:
         dist.destroy_process_group(group)
 

@@ -5,17 +5,18 @@ changed step and concurrent writers never give a wrong step."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import spmd
+from spmd.parallel.group_roles import ROLE_PREFIX, role_name
 from spmd.step.cache_store import CacheStore, resolve_cache_dir
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
@@ -23,33 +24,29 @@ from tests.parity import ddp_copy, eager_step, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# One process's training: 3 float64 steps of SGD with dampening (a first step of its own) from seed 0;
-# prints the compile phases, the losses and the parameters as JSON.
-_SCRIPT = textwrap.dedent("""
-    import json, sys, torch, spmd
-    from spmd.tools.models import MLP
-    from tests.parity import train_step
+def _sgd_training(cache_dir) -> dict:
+    """One process's training: 3 float64 steps of SGD with dampening (a first step of its own) from seed 0,
+    the compile cache in ``cache_dir`` ("off": none); the compile phases, the losses and the parameters."""
     torch.manual_seed(0)
     model = MLP(layers=3, dim=8).double()
     optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.5, weight_decay=0.01)
-    step = spmd.compile(cache_dir=sys.argv[1] if sys.argv[1] != "off" else False)(train_step)
+    step = spmd.compile(cache_dir=str(cache_dir) if cache_dir != "off" else False)(train_step)
     gen = torch.Generator().manual_seed(1)
     losses = [step(model, optim, torch.randn(4, 8, dtype=torch.float64, generator=gen)).item() for _ in range(3)]
-    print(json.dumps({"phases": sorted(step.compile_times), "losses": losses,
-                      "params": [p.tolist() for p in model.parameters()]}))
-""")
+    return {"phases": sorted(step.compile_times), "losses": losses, "params": [p.tolist() for p in model.parameters()]}
 
 
 def _fresh_process(cache_dir) -> dict:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir)], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=300)
+    """``_sgd_training`` in a fresh Python process."""
+    script = f"import json; from tests.test_compile_cache import _sgd_training; print(json.dumps(_sgd_training({str(cache_dir)!r})))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_restarted_process_loads_the_step_and_trains_bit_identically(tmp_path):
-    uncached = _fresh_process("off")
+    uncached = json.loads(json.dumps(_sgd_training("off")))  # here: what matters is that it is not cached
     first = _fresh_process(tmp_path)
     second = _fresh_process(tmp_path)
     assert "trace" in first["phases"] and "cache_load" not in first["phases"]
@@ -105,26 +102,29 @@ def test_a_damaged_entry_is_reported_once_removed_and_compiled_again(tmp_path):
     assert CacheStore(tmp_path).entries()[0].ok, "the compiled step was stored again, whole"
 
 
-def _write_many(root: str, worker: int) -> None:
-    store = CacheStore(root)
+# A writer process: saves 20 entries under one key. It loads spmd/step/cache_store.py by its path, which
+# imports nothing but the standard library (no torch: the writers start in milliseconds, and race).
+_WRITER = textwrap.dedent("""
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("cache_store", sys.argv[1])
+    cache_store = sys.modules["cache_store"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cache_store)
+    store = cache_store.CacheStore(sys.argv[2])
     for i in range(20):
-        store.save("same", {"worker": worker, "i": i, "blob": bytes(200_000)})
+        store.save("same", {"worker": int(sys.argv[3]), "i": i, "blob": bytes(200_000)})
+""")
 
 
 def test_concurrent_writers_leave_one_whole_entry(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    writers = [ctx.Process(target=_write_many, args=(str(tmp_path), w)) for w in range(3)]
-    for w in writers:
-        w.start()
+    module = os.path.join(ROOT, "spmd", "step", "cache_store.py")
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, module, str(tmp_path), str(w)]) for w in range(3)]
     reader = CacheStore(tmp_path)
     seen = 0
-    while any(w.is_alive() for w in writers):
+    while any(w.poll() is None for w in writers):
         payload = reader.load("same")
         seen += payload is not None
         assert payload is None or len(payload["blob"]) == 200_000
-    for w in writers:
-        w.join(timeout=60)
-        assert w.exitcode == 0
+    assert [w.wait(timeout=60) for w in writers] == [0, 0, 0]
     assert reader.load("same")["i"] == 19
     assert [p.name for p in tmp_path.iterdir()] == ["same.spmd"], "no temporary file is left behind"
 
@@ -175,6 +175,27 @@ def test_two_ranks_load_the_stored_step_and_train_as_ddp(tmp_path):
     run_distributed(_two_ranks_load, str(tmp_path))
 
 
+def _second_group_over_the_same_ranks(rank, world_size, cache_dir):
+    first, second = (dist.new_group(list(range(world_size))) for _ in range(2))
+    assert role_name(first.group_name).startswith(ROLE_PREFIX)  # the first holds the role of both
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8).double()
+    ddp = ddp_copy(model)
+    opt, ddp_opt = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, ddp))
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", group=second), cache_dir=cache_dir)(train_step)
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    torch.testing.assert_close(step(model, opt, x), eager_step(ddp, ddp_opt, x), rtol=0, atol=1e-10)
+    assert _loaded_on_each_rank(step) == [False, False]
+    assert not list(Path(cache_dir).glob("*.spmd"))
+
+
+def test_a_step_whose_group_keeps_this_process_name_is_neither_kept_nor_shared(tmp_path):
+    """A second live group over the same ranks cannot take the first's role name: its collectives carry this
+    process's name for it, which another process may give another group. Such a step is not stored, nor handed
+    to the other rank (which compiles its own), and trains as DDP."""
+    run_distributed(_second_group_over_the_same_ranks, str(tmp_path))
+
+
 def _sharded_restart(rank, world_size, cache_dir):
     from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer
 
@@ -199,13 +220,16 @@ def test_a_fully_sharded_step_with_clipping_loads_and_trains_bit_identically(tmp
 
 
 # Two gloo ranks in fresh processes (a job, then its restart): replicate, 3 float64 AdamW steps; rank 0
-# prints both ranks' compile phases, its losses and parameters as JSON.
+# prints both ranks' compile phases, its losses and parameters as JSON. The parent only starts the ranks
+# (it imports no torch: a job's ranks are what the test is about, and each import costs seconds).
 _RANKS_SCRIPT = textwrap.dedent("""
-    import json, os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp, spmd
-    from spmd.tools.models import MLP
-    from tests.parity import train_step
+    import json, multiprocessing, sys
 
     def rank_main(rank, cache_dir, store):
+        import torch, torch.distributed as dist, spmd
+        from spmd.tools.models import MLP
+        from tests.parity import train_step
+
         dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
         torch.manual_seed(0)
         model = MLP(layers=3, dim=8).double()
@@ -221,7 +245,13 @@ _RANKS_SCRIPT = textwrap.dedent("""
         dist.destroy_process_group()
 
     if __name__ == "__main__":
-        mp.spawn(rank_main, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+        spawn = multiprocessing.get_context("spawn")
+        ranks = [spawn.Process(target=rank_main, args=(rank, sys.argv[1], sys.argv[2])) for rank in range(2)]
+        for proc in ranks:
+            proc.start()
+        for proc in ranks:
+            proc.join()
+        sys.exit(max(proc.exitcode for proc in ranks))
 """)
 
 

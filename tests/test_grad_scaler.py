@@ -81,7 +81,7 @@ def _parity(rank, world_size, impl, clip, autocast, style="replicate"):
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, **impl)
     scaler, ref_scaler = _scalers(**SETTINGS)
     step = spmd.compile(parallel_mode=mode)(amp_step)
-    # fused AdamW runs eager's kernel: bit for bit; the traced foreach update differs in the last bits
+    # fused AdamW runs eager's kernel: bit for bit; the traced single-tensor update differs in the last bits
     atol = 0.0 if impl.get("fused") else 1e-13
     for i, (x, y) in enumerate(_batches(rank, dtype)):
         before = [p.detach().clone() for p in model.parameters()]

@@ -20,7 +20,7 @@ from spmd.lower.inductor_code import InductorCode, NotRelocatable, code_of, relo
 from spmd.step.cache_store import CacheStore
 from spmd.tools.models import MLP
 from tests.parity import train_step
-from tests.test_inductor_cache import needs_cpp
+from tests.test_inductor_cache import fresh_inductor_env, needs_cpp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,8 +50,8 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _fresh_process(cache_dir, device: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
-    env.update(PYTHONPATH=ROOT, TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"))
+    env = fresh_inductor_env(cache_dir / "inductor")
+    env.update(PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir / "spmd"), device], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -47,18 +47,22 @@ def test_prepare_for_inductor_turns_copy_views_into_views_and_wraps_inplace_opti
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    # an in-place op on an activation: the step is re-traced under functionalize, which turns views
-    # into *_copy ops (spmd.trace.direct_functionalize rewrites only the optimizer's writes)
     with single_process_group():
         spmd.compile(gm_transformation=transform)(inplace_activation_step)(model, optim, torch.randn(4, 16))
     gm = seen["igm"].logical_gm
-    before = str(gm.graph)
 
     def targets(g):
         return [n.target for n in g.nodes if n.op == "call_function"]
 
-    assert any(getattr(t, "_opname", "").endswith("_copy") and t.is_view is False for t in targets(gm.graph))
+    # our functionalization keeps views; a user's pass may leave copying views, as functionalize(remove=
+    # "mutations_and_views") does: every view of the step made one
+    copying = {aten.t.default: aten.t_copy.default, aten.detach.default: aten.detach_copy.default,
+               aten.view.default: aten.view_copy.default}
+    for node in gm.graph.nodes:
+        node.target = copying.get(node.target, node.target)
+    assert set(copying.values()) <= set(targets(gm.graph))
     assert aten._fused_adamw_.tensor_lr in targets(gm.graph)
+    before = str(gm.graph)
 
     prepared = prepare_for_inductor(gm, decompose=False)
     after = targets(prepared.graph)

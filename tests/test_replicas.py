@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import spmd
 from spmd.tools.models import MLP, ConvBN

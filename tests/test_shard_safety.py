@@ -26,7 +26,7 @@ import spmd
 from spmd.errors import SpmdCompileError
 from spmd.graph_utils import is_comm_node, is_wait_node
 from spmd.graph_utils.grad_coverage import Gap, gradient_gaps
-from spmd.graph_utils.meta import GRAD_OF, NAME, ROLE, UNIT, Role
+from spmd.graph_utils.meta import GRAD_OF, ROLE, UNIT, Role
 from spmd.tools.models import Block
 from tests.dist import run_distributed, single_process_group
 from tests.shard_helpers import (

@@ -120,6 +120,19 @@ def transformation(args: argparse.Namespace, on_gpu: bool = False) -> spmd.Graph
         dump_graphs=True if args.dump_dir else None, dump_dir=args.dump_dir)  # None: only if $SPMD_DUMP_DIR is set
 
 
+def run_spmd(train_step, model, steps, batches, device, progress, task) -> tuple[tuple, list]:
+    """``run_mode``'s result for the compiled ``train_step`` on ``model`` (AdamW made here), and the ops of
+    the graph it runs (one input signature: traced once)."""
+    optim = make_optimizer(model, device.type == "cuda")
+
+    def spmd_step(i, idx, targets):
+        return train_step(model, optim, idx, targets, last_train_step=(i == steps - 1))
+
+    res = run_mode("spmd", spmd_step, batches, device, progress, task)
+    (entry,) = train_step.cache.values()
+    return res, [n for n in entry.runner.main_gm.graph.nodes if n.op == "call_function"]
+
+
 def train(rank: int, world_size: int, device: torch.device, args: argparse.Namespace) -> int:
     on_gpu = device.type == "cuda"
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64)
@@ -157,16 +170,9 @@ def train(rank: int, world_size: int, device: torch.device, args: argparse.Names
     dump_dir = gm_transformation.dump.folder_for_rank(0)
 
     try:
-        optim = make_optimizer(model, on_gpu)
-
-        def spmd_step(i, idx, targets):
-            return train_step(model, optim, idx, targets, last_train_step=(i == args.steps - 1))
-
-        spmd_res = run_mode("spmd", spmd_step, batches, device, progress, task)
-        (entry,) = train_step.cache.values()  # one input signature: traced once
-        graph_nodes = [n for n in entry.runner.main_gm.graph.nodes if n.op == "call_function"]  # what runs
+        spmd_res, graph_nodes = run_spmd(train_step, model, args.steps, batches, device, progress, task)
         n_allreduce = sum(n.target is torch.ops._c10d_functional.all_reduce.default for n in graph_nodes)
-        del model, optim, train_step, entry  # free the spmd copy before measuring DDP
+        del model, train_step  # free the spmd copy before measuring DDP
         ddp = DDP(ddp_init.to(device), device_ids=[device.index] if on_gpu else None)
         ddp_optim = make_optimizer(ddp, on_gpu)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode

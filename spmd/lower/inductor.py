@@ -203,11 +203,10 @@ def lean_parts(lean: Union[bool, str]) -> frozenset[str]:
 def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union[bool, str] = False) -> fx.GraphModule:
     """A copy of ``gm`` ready for Inductor; ``gm`` itself is not changed.
 
-    * ``*_copy`` view ops (``detach_copy``, ``t_copy``, ...) left by our functionalization
-      become the views they copy. Inductor has no lowering for some (``detach_copy``
-      runs as a real copy of every gradient). A view reads its base as it is when read,
-      as the graph run op by op does, and as AOT autograd's functionalization would
-      have re-derived it.
+    * ``*_copy`` view ops (``detach_copy``, ``t_copy``, ``lift_fresh_copy``, ...) become the views
+      they copy (our functionalization keeps views; a user's pass may not). Inductor has no
+      lowering for some (``detach_copy`` runs as a real copy of every gradient). A view reads
+      its base as it is when read, as AOT autograd's functionalization would have re-derived it.
     * In-place fused optimizer ops become their ``opaque_inplace_op``.
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
 

@@ -12,7 +12,8 @@ The role name is a value: the group's size, the pattern of its ranks, each relat
 (``spmd_group:2:…`` for ranks [0, 1] and for ranks [2, 3] alike: the shard groups of a hybrid mesh
 play one role on every rank), and the description its creator gave it (``default_pg``,
 ``mesh_shard``). Two live groups of one process with one pattern and description (two ``new_group``
-calls over the same ranks) cannot share it: the second keeps its own name, as before.
+calls over the same ranks) cannot share it: the second keeps its own name, as before, and a step
+whose graph carries such a name is neither kept in the compile cache nor loaded from it.
 
 Each collective also gets the name of the mesh dimension its group spans (``meta[MESH_DIM]``,
 ``mesh_dim_labels``): with tensor parallelism a step runs collectives over two or more dimensions of
@@ -43,6 +44,20 @@ def group_role(group: dist.ProcessGroup) -> tuple[int, tuple[int, ...], str]:
     return len(ranks), tuple(r - ranks[0] for r in ranks), getattr(group, "group_desc", "")
 
 
+def _role(group: dist.ProcessGroup) -> str:
+    size, pattern, desc = group_role(group)
+    return f"{ROLE_PREFIX}{size}:{hashlib.sha256(f'{pattern};{desc}'.encode()).hexdigest()[:16]}"
+
+
+def release_role(group: dist.ProcessGroup) -> None:
+    """Unregister ``group``'s role name where ``group`` holds it, so the next live group made in that role
+    takes it (``role_name``); steps compiled on ``group`` must not run after (their collectives name the role)."""
+    role = _role(group)
+    with contextlib.suppress(Exception):  # never registered
+        if dist.distributed_c10d._resolve_process_group(role) is group:
+            _unregister_process_group(role)
+
+
 def role_name(live_name: str) -> str:
     """The role name of the group registered as ``live_name``, registered for it; ``live_name`` itself
     where another live group of the process holds that role name, or where ``live_name`` names no group."""
@@ -51,8 +66,7 @@ def role_name(live_name: str) -> str:
         group = c10d._resolve_process_group(live_name)
     except Exception:  # not a registered group (a test's made-up name): nothing to rename
         return live_name
-    size, pattern, desc = group_role(group)
-    role = f"{ROLE_PREFIX}{size}:{hashlib.sha256(f'{pattern};{desc}'.encode()).hexdigest()[:16]}"
+    role = _role(group)
     live = c10d._world.pg_names  # every group not destroyed -> its name
     try:
         holder = c10d._resolve_process_group(role)
@@ -77,9 +91,18 @@ def group_names_in(gm: fx.GraphModule) -> set[str]:
     return names
 
 
+def own_names(names: set[str]) -> list[str]:
+    """Those of ``names`` (a graph's process-group names) that are not role names: this process's own
+    names, kept where another live group of the process holds the role (``role_name``)."""
+    return sorted(n for n in names if not n.startswith(ROLE_PREFIX))
+
+
 def roles_resolve(names: set[str], groups: list) -> bool:
     """Register the role name of each of ``groups`` (the live groups a step uses: ``role_name``), then
-    whether each of ``names`` (a loaded graph's, made in another process) resolves to a group here."""
+    whether each of ``names`` (a loaded graph's, made in another process) is a role name that resolves to
+    a group here. A process's own group name is never taken: in another process it may name another group."""
+    if own_names(names):
+        return False
     for group in groups:
         role_name(group.group_name)
     for name in names:

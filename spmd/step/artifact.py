@@ -9,7 +9,8 @@ as usual, where Inductor's own cache (``spmd.lower.fx_cache``) finds the code it
 Nothing in an artifact is process state: graphs are ``graph_utils.graph_record`` records, a DTensor's
 mesh is named by a parameter that lives on it (rebuilt from the live parameter), and the parallel
 mode that expanded the graph is the live one; collectives name their groups by role
-(``spmd.parallel.group_roles``), resolved to this process's groups on load. A loaded artifact is
+(``spmd.parallel.group_roles``), resolved to this process's groups on load; a step whose collectives
+keep this process's own group names (another live group holds the role) is not kept. A loaded artifact is
 checked against the live state (the graph's inputs by name, in order, and a group for each role)
 and refused, as a miss, where they differ.
 """
@@ -27,7 +28,7 @@ from ..graph_utils.graph_record import GraphRecord, UnrecordableGraph, load_grap
 from ..graph_utils.meta import NAME
 from ..lower.lowering import Lowering
 from ..parallel.data_parallel import PARALLEL_MODE
-from ..parallel.group_roles import group_names_in, roles_resolve
+from ..parallel.group_roles import group_names_in, own_names, roles_resolve
 from ..trace.accumulation import GradPlan
 from ..trace.step_state import StepState
 from .compiled_step import CompiledStep
@@ -105,6 +106,13 @@ def artifact_of(entry: CompiledStep, state: StepState) -> StepArtifact:
     runner = entry.runner
     if not isinstance(runner, IterGraphModule):
         raise UnrecordableGraph(f"the step runs a {type(runner).__name__}, not an IterGraphModule")
+    own = own_names(group_names_in(runner.logical_gm))
+    if own:
+        raise UnrecordableGraph(
+            f"its collectives name process groups {own} by this process's own names, which another process may "
+            "give to other groups: another live group over the same ranks holds their role (two device meshes or "
+            "new_group calls over the same ranks). To keep the step, destroy the group no longer used "
+            "(dist.destroy_process_group(group)) before compiling")
     grads = entry.grads
     return StepArtifact(
         logical=record_graph(runner.logical_gm),

@@ -33,7 +33,8 @@ from ..optim.state import ensure_optimizer_state
 from ..trace.step_state import StepState
 from . import job_compile
 from .artifact import artifact_of, step_from_artifact
-from .cache_key import StepKey, guards_hold, hyper_guards, restore_hyper_guards
+from .cache_key import StepKey
+from .hyper_guards import guards_hold, hyper_guards, restore_hyper_guards
 from .cache_store import CacheStore, decode, encode
 from .compiled_step import CompiledStep, first_step_slots, undo_created
 

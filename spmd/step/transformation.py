@@ -10,7 +10,6 @@ import torch.fx as fx
 from ..compile_times import phase
 from ..errors import SpmdConfigError
 from ..graph_utils import DumpOptions, request_dump
-from ..graph_utils.meta import ROLE, Role
 from ..lower.lowering import Lowering
 from ..parallel.data_parallel import STYLES, DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule

@@ -14,6 +14,8 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    end, so running the graph on the real tensors updates them. When the only writes
    are the optimizer's (the usual step), ``spmd.trace.direct_functionalize`` rewrites those
    nodes in place of a second trace; anything else is re-traced under ``functionalize``.
+   Either way views stay views (``remove="mutations"``): each kernel reads its operands laid out as
+   eager's does (a copying ``t_copy`` sent matmuls down another BLAS kernel, rounding differently).
 
 The trace leaves the user's objects as it found them (``spmd.trace.user_objects``).
 
@@ -49,7 +51,7 @@ from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_gra
 from .direct_functionalize import functionalize_optimizer_writes
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
-from .trace_errors import reporting, translated
+from .trace_errors import refuse_data_dependent_shapes, reporting, translated
 from .user_objects import reachable_objects, untouched
 
 # --- the traced result ------------------------------------------------------------
@@ -346,6 +348,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
                 if not read:
                     break
                 _specialise(state, read)  # the graph reads them as numbers: trace again with their values
+            refuse_data_dependent_shapes(impure)  # a hyperparameter read as a number is a symbol until specialised
     except SpmdCompileError:
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know
@@ -377,7 +380,7 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     with phase("trace/functionalize"), lazy_graph_modules():
         pure = functionalize_optimizer_writes(impure)  # the common case, without a second trace
         if pure is None:
-            pure = make_fx(torch.func.functionalize(replay, remove="mutations_and_views"),
+            pure = make_fx(torch.func.functionalize(replay, remove="mutations"),
                            tracing_mode="fake")(*flat_inputs)
     n_inputs = len(flat_inputs) - len(state.flat_tensors()) - len(state.hyper_slots) - len(grads.inputs)
     roles = ([Role.PARAM] * len(state.params) + [Role.BUFFER] * len(state.buffers)

@@ -20,8 +20,7 @@ caller re-traces:
 * no output of the graph is a written input or a view of one.
 
 Reads of a written input after the write read the new value (the optimizer reads the
-step counters ``_foreach_add_`` just bumped). Views stay views, where the re-trace
-would produce ``*_copy`` ops; passes accept both and Inductor gets views anyway.
+step counters ``_foreach_add_`` just bumped). Views stay views, as in the re-trace.
 """
 
 from __future__ import annotations

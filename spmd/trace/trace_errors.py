@@ -7,7 +7,9 @@ placeholder once and never again. ``reporting`` wraps the tracer so that:
 
 * the errors torch raises for steps that cannot be one graph become ``SpmdCompileError``s
   naming the cause and the fix (``translate``): shapes that depend on tensor values
-  (``nonzero``, ``x[mask]``), a tensor formatted as text, tensors on two devices;
+  (``nonzero``, ``x[mask]``), a tensor formatted as text, tensors on two devices; a shape that
+  depends on tensor values which fake tensors let through as a size symbol is refused alike
+  (``refuse_data_dependent_shapes``, on the traced graph);
 * a tensor turned into text by the user's code while tracing (``print(loss)``) warns, once
   per place, that it printed a placeholder and will print nothing on later calls;
 * a step that returns a parameter, buffer or optimizer state tensor warns that the caller
@@ -30,6 +32,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .._torch_version import FAKE_DEVICE_MISMATCH_TEXTS
 from ..errors import SpmdCompileError
@@ -49,6 +52,17 @@ def data_dependent_shape_error() -> SpmdCompileError:
         "when it is traced. Keep shapes fixed: compute on every element and mask the result, e.g. "
         "torch.where(mask, x, 0).sum() or (x * mask).sum() / mask.sum() instead of x[mask].sum()."
     )
+
+
+def refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
+    """Raise ``data_dependent_shape_error`` where a traced value's shape is a symbol the trace could not fix
+    (fake tensors let ``x[mask]`` through with an unbacked size; the graph would not be one of fixed shapes)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    shaped = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    for node in gm.graph.nodes:
+        if any(isinstance(v, shaped) and free_unbacked_symbols(v) for v in pytree.tree_leaves(node.meta.get("val"))):
+            raise data_dependent_shape_error()
 
 
 def translate(err: BaseException) -> Optional[SpmdCompileError]:
