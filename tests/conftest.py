@@ -1,5 +1,9 @@
 """Session setup: one Inductor cache for the whole run, clean torch state per test, rank pools stopped at the end.
 
+The README runs the suite on two pytest-xdist workers (``-n 2``): single-process tests use one core,
+so a second worker fills the other; both workers inherit the environment set below by the controlling
+process, so they share its Inductor cache.
+
 The environment is set here, at import, before any test module imports torch: the rank
 processes of ``tests.dist`` inherit it, so the main process and every rank share one
 Inductor cache (FX graphs and compiled C++ kernels), which starts empty each session unless
@@ -33,9 +37,14 @@ from tests.dist import reset_process_state, shutdown_pools  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _rank_pools_and_inductor_cache():
+def _rank_pools():
     yield
     shutdown_pools()
+
+
+def pytest_unconfigure(config):
+    """The session's Inductor cache goes at the very end: with ``-n 2`` the controller made it and its
+    workers, which inherit the environment, share it (one compile of each kernel for both)."""
     if _OWN_CACHE:
         shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 

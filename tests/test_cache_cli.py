@@ -36,7 +36,7 @@ def test_list_shows_each_entry_its_state_and_what_it_was_compiled_for(cache, cap
     bad_line = next(line for line in out.splitlines() if BAD[:12] in line)
     assert "ok" in good_line and "mode=replicate, world_size=2, device=cpu" in good_line and "B" in good_line
     assert "damaged" in bad_line and "fully_shard" not in bad_line  # a damaged entry's payload is not read
-    assert "2 entries" in out
+    assert "2 entries" in out and cache.root.name in out
 
 
 def test_verify_exits_1_naming_the_damaged_entry_only(cache, capsys):

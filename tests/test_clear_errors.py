@@ -79,7 +79,7 @@ def test_a_translator_that_fails_leaves_torchs_error_as_it_was(monkeypatch, capl
     model, optim = _model_and_adam()
     snap = _snapshot(model, optim)
     with pytest.raises(Exception) as info:
-        spmd.compile()(_masked)(model, optim, torch.randn(8, 4))
+        spmd.compile()(_formatted)(model, optim, torch.randn(8, 4))
     assert not isinstance(info.value, (SpmdCompileError, ImportError)), repr(info.value)
     assert "could not translate" in caplog.text and "a name this torch lacks" in caplog.text
     _assert_unchanged(model, optim, snap)

@@ -86,7 +86,8 @@ def entries_table(root: Path, entries: list[EntryInfo]):
     from rich.table import Table
 
     total = sum(e.size for e in entries)
-    table = Table(title=f"spmd compile cache {root}: {len(entries)} entries, {human_size(total)}")
+    # the folder as the caption: a long path would wrap the title, splitting its counts across lines
+    table = Table(title=f"spmd compile cache: {len(entries)} entries, {human_size(total)}", caption=str(root))
     for col in ("digest", "size", "age", "state", "compiled for"):
         table.add_column(col, justify="right" if col in ("size", "age") else "left",
                          overflow="fold" if col == "compiled for" else "ellipsis")
