@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import spmd
+from spmd._torch_version import installed
 from spmd.tools.models import GPT, GPTConfig
 from tests.dist import run_distributed
 from tests.parity import ddp_copy, eager_step, lm_train_step
@@ -59,6 +60,9 @@ def _gpt_float64(rank, world_size, inductor, impl):
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 @pytest.mark.parametrize("inductor", [False, True], ids=["passes", "passes-inductor"])
 def test_pass_pipeline_matches_eager_ddp_in_float64(inductor, impl):
+    if inductor and installed() < (2, 13):
+        pytest.skip("torch 2.11's Inductor fails float64 SDPA's backward on CPU (expected Double, found Float); "
+                    "torch.compile(GPT in float64) fails the same way there")
     run_distributed(_gpt_float64, inductor, impl)
 
 
