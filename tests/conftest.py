@@ -14,7 +14,8 @@ core. spmd's own compile cache is off (``SPMD_CACHE_DIR=""``) so each test compi
 the compile-cache tests give their own directory. Inductor takes the vector instruction sets the CPU's
 flags list as usable (``TORCHINDUCTOR_VEC_ISA_OK=1``) instead of building and loading a probe library per
 instruction set, which costs every process that compiles into an empty Inductor cache about 10 s (the
-tests that restart a job start several such processes). These settings can be overridden from the environment.
+tests that restart a job start several such processes). These settings, except the compile cache's, can be
+overridden from the environment.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ _OWN_CACHE = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="spmd_tests_inductor_")
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-os.environ.setdefault("SPMD_CACHE_DIR", "")  # spmd's compile cache off: tests that use it name their own directory
+# spmd's compile cache off, whatever the environment says (a benchmark's SPMD_CACHE_DIR once made a test load a
+# step it meant to trace): tests that use the cache name their own directory
+os.environ["SPMD_CACHE_DIR"] = ""
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(min(2, os.cpu_count() or 1)))
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")  # the CPU's vector ISAs from its flags, unprobed (see above)
 

@@ -161,7 +161,9 @@ def test_record_itermove_on_cpu_profiles_setup_main_cleanup(tmp_path):
         assert [name for name, _, _ in steps] == ["spmd.setup", "spmd.main", "spmd.cleanup"]
         spans = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events if e.get("ph") == "X"]
         window = max(b for _, b in spans) - min(a for a, _ in spans)
-        assert sum(b - a for _, a, b in steps) > 0.5 * window  # a compile inside would take ~98% of it
+        # with a compile inside, the steps would be ~2% of the window; 0.2 leaves room for a loaded host
+        # (0.44-0.45 under pytest -n 2)
+        assert sum(b - a for _, a, b in steps) > 0.2 * window
     figs = timeline.timeline_figures(load_trace_events(str(traces[0])))
     assert figs["steps"] == 3 and figs["step_ms"] > 0 and figs["comm_ms"] is None  # CPU: no GPU kernels
     saved = json.loads((out / "timeline.json").read_text())
