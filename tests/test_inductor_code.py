@@ -44,7 +44,9 @@ _SCRIPT = textwrap.dedent("""
               for _ in range(3)]
     (entry,) = step.cache.values()
     captures = [getattr(r, "captures", None) for r in entry.runner._runners.values()]
+    from torch._dynamo.utils import counters
     print(json.dumps({"phases": sorted(step.compile_times), "losses": losses, "captures": captures,
+                      "launched_as_kept": counters["inductor"]["triton_bundler_load_static_autotuner"],
                       "params": [p.tolist() for p in model.parameters()]}))
 """)
 
@@ -77,6 +79,10 @@ def test_a_restarted_process_runs_the_kept_code_without_inductor_and_trains_iden
     code = store.load(entry.digest)["code"]
     assert list(code) == ["step"] and code["step"].wrapped_ops == ("aten::_fused_adamw_.tensor_lr",)
     assert code["step"].cuda_index == (0 if device == "cuda" else None)
+    # on a GPU Triton's kernels are kept with the code, and the restart launches them without Triton
+    assert (code["step"].triton_kernels is not None) == (device == "cuda")
+    assert first["launched_as_kept"] == 0
+    assert (second["launched_as_kept"] > 0) == (device == "cuda"), second["launched_as_kept"]
 
 
 def _train_in_process(cache_dir, caplog) -> tuple[list, list]:

@@ -25,7 +25,8 @@ already functional: ``spmd.lower.decompose`` applies them node by node and
 graph means what it means when run op by op. On the CPU ``compile_fx_inner`` looks the graph
 up in Inductor's FX graph cache first (``spmd.lower.fx_cache`` says what that needs); the code
 it returns is also handed back as data (``spmd.lower.inductor_code``), which a cached step keeps
-and a restarted process loads instead of calling Inductor at all.
+and a restarted process loads instead of calling Inductor at all; on a GPU with Triton's compiled
+kernels (``spmd.lower.triton_kernels``), which that process launches without Triton.
 
 The alternative, compiling the compute regions between collectives separately, keeps
 the schedule trivially but cuts fusion at every bucket boundary, materializes every
@@ -57,6 +58,7 @@ from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
 from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import InductorCode, code_of, load_code, relocated
+from .triton_kernels import collecting as collecting_triton_kernels, emit as emit_triton_kernels
 
 log = logging.getLogger(__name__)
 
@@ -253,12 +255,13 @@ def start_compile_workers() -> None:
     AsyncCompile.wakeup()
 
 
-def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str, fx_cache: bool) -> tuple[Any, str]:
+def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str,
+                   fx_cache: bool) -> tuple[Any, str, Optional[bytes]]:
     """Inductor's post-AOT half on ``gm`` (already functional and decomposed): joint-graph passes, then
     ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace,
     looked up in Inductor's FX graph cache first where ``fx_cache`` (``spmd.lower.fx_cache``).
-    Returns what ``compile_fx_inner`` made (called on a list of the graph's inputs) and the cache lookup's
-    outcome."""
+    Returns what ``compile_fx_inner`` made (called on a list of the graph's inputs), the cache lookup's
+    outcome and, on a GPU without that cache, its Triton kernels (``spmd.lower.triton_kernels``)."""
     from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
     from torch._inductor.utils import BoxedBool, output_node
     from torch._inductor.virtualized import V
@@ -282,11 +285,13 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str, fx_cach
     outputs.meta["user_visible_output_idxs"] = [
         i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
     context = inductor_cache_context(gm, mode) if fx_cache else contextlib.nullcontext({"fx_graph_cache": "off"})
-    with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache:
+    # Triton's kernels kept with the code where the FX graph cache (which bundles them itself) is not used
+    kernels = collecting_triton_kernels(not fx_cache and _device_of(example_inputs).type == "cuda")
+    with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache, kernels as bundle:
         # Inductor gets fake inputs, as from AOT autograd: it compiles from their metadata alone, and its
         # FX graph cache key would hash a real input by value (every parameter copied to the host)
         compiled = compile_fx_inner(gm, fakes, cudagraphs=BoxedBool(False), is_inference=True)
-    return compiled, cache["fx_graph_cache"]
+    return compiled, cache["fx_graph_cache"], (bundle[0] if bundle else None)
 
 
 def _device_of(example_inputs: Sequence) -> torch.device:
@@ -328,6 +333,10 @@ def _load_kept_code(code: InductorCode, device: torch.device, label: str) -> Opt
     ``device``, or None where it does not load there (said once; the graph is then compiled)."""
     try:
         with phase(f"lower/{label}/inductor_code_load"):
+            if code.triton_kernels is not None and device.type == "cuda":
+                with phase(f"lower/{label}/inductor_code_load/triton_kernels"):
+                    launched = emit_triton_kernels(code.triton_kernels, code.cuda_index, device.index)
+                log.info("spmd: %d of the %s graph's kernels are launched as compiled before", launched, label)
             code = relocated(code, device.index if device.type == "cuda" else None)
             for name in code.wrapped_ops:  # the code calls them by name: define them first
                 opaque_inplace_op(_op_named(name))
@@ -370,11 +379,11 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
         with phase(f"lower/{label}/inductor_prepare"):
             prepared = prepare_for_inductor(gm, lean=lean)
         with phase(f"lower/{label}/inductor_compile_fx"):
-            compiled, cache = _inner_compile(prepared, list(example_inputs), label,
-                                             uses_fx_graph_cache(device, options))
+            compiled, cache, kernels = _inner_compile(prepared, list(example_inputs), label,
+                                                      uses_fx_graph_cache(device, options))
     log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,
              len(gm.graph.nodes), time.perf_counter() - start, cache)
-    code = code_of(compiled, _wrapped_ops(prepared), device.index if device.type == "cuda" else None)
+    code = code_of(compiled, _wrapped_ops(prepared), device.index if device.type == "cuda" else None, kernels)
     if code is None:
         log.info("spmd: the %s graph's Inductor code cannot be kept beside a cached step (it needs more than its "
                  "module: constants or script objects held on the side); a restart compiles it again", label)

@@ -33,17 +33,21 @@ class InductorCode:
     mutated_inputs: tuple  # inputs the graph writes: a copied one is written back
     wrapped_ops: tuple = ()  # names of the ops the code calls as ``spmd_lowering`` ops (defined before loading)
     cuda_index: Optional[int] = None  # the CUDA device the source names (None: it runs on the CPU)
+    triton_kernels: Optional[bytes] = None  # its compiled Triton kernels (``spmd.lower.triton_kernels``)
 
 
 def _empty(value: Any) -> bool:
     return value is None or len(value) == 0
 
 
-def code_of(compiled: Any, wrapped_ops: tuple = (), cuda_index: Optional[int] = None) -> Optional[InductorCode]:
+def code_of(compiled: Any, wrapped_ops: tuple = (), cuda_index: Optional[int] = None,
+            triton_kernels: Optional[bytes] = None) -> Optional[InductorCode]:
     """``compiled`` (what ``compile_fx_inner`` returned for inputs on CUDA device ``cuda_index``, or None for
     the CPU; ``wrapped_ops``: the names of the ops its graph called through
-    ``spmd.lower.inductor.opaque_inplace_op``) as an ``InductorCode``, or None where its module alone does
-    not run it (it holds constants or script objects on the side, or this torch names its parts otherwise)."""
+    ``spmd.lower.inductor.opaque_inplace_op``; ``triton_kernels``: its kernels as
+    ``spmd.lower.triton_kernels.collecting`` kept them) as an ``InductorCode``, or None where its module
+    alone does not run it (it holds constants or script objects on the side, or this torch names its parts
+    otherwise)."""
     needed = ("source_code", "inputs_to_check", "mutated_input_idxs")
     if not all(hasattr(compiled, name) for name in needed) or not isinstance(compiled.source_code, str):
         return None
@@ -57,7 +61,7 @@ def code_of(compiled: Any, wrapped_ops: tuple = (), cuda_index: Optional[int] = 
         # Inductor's own post-compile step wraps them), which must be copied back
         checked = tuple(i for i in checked if i in mutated)
     return InductorCode(compiled.source_code, tuple(getattr(compiled, "cache_linemap", None) or ()), checked, mutated,
-                        tuple(wrapped_ops), cuda_index)
+                        tuple(wrapped_ops), cuda_index, triton_kernels)
 
 
 # Where Inductor's Python wrapper and its Triton kernels name a CUDA device (group 1: the index).
