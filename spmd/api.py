@@ -56,17 +56,16 @@ def _input_name(path: tuple) -> str:
 def default_transformation(device_type: str, **settings) -> Callable:
     """What ``spmd.compile()`` does with a step whose parameters live on ``device_type`` when not told.
 
-    GPU: the fast path, our passes, Inductor with its lean lowering (``Lowering.lean``: on one H200 a
-    cold first call 20% shorter, the step 2% faster and 0.07 GiB less peak, BENCHMARKS.md), and CUDA graphs
-    where every input of a graph is on the GPU (else one warning says which input is not). CPU: our passes, without
+    GPU: the fast path, our passes, Inductor, and CUDA graphs where every input of a graph
+    is on the GPU (else one warning says which input is not). CPU: our passes, without
     Inductor (BENCHMARKS.md, "The CPU default": the passes make a gloo step faster, while
     Inductor's C++ compile takes a small model's first call from about 1 s to 15-40 s).
     ``spmd.GraphModuleTransformation()`` asks for the traced graph as it is. ``settings``: further
     ``GraphModuleTransformation`` settings on top of these (``recompute=False``).
     """
     if device_type == "cuda":
-        return GraphModuleTransformation(**{"enable_graph_optimization": True, "enable_inductor": True,
-                                            "enable_cudagraphs": "auto", "lean_lowering": True, **settings})
+        return GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
+                                         enable_cudagraphs="auto", **settings)
     return GraphModuleTransformation(enable_graph_optimization=True, **settings)
 
 

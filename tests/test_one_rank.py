@@ -55,11 +55,9 @@ def test_one_rank_buckets_leave_the_compiled_graph_and_the_step_graph_keeps_them
         assert grad.meta["val"].shape == param.meta["val"].shape
 
 
-def test_lean_lowering_is_the_gpu_default_only_and_without_it_the_graph_keeps_one_rank_reduces_and_step_count_adds():
+def test_by_default_the_compiled_graph_keeps_one_rank_reduces_and_the_step_count_add():
     assert spmd.GraphModuleTransformation(enable_inductor=True).lowering.lean is False
-    assert default_transformation("cuda").lowering.lean is True  # the GPU default (measured: BENCHMARKS.md)
-    assert default_transformation("cuda", lean_lowering=False).lowering.lean is False
-    assert default_transformation("cpu").lowering.lean is False  # no Inductor there
+    assert default_transformation("cuda").lowering.lean is False
     gm, prepared = _bucketed_step_graph(single_process_group())
     assert len(find_node(prepared.graph, is_all_reduce)) == len(find_node(gm.graph, is_all_reduce)) >= 2
     assert len(_calls(prepared.graph, aten.cat.default)) == len(_calls(gm.graph, aten.cat.default))
@@ -151,7 +149,7 @@ def test_the_lean_default_step_on_one_gpu_compiles_no_collective_and_no_step_cou
     idx = torch.randint(0, GPTConfig().vocab_size, (2, GPTConfig().block_size), device="cuda")
     with single_process_group("nccl"):
         step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=False,
-                            gm_transformation=default_transformation("cuda"))(lm_train_step)
+                            gm_transformation=default_transformation("cuda", lean_lowering=True))(lm_train_step)
         _, codes = run_and_get_code(step, model, optim, idx, idx)
     code = "\n".join(codes)
     assert "all_reduce" not in code and "wait_tensor" not in code

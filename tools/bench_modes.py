@@ -193,7 +193,7 @@ def ddp_ca(setup: Setup) -> Step:
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
           optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False,
-          recompute=True, lean=None) -> Step:
+          recompute=True, lean=False) -> Step:
     a = setup.args
     model = setup.model()
     if style == "replicate":
@@ -211,7 +211,7 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
     if fast_default:  # what @spmd.compile() gives a user who asks for nothing, but for the settings changed here
         changed = {"recompute": recompute} if recompute is not True else {}
-        if lean is not None:  # None: the default's (lean on a GPU)
+        if lean:
             changed["lean_lowering"] = lean
         transformation = default_transformation(setup.device.type, **changed) if changed else None
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
@@ -268,12 +268,11 @@ def spmd_default_recompute_off(setup: Setup) -> Step:
 _LEAN_UNAVAILABLE = _needs_cuda("lean_lowering and the default's Inductor")  # on the CPU the default runs no Inductor
 
 
-@register("spmd_default_lean_off", unavailable=_LEAN_UNAVAILABLE)
-def spmd_default_lean_off(setup: Setup) -> Step:
-    """spmd_default with ``lean_lowering=False`` (the GPU default until 2026-11-26): a group of one rank's
-    all_reduces and bucket copies stay in the graph Inductor compiles, and the fused optimizer's step counts are
-    added by a kernel per parameter."""
-    return _spmd(setup, optimize=True, fast_default=True, lean=False)
+@register("spmd_default_lean", unavailable=_LEAN_UNAVAILABLE)
+def spmd_default_lean(setup: Setup) -> Step:
+    """spmd_default with ``lean_lowering=True``: a group of one rank's all_reduces and bucket copies leave the graph
+    Inductor compiles, and the fused optimizer's step counts are added by one ATen call."""
+    return _spmd(setup, optimize=True, fast_default=True, lean=True)
 
 
 @register("spmd_default_lean_one_rank", unavailable=_LEAN_UNAVAILABLE)
