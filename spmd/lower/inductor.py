@@ -340,7 +340,7 @@ def _load_kept_code(code: InductorCode, device: torch.device, label: str) -> Opt
             code = relocated(code, device.index if device.type == "cuda" else None)
             for name in code.wrapped_ops:  # the code calls them by name: define them first
                 opaque_inplace_op(_op_named(name))
-            return load_code(code)
+            return load_code(code, lambda part: phase(f"lower/{label}/inductor_code_load/{part}"))
     except Exception as err:  # noqa: BLE001 - a kept module that does not load is a miss, not a failure
         log.warning("spmd: the kept Inductor code of the %s graph did not load (%s: %s); compiling it again",
                     label, type(err).__name__, err)

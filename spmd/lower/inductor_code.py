@@ -105,13 +105,18 @@ def _where(index: Optional[int]) -> str:
     return "the CPU" if index is None else f"cuda:{index}"
 
 
-def load_code(code: InductorCode) -> Callable[[list], Any]:
+def load_code(code: InductorCode, phase: Callable[[str], Any]) -> Callable[[list], Any]:
     """A callable running ``code`` on a list of the graph's inputs (Inductor's boxed convention: it may
-    clear the list), compiling its kernels now where the kernel caches do not hold them."""
-    from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.utils import align_inputs_from_check_idxs
-    from torch.utils._ordered_set import OrderedSet
+    clear the list), compiling its kernels now where the kernel caches do not hold them. ``phase(name)``:
+    a context timing each part (``spmd.compile_times.phase``): importing Inductor's loader, writing the
+    module, and running it (which defines its kernels)."""
+    with phase("import"):
+        from torch._inductor.codecache import PyCodeCache
+        from torch._inductor.utils import align_inputs_from_check_idxs
+        from torch.utils._ordered_set import OrderedSet
 
-    key, path = PyCodeCache.write(code.source)
-    module = PyCodeCache.load_by_key_path(key, path, list(code.linemap))
+    with phase("write"):
+        key, path = PyCodeCache.write(code.source)
+    with phase("module"):
+        module = PyCodeCache.load_by_key_path(key, path, list(code.linemap))
     return align_inputs_from_check_idxs(module.call, list(code.inputs_to_check), OrderedSet(code.mutated_inputs))
