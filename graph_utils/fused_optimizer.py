@@ -1,4 +1,4 @@
-"""Fused Adam/AdamW blocks of a step graph, and splitting one fused op into two.
+"""Fused Adam/AdamW blocks of a step graph, and splitting one fused op into two or more.
 
 Shared by the passes that split the optimizer (``passes.optimizer_split``,
 ``passes.shard_optimizer``, ``passes.iter_move``), so it lives here rather than in any of them.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -257,6 +257,20 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
         block = get_all_fused_optimizer_blocks(gm, "_fused_adam")[0]
         first, rest = split_fused_optimizer(gm, block, {block.optim.grads[0]})
     """
+    first, rest = split_fused_optimizer_parts(gm, block, [grads])
+    return first, rest
+
+
+def split_fused_optimizer_parts(gm, block: FusedOptimizerBlock, parts: Sequence[Iterable[fx.Node]]
+                                ) -> list[FusedOptimizerBlock]:
+    """``split_fused_optimizer`` into several ops at once: one per part of ``parts`` (each a set of the block's
+    gradients, disjoint), in that order, and a last one over the gradients in no part.
+
+    One pass over the graph whatever the number of parts (peeling parts off one at a time re-derives the
+    remaining op's values, and checks the whole graph, once per part). Raises ``ValueError``, graph
+    untouched, if a part is empty, holds a node that is not one of the block's gradients or one another
+    part holds, or the parts leave no gradient for the last op.
+    """
     graph = gm.graph
     optim = block.optim.optim_node
     order = node_order(graph)
@@ -266,22 +280,33 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
             "Fetch blocks again with get_all_fused_optimizer_blocks after editing the graph."
         )
     all_grads = block.optim.grads
-    wanted = list(dict.fromkeys(grads))
-    strangers = [getattr(g, "name", repr(g)) for g in wanted if not any(g is a for a in all_grads)]
-    if not wanted:
-        raise ValueError("split_fused_optimizer: grads is empty; pass the gradient nodes of the parameters to split off.")
-    if strangers:
-        raise ValueError(
-            f"split_fused_optimizer: {strangers} are not gradients of {optim.name} (its gradients: "
-            f"{[g.name for g in all_grads]}); pass a subset of block.optim.grads."
-        )
-    selected = [i for i, g in enumerate(all_grads) if g in wanted]
-    rest = [i for i in range(len(all_grads)) if i not in selected]
+    groups: list[list[int]] = []
+    taken: set[int] = set()
+    for grads in parts:
+        wanted = list(dict.fromkeys(grads))
+        strangers = [getattr(g, "name", repr(g)) for g in wanted if not any(g is a for a in all_grads)]
+        if not wanted:
+            raise ValueError("split_fused_optimizer: grads is empty; pass the gradient nodes of the parameters to "
+                             "split off.")
+        if strangers:
+            raise ValueError(
+                f"split_fused_optimizer: {strangers} are not gradients of {optim.name} (its gradients: "
+                f"{[g.name for g in all_grads]}); pass a subset of block.optim.grads."
+            )
+        wanted_set = set(wanted)
+        group = [i for i, g in enumerate(all_grads) if g in wanted_set]
+        if taken.intersection(group):
+            raise ValueError(f"split_fused_optimizer: {[all_grads[i].name for i in taken.intersection(group)]} are in "
+                             "two parts; pass disjoint parts.")
+        taken.update(group)
+        groups.append(group)
+    rest = [i for i in range(len(all_grads)) if i not in taken]
     if not rest:
         raise ValueError(
             f"split_fused_optimizer: grads covers all {len(all_grads)} gradients of {optim.name}, so nothing "
             "is left for a second op; pass a proper subset."
         )
+    groups.append(rest)
     n = len(all_grads)
     bad = [LISTS[k] for k in range(6) if len(optim.args[k]) not in (0, n)]
     if bad:
@@ -298,7 +323,6 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
     if not (_only_getitems(add, 1) and _only_getitems(optim, 2)):
         raise ValueError(f"split_fused_optimizer: {add.name} or {optim.name} has a use other than indexing its outputs.")
 
-    groups = [selected, rest]
     step_keeps = [[step_of[i] for i in g] for g in groups]
     new_adds = [_restrict(graph, add, keep) for keep in step_keeps]
     if not is_inplace(add.target):
@@ -313,5 +337,4 @@ def split_fused_optimizer(gm, block: FusedOptimizerBlock, grads: Iterable[fx.Nod
     graph.lint()
     gm.recompile()
     order = node_order(graph)
-    first, second = (_block(o, order) for o in new_optims)
-    return first, second
+    return [_block(o, order) for o in new_optims]

@@ -13,6 +13,7 @@ from ..graph_utils.fused_optimizer import (
     FusedOptimizerBlock,
     get_all_fused_optimizer_blocks,
     split_fused_optimizer,
+    split_fused_optimizer_parts,
 )
 from .iter_move import find_all_descendants, iter_move_grads_and_optimizers
 from .iteration import IterationGraph, IterMoveError
@@ -31,7 +32,8 @@ __all__ = [
     "ForeachAddBlock", "ForeachChain", "IterationGraph", "IterMoveError", "PassOrderError", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
     "comm_fusion_with_concat", "find_all_descendants", "get_all_fused_optimizer_blocks",
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
-    "remove_copy_from_optimizer", "placed_by_mode", "schedule_comm_wait", "schedule_tensor_parallel_comms", "split_fused_optimizer", "split_optimizer_per_bucket",
+    "remove_copy_from_optimizer", "placed_by_mode", "schedule_comm_wait", "schedule_tensor_parallel_comms", "split_fused_optimizer", "split_fused_optimizer_parts",
+    "split_optimizer_per_bucket",
     "UnshardedMemoryError", "guard_unsharded_memory", "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
     "split_optimizer_per_unit", "unsharded_peak", "RecomputePlan", "plan_recompute", "recompute_activations",
     "recompute_plan", "defer_state_writes", "early_writes",

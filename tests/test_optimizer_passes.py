@@ -1,4 +1,4 @@
-"""Fused-optimizer blocks, split_fused_optimizer and remove_copy_from_optimizer: structure and parity."""
+"""Fused-optimizer blocks, split_fused_optimizer(_parts) and remove_copy_from_optimizer: structure and parity."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import spmd
-from spmd.graph_utils.fused_optimizer import get_all_fused_optimizer_blocks, split_fused_optimizer
+from spmd.graph_utils.fused_optimizer import (get_all_fused_optimizer_blocks, split_fused_optimizer,
+                                             split_fused_optimizer_parts)
 from spmd.passes.optimizer_copies import remove_copy_from_optimizer
 from spmd import IterGraphModule
 from spmd.tools.models import MLP
@@ -184,3 +185,34 @@ def test_remove_copy_keeps_an_optimizer_whose_placeholder_is_read_later():
         assert len(_copies(graph)) == 24
 
     _train(torch.optim.Adam, "fused", add_late_reader, steps=1)
+
+
+@pytest.mark.parametrize("in_place_first", [False, True])
+def test_split_into_several_parts_at_once_trains_as_eager(in_place_first):
+    """Three parts and the rest in one call: four ops in the parts' order, each parameter updated once, exactly."""
+
+    def split(igm):
+        if in_place_first:
+            remove_copy_from_optimizer(igm)
+        (block,) = get_all_fused_optimizer_blocks(igm, "_fused_adamw")
+        grads = block.optim.grads
+        made = split_fused_optimizer_parts(igm, block, [[grads[5]], [grads[0], grads[1]], {grads[3]}])
+        assert [b.optim.grads for b in made] == [[grads[5]], [grads[0], grads[1]], [grads[3]], [grads[2], grads[4]]]
+        assert [b.optim.optim_node for b in get_all_fused_optimizer_blocks(igm, "_fused_adamw")] == [
+            b.optim.optim_node for b in made]
+
+    _train(torch.optim.AdamW, "fused", split, steps=3)
+
+
+def test_split_into_parts_rejects_overlapping_or_covering_parts_and_leaves_graph_untouched():
+    def check(igm):
+        (block,) = get_all_fused_optimizer_blocks(igm, "_fused_adam")
+        grads = block.optim.grads
+        before = str(igm.graph)
+        for parts, match in (([[grads[0]], [grads[1], grads[0]]], "in two parts"),
+                             ([grads[:3], grads[3:]], "covers all 6"), ([[grads[0]], []], "empty")):
+            with pytest.raises(ValueError, match=match):
+                split_fused_optimizer_parts(igm, block, parts)
+            assert str(igm.graph) == before
+
+    _train(torch.optim.Adam, "fused", check, steps=1)
