@@ -7,7 +7,7 @@ its all_reduce starts when the backward ends and nothing is left to overlap it. 
 per bucket, the update of everything that arrived during the backward runs while the
 last buckets are still being reduced; each trailing bucket's update follows its own wait.
 
-Fused Adam/AdamW ops are split by ``split_fused_optimizer``; the ``_foreach_*`` chain of a
+Fused Adam/AdamW ops are split by ``split_fused_optimizer_parts``; the ``_foreach_*`` chain of a
 foreach optimizer (torch's default on CUDA) by ``split_foreach_chain``, every op of it cut
 by parameter position. The split changes no numerics: both update every parameter
 independently. Each part costs a few kernel launches, so only the last ``max_parts - 1``
@@ -28,7 +28,7 @@ from ..graph_utils.meta import BUCKET
 from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import schedule_comm_wait
 from ..graph_utils.foreach_chains import ForeachChain, foreach_chains, positions_by_part, split_foreach_chain
-from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
+from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer_parts
 from ..graph_utils.waits import UNPACK_OPS, place_waits_before_first_use
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
@@ -149,8 +149,7 @@ def split_optimizer_per_bucket(gm, max_parts: int = 4) -> None:
             parts = _parts(block.optim.grads, bucket_index, max_parts)
             if parts is None:
                 continue
-            for part in parts[:-1]:
-                _, block = split_fused_optimizer(gm, block, part)
+            split_fused_optimizer_parts(gm, block, parts[:-1])  # the last part: what is left
         except ValueError as err:
             log.warning("split_optimizer_per_bucket: left %s (or what remains of it) as one op: %s",
                         optim_node.name, err)

@@ -193,10 +193,10 @@ def test_default_pipeline_splits_after_wait_scheduling_unless_asked_for_one_opti
 def test_an_optimizer_graph_it_cannot_split_is_left_whole_with_a_warning(monkeypatch, caplog):
     import spmd.passes.optimizer_split as module
 
-    def refuse(gm, block, grads):
+    def refuse(gm, block, parts):
         raise ValueError("unrecognized step update")
 
-    monkeypatch.setattr(module, "split_fused_optimizer", refuse)
+    monkeypatch.setattr(module, "split_fused_optimizer_parts", refuse)
     with caplog.at_level("WARNING", logger="spmd.passes.optimizer_split"):
         _, _, igm = trace_with_passes("gpt", [fusion(0.02), schedule_comm_wait, split_optimizer_per_bucket],
                                       optim="fused")
