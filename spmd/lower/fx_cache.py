@@ -14,7 +14,8 @@ it does not: the definition of a custom op the code names. Ours (``spmd_lowering
 see ``spmd.lower.inductor.opaque_inplace_op``) are defined by spmd, and their schemas
 say which arguments Inductor may treat as written; so their schemas go into the key
 through ``torch.compiler.config.cache_key_tag``. Their Python implementations are looked
-up when the compiled code runs, not baked into it.
+up when the compiled code runs, not baked into it. Nor does it see the fusion rule we patch
+into its scheduler (``spmd.lower.foreach_fusion``), which the tag names for graphs it applies to.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from typing import Iterator
 
 import torch
 import torch.fx as fx
+
+from ..graph_utils.optimizer_ops import is_foreach
+from .foreach_fusion import FOREACH_FUSION_RULE
 
 OPAQUE_NAMESPACE = "spmd_lowering"
 
@@ -45,13 +49,16 @@ def _user_tag() -> str:
 
 
 def _cache_key_tag(gm: fx.GraphModule) -> str:
-    """The user's ``cache_key_tag`` followed by a digest of our ops' schemas (the user's tag alone if none)."""
-    user_tag = _user_tag()
+    """The user's ``cache_key_tag`` followed by a digest of our ops' schemas and, for a graph with foreach
+    ops, the name of the fusion rule we compile it under (``spmd.lower.foreach_fusion``): code Inductor
+    made before that rule is not reused. The user's tag alone where neither applies."""
+    parts = [_user_tag()] if _user_tag() else []
     schemas = opaque_schemas(gm)
-    if not schemas:
-        return user_tag
-    digest = hashlib.sha256("\n".join(schemas).encode()).hexdigest()[:16]
-    return f"{user_tag}|{OPAQUE_NAMESPACE}:{digest}" if user_tag else f"{OPAQUE_NAMESPACE}:{digest}"
+    if schemas:
+        parts.append(f"{OPAQUE_NAMESPACE}:{hashlib.sha256(chr(10).join(schemas).encode()).hexdigest()[:16]}")
+    if any(n.op == "call_function" and is_foreach(n.target) for n in gm.graph.nodes):
+        parts.append(FOREACH_FUSION_RULE)
+    return "|".join(parts)
 
 
 def _lookups() -> dict[str, int]:

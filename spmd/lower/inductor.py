@@ -54,6 +54,7 @@ from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch
 from ..compile_times import phase
 from ..errors import SpmdCompileError
 from .decompose import decompose_for_inductor
+from .foreach_fusion import fusing_producers_safely
 from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
 from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
@@ -287,7 +288,8 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str,
     context = inductor_cache_context(gm, mode) if fx_cache else contextlib.nullcontext({"fx_graph_cache": "off"})
     # Triton's kernels kept with the code where the FX graph cache (which bundles them itself) is not used
     kernels = collecting_triton_kernels(not fx_cache and _device_of(example_inputs).type == "cuda")
-    with phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache, kernels as bundle:
+    with (phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache, kernels as bundle,
+          fusing_producers_safely()):
         # Inductor gets fake inputs, as from AOT autograd: it compiles from their metadata alone, and its
         # FX graph cache key would hash a real input by value (every parameter copied to the host)
         compiled = compile_fx_inner(gm, fakes, cudagraphs=BoxedBool(False), is_inference=True)
