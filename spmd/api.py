@@ -25,6 +25,7 @@ from .checks.optimizer_probe import check_optimizers
 from .compile_times import phase, recording
 from .errors import SpmdCompileError, SpmdConfigError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
+from .lower.preload import import_for_inductor, may_lower_through_inductor
 from .optim.amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
 from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
@@ -56,8 +57,9 @@ def _input_name(path: tuple) -> str:
 def default_transformation(device_type: str, **settings) -> Callable:
     """What ``spmd.compile()`` does with a step whose parameters live on ``device_type`` when not told.
 
-    GPU: the fast path, our passes, Inductor, and CUDA graphs where every input of a graph
-    is on the GPU (else one warning says which input is not). CPU: our passes, without
+    GPU: the fast path, our passes, Inductor with the lean lowering (``lean_lowering=True``: exact
+    rewrites that take work out of what Inductor compiles), and CUDA graphs where every input of a
+    graph is on the GPU (else one warning says which input is not). CPU: our passes, without
     Inductor (BENCHMARKS.md, "The CPU default": the passes make a gloo step faster, while
     Inductor's C++ compile takes a small model's first call from about 1 s to 15-40 s).
     ``spmd.GraphModuleTransformation()`` asks for the traced graph as it is. ``settings``: further
@@ -65,7 +67,7 @@ def default_transformation(device_type: str, **settings) -> Callable:
     """
     if device_type == "cuda":
         return GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
-                                         enable_cudagraphs="auto", **settings)
+                                         enable_cudagraphs="auto", **{"lean_lowering": True, **settings})
     return GraphModuleTransformation(enable_graph_optimization=True, **settings)
 
 
@@ -593,6 +595,8 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     def decorator(fn: Callable) -> CompiledTrainStep:
         if not callable(fn):
             raise SpmdConfigError(f"spmd.compile: decorates a train step function, got {type(fn).__name__} {fn!r}.")
+        if may_lower_through_inductor(gm_transformation):  # as torch.compile does when it wraps
+            import_for_inductor()
         return CompiledTrainStep(fn, module_override, gm_transformation, mode, cache_dir)
 
     return decorator

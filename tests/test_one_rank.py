@@ -55,9 +55,10 @@ def test_one_rank_buckets_leave_the_compiled_graph_and_the_step_graph_keeps_them
         assert grad.meta["val"].shape == param.meta["val"].shape
 
 
-def test_by_default_the_compiled_graph_keeps_one_rank_reduces_and_the_step_count_add():
+def test_without_lean_lowering_the_compiled_graph_keeps_one_rank_reduces_and_the_step_count_add():
     assert spmd.GraphModuleTransformation(enable_inductor=True).lowering.lean is False
-    assert default_transformation("cuda").lowering.lean is False
+    assert default_transformation("cuda").lowering.lean is True  # spmd.compile()'s GPU default
+    assert default_transformation("cuda", lean_lowering=False).lowering.lean is False
     gm, prepared = _bucketed_step_graph(single_process_group())
     assert len(find_node(prepared.graph, is_all_reduce)) == len(find_node(gm.graph, is_all_reduce)) >= 2
     assert len(_calls(prepared.graph, aten.cat.default)) == len(_calls(gm.graph, aten.cat.default))

@@ -38,8 +38,8 @@ class Lowering:
     work out of the graph Inductor compiles (``prepare_for_inductor``): True for all of
     ``LEAN_PARTS``, one of them by name (``"one_rank"``: a gradient all_reduce over a group of one
     rank and its bucket's copies leave the graph; ``"step_counts"``: a fused optimizer's step counts
-    are added in place by one ATen call), False (the default) for none. Off by default until measured
-    on a GPU (BENCHMARKS.md).
+    are added in place by one ATen call), False (the default here) for none; ``spmd.compile()``'s GPU
+    default turns it on (``spmd.api.default_transformation``; measured in BENCHMARKS.md).
     """
 
     inductor: bool = False
