@@ -17,6 +17,7 @@ and refused, as a miss, where they differ.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -135,6 +136,13 @@ def expected_input_names(state: StepState, n_inputs: int, grad_inputs: tuple) ->
             + [f"{state.param_names[i]}.grad" for i in grad_inputs])
 
 
+def _expanded(record: GraphRecord, parallel_mode: Any) -> fx.GraphModule:
+    """The expanded graph ``record`` holds, marked with the live ``parallel_mode`` that expanded it."""
+    expanded = load_graph(record)
+    expanded.meta[PARALLEL_MODE] = parallel_mode
+    return expanded
+
+
 def step_from_artifact(artifact: StepArtifact, state: StepState, parallel_mode: Any,
                        n_inputs: int) -> Optional[CompiledStep]:
     """The ``CompiledStep`` ``artifact`` holds, for ``state`` and ``n_inputs`` user tensors, or None where
@@ -152,10 +160,9 @@ def step_from_artifact(artifact: StepArtifact, state: StepState, parallel_mode: 
         runner.graph.move_to_next_iter_before([nodes[n] for n in names], nodes[target])
     runner.finalize_setup()
     runner.lowering = artifact.lowering
-    expanded = load_graph(artifact.expanded)
-    expanded.meta[PARALLEL_MODE] = parallel_mode
     grads = artifact.grads
     plan = GradPlan(tuple(grads["inputs"]), tuple(grads["outputs"]), [_spec(s, state) for s in grads["specs"]],
                     frozenset(grads["kept"]))
-    return CompiledStep(runner, pytree.treespec_loads(artifact.out_spec), expanded, grads=plan,
+    return CompiledStep(runner, pytree.treespec_loads(artifact.out_spec),
+                        functools.partial(_expanded, artifact.expanded, parallel_mode), grads=plan,
                         dtensors={i: _spec(s, state) for i, s in artifact.dtensors.items()})

@@ -8,7 +8,7 @@ inputs and before that call runs (the lower stage); from then on calls only run 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -27,7 +27,9 @@ class CompiledStep:
 
     runner: Callable
     out_spec: pytree.TreeSpec
-    graph: fx.GraphModule  # the expanded graph, before the user transformation
+    # the expanded graph, before the user transformation, or what rebuilds it when first read (``graph``):
+    # a step loaded from the compile cache runs without it, and on one rank never reads it
+    graph_source: Union[fx.GraphModule, Callable[[], fx.GraphModule]]
     hyper_tensors: list[torch.Tensor] = field(default_factory=list)  # kept across calls: CUDA graphs read them in place
     hyper_values: list[float] = field(default_factory=list)
     first_step: dict[int, float] = field(default_factory=dict)  # hyper slot -> its value for the first run only
@@ -40,6 +42,13 @@ class CompiledStep:
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.trace.step_outputs)
     lowered: bool = False  # ``lower`` ran: calls only run ``runner`` from then on
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        """The expanded graph (rebuilt on first read for a step loaded from the compile cache)."""
+        if not isinstance(self.graph_source, fx.GraphModule):
+            self.graph_source = self.graph_source()
+        return self.graph_source
 
     def lower(self, inputs: list, kept: Optional[dict] = None) -> None:
         """The lower stage: compile each graph the step runs (``IterGraphModule.lower``) for ``inputs``,
