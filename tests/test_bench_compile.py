@@ -43,19 +43,21 @@ def test_cold_then_warm_runs_on_two_gloo_ranks_compile_once_then_not_at_all(tmp_
     assert "spmd_pipeline: spmd compile phases" in proc.stdout and "(loaded)" in proc.stdout
 
 
-def _run(first: float, loss: float = 4.0, compiled=(0,), phases=None) -> dict:
+def _run(first: float, loss: float = 4.0, compiled=(0,), phases=None, wrap: float = 0.0) -> dict:
     ranks = [dict(compile_times=phases or {}, first_call_s=first)]
-    return dict(status="ok", first_call_s=first, last_call_ms=10.0, warmup_s=first, loss=loss, device="cpu",
+    return dict(status="ok", first_call_s=first, wrap_s=wrap, ready_s=wrap + first, last_call_ms=10.0, warmup_s=first, loss=loss, device="cpu",
                 caches={"fxgraph_cache_hit": 2}, torch_timings={"compile_fx_inner": first / 2},
                 compiled_on=list(compiled), loaded_on=[], ranks=ranks)
 
 
 def test_ratios_against_cold_and_against_torch_compile():
-    rows = [dict(mode="single_compile", cold=_run(20.0), warm=_run(2.0)),
+    rows = [dict(mode="single_compile", cold=_run(20.0), warm=_run(2.0, wrap=1.0)),
             dict(mode="spmd_default", cold=_run(30.0), warm=_run(1.0)),
             dict(mode="spmd_pipeline", cold=_run(25.0), warm=dict(status="error", reason="exit status 1"))]
     bc.add_ratios(rows)
     assert rows[0]["warm_over_cold"] == pytest.approx(0.1) and rows[0]["cold_over_reference"] == 1.0
+    # torch.compile's wrapping (its imports) counts with its first call: (0 + 1) / (1 + 2)
+    assert rows[1]["warm_ready_over_reference"] == pytest.approx(1 / 3) and rows[1]["cold_ready_over_reference"] == 1.5
     assert rows[1]["warm_over_cold"] == pytest.approx(1 / 30)
     assert rows[1]["cold_over_reference"] == pytest.approx(1.5) and rows[1]["warm_over_reference"] == pytest.approx(0.5)
     assert rows[2]["warm_over_cold"] is None and rows[2]["warm_over_reference"] is None

@@ -17,6 +17,9 @@ how many ranks compiled (one compile per job: one rank per distinct step; none i
 kernels Inductor generated in the cold run (on a GPU, in brackets, how many Triton compiled afresh). Then spmd's
 compile phases (``CompiledTrainStep.compile_times``) of the cold run's compiling rank, of a rank that
 loaded what it made, and of the warm run, and torch's own ``dynamo_timed`` timers of the cold run.
+The wrapping (``torch.compile(model)``, ``spmd.compile(...)(step)``) is timed apart and shown with its
+ratio added to the first call's: ``torch.compile`` imports Dynamo and Inductor when it wraps (0.8 s on a
+CPU of ours), before its first call starts, where ``spmd.compile`` does so in its first call.
 ``--profile MODE`` adds a cProfile of MODE's first call on rank 0, cold and warm. ``--json`` keeps it all.
 """
 
@@ -128,7 +131,9 @@ def merge(ranks: list[dict], wall_s: float) -> dict:
     rank whether it compiled (traced), loaded, and its phases."""
     compiled = [r for r, rec in enumerate(ranks) if "trace" in rec["compile_times"]]
     loaded = [r for r, rec in enumerate(ranks) if "cache_load" in rec["compile_times"]]
-    return dict(status="ok", first_call_s=max(r["first_call_s"] for r in ranks), last_call_ms=ranks[0]["last_call_ms"],
+    return dict(status="ok", first_call_s=max(r["first_call_s"] for r in ranks),
+                wrap_s=max(r.get("wrap_s", 0.0) for r in ranks), ready_s=max(r.get("ready_s", r["first_call_s"]) for r in ranks),
+                last_call_ms=ranks[0]["last_call_ms"],
                 warmup_s=max(r["warmup_s"] for r in ranks), loss=ranks[0]["loss"], device=ranks[0]["device"],
                 kernels=max(r.get("kernels", 0) for r in ranks),
                 caches=ranks[0]["caches"], torch_timings=ranks[0]["torch_timings"], compiled_on=compiled,
@@ -163,7 +168,8 @@ def measure_rank(rank: int, world: int, device: torch.device, args) -> int:
         times.append(time.perf_counter() - start)
         if i == 0:
             first_loss = loss.item()
-    record = dict(rank=rank, first_call_s=times[0], last_call_ms=1000 * times[-1],
+    wrap_s = getattr(step, "wrap_s", 0.0)
+    record = dict(rank=rank, first_call_s=times[0], wrap_s=wrap_s, ready_s=wrap_s + times[0], last_call_ms=1000 * times[-1],
                   warmup_s=max(0.0, sum(times) - len(times) * times[-1]), loss=first_loss,
                   device=torch.cuda.get_device_name(device) if setup.cuda else "cpu",
                   caches={k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
@@ -179,18 +185,20 @@ def measure_rank(rank: int, world: int, device: torch.device, args) -> int:
     return 0
 
 
-def _ratio(a: dict, b: Optional[dict]) -> Optional[float]:
+def _ratio(a: dict, b: Optional[dict], key: str = "first_call_s") -> Optional[float]:
     ok = b is not None and a["status"] == b["status"] == "ok"
-    return a["first_call_s"] / b["first_call_s"] if ok else None
+    return a[key] / b[key] if ok else None
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Per mode: ``warm_over_cold``, and ``cold_over_reference``/``warm_over_reference`` against single_compile."""
+    """Per mode: ``warm_over_cold``, and ``cold_over_reference``/``warm_over_reference`` against single_compile,
+    of the first call alone and (``*_ready_*``) of the wrapping (``bench_modes.timed_wrap``) plus the first call."""
     ref = next((r for r in rows if r["mode"] == REFERENCE), None)
     for r in rows:
         r["warm_over_cold"] = _ratio(r["warm"], r["cold"])
-        r["cold_over_reference"] = _ratio(r["cold"], ref and ref["cold"])
-        r["warm_over_reference"] = _ratio(r["warm"], ref and ref["warm"])
+        for run in RUNS:
+            r[f"{run}_over_reference"] = _ratio(r[run], ref and ref[run])
+            r[f"{run}_ready_over_reference"] = _ratio(r[run], ref and ref[run], "ready_s")
 
 
 def _fmt(x: Optional[float], spec: str) -> str:
@@ -209,19 +217,23 @@ def report(console, rows: list[dict], args, device: torch.device) -> None:
                         "each run a fresh job", caption=f"first calls synchronized, the slowest rank's; "
                                                         f"x {REFERENCE}: this mode's first call / {REFERENCE}'s")
     for col in ("mode", "cold s", "warm s", "warm/cold", f"cold x {REFERENCE}", f"warm x {REFERENCE}",
+                "wrap s cold/warm", "wrap + first call x cold/warm",
                 "last call ms cold/warm", "same loss", "ranks compiled cold/warm", "kernels (compiled) cold", "note"):
         table.add_column(col, justify="left" if col in ("mode", "note") else "right")
     for r in rows:
         cold, warm = r["cold"], r["warm"]
         bad = next((run for run in (cold, warm) if run["status"] != "ok"), None)
         if bad is not None:
-            table.add_row(r["mode"], *["—"] * 9, f"[red]{escape(bad['reason'])}[/]")
+            table.add_row(r["mode"], *["—"] * 11, f"[red]{escape(bad['reason'])}[/]")
             continue
         spmd = bool(cold["ranks"][0]["compile_times"])
         compiled = f"{len(cold['compiled_on'])}/{len(warm['compiled_on'])}" if spmd else "—"
         table.add_row(r["mode"], f"{cold['first_call_s']:.2f}", f"{warm['first_call_s']:.2f}",
                       _fmt(r["warm_over_cold"], ".2f"), _fmt(r["cold_over_reference"], ".2f"),
-                      _fmt(r["warm_over_reference"], ".2f"), f"{cold['last_call_ms']:.1f}/{warm['last_call_ms']:.1f}",
+                      _fmt(r["warm_over_reference"], ".2f"),
+                      f"{cold.get('wrap_s', 0.0):.2f}/{warm.get('wrap_s', 0.0):.2f}",
+                      f"{_fmt(r.get('cold_ready_over_reference'), '.2f')}/{_fmt(r.get('warm_ready_over_reference'), '.2f')}",
+                      f"{cold['last_call_ms']:.1f}/{warm['last_call_ms']:.1f}",
                       "yes" if cold["loss"] == warm["loss"] else "[red]no[/]", compiled, _kernels(cold),
                       ", ".join(f"{k}={v}" for k, v in sorted(warm["caches"].items()) if v))
     console.print(table)

@@ -22,8 +22,9 @@ suite's ``shard`` part).
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -135,12 +136,25 @@ def _needs_inductor(what: str):
     return reason
 
 
+def timed_wrap(wrap: Callable[[], Any]) -> tuple[Any, float]:
+    """``wrap()`` (``torch.compile(...)``, ``spmd.compile(...)(step)``) and the seconds it took: the compile
+    benchmark adds them to the first call, as ``torch.compile`` imports Dynamo and Inductor when it wraps,
+    where ``spmd.compile`` imports what it needs in the first call."""
+    start = time.perf_counter()
+    wrapped = wrap()
+    return wrapped, time.perf_counter() - start
+
+
 def _eager(setup: Setup, wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> Step:
     model = setup.model()
     optim = setup.optimizer(model.parameters())
-    wrapped = wrap(model)
+    wrapped, wrap_s = timed_wrap(lambda: wrap(model))
     autocast = not setup.args.no_autocast
-    return lambda idx, targets, last_train_step=False: train_step(wrapped, optim, idx, targets, autocast)
+
+    def step(idx, targets, last_train_step=False):
+        return train_step(wrapped, optim, idx, targets, autocast)
+    step.wrap_s = wrap_s
+    return step
 
 
 @register("single_eager", single=True)
@@ -182,18 +196,19 @@ def ddp_ca(setup: Setup) -> Step:
     with patch():
         model = setup.ddp(setup.model())
         optim = setup.optimizer(model.parameters())
-        compiled = torch.compile(train_step, backend=setup.backend)
+        compiled, wrap_s = timed_wrap(lambda: torch.compile(train_step, backend=setup.backend))
     autocast = not setup.args.no_autocast
 
     def step(idx, targets, last_train_step=False):
         with patch():
             return compiled(model, optim, idx, targets, autocast)
+    step.wrap_s = wrap_s
     return step
 
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
           optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False,
-          recompute=True, lean=False) -> Step:
+          recompute=True, lean: Optional[object] = None) -> Step:
     a = setup.args
     model = setup.model()
     if style == "replicate":
@@ -204,6 +219,7 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         spmd.shard(model, mode)
         autocast = setup.sharded_autocast
     optim = setup.optimizer(model.parameters(), capturable=setup.cuda, impl=optimizer_impl)
+    start = time.perf_counter()
     transformation = spmd.GraphModuleTransformation(
         enable_graph_optimization=optimize, bucket_size_mb=a.bucket_mb, optimizer_parts=a.optimizer_parts,
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
@@ -211,13 +227,15 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
     if fast_default:  # what @spmd.compile() gives a user who asks for nothing, but for the settings changed here
         changed = {"recompute": recompute} if recompute is not True else {}
-        if lean:
+        if lean is not None:
             changed["lean_lowering"] = lean
         transformation = default_transformation(setup.device.type, **changed) if changed else None
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
+    wrap_s = time.perf_counter() - start
 
     def step(idx, targets, last_train_step=False):
         return compiled(model, optim, idx, targets, autocast, last_train_step=last_train_step)
+    step.wrap_s = wrap_s
     step.compile_times = lambda: compiled.compile_times  # seconds per compile phase, for the JSON
     return step
 
@@ -270,9 +288,15 @@ _LEAN_UNAVAILABLE = _needs_cuda("lean_lowering and the default's Inductor")  # o
 
 @register("spmd_default_lean", unavailable=_LEAN_UNAVAILABLE)
 def spmd_default_lean(setup: Setup) -> Step:
-    """spmd_default with ``lean_lowering=True``: a group of one rank's all_reduces and bucket copies leave the graph
-    Inductor compiles, and the fused optimizer's step counts are added by one ATen call."""
+    """spmd_default with ``lean_lowering=True`` (the GPU default since 2026-11-26): a group of one rank's all_reduces
+    and bucket copies leave the graph Inductor compiles, and the fused optimizer's step counts are added by one ATen call."""
     return _spmd(setup, optimize=True, fast_default=True, lean=True)
+
+
+@register("spmd_default_not_lean", unavailable=_LEAN_UNAVAILABLE)
+def spmd_default_not_lean(setup: Setup) -> Step:
+    """spmd_default with ``lean_lowering=False``: the GPU default until 2026-11-26."""
+    return _spmd(setup, optimize=True, fast_default=True, lean=False)
 
 
 @register("spmd_default_lean_one_rank", unavailable=_LEAN_UNAVAILABLE)
