@@ -67,6 +67,7 @@ from .bench_compile import torch_timings
 from .bench_modes import MODES, Setup, add_model_arguments, modes_help, parse_modes
 from .bench_report import ATOL, RTOL, add_parity_and_ratio, console_for_logs, machine_info, section_table, summarize
 from .launch import launch
+from .memory_measure import allocate_matmul_workspaces
 
 N_BATCHES = 4  # distinct (idx, targets) pairs per rank, cycled
 TORCH_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")  # dynamo (+ AOT, Inductor); lazy backward
@@ -158,6 +159,7 @@ class ModeRun:
     def build_and_warm_up(self, warmup: int) -> None:
         cuda = self.setup.cuda
         if cuda:
+            allocate_matmul_workspaces()  # cuBLAS's workspaces count in no mode's peak, not only the first's
             torch.cuda.reset_peak_memory_stats()
         self.baseline = torch.cuda.memory_allocated() if cuda else 0
         self.warmup = warmup

@@ -48,6 +48,7 @@ import spmd
 
 from .bench_modes import train_step
 from .launch import default_nproc, launch
+from .memory_measure import allocate_matmul_workspaces
 from .tp_models import TPBlock, TPGPT, TPGPTConfig, parallelize
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -169,6 +170,7 @@ def measure(mode: str, args, mesh, device) -> dict:
     record: dict = {"mode": mode}
     try:
         if gpu:
+            allocate_matmul_workspaces()
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if gpu else 0
         step = _build(mode, args, mesh, device)
