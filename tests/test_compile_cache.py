@@ -57,6 +57,21 @@ def test_a_restarted_process_loads_the_step_and_trains_bit_identically(tmp_path)
     assert len(list(tmp_path.glob("*.spmd"))) == 1
 
 
+def test_a_loaded_step_rebuilds_its_expanded_graph_only_when_it_is_read(tmp_path):
+    from spmd.parallel.data_parallel import PARALLEL_MODE
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    compiled, loaded = (spmd.compile(cache_dir=str(tmp_path))(train_step) for _ in range(2))
+    for step in (compiled, loaded):  # each on a fresh model and optimizer: the same key
+        model, _, opt, _ = _model_and_optim()
+        step(model, opt, x)
+    (made,), (entry,) = compiled.cache.values(), loaded.cache.values()
+    assert "cache_load" in loaded.compile_times and not isinstance(entry.graph_source, torch.fx.GraphModule)
+    graph = entry.graph  # read (spmd.explain, the ranks' agreement): rebuilt from the entry, once
+    assert isinstance(graph, torch.fx.GraphModule) and entry.graph is graph and PARALLEL_MODE in graph.meta
+    assert [n.target for n in graph.graph.nodes] == [n.target for n in made.graph.graph.nodes]
+
+
 def _model_and_optim(momentum=0.9):
     torch.manual_seed(0)
     model = MLP(layers=2, dim=8).double()
