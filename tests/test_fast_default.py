@@ -63,6 +63,7 @@ def test_cudagraphs_setting_is_checked_where_it_is_written():
 
 def test_inductor_options_are_added_to_ours_and_checked():
     assert inductor_config()["max_pointwise_cat_inputs"] == 64  # one kernel for a unit's casts into its gather
+    assert inductor_config()["graph_partition"] is False  # for Inductor's CUDA graphs, never ours (test_inductor_code)
     extra = inductor_config(extra={"combo_kernels": True})
     assert extra["combo_kernels"] is True and extra["reorder_for_compute_comm_overlap"] is False
     with pytest.raises(ValueError, match="no Inductor option not_an_inductor_option"):
@@ -73,3 +74,4 @@ def test_inductor_options_are_added_to_ours_and_checked():
                                        inductor_options={"reorder_for_compute_comm_overlap": True})
     with pytest.raises(ValueError, match="inductor_options need enable_inductor=True"):
         spmd.GraphModuleTransformation(inductor_options={"combo_kernels": True})
+

@@ -103,6 +103,8 @@ def test_kept_code_that_does_not_load_is_compiled_again_and_replaced(tmp_path, c
     losses, _ = _train_in_process(tmp_path, caplog)
     store = CacheStore(tmp_path)
     (entry,) = store.entries()
+    code = store.load(entry.digest)["code"]["step"].source
+    assert "def call(" in code and "class Runner" not in code, "one plain call: no graph partitions (inductor_config)"
     broken = InductorCode("raise RuntimeError('not this module')", (), (), ())
     store.save(entry.digest, {**store.load(entry.digest), "code": {"step": broken}})
     again, phases = _train_in_process(tmp_path, caplog)

@@ -10,6 +10,8 @@ unsharded-memory guard), plus ``spmd.explain``'s list of collectives.
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.fx as fx
 
 import spmd
 from spmd.graph_utils.meta import KEEP, UNIT
@@ -122,3 +124,41 @@ def test_explain_lists_every_collective_with_phase_and_unit(group):
     assert [r["pass"] for r in plan.passes][:4] == ["schedule_tensor_parallel_comms", "prefetch_unit_gathers",
                                                     "schedule_reduce_scatter_waits", "split_optimizer_per_unit"]
     assert not optim.state and not step.cache
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_the_optimizers_list_ops_traced_on_local_shards_make_the_graph_dtensor_makes(group, monkeypatch, impl):
+    """With mixed precision the optimizer updates DTensors: fused and foreach AdamW's in-place list ops skip DTensor's sharding propagation (``spmd.optim.local_shards``), and the graph is exactly
+    the one DTensor's dispatch traces."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import spmd.optim.hyperparams as hyperparams
+    import spmd.optim.local_shards as local_shards
+
+    def expanded_code(local: bool) -> tuple[list, int]:
+        monkeypatch.setattr(hyperparams.HyperMode, "local_shards", local)
+        ran = []
+        real = local_shards.on_local_shards
+        monkeypatch.setattr(hyperparams, "on_local_shards",
+                            lambda *a: ran.append(out := real(*a)) or out)
+        model = gpt()
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy(), mp_policy=mp)
+        spmd.shard(model, mode)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3, **{impl: True})
+        step = spmd.compile(parallel_mode=mode)(plain_step)
+        idx, targets = next(batches(0, 1))
+        state = step.prepare_state((model, optim, idx, targets), {})
+        gm, _, _, created = step.trace_and_expand(state, (model, optim, idx, targets), {})
+        for made in created:
+            made.undo()
+        # torch 2.11's DTensor leaves a dead copy of the fused op (its output metadata, run on empty tensors)
+        gm.graph.eliminate_dead_code()
+        index = {node: i for i, node in enumerate(gm.graph.nodes)}
+        ops = [(n.op, str(n.target), str(fx.node.map_arg((n.args, n.kwargs), index.get))) for n in gm.graph.nodes]
+        return ops, sum(out is not NotImplemented for out in ran)
+
+    local, on_shards = expanded_code(True)
+    through_dtensor, _ = expanded_code(False)
+    assert on_shards >= 1, "the update ran on the local shards"
+    assert local == through_dtensor

@@ -90,6 +90,11 @@ _opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
 # parameters cast for its gather, a gradient bucket's casts) becomes one kernel up to this many inputs
 # (Inductor's default, 8, launches one copy kernel per input past it). Set where this torch has it.
 _LAUNCH_CONFIG = {"max_pointwise_cat_inputs": 64}
+# Less compile, the same code: Inductor's graph partitions exist for its own CUDA graphs, which our
+# graphs never use (``compile_fx_inner(cudagraphs=False)``; CUDA graphs are ours, ``spmd.lower.cudagraphs``),
+# so every node lands in one partition, generated as without partitions; but finding that partition's
+# inputs walks every node's free symbols, over a second at 1.3B parameters. Set where this torch has it.
+_COMPILE_TIME_CONFIG = {"graph_partition": False}
 
 
 # For comparison only: Inductor's own overlap scheduler and bucketer decide where collectives go.
@@ -107,7 +112,7 @@ def inductor_config(inductor_comm_passes: bool = False, extra: Optional[dict] = 
     Raises ``SpmdCompileError`` when this torch lacks one of the options (renamed or
     removed), except one ``_ABSENT_BEFORE`` says a torch this old may lack: Inductor
     would otherwise silently reorder the collectives our passes placed. ``_LAUNCH_CONFIG``
-    is added where this torch has it, then ``extra`` (``check_inductor_options``).
+    and ``_COMPILE_TIME_CONFIG`` are added where this torch has them, then ``extra`` (``check_inductor_options``).
     """
     import torch._inductor.config as config
 
@@ -122,7 +127,7 @@ def inductor_config(inductor_comm_passes: bool = False, extra: Optional[dict] = 
             "Lowering without it could silently reorder communication. Use a torch version spmd is tested with "
             f"({tested_range()}), or run without Inductor (GraphModuleTransformation(enable_inductor=False))."
         )
-    launch = {k: v for k, v in _LAUNCH_CONFIG.items() if k in known}
+    launch = {k: v for k, v in {**_LAUNCH_CONFIG, **_COMPILE_TIME_CONFIG}.items() if k in known}
     return {**launch, **{k: v for k, v in wanted.items() if k in known}, **check_inductor_options(extra)}
 
 

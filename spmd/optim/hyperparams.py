@@ -47,6 +47,7 @@ from .._torch_version import add_dtensor_list_strategies
 from ..graph_utils.optimizer_ops import fused_float_args
 from .eager_foreach import EAGER_FOREACH, eager_foreach
 from .hyper_rewrites import LIST_FORMS, REWRITES, is_scalar_tensor as _is_scalar_tensor
+from .local_shards import on_local_shards
 
 # --- which group values are hyperparameters -----------------------------------------
 
@@ -216,7 +217,12 @@ class HyperMode(TorchFunctionMode):
     value is cast to it, so the arithmetic runs in the dtype eager's does
     (``_as_python_numbers``). A hyperparameter input of a dtype other than float64 is such a
     tensor: a Python number enters the trace as float64, a tensor in its own dtype.
+
+    ``local_shards``: sharded parameters' in-place list ops run on their local tensors
+    (``spmd.optim.local_shards``); False sends them through DTensor (to compare the two).
     """
+
+    local_shards = True
 
     def __init__(self, hypers: dict[int, TracedHyper], state_scalars: list[torch.Tensor]):
         super().__init__()
@@ -287,6 +293,8 @@ class HyperMode(TorchFunctionMode):
         args = _scalars_on_element_devices(func, args)
         rewrite = REWRITES.get(func)
         out = rewrite(func, args, kwargs) if rewrite is not None else NotImplemented
+        if out is NotImplemented and self.local_shards:
+            out = on_local_shards(func, args, kwargs)
         if out is NotImplemented:
             out = func(*args, **kwargs)
         if (func in _WHERE and numbers_only and _is_scalar_tensor(out) and out.is_floating_point()
