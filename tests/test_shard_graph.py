@@ -29,12 +29,13 @@ from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimi
 ROOT, BLOCK0, BLOCK1 = 2, 0, 1  # units in post-order
 
 
-def _expanded(style="fully_shard", body=plain_step, **options):
-    """The traced, expanded step graph of a sharded GPT (AdamW, two param groups), as an IterGraphModule."""
+def _expanded(style="fully_shard", body=plain_step, make_optimizer=lambda model: optimizer(model, "adamw"),
+              **options):
+    """The traced, expanded step graph of a sharded GPT (default: AdamW, two param groups), as an IterGraphModule."""
     model = gpt()
     mode = spmd.DataParallel(style, wrap_policy=block_policy(), **options)
     spmd.shard(model, mode)
-    optim = optimizer(model, "adamw")
+    optim = make_optimizer(model)
     step = spmd.compile(parallel_mode=mode)(body)
     idx, targets = next(batches(0, 1))
     state = step.prepare_state((model, optim, idx, targets), {})
@@ -141,21 +142,13 @@ def test_the_optimizers_list_ops_traced_on_local_shards_make_the_graph_dtensor_m
         real = local_shards.on_local_shards
         monkeypatch.setattr(hyperparams, "on_local_shards",
                             lambda *a: ran.append(out := real(*a)) or out)
-        model = gpt()
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy(), mp_policy=mp)
-        spmd.shard(model, mode)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-3, **{impl: True})
-        step = spmd.compile(parallel_mode=mode)(plain_step)
-        idx, targets = next(batches(0, 1))
-        state = step.prepare_state((model, optim, idx, targets), {})
-        gm, _, _, created = step.trace_and_expand(state, (model, optim, idx, targets), {})
-        for made in created:
-            made.undo()
+        graph = _expanded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                          make_optimizer=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3, **{impl: True})
+                          ).graph
         # torch 2.11's DTensor leaves a dead copy of the fused op (its output metadata, run on empty tensors)
-        gm.graph.eliminate_dead_code()
-        index = {node: i for i, node in enumerate(gm.graph.nodes)}
-        ops = [(n.op, str(n.target), str(fx.node.map_arg((n.args, n.kwargs), index.get))) for n in gm.graph.nodes]
+        graph.eliminate_dead_code()
+        index = {node: i for i, node in enumerate(graph.nodes)}
+        ops = [(n.op, str(n.target), str(fx.node.map_arg((n.args, n.kwargs), index.get))) for n in graph.nodes]
         return ops, sum(out is not NotImplemented for out in ran)
 
     local, on_shards = expanded_code(True)
