@@ -20,6 +20,7 @@ from spmd.parallel.group_roles import ROLE_PREFIX, role_name
 from spmd.step.cache_store import CacheStore, resolve_cache_dir
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
+from tests.fresh_process import run_python
 from tests.parity import ddp_copy, eager_step, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,10 +38,10 @@ def _sgd_training(cache_dir) -> dict:
 
 
 def _fresh_process(cache_dir) -> dict:
-    """``_sgd_training`` in a fresh Python process."""
+    """``_sgd_training`` in a fresh Python process (forked from a server that has only imported torch and spmd:
+    ``tests.fresh_process``), started in the checkout."""
     script = f"import json; from tests.test_compile_cache import _sgd_training; print(json.dumps(_sgd_training({str(cache_dir)!r})))"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=300)
+    out = run_python(["-c", script], cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
