@@ -16,7 +16,7 @@ Why a fork stands for a new process in what these tests check:
 * The import-time environment is the command's. Torch reads part of its configuration from the
   environment when a module is imported, so a server serves only commands whose environment equals the
   one it was started with, up to the variables read only at run time (``RUN_TIME_VARIABLES``: the cache
-  folders, pytest's test name); another environment gets servers of its own.
+  folders, pytest's test name, the terminal width); another environment gets servers of its own.
 * What differs between two real processes differs between consecutive calls. Calls with one
   environment alternate between two servers, each an interpreter of its own (its own string hash seed
   and memory layout), so a job and its restart, run one after the other, never come from one server:
@@ -43,9 +43,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# Read by torch and spmd when a cache is used, not when a module is imported, or (pytest's name of the running
-# test) not read by them at all: a server serves any value.
-RUN_TIME_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "SPMD_CACHE_DIR", "PYTEST_CURRENT_TEST"})
+# Read by torch and spmd when a cache is used, not when a module is imported, or read by none of the modules a
+# server imports (pytest's name of the running test; the terminal width, which rich and shutil read when they
+# print): a server serves any value.
+RUN_TIME_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "SPMD_CACHE_DIR", "PYTEST_CURRENT_TEST", "COLUMNS"})
 
 # The server: imports, then forks one child per request line ({"id", "args", "env", "cwd", "stdout",
 # "stderr"}) read on stdin; replies {"id", "pid"} when it forked and {"pid", "status"} when a child ended.
@@ -212,26 +213,42 @@ def run_python(args: list[str], *, env: dict | None = None, cwd: str | os.PathLi
     run in a fork of a server (see the module's docstring). ``args``: ``["-c", CODE, ...]``, ``["-m", MODULE, ...]``
     or ``[SCRIPT, ...]``. On a timeout the child and the processes it started are killed and
     ``subprocess.TimeoutExpired`` is raised with what it wrote."""
+    return start_python(args, env=env, cwd=cwd).wait(timeout)
+
+
+def start_python(args: list[str], *, env: dict | None = None, cwd: str | os.PathLike | None = None) -> "Started":
+    """``run_python`` without waiting (e.g. the ranks of one job, started one after the other): ``.wait(timeout)``."""
     env = dict(os.environ if env is None else env)
     key = tuple(sorted((k, v) for k, v in env.items() if k not in RUN_TIME_VARIABLES))
     turn = _turns[key] = (_turns.get(key, 1) + 1) % 2
     pair = _servers.setdefault(key, [])
     if len(pair) <= turn:
         pair.append(_Server({k: v for k, v in env.items() if k not in RUN_TIME_VARIABLES}))
-    server = pair[turn]
-    cmd = [sys.executable, *map(str, args)]
-    with tempfile.TemporaryDirectory(prefix="fresh_process_") as folder:
-        out, err = Path(folder, "stdout"), Path(folder, "stderr")
-        pid = server.start(dict(args=cmd[1:], env=env, cwd=os.path.abspath(cwd or os.getcwd()), stdout=str(out),
-                                stderr=str(err)))
-        status = server.wait(pid, time.monotonic() + timeout)
-        if status is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
-            server.wait(pid, time.monotonic() + 30)
-            raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(errors="replace"),
-                                            err.read_text(errors="replace"))
-        return subprocess.CompletedProcess(cmd, status, out.read_text(errors="replace"), err.read_text(errors="replace"))
+    return Started(pair[turn], [sys.executable, *map(str, args)], env, os.path.abspath(cwd or os.getcwd()))
+
+
+class Started:
+    """A command ``start_python`` forked; ``wait`` gives what ``run_python`` returns."""
+
+    def __init__(self, server: _Server, cmd: list[str], env: dict, cwd: str):
+        self._server, self.cmd = server, cmd
+        self._folder = tempfile.TemporaryDirectory(prefix="fresh_process_")
+        self._out, self._err = Path(self._folder.name, "stdout"), Path(self._folder.name, "stderr")
+        self.pid = server.start(dict(args=cmd[1:], env=env, cwd=cwd, stdout=str(self._out), stderr=str(self._err)))
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        try:
+            status = self._server.wait(self.pid, time.monotonic() + timeout)
+            if status is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGKILL)
+                self._server.wait(self.pid, time.monotonic() + 30)
+                raise subprocess.TimeoutExpired(self.cmd, timeout, self._out.read_text(errors="replace"),
+                                                self._err.read_text(errors="replace"))
+            return subprocess.CompletedProcess(self.cmd, status, self._out.read_text(errors="replace"),
+                                               self._err.read_text(errors="replace"))
+        finally:
+            self._folder.cleanup()
 
 
 @atexit.register
