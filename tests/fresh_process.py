@@ -45,7 +45,9 @@ from pathlib import Path
 
 # Read by torch and spmd when a cache is used, not when a module is imported, or read by none of the modules a
 # server imports (pytest's name of the running test; the terminal width, which rich and shutil read when they
-# print): a server serves any value.
+# print): a server serves any value. One exception, made good in the child: Dynamo's precompile cache
+# (``torch._dynamo.package.DynamoCache``) takes its folder from TORCHINDUCTOR_CACHE_DIR at import, and the
+# child makes it again for its own.
 RUN_TIME_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "SPMD_CACHE_DIR", "PYTEST_CURRENT_TEST", "COLUMNS"})
 
 # The server: imports, then forks one child per request line ({"id", "args", "env", "cwd", "stdout",
@@ -78,6 +80,9 @@ def run(request):
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     multiprocessing.process.ORIGINAL_DIR = os.getcwd()  # taken at its import; its spawned children start there
+    package = sys.modules.get("torch._dynamo.package")
+    if getattr(package, "DynamoCache", None) is not None:  # its folder was taken from the server's environment
+        package.DynamoCache = type(package.DynamoCache)(os.path.join(package.cache_dir(), "dynamo"))
     args, status = request["args"], 0
     main = sys.modules["__main__"]  # this interpreter's own, untouched (the server runs in a namespace of its own)
     try:
