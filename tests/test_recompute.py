@@ -407,7 +407,7 @@ def test_the_default_recompute_adds_no_kernel_under_inductor():
     alone, moving at most the GELU outputs' bytes more; a budget's recomputes do add kernels."""
     from spmd.tools.inductor_kernels import kernels
 
-    cfg = GPTConfig(vocab_size=512, block_size=32, n_layer=1, n_head=2, n_embd=64)  # one block shows it, in half the time
+    cfg = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64)
     off, default = kernels("replicate", cfg, 2, recompute=False), kernels("replicate", cfg, 2)
     assert default.generated == off.generated and default.extern == off.extern, (default, off)
     assert default.recompute_only == 0 and default.with_recompute > 0
