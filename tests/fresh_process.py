@@ -5,7 +5,8 @@ would (the README's blocks) run ``python ARGS`` in a new process; each such proc
 CPU importing torch, spmd, Dynamo and Inductor before its first line. ``run_python(args, env=, cwd=,
 timeout=)`` runs the same command line, with the same environment, working folder, ``sys.argv`` and
 ``__main__``, in a fork of a server process that has made those imports once, and returns what
-``subprocess.run(..., capture_output=True, text=True)`` would.
+``subprocess.run(..., capture_output=True, text=True)`` would; ``start_python`` starts one without waiting
+(e.g. the ranks of one job).
 
 Why a fork stands for a new process in what these tests check:
 
