@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch
 from spmd.tools import bench_compile as bc
 from spmd.tools import cli
 from spmd.tools.bench_report import console_for_logs
+from tests.fresh_process import run_python
 from tests.test_inductor_cache import needs_cpp
 
 TINY = ["--layers", "1", "--dim", "16", "--heads", "2", "--seq", "16", "--vocab", "64", "--batch", "2"]
@@ -26,10 +26,11 @@ TINY = ["--layers", "1", "--dim", "16", "--heads", "2", "--seq", "16", "--vocab"
 @needs_cpp
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the bench runs NCCL, one rank per GPU")
 def test_cold_then_warm_runs_on_two_gloo_ranks_compile_once_then_not_at_all(tmp_path):
-    cmd = [sys.executable, "-m", "spmd", "bench", "--measure", "compile", "--modes", "spmd_pipeline", *TINY,
-           "--warmup", "2", "--json", str(tmp_path / "c.json")]
+    cmd = ["-m", "spmd", "bench", "--measure", "compile", "--modes", "spmd_pipeline", *TINY, "--warmup", "2",
+           "--json", str(tmp_path / "c.json")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**env, "COLUMNS": "220"})
+    # the parent, forked (tests.fresh_process); the cold and warm jobs it starts are new interpreters
+    proc = run_python(cmd, env={**env, "COLUMNS": "220"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads((tmp_path / "c.json").read_text())["modes"]
     cold, warm = row["cold"], row["warm"]

@@ -20,6 +20,7 @@ from spmd.parallel.group_roles import ROLE_PREFIX, role_name
 from spmd.step.cache_store import CacheStore, resolve_cache_dir
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
+from tests.fresh_process import run_python, start_python
 from tests.parity import ddp_copy, eager_step, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,10 +38,10 @@ def _sgd_training(cache_dir) -> dict:
 
 
 def _fresh_process(cache_dir) -> dict:
-    """``_sgd_training`` in a fresh Python process."""
+    """``_sgd_training`` in a fresh Python process (forked from a server that has only imported torch and spmd:
+    ``tests.fresh_process``), started in the checkout."""
     script = f"import json; from tests.test_compile_cache import _sgd_training; print(json.dumps(_sgd_training({str(cache_dir)!r})))"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=300)
+    out = run_python(["-c", script], cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -234,52 +235,40 @@ def test_a_fully_sharded_step_with_clipping_loads_and_trains_bit_identically(tmp
     run_distributed(_sharded_restart, str(tmp_path))
 
 
-# Two gloo ranks in fresh processes (a job, then its restart): replicate, 3 float64 AdamW steps; rank 0
-# prints both ranks' compile phases, its losses and parameters as JSON. The parent only starts the ranks
-# (it imports no torch: a job's ranks are what the test is about, and each import costs seconds).
-_RANKS_SCRIPT = textwrap.dedent("""
-    import json, multiprocessing, sys
+# One rank of two gloo ranks (`python -c _RANK_SCRIPT RANK CACHE_DIR STORE`, in the checkout): replicate, 3 float64 AdamW steps; rank 0
+# prints both ranks' compile phases, its losses and parameters as JSON.
+_RANK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch, torch.distributed as dist, spmd
+    from spmd.tools.models import MLP
+    from tests.parity import train_step
 
-    def rank_main(rank, cache_dir, store):
-        import torch, torch.distributed as dist, spmd
-        from spmd.tools.models import MLP
-        from tests.parity import train_step
-
-        dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-        torch.manual_seed(0)
-        model = MLP(layers=3, dim=8).double()
-        optim = torch.optim.AdamW(model.parameters(), lr=0.01)
-        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=cache_dir)(train_step)
-        gen = torch.Generator().manual_seed(rank)
-        losses = [step(model, optim, torch.randn(4, 8, dtype=torch.float64, generator=gen)).item() for _ in range(3)]
-        phases = [None, None]
-        dist.all_gather_object(phases, sorted(step.compile_times))
-        if rank == 0:
-            print(json.dumps({"phases": phases, "losses": losses,
-                              "params": [p.tolist() for p in model.parameters()]}), flush=True)
-        dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        spawn = multiprocessing.get_context("spawn")
-        ranks = [spawn.Process(target=rank_main, args=(rank, sys.argv[1], sys.argv[2])) for rank in range(2)]
-        for proc in ranks:
-            proc.start()
-        for proc in ranks:
-            proc.join()
-        sys.exit(max(proc.exitcode for proc in ranks))
+    rank, cache_dir, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=8).double()
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=cache_dir)(train_step)
+    gen = torch.Generator().manual_seed(rank)
+    losses = [step(model, optim, torch.randn(4, 8, dtype=torch.float64, generator=gen)).item() for _ in range(3)]
+    phases = [None, None]
+    dist.all_gather_object(phases, sorted(step.compile_times))
+    if rank == 0:
+        print(json.dumps({"phases": phases, "losses": losses, "params": [p.tolist() for p in model.parameters()]}))
+    dist.destroy_process_group()
 """)
 
 
 def test_two_ranks_restarted_in_fresh_processes_load_the_step(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(_RANKS_SCRIPT)
+    """A job of two ranks, then its restart: each rank a new process (forked from a server that has only imported
+    torch and spmd, the two ranks of a job from two servers: ``tests.fresh_process``)."""
     runs = []
     for attempt in range(2):
-        out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), str(tmp_path / f"store{attempt}")],
-                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT,
-                             timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        ranks = [start_python(["-c", _RANK_SCRIPT, rank, tmp_path / "cache", tmp_path / f"store{attempt}"], cwd=ROOT)
+                 for rank in range(2)]
+        outs = [rank.wait(300) for rank in ranks]
+        assert [out.returncode for out in outs] == [0, 0], "\n".join(out.stderr[-3000:] for out in outs)
+        runs.append(json.loads(outs[0].stdout.strip().splitlines()[-1]))
     job, restart = (["trace" in phases for phases in run["phases"]] for run in runs)
     assert sorted(job) == [False, True] and restart == [False, False]  # one compile per job, none at the restart
     assert all("cache_load" in phases for phases in runs[1]["phases"])

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from spmd.tools import cli, demo
+from tests.fresh_process import run_python
+from tests.test_readme import user_env
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the demo runs NCCL, one rank per GPU")
 def test_demo_trains_on_two_cpu_processes_names_each_mode_and_matches_ddp(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SPMD_DUMP_DIR")}
-    proc = subprocess.run([sys.executable, "-m", "spmd", "demo", "--steps", "3", "--batch", "2", "--dump-dir", "dump"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    proc = run_python(["-m", "spmd", "demo", "--steps", "3", "--batch", "2", "--dump-dir", "dump"], cwd=tmp_path,
+                      env=user_env(), timeout=300)  # a new process, forked (tests.fresh_process)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "OK: spmd matches eager DDP" in out and "2 x cpu/gloo" in out

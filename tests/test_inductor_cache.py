@@ -21,6 +21,7 @@ from spmd.lower.fx_cache import inductor_cache_context, opaque_schemas
 from spmd.lower.inductor import opaque_inplace_op
 from spmd.tools.models import MLP
 from tests.dist import single_process_group
+from tests.fresh_process import run_python
 from tests.parity import train_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,17 +73,25 @@ def _train(out: str, device: str) -> None:
 def fresh_inductor_env(cache_dir: Path) -> dict:
     """The environment of a fresh process that compiles as a user's would, into Inductor cache ``cache_dir``:
     none of the session's Inductor settings (tests.conftest) but its unprobed vector ISAs, which only save
-    time; one compile thread per core, at most two."""
+    time; one compile thread per core, at most two; the FX graph cache on, as by default (named, so that
+    the environment is the session's up to the cache folder and one ``tests.fresh_process`` server serves both)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_") or k == "TORCHINDUCTOR_VEC_ISA_OK"}
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TORCHINDUCTOR_COMPILE_THREADS=str(min(2, os.cpu_count() or 1)))
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TORCHINDUCTOR_COMPILE_THREADS=str(min(2, os.cpu_count() or 1)),
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1")
     return env
 
 
+def fresh_process(args: list[str], env: dict, device: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` in a new process in the checkout: on the CPU forked from a server that has only imported
+    torch and spmd (``tests.fresh_process``: nothing compiled carries over); for a GPU a new interpreter, so
+    that no CUDA state can precede the fork."""
+    if device == "cpu":
+        return run_python(args, env=env, cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
 def _run_fresh_process(out: Path, cache_dir: Path, device: str) -> dict:
-    env = fresh_inductor_env(cache_dir)
-    env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_inductor_cache", str(out), device], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = fresh_process(["-m", "tests.test_inductor_cache", str(out), device], fresh_inductor_env(cache_dir), device)
     assert proc.returncode == 0, f"the training process failed:\n{proc.stdout}\n{proc.stderr}"
     return {**torch.load(out), "log": proc.stderr}
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,9 +17,7 @@ from spmd.lower.inductor_code import InductorCode, NotRelocatable, code_of, relo
 from spmd.step.cache_store import CacheStore
 from spmd.tools.models import MLP
 from tests.parity import train_step
-from tests.test_inductor_cache import fresh_inductor_env, needs_cpp
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.test_inductor_cache import fresh_inductor_env, fresh_process, needs_cpp
 
 # One process's training on `device`: 3 float64 AdamW steps under Inductor, the compile cache in argv[1];
 # prints the compile phases, the losses and the parameters as JSON.
@@ -52,10 +47,8 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _fresh_process(cache_dir, device: str) -> dict:
-    env = fresh_inductor_env(cache_dir / "inductor")
-    env.update(PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, str(cache_dir / "spmd"), device], capture_output=True,
-                         text=True, env=env, cwd=ROOT, timeout=300)
+    out = fresh_process(["-c", _SCRIPT, str(cache_dir / "spmd"), device], fresh_inductor_env(cache_dir / "inductor"),
+                        device)
     assert out.returncode == 0, out.stderr[-3000:]
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "log": out.stderr}
 
