@@ -46,3 +46,11 @@ def phase(name: str) -> Iterator[None]:
     finally:
         if times is not None:
             times[name] += time.perf_counter() - start
+
+
+def add(times: dict[str, float]) -> None:
+    """Add phases timed elsewhere (another process's recording) to the active recording, if any."""
+    active = _active.get()
+    if active is not None:
+        for name, seconds in times.items():
+            active[name] = active.get(name, 0.0) + seconds

@@ -18,7 +18,7 @@ import torch
 
 import spmd
 from spmd.lower.fx_cache import inductor_cache_context, opaque_schemas
-from spmd.lower.inductor import opaque_inplace_op
+from spmd.lower.opaque_ops import opaque_inplace_op
 from spmd.tools.models import MLP
 from tests.dist import single_process_group
 from tests.fresh_process import run_python
@@ -49,14 +49,14 @@ def _train(out: str, device: str) -> None:
 
     from torch._dynamo.utils import counters
 
-    from spmd.lower.inductor import _opaque_ops
+    from spmd.lower.opaque_ops import _opaque_ops
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # to stderr, which the test reads
     logging.getLogger("spmd.lower.inductor").setLevel(logging.INFO)
     torch.manual_seed(0)
     model = MLP(layers=2, dim=8).to(device, torch.float64)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
-    # GPU graphs skip the FX graph cache unless asked for (spmd.lower.inductor.uses_fx_graph_cache)
+    # GPU graphs skip the FX graph cache unless asked for (spmd.lower.compile_graph.uses_fx_graph_cache)
     options = {"fx_graph_cache": True} if device == "cuda" else None
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
                                                     inductor_options=options)

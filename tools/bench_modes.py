@@ -224,9 +224,12 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         enable_graph_optimization=optimize, bucket_size_mb=a.bucket_mb, optimizer_parts=a.optimizer_parts,
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
         passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
-        inductor_options=dict(a.inductor_option) if not a.no_inductor else None)
+        inductor_options=dict(a.inductor_option) if not a.no_inductor else None,
+        compile_pieces=a.compile_pieces if not a.no_inductor else 1)
     if fast_default:  # what @spmd.compile() gives a user who asks for nothing, but for the settings changed here
         changed = {"recompute": recompute} if recompute is not True else {}
+        if a.compile_pieces != "auto":
+            changed["compile_pieces"] = a.compile_pieces
         if lean is not None:
             changed["lean_lowering"] = lean
         transformation = default_transformation(setup.device.type, **changed) if changed else None
@@ -469,9 +472,21 @@ def add_model_arguments(p: argparse.ArgumentParser, batch_help: str, batch_defau
                         "(GraphModuleTransformation(memory_budget=...); default: the default recompute)")
     s.add_argument("--inductor-option", action="append", default=[], type=_inductor_option, metavar="NAME=VALUE",
                    help="an Inductor config value for the spmd modes (repeatable; e.g. combo_kernels=True)")
+    s.add_argument("--compile-pieces", type=_pieces, default="auto",
+                   help="spmd modes through Inductor: compile each graph in up to this many pieces side by side "
+                        "(GraphModuleTransformation(compile_pieces=...); default auto: the GPU default's)")
     s.add_argument("--no-inductor", action="store_true",
                    help="run the step graphs op by op instead of through Inductor (tracing and passes only); "
                         "torch.compile modes use the aot_eager backend")
+
+
+def _pieces(text: str):
+    """``auto`` or a whole number of at least 1."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a whole number of at least 1, got {text!r}")
+    return int(text)
 
 
 def _inductor_option(text: str) -> tuple[str, object]:
@@ -491,7 +506,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     """``add_model_arguments``' flags as a command line (without --batch and --nproc), to run another command."""
     out = []
     for name in ("layers", "dim", "heads", "seq", "vocab", "optimizer", "mp", "bucket_mb", "optimizer_parts",
-                 "prefetch_units"):
+                 "prefetch_units", "compile_pieces"):
         out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.memory_budget is not None:
         out += ["--memory-budget", str(args.memory_budget)]

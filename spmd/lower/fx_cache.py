@@ -11,7 +11,7 @@ What Inductor hashes: the graph's code (ops by name, constants, process-group na
 each input's shape, stride, dtype and device, Inductor's configuration (the options
 ``spmd.lower.inductor`` sets included), torch and compiler versions, the CPU or GPU. What
 it does not: the definition of a custom op the code names. Ours (``spmd_lowering::*``,
-see ``spmd.lower.inductor.opaque_inplace_op``) are defined by spmd, and their schemas
+see ``spmd.lower.opaque_ops.opaque_inplace_op``) are defined by spmd, and their schemas
 say which arguments Inductor may treat as written; so their schemas go into the key
 through ``torch.compiler.config.cache_key_tag``. Their Python implementations are looked
 up when the compiled code runs, not baked into it. Nor does it see the fusion rule we patch

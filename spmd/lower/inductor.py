@@ -20,7 +20,7 @@ Inductor compiles (``LEAN_PARTS``: ``spmd.lower.one_rank``, ``spmd.lower.step_co
 The graph does not pass through ``compile_fx``'s AOT-autograd front end, which would
 re-trace the whole step only to apply Inductor's decompositions to a graph that is
 already functional: ``spmd.lower.decompose`` applies them node by node and
-``_inner_compile`` runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
+``inner_compile`` (``spmd.lower.compile_graph``) runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
 graph means what it means when run op by op. On the CPU ``compile_fx_inner`` looks the graph
 up in Inductor's FX graph cache first (``spmd.lower.fx_cache`` says what that needs); the code
@@ -35,39 +35,32 @@ tensor that crosses one and multiplies compile work by the number of regions.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import re
+import pickle
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
-from torch._dispatch.python import enable_python_dispatcher
 
 from ..graph_utils import lazy_graph_module
 from ..graph_utils.nodes import view_of_copy_op
-from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inplace, written_args, written_inputs
+from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inplace, written_inputs
 
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from ..compile_times import phase
 from ..errors import SpmdCompileError
+from . import compile_workers
+from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
 from .decompose import decompose_for_inductor
-from .foreach_fusion import fusing_producers_safely
-from .fx_cache import OPAQUE_NAMESPACE, inductor_cache_context
 from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
-from .inductor_code import InductorCode, code_of, load_code, relocated
-from .triton_kernels import collecting as collecting_triton_kernels, emit as emit_triton_kernels
+from .inductor_code import KeptCode, code_of, load_kept
+from .opaque_ops import opaque_inplace_op, wrapped_ops, writes_grads
+from .piecewise import compile_in_pieces
 
 log = logging.getLogger(__name__)
 
-# Devices whose step graphs are looked up in Inductor's FX graph cache (``uses_fx_graph_cache``). Not the
-# GPU: a restart runs the code kept beside the step (``spmd.lower.inductor_code``) and never reaches
-# Inductor, while the tracing context the cache needs made a cold GPU compile slower (BENCHMARKS.md);
-# ``inductor_options={"fx_graph_cache": True}`` asks for it there, to measure it.
-FX_CACHE_DEVICES = ("cpu",)
 aten = torch.ops.aten
 
 # Inductor options that would move collectives or waits away from where our passes put them.
@@ -82,9 +75,6 @@ _INDUCTOR_CONFIG = {
 # Options of the tables here that a supported torch may lack: name -> first (major, minor) expected to have it
 # (spmd._torch_version keeps every such version fact).
 _ABSENT_BEFORE = INDUCTOR_OPTION_SINCE
-
-_opaque_lib = torch.library.Library(OPAQUE_NAMESPACE, "FRAGMENT")
-_opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
 
 # Fewer kernel launches, numerics unchanged: a cat whose inputs all need a copy anyway (a unit's
 # parameters cast for its gather, a gradient bucket's casts) becomes one kernel up to this many inputs
@@ -158,36 +148,8 @@ def _wrappable_fused_optimizer(node: fx.Node) -> bool:
     calls stay as they are.
     """
     target = node.target
-    return (is_fused_optimizer(target) and is_inplace(target) and _writes_grads(target)
+    return (is_fused_optimizer(target) and is_inplace(target) and writes_grads(target)
             and node.kwargs.get("grad_scale") is None and node.kwargs.get("found_inf") is None)
-
-
-def _writes_grads(op: torch._ops.OpOverload) -> bool:
-    """Its schema declares ``grads`` written (the opaque op declares them read-only instead)."""
-    return any(op._schema.arguments[i].name == "grads" for i in written_args(op))
-
-
-def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
-    """A custom op with ``op``'s schema, any gradients read-only, that calls ``op``: Inductor keeps it in place.
-
-    Gradients (a ``grads`` argument) are declared read-only because they are: without
-    ``grad_scale`` the fused optimizer kernels only read them. Declared mutable, they would count
-    as written, and gradients are views into shared bucket buffers, read by several such ops when
-    the optimizer has several param groups (under AOT autograd's functionalization Inductor
-    mishandled that: NaNs). Inductor runs the custom op as it is, one call of ``op``, where it
-    would otherwise lower ``op`` into kernels of its own (``_wrappable_step_count``).
-    """
-    if op not in _opaque_ops:
-        name = f"{op._opname.strip('_')}_{op._overloadname}"
-        args = str(op._schema).split("(", 1)[1]
-        read_only_grads = re.sub(r"Tensor\(\w!\)\[\] grads", "Tensor[] grads", args)
-        if read_only_grads == args and _writes_grads(op):
-            raise SpmdCompileError(f"spmd: unexpected schema for {op}: {op._schema} (no 'Tensor(a!)[] grads' argument)")
-        _opaque_lib.define(name + "(" + read_only_grads)
-        _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)
-        _opaque_ops[op] = getattr(getattr(torch.ops, OPAQUE_NAMESPACE), name).default
-    return _opaque_ops[op]
 
 
 def _wrappable_step_count(node: fx.Node) -> bool:
@@ -261,59 +223,6 @@ def start_compile_workers() -> None:
     AsyncCompile.wakeup()
 
 
-def _inner_compile(gm: fx.GraphModule, example_inputs: list, label: str,
-                   fx_cache: bool) -> tuple[Any, str, Optional[bytes]]:
-    """Inductor's post-AOT half on ``gm`` (already functional and decomposed): joint-graph passes, then
-    ``compile_fx_inner`` as an inference graph, as ``compile_fx`` would run them after its AOT re-trace,
-    looked up in Inductor's FX graph cache first where ``fx_cache`` (``spmd.lower.fx_cache``).
-    Returns what ``compile_fx_inner`` made (called on a list of the graph's inputs), the cache lookup's
-    outcome and, on a GPU without that cache, its Triton kernels (``spmd.lower.triton_kernels``)."""
-    from torch._inductor.compile_fx import _recursive_joint_graph_passes, compile_fx_inner
-    from torch._inductor.utils import BoxedBool, output_node
-    from torch._inductor.virtualized import V
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    # One fake mode for every value on the graph: our trace, the passes and the decompositions
-    # each made theirs, and Inductor's pattern passes combine values they read off the nodes.
-    # Its ShapeEnv (static shapes: no symbols) is where Inductor's FX graph cache keeps guards.
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv() if fx_cache else None)
-    with phase(f"lower/{label}/inductor_compile_fx/fake_prop"):
-        fakes = [mode.from_tensor(t, static_shapes=True) if isinstance(t, torch.Tensor) else t
-                 for t in example_inputs]
-        with enable_python_dispatcher():
-            FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
-    with phase(f"lower/{label}/inductor_compile_fx/joint_passes"), V.set_fake_mode(mode):
-        gm = _recursive_joint_graph_passes(gm, input_device=_device_of(example_inputs))
-    outputs = output_node(gm)
-    # every output is the user's (AOT would say the same of an inference graph): keep their strides
-    outputs.meta["user_visible_output_idxs"] = [
-        i for i, out in enumerate(pytree.arg_tree_leaves(*outputs.args)) if isinstance(out, fx.Node)]
-    context = inductor_cache_context(gm, mode) if fx_cache else contextlib.nullcontext({"fx_graph_cache": "off"})
-    # Triton's kernels kept with the code where the FX graph cache (which bundles them itself) is not used
-    kernels = collecting_triton_kernels(not fx_cache and _device_of(example_inputs).type == "cuda")
-    with (phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache, kernels as bundle,
-          fusing_producers_safely()):
-        # Inductor gets fake inputs, as from AOT autograd: it compiles from their metadata alone, and its
-        # FX graph cache key would hash a real input by value (every parameter copied to the host)
-        compiled = compile_fx_inner(gm, fakes, cudagraphs=BoxedBool(False), is_inference=True)
-    return compiled, cache["fx_graph_cache"], (bundle[0] if bundle else None)
-
-
-def _device_of(example_inputs: Sequence) -> torch.device:
-    """The accelerator the graph's inputs live on, else the CPU."""
-    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
-
-
-def uses_fx_graph_cache(device: torch.device, options: Optional[dict]) -> bool:
-    """Whether a graph on ``device`` is looked up in Inductor's FX graph cache: on the CPU unless
-    ``options`` turn the cache off, on a GPU only where they turn it on (``FX_CACHE_DEVICES``)."""
-    asked = (options or {}).get("fx_graph_cache")
-    return asked is not False and (device.type in FX_CACHE_DEVICES or asked is True)
-
-
 def _positional(compiled: Callable[[list], Any]) -> Callable:
     """``compiled`` (Inductor's boxed convention: called on a list, which it may clear) called positionally."""
     def run(*args):
@@ -322,42 +231,34 @@ def _positional(compiled: Callable[[list], Any]) -> Callable:
     return run
 
 
-def _op_named(name: str) -> torch._ops.OpOverload:
-    """The op ``OpOverload.name()`` calls ``name`` (``aten::_fused_adamw_.tensor_lr``)."""
-    namespace, _, rest = name.partition("::")
-    packet, _, overload = rest.partition(".")
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
-
-
-def _wrapped_ops(gm: fx.GraphModule) -> tuple[str, ...]:
-    """The names of the ops ``gm`` calls through their ``opaque_inplace_op``."""
-    wrapping = {opaque: op for op, opaque in _opaque_ops.items()}
-    return tuple(sorted({wrapping[n.target].name() for n in gm.graph.nodes if n.target in wrapping}))
-
-
-def _load_kept_code(code: InductorCode, device: torch.device, label: str) -> Optional[Callable]:
-    """What runs ``code`` (kept from an earlier compile of this graph, ``spmd.lower.inductor_code``) on
-    ``device``, or None where it does not load there (said once; the graph is then compiled)."""
+def _portable_config(config) -> Optional[dict]:
+    """Inductor's options that differ from their defaults now (ours and the user's), where they can be sent
+    to a compile worker; None where one cannot (a custom pass, a callable), so nothing is compiled there."""
     try:
-        with phase(f"lower/{label}/inductor_code_load"):
-            if code.triton_kernels is not None and device.type == "cuda":
-                with phase(f"lower/{label}/inductor_code_load/triton_kernels"):
-                    launched = emit_triton_kernels(code.triton_kernels, code.cuda_index, device.index)
-                log.info("spmd: %d of the %s graph's kernels are launched as compiled before", launched, label)
-            code = relocated(code, device.index if device.type == "cuda" else None)
-            for name in code.wrapped_ops:  # the code calls them by name: define them first
-                opaque_inplace_op(_op_named(name))
-            return load_code(code, lambda part: phase(f"lower/{label}/inductor_code_load/{part}"))
-    except Exception as err:  # noqa: BLE001 - a kept module that does not load is a miss, not a failure
-        log.warning("spmd: the kept Inductor code of the %s graph did not load (%s: %s); compiling it again",
-                    label, type(err).__name__, err)
+        changed = {k: v for k, v in config.get_config_copy().items() if not config._is_default(k)}
+        pickle.dumps(changed)
+    except Exception:  # noqa: BLE001 - an option that does not travel keeps the compile in this process
         return None
+    return changed
+
+
+def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, pieces: int, fx_cache: bool, config
+               ) -> Optional[tuple[Callable[[list], Any], Optional[KeptCode]]]:
+    """``compile_in_pieces`` in three times as many pieces as there are processes to compile them (the workers running
+    and this one, at most ``pieces``), or None where the graph is compiled whole: no worker runs, the options
+    cannot be sent, or the graph is not cut."""
+    processes = min(pieces, len(compile_workers.running()) + 1)
+    options = _portable_config(config) if processes > 1 else None
+    if options is None:
+        return None
+    return compile_in_pieces(prepared, example_inputs, label, 3 * processes, options, fx_cache,
+                             wrapped_ops(prepared))
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
                           inductor_comm_passes: bool = False, options: Optional[dict] = None,
-                          kept: Optional[InductorCode] = None,
-                          lean: Union[bool, str] = False) -> tuple[Callable, Optional[InductorCode]]:
+                          kept: Optional[KeptCode] = None, lean: Union[bool, str] = False,
+                          pieces: int = 1) -> tuple[Callable, Optional[KeptCode]]:
     """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
 
     The graph updates parameters and optimizer state in place and is compiled as
@@ -368,29 +269,38 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
     options (``check_inductor_options``); ``lean``: the exact rewrites ``prepare_for_inductor`` adds.
+    ``pieces``: compile up to this many pieces of the graph side by side (``spmd.lower.piecewise``), in
+    this process and the compile workers running (``spmd.lower.compile_workers``).
 
     Returns a callable taking the graph's inputs positionally and returning its outputs, and the code
-    it runs as ``InductorCode`` (None where that code cannot be kept). ``kept``: code an earlier
-    compile of this graph returned; it is loaded instead of compiling, and compiled again where it
-    does not load.
+    it runs (``InductorCode``, or ``PiecewiseCode`` for a graph compiled in pieces; None where that
+    code cannot be kept). ``kept``: code an earlier compile of this graph returned; it is loaded instead
+    of compiling, and compiled again where it does not load.
     """
     from torch._inductor import config
 
     start = time.perf_counter()
-    device = _device_of(example_inputs)
+    device = device_of(example_inputs)
+    fx_cache = uses_fx_graph_cache(device, options)
     with torch.no_grad(), config.patch(inductor_config(inductor_comm_passes, options)):
-        loaded = _load_kept_code(kept, device, label) if kept is not None else None
+        loaded = load_kept(kept, device, label) if kept is not None else None
         if loaded is not None:
             log.info("spmd: loaded the %s graph's kept Inductor code in %.1f s", label, time.perf_counter() - start)
             return _positional(loaded), kept
         with phase(f"lower/{label}/inductor_prepare"):
-            prepared = prepare_for_inductor(gm, lean=lean)
+            prepared = prepare_for_inductor(gm, decompose=pieces < 2, lean=lean)
+        made = _in_pieces(prepared, example_inputs, label, pieces, fx_cache, config) if pieces > 1 else None
+        if made is not None:
+            return _positional(made[0]), made[1]
+        if pieces > 1:
+            with phase(f"lower/{label}/inductor_prepare"):
+                decompose_for_inductor(prepared.graph)
+                prepared.recompile()
         with phase(f"lower/{label}/inductor_compile_fx"):
-            compiled, cache, kernels = _inner_compile(prepared, list(example_inputs), label,
-                                                      uses_fx_graph_cache(device, options))
+            compiled, cache, kernels = inner_compile(prepared, list(example_inputs), label, fx_cache)
     log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,
              len(gm.graph.nodes), time.perf_counter() - start, cache)
-    code = code_of(compiled, _wrapped_ops(prepared), device.index if device.type == "cuda" else None, kernels)
+    code = code_of(compiled, wrapped_ops(prepared), device.index if device.type == "cuda" else None, kernels)
     if code is None:
         log.info("spmd: the %s graph's Inductor code cannot be kept beside a cached step (it needs more than its "
                  "module: constants or script objects held on the side); a restart compiles it again", label)

@@ -18,9 +18,20 @@ the device is rewritten, and code that names a device in a form not known here i
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..compile_times import phase
+from .graph_wire import op_named
+from .opaque_ops import opaque_inplace_op
+from .pieces import PiecePlan, run_pieces
+from .triton_kernels import emit as emit_triton_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,17 @@ class InductorCode:
     triton_kernels: Optional[bytes] = None  # its compiled Triton kernels (``spmd.lower.triton_kernels``)
 
 
+@dataclass(frozen=True)
+class PiecewiseCode:
+    """What runs a graph compiled in pieces (``spmd.lower.piecewise``): each piece's code and how they run."""
+
+    pieces: tuple[InductorCode, ...]
+    plan: PiecePlan
+
+
+KeptCode = Union[InductorCode, PiecewiseCode]
+
+
 def _empty(value: Any) -> bool:
     return value is None or len(value) == 0
 
@@ -44,7 +66,7 @@ def code_of(compiled: Any, wrapped_ops: tuple = (), cuda_index: Optional[int] = 
             triton_kernels: Optional[bytes] = None) -> Optional[InductorCode]:
     """``compiled`` (what ``compile_fx_inner`` returned for inputs on CUDA device ``cuda_index``, or None for
     the CPU; ``wrapped_ops``: the names of the ops its graph called through
-    ``spmd.lower.inductor.opaque_inplace_op``; ``triton_kernels``: its kernels as
+    ``spmd.lower.opaque_ops.opaque_inplace_op``; ``triton_kernels``: its kernels as
     ``spmd.lower.triton_kernels.collecting`` kept them) as an ``InductorCode``, or None where its module
     alone does not run it (it holds constants or script objects on the side, or this torch names its parts
     otherwise)."""
@@ -120,3 +142,26 @@ def load_code(code: InductorCode, phase: Callable[[str], Any]) -> Callable[[list
     with phase("module"):
         module = PyCodeCache.load_by_key_path(key, path, list(code.linemap))
     return align_inputs_from_check_idxs(module.call, list(code.inputs_to_check), OrderedSet(code.mutated_inputs))
+
+
+def load_kept(code: KeptCode, device: torch.device, label: str) -> Optional[Callable[[list], Any]]:
+    """What runs ``code`` (kept from an earlier compile of this graph, ``spmd.lower.inductor_code``) on
+    ``device`` (Inductor's boxed convention: called on a list of the graph's inputs), or None where it does
+    not load there (said once; the graph is then compiled)."""
+    if isinstance(code, PiecewiseCode):
+        pieces = [load_kept(piece, device, f"{label}/{i}") for i, piece in enumerate(code.pieces)]
+        return None if any(p is None for p in pieces) else run_pieces(code.plan, pieces)
+    try:
+        with phase(f"lower/{label}/inductor_code_load"):
+            if code.triton_kernels is not None and device.type == "cuda":
+                with phase(f"lower/{label}/inductor_code_load/triton_kernels"):
+                    launched = emit_triton_kernels(code.triton_kernels, code.cuda_index, device.index)
+                log.info("spmd: %d of the %s graph's kernels are launched as compiled before", launched, label)
+            code = relocated(code, device.index if device.type == "cuda" else None)
+            for name in code.wrapped_ops:  # the code calls them by name: define them first
+                opaque_inplace_op(op_named(name))
+            return load_code(code, lambda part: phase(f"lower/{label}/inductor_code_load/{part}"))
+    except Exception as err:  # noqa: BLE001 - a kept module that does not load is a miss, not a failure
+        log.warning("spmd: the kept Inductor code of the %s graph did not load (%s: %s); compiling it again",
+                    label, type(err).__name__, err)
+        return None

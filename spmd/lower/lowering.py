@@ -10,6 +10,7 @@ runner then only runs what it was given: Inductor's compiled code, maybe replaye
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -18,11 +19,16 @@ import torch.fx as fx
 
 from ..errors import SpmdConfigError
 from ..graph_utils.meta import ROLE, Role
+from . import compile_workers
+from .compile_graph import device_of as _device_of
 from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
 from .inductor import LEAN_PARTS, check_inductor_options, compile_with_inductor, start_compile_workers
-from .inductor_code import InductorCode
+from .inductor_code import KeptCode
 
 log = logging.getLogger(__name__)
+
+# The most pieces of a graph ``Lowering(pieces="auto")`` compiles at once.
+AUTO_PIECES = 4
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,10 @@ class Lowering:
     ``LEAN_PARTS``, one of them by name (``"one_rank"``: a gradient all_reduce over a group of one
     rank and its bucket's copies leave the graph; ``"step_counts"``: a fused optimizer's step counts
     are added in place by one ATen call), False (the default here) for none; ``spmd.compile()``'s GPU
-    default turns it on (``spmd.api.default_transformation``; measured in BENCHMARKS.md).
+    default turns it on (``spmd.api.default_transformation``; measured in BENCHMARKS.md). ``pieces``:
+    compile up to this many pieces of each graph side by side, in this process and ``pieces - 1``
+    worker processes (``spmd.lower.piecewise``), or ``"auto"`` (``pieces_on``); the code is the same but
+    for the cuts, which nothing fuses across.
     """
 
     inductor: bool = False
@@ -47,6 +56,7 @@ class Lowering:
     inductor_comm_passes: bool = False
     inductor_options: dict = field(default_factory=dict, hash=False)
     lean: Union[bool, str] = False
+    pieces: Union[int, str] = 1
 
     def __post_init__(self):
         if self.inductor_comm_passes and not self.inductor:
@@ -59,6 +69,13 @@ class Lowering:
         if self.lean and not self.inductor:
             raise SpmdConfigError("GraphModuleTransformation: lean_lowering changes what Inductor compiles and needs "
                                   "enable_inductor=True. Pass enable_inductor=True or drop lean_lowering.")
+        if not (self.pieces == "auto" or (isinstance(self.pieces, int) and not isinstance(self.pieces, bool)
+                                          and self.pieces >= 1)):
+            raise SpmdConfigError(f"GraphModuleTransformation: compile_pieces must be a whole number of at least 1 or "
+                                  f"'auto', got {self.pieces!r}")
+        if self.pieces != 1 and not self.inductor:
+            raise SpmdConfigError("GraphModuleTransformation: compile_pieces splits what Inductor compiles and needs "
+                                  "enable_inductor=True. Pass enable_inductor=True or drop compile_pieces.")
         if self.cudagraphs not in (True, False, "auto"):
             raise SpmdConfigError(f"GraphModuleTransformation: enable_cudagraphs must be True, False or 'auto', "
                                   f"got {self.cudagraphs!r}")
@@ -69,20 +86,38 @@ class Lowering:
         """True when lowering makes something other than the FX graph itself."""
         return bool(self.inductor or self.cudagraphs)
 
+    def pieces_on(self, device: torch.device) -> int:
+        """How many pieces of a graph compile at once on ``device`` (``pieces``; ``"auto"``: on a GPU, one per four
+        CPU cores up to ``AUTO_PIECES``, else 1)."""
+        if not self.inductor:
+            return 1
+        if self.pieces != "auto":
+            return self.pieces
+        return max(1, min(AUTO_PIECES, (os.cpu_count() or 1) // 4)) if device.type == "cuda" else 1
+
     def start(self, device: torch.device) -> None:
         """Called before the step is traced: with Inductor on a GPU, its kernel-compile workers start
-        now, while the step is traced and optimized (``start_compile_workers``)."""
+        now, while the step is traced and optimized (``start_compile_workers``), and so do the processes
+        that compile all pieces but one of a graph compiled in pieces (``spmd.lower.compile_workers``)."""
         if self.inductor and device.type == "cuda":
             start_compile_workers()
+        if self.pieces_on(device) > 1:
+            compile_workers.start(self.pieces_on(device) - 1)
+
+    def finish(self) -> None:
+        """Called once a step's graphs are lowered: the piece-compiling processes stop, holding nothing while
+        the step trains."""
+        compile_workers.stop()
 
     def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int,
-                    kept: Optional[InductorCode] = None) -> tuple[Callable, Optional[InductorCode]]:
+                    kept: Optional[KeptCode] = None) -> tuple[Callable, Optional[KeptCode]]:
         """What runs one of the step's graphs (Inductor code for ``example_inputs``, maybe as a CUDA graph) and
         the Inductor code it runs (None without Inductor, or where the code cannot be kept). ``kept``: the code
         an earlier lowering of this graph returned, loaded instead of compiling (``compile_with_inductor``);
         loaded or compiled, it is wrapped alike."""
         runner, code = (compile_with_inductor(gm, example_inputs, label, self.inductor_comm_passes,
-                                              self.inductor_options, kept, lean=self.lean)
+                                              self.inductor_options, kept, lean=self.lean,
+                                              pieces=self.pieces_on(_device_of(example_inputs)))
                         if self.inductor else (gm, None))
         auto = self.cudagraphs == "auto"
         if auto and (reason := cudagraph_obstacle(gm, example_inputs)):

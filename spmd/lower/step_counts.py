@@ -2,7 +2,7 @@
 
 A fused optimizer (``_fused_adamw_``) first adds one to each parameter's step count
 (``_foreach_add(state_steps, 1)``, made functional by tracing and written back into the state at the
-end of the step); the fused op itself is already run by ATen (``spmd.lower.inductor.opaque_inplace_op``).
+end of the step); the fused op itself is already run by ATen (``spmd.lower.opaque_ops.opaque_inplace_op``).
 Left to Inductor, the increment becomes a foreach kernel with an input and an output per
 parameter: on a GPU a combo kernel of one sub-kernel per parameter, whose compile grows with the
 parameter count and which is among the last kernels the step's compile waits for.

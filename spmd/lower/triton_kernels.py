@@ -8,7 +8,7 @@ path skips it: its FX graph cache entry holds Inductor's ``TritonBundle``, each 
 and a statically launchable copy of its autotuner, which it writes back into Triton's cache and into the
 table ``async_compile.triton`` looks in before compiling anything.
 
-Our GPU graphs do not go through that cache (``spmd.lower.inductor.FX_CACHE_DEVICES``), and Inductor
+Our GPU graphs do not go through that cache (``spmd.lower.compile_graph.FX_CACHE_DEVICES``), and Inductor
 bundles kernels only around a cache miss, so ``collecting`` runs Inductor's ``TritonBundler`` around our
 compile and ``emit`` hands the bundle back before the kept module is loaded. The bundle is kept pickled:
 one that does not load (a cubin gone, another torch) costs only time, as the kernels are then compiled

@@ -35,7 +35,7 @@ from ..graph_utils import lazy_graph_module
 from ..graph_utils.meta import NAME, ROLE, Role
 from ..graph_utils.nodes import first_reader_before, node_order
 from ..graph_utils.optimizer_ops import written_inputs
-from ..lower.inductor_code import InductorCode
+from ..lower.inductor_code import KeptCode
 from ..lower.lowering import Lowering, example_like
 from ..passes.iteration import IterMoveError
 
@@ -234,7 +234,7 @@ class IterGraphModule(nn.Module):
         self._finalized = False
         self.lowering: Optional[Lowering] = None  # how ``lower`` compiles each graph (None: run the FX graphs)
         # label -> the Inductor code that runs that graph (``spmd.lower.inductor_code``), set by ``lower``
-        self.inductor_code: dict[str, InductorCode] = {}
+        self.inductor_code: dict[str, KeptCode] = {}
         self._runners: dict[str, Callable] = {}  # label -> what runs that graph, made by ``lower``
 
     @property
@@ -309,7 +309,7 @@ class IterGraphModule(nn.Module):
         """True once ``lower`` made what runs each graph (or there is nothing to lower)."""
         return self.lowering is None or not self.lowering.compiles or bool(self._runners)
 
-    def lower(self, inputs: tuple, kept: Optional[dict[str, InductorCode]] = None) -> None:
+    def lower(self, inputs: tuple, kept: Optional[dict[str, KeptCode]] = None) -> None:
         """Lower every graph a run may execute (``graphs_to_run``) with ``lowering``, before the first run.
 
         ``inputs``: the step's inputs for its first call (the example Inductor compiles for); the
@@ -328,11 +328,14 @@ class IterGraphModule(nn.Module):
         examples = {"step": inputs, "setup": inputs, "main": inputs + carried, "cleanup": inputs + carried,
                     "flush": tuple(inputs[i] for i in flush_positions) + carried}
         runners, codes = {}, {}
-        for label, gm in modules:
-            runners[label], code = self.lowering.lower_graph(label, gm, examples[label], self.num_user_outputs,
-                                                             kept.get(label))
-            if code is not None:
-                codes[label] = code
+        try:
+            for label, gm in modules:
+                runners[label], code = self.lowering.lower_graph(label, gm, examples[label], self.num_user_outputs,
+                                                                 kept.get(label))
+                if code is not None:
+                    codes[label] = code
+        finally:
+            self.lowering.finish()
         self._runners, self.inductor_code = runners, codes
 
     def flush(self) -> None:

@@ -62,7 +62,10 @@ class GraphModuleTransformation:
     Inductor compiles, exactly: ``"one_rank"`` drops a gradient all_reduce over a group of one rank
     (one GPU) with its bucket's copies, ``"step_counts"`` adds a fused optimizer's step counts in
     place by one ATen call instead of a kernel, True does both. False, the default, until a GPU
-    measurement shows it pays (BENCHMARKS.md).
+    measurement shows it pays (BENCHMARKS.md). ``compile_pieces`` (with ``enable_inductor``;
+    ``Lowering.pieces``): compile up to this many pieces of each graph at once, all but one in
+    worker processes (``spmd.lower.piecewise``); ``"auto"``: one per four CPU cores (at most four)
+    on a GPU, 1 (the whole graph in this process) on the CPU.
 
     Dumps (``graph_utils.DumpOptions``): ``dump_graphs=True``, or the environment variable
     ``SPMD_DUMP_DIR``, writes the traced graph, the graph after each pass and the
@@ -77,7 +80,8 @@ class GraphModuleTransformation:
                  optimizer_parts: int = PASS_DEFAULTS["optimizer_parts"],
                  prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None,
                  memory_budget: Optional[float] = PASS_DEFAULTS["memory_budget"],
-                 recompute: Union[bool, str] = PASS_DEFAULTS["recompute"], lean_lowering: Union[bool, str] = False):
+                 recompute: Union[bool, str] = PASS_DEFAULTS["recompute"], lean_lowering: Union[bool, str] = False,
+                 compile_pieces: Union[int, str] = 1):
         if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
             raise SpmdConfigError(f"GraphModuleTransformation: optimizer_parts must be an int >= 1 (1: one "
                                   f"optimizer op), got {optimizer_parts!r}")
@@ -96,7 +100,7 @@ class GraphModuleTransformation:
             raise SpmdConfigError(f"GraphModuleTransformation: memory_budget={memory_budget!r} asks for recompute, "
                                   "which recompute=False turns off. Drop one of the two.")
         self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_comm_passes, inductor_options or {},
-                                 lean=lean_lowering)
+                                 lean=lean_lowering, pieces=compile_pieces)
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units

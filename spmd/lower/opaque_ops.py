@@ -1,0 +1,55 @@
+"""Our in-place fused optimizer ops as opaque custom ops (``spmd_lowering::*``), which Inductor calls as they are.
+
+``opaque_inplace_op(op)`` defines, once per process, a custom op with ``op``'s schema whose gradients are
+read-only, calling ``op``; Inductor runs it in place on the graph's inputs instead of lowering it into
+kernels of its own. Inductor's code calls these ops by name, so a process that loads or compiles such
+code defines them first (``wrapped_ops`` names them).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+from ..errors import SpmdCompileError
+from ..graph_utils.optimizer_ops import written_args
+from .fx_cache import OPAQUE_NAMESPACE
+
+_opaque_lib = torch.library.Library(OPAQUE_NAMESPACE, "FRAGMENT")
+_opaque_ops: dict[torch._ops.OpOverload, torch._ops.OpOverload] = {}
+
+
+def writes_grads(op: torch._ops.OpOverload) -> bool:
+    """Its schema declares ``grads`` written (the opaque op declares them read-only instead)."""
+    return any(op._schema.arguments[i].name == "grads" for i in written_args(op))
+
+
+def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
+    """A custom op with ``op``'s schema, any gradients read-only, that calls ``op``: Inductor keeps it in place.
+
+    Gradients (a ``grads`` argument) are declared read-only because they are: without
+    ``grad_scale`` the fused optimizer kernels only read them. Declared mutable, they would count
+    as written, and gradients are views into shared bucket buffers, read by several such ops when
+    the optimizer has several param groups (under AOT autograd's functionalization Inductor
+    mishandled that: NaNs). Inductor runs the custom op as it is, one call of ``op``, where it
+    would otherwise lower ``op`` into kernels of its own (``_wrappable_step_count``).
+    """
+    if op not in _opaque_ops:
+        name = f"{op._opname.strip('_')}_{op._overloadname}"
+        args = str(op._schema).split("(", 1)[1]
+        read_only_grads = re.sub(r"Tensor\(\w!\)\[\] grads", "Tensor[] grads", args)
+        if read_only_grads == args and writes_grads(op):
+            raise SpmdCompileError(f"spmd: unexpected schema for {op}: {op._schema} (no 'Tensor(a!)[] grads' argument)")
+        _opaque_lib.define(name + "(" + read_only_grads)
+        _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)
+        _opaque_ops[op] = getattr(getattr(torch.ops, OPAQUE_NAMESPACE), name).default
+    return _opaque_ops[op]
+
+
+def wrapped_ops(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The names of the ops ``gm`` calls through their ``opaque_inplace_op``."""
+    wrapping = {opaque: op for op, opaque in _opaque_ops.items()}
+    return tuple(sorted({wrapping[n.target].name() for n in gm.graph.nodes if n.target in wrapping}))

@@ -1,0 +1,140 @@
+"""A prepared step graph compiled in pieces, side by side: the others in worker processes, one here.
+
+``compile_in_pieces`` cuts the graph (``spmd.lower.pieces``), sends every piece but the last to a
+worker (``spmd.lower.compile_workers``), compiles the last one in this process meanwhile, then loads
+the workers' code as a restarted process loads kept code (``spmd.lower.inductor_code.load_kept``).
+A piece whose worker fails, or that cannot be sent, is compiled here after the others: slower, never
+wrong. What it returns is one callable and one ``PiecewiseCode``, kept and loaded as a whole graph's
+code is.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from .. import compile_times
+from ..compile_times import phase
+from ..graph_utils.nodes import comm_group_name, is_comm_node
+from . import compile_workers
+from .compile_graph import compile_piece, device_of
+from .graph_wire import NotWireable, to_bytes
+from .inductor_code import InductorCode, PiecewiseCode, code_of, load_kept
+from .pieces import cut, run_pieces
+
+log = logging.getLogger(__name__)
+
+# Past this many seconds without an answer, a worker's piece is compiled here instead.
+WORKER_TIMEOUT_S = 1800.0
+
+
+def _groups_of(graph: fx.Graph) -> dict[str, int]:
+    """The size of each process group the collectives of ``graph`` name, by name."""
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    names = {comm_group_name(n) for n in graph.nodes if is_comm_node(n)}
+    return {name: _get_group_size_by_name(name) for name in names if name is not None}
+
+
+def _compile_here(gm: fx.GraphModule, specs: list, label: str, fx_cache: bool, wrapped: tuple,
+                  device: torch.device) -> tuple[Callable[[list], Any], Optional[InductorCode]]:
+    compiled, _, kernels = compile_piece(gm, specs, label, fx_cache)
+    return compiled, code_of(compiled, wrapped, device.index if device.type == "cuda" else None, kernels)
+
+
+def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, count: int, options: dict,
+                      fx_cache: bool, wrapped: tuple) -> Optional[tuple[Callable[[list], Any], Optional[PiecewiseCode]]]:
+    """``prepared`` (functional, not decomposed) compiled in at most ``count`` pieces under Inductor ``options``:
+    (a callable on a list of its inputs, its ``PiecewiseCode`` or None where a piece's code cannot be
+    kept), or None where the graph is not cut (``spmd.lower.pieces.cut``). ``wrapped``: the names of the
+    ops the graph calls through ``opaque_inplace_op``.
+
+    The pieces are shared out as they come: each worker, once it has started, takes the first piece
+    nobody has taken, and this process the last one, until none is left; so a worker that starts late
+    or runs slowly takes fewer, and none waits on another."""
+    with phase(f"lower/{label}/cut"):
+        made = cut(prepared, count, example_inputs)
+    if made is None:
+        return None
+    modules, specs, plan = made
+    device = device_of(example_inputs)
+    start = time.perf_counter()
+    untaken = collections.deque(range(len(modules)))
+    lock = threading.Lock()
+    answers: queue.Queue = queue.Queue()
+    workers = compile_workers.running()
+
+    def serve(worker: compile_workers.Worker) -> None:
+        if not worker.ready():
+            return
+        while True:
+            with lock:
+                if not untaken:
+                    return
+                i = untaken.popleft()
+            try:
+                job = compile_workers.Job(f"{label}/{i}", to_bytes(modules[i].graph), specs[i], options, wrapped,
+                                          fx_cache, _groups_of(modules[i].graph))
+            except NotWireable as err:
+                answers.put((i, "failed", f"it cannot be sent: {err}"))
+                continue
+            status, answer = worker.compile(job)
+            answers.put((i, status, answer))
+            if status != "done":
+                return
+
+    threads = [threading.Thread(target=serve, args=(w,), name="spmd-compile-worker", daemon=True) for w in workers]
+    for thread in threads:
+        thread.start()
+    runners: list[Optional[Callable]] = [None] * len(modules)
+    codes: list[Optional[InductorCode]] = [None] * len(modules)
+    here = 0
+
+    def compile_here(i: int) -> None:
+        runners[i], codes[i] = _compile_here(modules[i], specs[i], f"{label}/{i}", fx_cache, wrapped, device)
+
+    done = 0
+    while done < len(modules):
+        try:
+            i, status, answer = answers.get_nowait()
+        except queue.Empty:
+            with lock:
+                i = untaken.pop() if untaken else None
+            if i is not None:
+                compile_here(i)
+                here, done = here + 1, done + 1
+                continue
+            with phase(f"lower/{label}/wait"):
+                try:
+                    i, status, answer = answers.get(timeout=WORKER_TIMEOUT_S)
+                except queue.Empty:
+                    status, answer, i = "failed", f"no answer within {WORKER_TIMEOUT_S:.0f} s", None
+        if status == "done" and answer[0] is not None:
+            with phase(f"lower/{label}/load"):
+                runners[i] = load_kept(answer[0], device, f"{label}/{i}")
+            codes[i] = answer[0]
+            compile_times.add(answer[1])
+        if runners[i if i is not None else 0] is None or i is None:
+            log.warning("spmd: a piece of the %s graph is compiled here: its worker %s", label,
+                        answer if status != "done" else "made code that does not load")
+            if i is None:  # nothing answers: every piece not compiled yet is compiled here
+                for worker in workers:
+                    worker.kill()
+                for j in range(len(modules)):
+                    if runners[j] is None:
+                        compile_here(j)
+                break
+            compile_here(i)
+            here += 1
+        done += 1
+    log.info("spmd: the %s graph compiled in %d pieces in %.1f s, %d of them in this process", label, len(modules),
+             time.perf_counter() - start, here)
+    kept = PiecewiseCode(tuple(codes), plan) if all(c is not None for c in codes) else None
+    return run_pieces(plan, runners), kept

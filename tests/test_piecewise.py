@@ -1,0 +1,120 @@
+"""A step graph compiled in pieces (spmd.lower.pieces, piecewise, compile_workers): where it is cut, what
+crosses a cut, and that the pieces run as the whole graph does, compiled here or in a worker process."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+import spmd
+from spmd.compile_times import recording
+from spmd.graph_utils import is_comm_node, is_wait_node
+from spmd.lower import compile_workers, pieces
+from spmd.lower.inductor import compile_with_inductor, prepare_for_inductor
+from spmd.lower.inductor_code import PiecewiseCode, load_kept
+from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
+from spmd.tools.models import GPT, MLP, GPTConfig
+from tests.dist import single_process_group
+from tests.parity import lm_train_step, train_step
+
+
+def _step_graph(model, batch, body):
+    """The optimized step graph of ``body`` (bucketed all_reduces, waits where read, in-place fused AdamW),
+    ready for Inductor but not decomposed, and its inputs for the step's first call."""
+    seen = {}
+
+    def transform(gm):
+        igm = spmd.IterGraphModule(gm)
+        comm_fusion_with_concat(igm, 0.002)
+        schedule_comm_wait(igm)
+        remove_copy_from_optimizer(igm)
+        igm.finalize_setup()
+        seen["igm"] = igm
+        return igm
+
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    step = spmd.compile(gm_transformation=transform, cache_dir=False)(body)
+    step(model, optim, *batch)
+    state = step.prepare_state((model, optim, *batch), {})
+    inputs = [*state.flat_tensors(), *state.hyper_tensors(), *batch]
+    return prepare_for_inductor(seen["igm"].logical_gm, decompose=False), inputs
+
+
+def _boxed(gm):
+    return lambda args: list(gm(*args))
+
+
+def _clone(inputs):
+    return [t.detach().clone() for t in inputs]
+
+
+def test_a_cut_step_runs_as_the_whole_graph_and_no_collective_or_view_crosses_a_cut(monkeypatch):
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)  # a small graph, cut all the same
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2)).double()
+    idx = torch.randint(0, 256, (2, 32))
+    with single_process_group():
+        gm, inputs = _step_graph(model, (idx, idx), lm_train_step)
+        made = pieces.cut(gm, 4, inputs)
+        assert made is not None, pieces.cut_obstacle(gm.graph)
+        modules, specs, plan = made
+        assert len(modules) == len(plan) == 4
+        for module, spec in zip(modules, specs):
+            placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+            assert len(placeholders) == len(spec)
+            for comm in filter(is_comm_node, module.graph.nodes):  # each collective is waited in its own piece
+                assert any(is_wait_node(u) or u.target is operator.getitem for u in comm.users), comm
+        # what crosses a cut is a value of its own, never a view: views are made again where they are read
+        for module in modules[:-1]:
+            for out in next(iter(reversed(module.graph.nodes))).args[0]:
+                assert not pieces._is_view(out), out
+        whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
+        whole = list(gm(*whole_inputs))
+        cut = pieces.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
+    assert len(whole) == len(cut)
+    for a, b in zip(whole, cut):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for a, b in zip(whole_inputs, cut_inputs):  # parameters and optimizer state written alike
+        assert torch.equal(a, b)
+
+
+def test_a_graph_that_writes_a_value_it_made_is_not_cut():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    made = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    graph.call_function(torch.ops.aten.add_.Tensor, (made, 1))
+    graph.output((made,))
+    assert "writes a value the graph made" in pieces.cut_obstacle(graph)
+    assert pieces.cut(torch.fx.GraphModule(torch.nn.Module(), graph), 2, [torch.ones(3)]) is None
+
+
+@pytest.fixture
+def one_worker(monkeypatch):
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)  # a small graph, cut all the same
+    compile_workers.start(1)
+    yield
+    compile_workers.stop()
+
+
+def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(one_worker):
+    """Inductor on the CPU: one piece compiled by a worker process, one here; the step matches the graph
+    run op by op, and the kept ``PiecewiseCode`` loads (as a restarted process would) and matches too."""
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    with single_process_group():
+        gm, inputs = _step_graph(model, (x,), train_step)
+        expected_inputs = _clone(inputs)
+        expected = list(gm(*expected_inputs))
+        times: dict[str, float] = {}
+        with recording(times):
+            run, code = compile_with_inductor(gm, _clone(inputs), pieces=2)
+        assert isinstance(code, PiecewiseCode) and len(code.pieces) >= 2
+        assert any(name.endswith("/worker") for name in times), sorted(times)  # a worker compiled a piece
+        for runner in (run, lambda *args: load_kept(code, torch.device("cpu"), "step")(list(args))):
+            got_inputs = _clone(inputs)
+            got = list(runner(*got_inputs))
+            for a, b in zip(expected + expected_inputs, got + got_inputs):
+                assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
