@@ -17,8 +17,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ import torch.distributed as dist
 from spmd.tools import bench, bench_peers, bench_report, cli, suite
 from spmd.tools.bench_modes import MODES as REGISTRY, Setup
 from spmd.tools.models import GPT
+from tests.fresh_process import run_python
 
 MODES = ["single_eager", "ddp", "spmd_pipeline", "spmd_pipeline_cg"]
 SHARDED = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile", "simple_fsdp", "simple_fsdp_plain",
@@ -43,12 +42,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on GPUs the b
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "spmd", "bench", *TINY, "--batch", str(BATCH), "--steps", str(STEPS),
+    cmd = ["-m", "spmd", "bench", *TINY, "--batch", str(BATCH), "--steps", str(STEPS),
            "--warmup", str(WARMUP), "--repeat", str(REPEAT), "--modes", ",".join(MODES + SHARDED),
            "--json", "bench.json", "--profile", "spmd_pipeline", "--top", "5"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=folder,
-                          env={**env, "TORCHINDUCTOR_COMPILE_THREADS": "1", "COLUMNS": "200"})
+    # the parent, forked (tests.fresh_process): the session's environment, so the servers other tests use serve it
+    proc = run_python(cmd, cwd=folder, env={**env, "COLUMNS": "200"}, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((folder / "bench.json").read_text())
     (section,) = result["sections"]

@@ -16,7 +16,7 @@ from tests.fresh_process import run_python, start_python
 # multiprocessing starts its children in, the string hash of a constant, graphs Dynamo traced before it, threads.
 _PROBE = """
 import json, multiprocessing.process, os, sys, threading, torch._dynamo
-print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "flag": os.environ.get("PROBE_FLAG"), "main": __name__,
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "flag": os.environ.get("COLUMNS"), "main": __name__,
                   "path0": sys.path[0], "mp_dir": multiprocessing.process.ORIGINAL_DIR, "hash": hash("spmd"),
                   "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                   "threads": threading.active_count()}))
@@ -25,11 +25,13 @@ sys.exit(int(sys.argv[1]))
 
 
 def test_a_forked_command_sees_its_argv_folder_and_environment_and_exits_with_its_status(tmp_path):
-    env = {**os.environ, "PROBE_FLAG": "on"}
+    # a variable the servers are started without (read at run time only), so the command's environment alone brings it;
+    # an import-time variable would start a pair of servers of its own (seconds each) for this test alone
+    env = {**os.environ, "COLUMNS": "123"}
     proc = run_python(["-c", _PROBE, "3"], env=env, cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr
     seen = json.loads(proc.stdout)
-    assert seen["argv"] == ["-c", "3"] and seen["cwd"] == str(tmp_path) and seen["flag"] == "on"
+    assert seen["argv"] == ["-c", "3"] and seen["cwd"] == str(tmp_path) and seen["flag"] == "123"
     assert seen["main"] == "__main__" and seen["path0"] == "" and seen["mp_dir"] == str(tmp_path)
     assert seen["graphs"] == 0 and seen["threads"] == 1  # nothing traced before it, no thread but its own
     (tmp_path / "probe.py").write_text(_PROBE)
