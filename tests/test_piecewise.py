@@ -118,3 +118,44 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
             got = list(runner(*got_inputs))
             for a, b in zip(expected + expected_inputs, got + got_inputs):
                 assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_piece_whose_worker_fails_is_compiled_here_and_said_once(one_worker, monkeypatch, caplog):
+    """A worker that cannot compile its piece (here: an Inductor option it does not know) costs only time."""
+    import logging
+
+    from spmd.lower import inductor
+
+    monkeypatch.setattr(inductor, "_portable_config", lambda config: {"no_such_inductor_option": 1})
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    with single_process_group(), caplog.at_level(logging.WARNING, logger="spmd.lower.piecewise"):
+        gm, inputs = _step_graph(model, (x,), train_step)
+        expected_inputs = _clone(inputs)
+        expected = list(gm(*expected_inputs))
+        times: dict[str, float] = {}
+        with recording(times):
+            run, code = compile_with_inductor(gm, _clone(inputs), pieces=2)
+        got_inputs = _clone(inputs)
+        got = list(run(*got_inputs))
+    failures = [r.getMessage() for r in caplog.records if "compiled here" in r.getMessage()]
+    assert len(failures) == 1 and "no_such_inductor_option" in failures[0], failures
+    assert not any(name.endswith("/worker") for name in times) and isinstance(code, PiecewiseCode)
+    for a, b in zip(expected + expected_inputs, got + got_inputs):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():
+    """Inductor looks a collective's group up by name while it compiles: a worker registers a fake group of
+    the parent's size under each name (in a fresh process, as a worker is one)."""
+    from tests.fresh_process import run_python
+
+    code = ("from spmd.lower.compile_worker import _stand_in_groups\n"
+            "from torch.distributed.distributed_c10d import _get_group_size_by_name as size\n"
+            "_stand_in_groups({'spmd_group:a': 2, 'spmd_group:b': 1})\n"
+            "_stand_in_groups({'spmd_group:a': 2, 'spmd_group:c': 2})\n"
+            "print(size('spmd_group:a'), size('spmd_group:b'), size('spmd_group:c'))\n")
+    done = run_python(["-c", code], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "1", "2"]

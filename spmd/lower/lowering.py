@@ -73,7 +73,7 @@ class Lowering:
                                           and self.pieces >= 1)):
             raise SpmdConfigError(f"GraphModuleTransformation: compile_pieces must be a whole number of at least 1 or "
                                   f"'auto', got {self.pieces!r}")
-        if self.pieces != 1 and not self.inductor:
+        if self.pieces not in (1, "auto") and not self.inductor:
             raise SpmdConfigError("GraphModuleTransformation: compile_pieces splits what Inductor compiles and needs "
                                   "enable_inductor=True. Pass enable_inductor=True or drop compile_pieces.")
         if self.cudagraphs not in (True, False, "auto"):
@@ -88,12 +88,15 @@ class Lowering:
 
     def pieces_on(self, device: torch.device) -> int:
         """How many pieces of a graph compile at once on ``device`` (``pieces``; ``"auto"``: on a GPU, one per four
-        CPU cores up to ``AUTO_PIECES``, else 1)."""
+        of this rank's CPU cores (the machine's, shared by the ranks torchrun started here) up to
+        ``AUTO_PIECES``, else 1)."""
         if not self.inductor:
             return 1
         if self.pieces != "auto":
             return self.pieces
-        return max(1, min(AUTO_PIECES, (os.cpu_count() or 1) // 4)) if device.type == "cuda" else 1
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))  # the ranks torchrun started here
+        cores = (os.cpu_count() or 1) // ranks_here
+        return max(1, min(AUTO_PIECES, cores // 4)) if device.type == "cuda" else 1
 
     def start(self, device: torch.device) -> None:
         """Called before the step is traced: with Inductor on a GPU, its kernel-compile workers start
