@@ -2,8 +2,9 @@
 transformation sets), Inductor's decompositions applied node by node (``decompose``), what a process
 group of one rank and a fused optimizer's step counts become in Inductor's graph (``one_rank``,
 ``step_counts``), the whole step graph or its setup/main/cleanup parts compiled by Inductor
-(``inductor``), looked up first in Inductor's FX graph cache (``fx_cache``: what it needs to serve our
-graphs across processes), and CUDA-graph replay (``cudagraphs``). Takes the graphs ``spmd.passes``
+(``inductor``), in pieces compiled side by side by worker processes and this one (``pieces``,
+``piecewise``, ``compile_workers``), looked up first in Inductor's FX graph cache (``fx_cache``: what it
+needs to serve our graphs across processes), and CUDA-graph replay (``cudagraphs``). Takes the graphs ``spmd.passes``
 optimized, before the step first runs; hands compiled callables to ``spmd.step``'s runner, which only
 runs them.
 """

@@ -28,9 +28,10 @@ it returns is also handed back as data (``spmd.lower.inductor_code``), which a c
 and a restarted process loads instead of calling Inductor at all; on a GPU with Triton's compiled
 kernels (``spmd.lower.triton_kernels``), which that process launches without Triton.
 
-The alternative, compiling the compute regions between collectives separately, keeps
-the schedule trivially but cuts fusion at every bucket boundary, materializes every
-tensor that crosses one and multiplies compile work by the number of regions.
+Compiling the compute regions between collectives separately would keep the schedule trivially
+but cut fusion at every bucket boundary, materialize every tensor that crosses one and multiply
+compile work by the number of regions. ``pieces`` (``spmd.lower.piecewise``) cuts a graph a few
+times only, where no collective is in flight, to compile the pieces side by side.
 """
 
 from __future__ import annotations
