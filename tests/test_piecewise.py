@@ -101,8 +101,8 @@ def one_worker(monkeypatch):
 
 def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(one_worker, monkeypatch, caplog):
     """Inductor on the CPU, an MLP's float64 step in three pieces: the first cannot be sent to the worker (as a
-    graph calling something other than ops could not), so it is compiled here, said once; the worker compiles
-    the next; this process the last. The step matches the graph run op by op, to 1e-12, and so does the
+    graph calling something other than ops could not), so it is compiled here, said once; the worker and this
+    process share the others. The step matches the graph run op by op, to 1e-12, and so does the
     kept ``PiecewiseCode`` loaded again (as a restarted process would)."""
     import logging
 
@@ -133,9 +133,10 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
             for a, b in zip(expected + expected_inputs, got + got_inputs):
                 assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
     assert isinstance(code, PiecewiseCode) and len(code.pieces) == 3
-    assert [name for name in times if name.endswith("/worker")] == ["lower/step/1/worker"], sorted(times)
+    by_worker = [name for name in times if name.endswith("/worker")]  # which pieces depends on timing, not 0
+    assert by_worker and "lower/step/0/worker" not in by_worker, sorted(times)
     failures = [r.getMessage() for r in caplog.records if "compiled here" in r.getMessage()]
-    assert len(failures) == 1 and "as a test asks" in failures[0], failures
+    assert len(failures) == 1 and "cannot be sent to a worker: as a test asks" in failures[0], failures
 
 
 def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():

@@ -72,6 +72,7 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
     workers = compile_workers.running()
 
     def serve(worker: compile_workers.Worker) -> None:
+        """A worker's thread: take the first piece nobody has taken, until none is left or the worker fails."""
         if not worker.ready():
             return
         while True:
@@ -83,10 +84,10 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
                 job = compile_workers.Job(f"{label}/{i}", to_bytes(modules[i].graph), specs[i], options, wrapped,
                                           fx_cache, _groups_of(modules[i].graph))
             except NotWireable as err:
-                answers.put((i, "failed", f"it cannot be sent: {err}"))
+                answers.put((i, "failed", f"it cannot be sent to a worker: {err}"))
                 continue
             status, answer = worker.compile(job)
-            answers.put((i, status, answer))
+            answers.put((i, status, answer if status == "done" else f"its worker failed: {answer}"))
             if status != "done":
                 return
 
@@ -98,42 +99,47 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
     here = 0
 
     def compile_here(i: int) -> None:
+        nonlocal here
         runners[i], codes[i] = _compile_here(modules[i], specs[i], f"{label}/{i}", fx_cache, wrapped, device)
+        here += 1
 
-    done = 0
-    while done < len(modules):
-        try:
-            i, status, answer = answers.get_nowait()
-        except queue.Empty:
-            with lock:
-                i = untaken.pop() if untaken else None
-            if i is not None:
-                compile_here(i)
-                here, done = here + 1, done + 1
-                continue
-            with phase(f"lower/{label}/wait"):
-                try:
-                    i, status, answer = answers.get(timeout=WORKER_TIMEOUT_S)
-                except queue.Empty:
-                    status, answer, i = "failed", f"no answer within {WORKER_TIMEOUT_S:.0f} s", None
+    def settle(i: int, status: str, answer: Any) -> None:
+        """Piece ``i`` from its worker's answer: its code loaded, or (said why) compiled here."""
         if status == "done" and answer[0] is not None:
             with phase(f"lower/{label}/load"):
                 runners[i] = load_kept(answer[0], device, f"{label}/{i}")
-            codes[i] = answer[0]
-            compile_times.add(answer[1])
-        if runners[i if i is not None else 0] is None or i is None:
-            log.warning("spmd: a piece of the %s graph is compiled here: its worker %s", label,
-                        answer if status != "done" else "made code that does not load")
-            if i is None:  # nothing answers: every piece not compiled yet is compiled here
-                for worker in workers:
-                    worker.kill()
-                for j in range(len(modules)):
-                    if runners[j] is None:
-                        compile_here(j)
-                break
-            compile_here(i)
-            here += 1
-        done += 1
+            if runners[i] is not None:
+                codes[i] = answer[0]
+                compile_times.add(answer[1])
+                return
+        why = answer if status != "done" else "its worker's code cannot be kept or does not load"
+        log.warning("spmd: piece %d of the %s graph is compiled here: %s", i, label, why)
+        compile_here(i)
+
+    for _ in range(len(modules)):  # each turn settles one piece
+        try:
+            answered = answers.get_nowait()
+        except queue.Empty:
+            with lock:
+                mine = untaken.pop() if untaken else None
+            if mine is not None:
+                compile_here(mine)
+                continue
+            with phase(f"lower/{label}/wait"):
+                try:
+                    answered = answers.get(timeout=WORKER_TIMEOUT_S)
+                except queue.Empty:
+                    answered = None
+        if answered is None:  # nothing answers: every piece not compiled yet is compiled here
+            log.warning("spmd: no compile worker answered within %.0f s; the %s graph's other pieces are compiled "
+                        "here", WORKER_TIMEOUT_S, label)
+            for worker in workers:
+                worker.kill()
+            for j in range(len(modules)):
+                if runners[j] is None:
+                    compile_here(j)
+            break
+        settle(*answered)
     log.info("spmd: the %s graph compiled in %d pieces in %.1f s, %d of them in this process", label, len(modules),
              time.perf_counter() - start, here)
     kept = PiecewiseCode(tuple(codes), plan) if all(c is not None for c in codes) else None
