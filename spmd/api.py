@@ -368,6 +368,7 @@ class CompiledTrainStep:
         modules, optimizers = find_modules_and_optimizers(args, kwargs)
         self._apply_overrides(modules)
         _check_materialized(modules)
+        _check_mesh_devices(modules)
         _check_optimizers_follow_modules(modules, optimizers)
         scalers = step_scalers(self.fn, args, kwargs)
         ensure_scale(scalers, modules)
@@ -516,6 +517,28 @@ def _check_materialized(modules: list[nn.Module]) -> None:
             f"spmd.compile: {on_meta[:3]}{'...' if len(on_meta) > 3 else ''} are on the meta device{also}: they have "
             "no values to train. Materialize the model before calling the compiled step: model.to_empty(device=...) "
             "and initialize it (e.g. model.reset_parameters() per module), or load a state dict with assign=True."
+        )
+
+
+def mesh_device_mismatches(modules: list[nn.Module]) -> list[str]:
+    """The sharded parameters whose data is on another device type than their DeviceMesh (``name (data on
+    cuda, mesh on cpu)``): their collectives would run over the mesh's backend on the wrong device."""
+    from torch.distributed.tensor import DTensor
+
+    return [f"{name} (data on {p._local_tensor.device.type}, mesh on {p.device_mesh.device_type})"
+            for mod in modules for name, p in mod.named_parameters()
+            if isinstance(p, DTensor) and p._local_tensor.device.type != p.device_mesh.device_type]
+
+
+def _check_mesh_devices(modules: list[nn.Module]) -> None:
+    """Refuse, naming the fix, sharded parameters whose data and DeviceMesh are on different device types."""
+    wrong = mesh_device_mismatches(modules)
+    if wrong:
+        raise SpmdCompileError(
+            f"spmd.compile: sharded parameters {wrong[:3]}{'...' if len(wrong) > 3 else ''} are not on their "
+            "DeviceMesh's device type, so their collectives would run on the wrong device. Move the model to its "
+            "device before spmd.shard(model, mode) (not after), or build the mesh on the data's device "
+            "(init_device_mesh('cuda', ...) with an NCCL process group)."
         )
 
 

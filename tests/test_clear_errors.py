@@ -179,3 +179,32 @@ def test_configuration_mistakes_are_one_error_type(call, match):
     with pytest.raises(SpmdConfigError, match=match) as info:
         call()
     assert isinstance(info.value, ValueError)  # SpmdConfigError is a ValueError
+
+
+def test_sharded_parameters_whose_data_is_not_on_their_meshs_device_are_named():
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from spmd.api import mesh_device_mismatches
+
+    with single_process_group():
+        mesh = init_device_mesh("cpu", (1,))
+        model = nn.Linear(2, 2)
+        model.weight = nn.Parameter(DTensor.from_local(torch.ones(2, 2), mesh, [Replicate()]))
+        assert mesh_device_mismatches([model]) == []
+        model.bias = nn.Parameter(DTensor.from_local(torch.ones(2, device="meta"), mesh, [Replicate()]))
+        assert mesh_device_mismatches([model]) == ["bias (data on meta, mesh on cpu)"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_model_moved_to_the_gpu_after_sharding_on_a_cpu_mesh_is_refused_naming_the_fix():
+    with single_process_group("gloo"):
+        torch.manual_seed(0)
+        model = MLP(layers=2, dim=8)
+        mode = spmd.DataParallel("fully_shard")
+        spmd.shard(model, mode)  # a gloo world: a CPU mesh
+        model.cuda()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(SpmdCompileError, match=r"data on cuda, mesh on cpu.*before spmd.shard"):
+            spmd.compile(parallel_mode=mode)(train_step)(model, optim, torch.randn(4, 8, device="cuda"))

@@ -58,6 +58,7 @@ from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import KeptCode, code_of, load_kept
 from .opaque_ops import opaque_inplace_op, wrapped_ops, writes_grads
+from .pieces import cut_obstacle
 from .piecewise import compile_in_pieces
 
 log = logging.getLogger(__name__)
@@ -251,9 +252,14 @@ def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, p
     processes = min(pieces, len(compile_workers.running()) + 1)
     options = _portable_config(config) if processes > 1 else None
     if options is None:
+        log.info("spmd: the %s graph is compiled whole: %s", label,
+                 "no compile worker runs" if processes < 2 else "an Inductor option set here cannot be sent to one")
         return None
-    return compile_in_pieces(prepared, example_inputs, label, 3 * processes, options, fx_cache,
-                             wrapped_ops(prepared))
+    made = compile_in_pieces(prepared, example_inputs, label, 3 * processes, options, fx_cache, wrapped_ops(prepared))
+    if made is None:
+        log.info("spmd: the %s graph is compiled whole: %s", label,
+                 cut_obstacle(prepared.graph) or "it is too small to cut, or has no place to cut")
+    return made
 
 
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
