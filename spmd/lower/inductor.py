@@ -246,7 +246,7 @@ def _portable_config(config) -> Optional[dict]:
 
 def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, pieces: int, fx_cache: bool, config
                ) -> Optional[tuple[Callable[[list], Any], Optional[KeptCode]]]:
-    """``compile_in_pieces`` in three times as many pieces as there are processes to compile them (the workers running
+    """``compile_in_pieces`` in twice as many pieces as there are processes to compile them (the workers running
     and this one, at most ``pieces``), or None where the graph is compiled whole: no worker runs, the options
     cannot be sent, or the graph is not cut."""
     processes = min(pieces, len(compile_workers.running()) + 1)
@@ -255,7 +255,7 @@ def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, p
         log.info("spmd: the %s graph is compiled whole: %s", label,
                  "no compile worker runs" if processes < 2 else "an Inductor option set here cannot be sent to one")
         return None
-    made = compile_in_pieces(prepared, example_inputs, label, 3 * processes, options, fx_cache, wrapped_ops(prepared))
+    made = compile_in_pieces(prepared, example_inputs, label, 2 * processes, options, fx_cache, wrapped_ops(prepared))
     if made is None:
         log.info("spmd: the %s graph is compiled whole: %s", label,
                  cut_obstacle(prepared.graph) or "it is too small to cut, or has no place to cut")
