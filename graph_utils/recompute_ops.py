@@ -126,8 +126,8 @@ def is_reduction(node: fx.Node) -> bool:
 
 def recompute_cost(node: fx.Node) -> float:
     """Bytes-equivalent time of running ``node`` again: bytes moved plus FLOPs / ``FLOPS_PER_BYTE``."""
-    if node.target is operator.getitem or view_of_copy_op(node.target) is not None:
-        return 0.0  # views once lowered
+    if is_view_like(node):
+        return 0.0  # no data of its own (a view, a copying view once lowered, a split of a gathered buffer)
     moved = value_bytes(node) + sum(value_bytes(a) for a in node.all_input_nodes)
     formula = _flop_formula(node.target)
     flops = 0

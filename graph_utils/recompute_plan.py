@@ -30,7 +30,8 @@ readers from values that stay alive anyway (graph inputs, kept values, new small
   the default keeps are kept, greedily by bytes freed per recompute cost (``recompute_cost``), now
   also through reductions, norms, matmuls and attention, possibly keeping an earlier, smaller value
   instead (a block's input instead of its intermediates), as torch's ``activation_memory_budget``
-  does. A budget recompute cannot reach leaves the smallest activation memory it found
+  does. A value needed again before the backward frees its first saved value is not recomputed for
+  the budget: it would be live with every kept value all the same. A budget recompute cannot reach leaves the smallest activation memory it found
   (``RecomputePlan.met`` False).
 
 Never recomputed: collectives and their results (a recompute never extends a gathered parameter's
@@ -297,14 +298,18 @@ class Planner:
         ``target`` bytes are kept or no recompute frees memory; it may keep new, smaller values.
 
         A candidate is one storage: every kept value in it (a tensor and its views) is recomputed
-        together, since memory is freed only when none of them is kept.
+        together, since memory is freed only when none of them is kept. A storage needed again before
+        the backward lets go of its first saved value is no candidate: every kept value is live
+        there, which is where activations peak, and the recomputed one would be live with them (the
+        logits of a language model, read again by the loss's backward first of all).
         """
+        first_freed = min(self.until.values(), default=-1)
         cost: dict[fx.Node, float] = {}
         while activation_bytes(self.kept) > target:
             groups = self._groups()
             best, best_score = None, 0.0
             for root, members in groups.items():
-                if root.op == "placeholder":
+                if root.op == "placeholder" or min(self.at[v] for v in members) <= first_freed:
                     continue
                 found = self._closures(members, allowed)
                 if found is None:

@@ -346,6 +346,25 @@ def test_fully_shard_recomputes_from_the_backward_gather_and_forward_gathers_sti
             assert unsharded_interval(g, order)[1] < order[seed], "a forward gather lives into the backward"
 
 
+def test_a_budget_keeps_what_the_loss_backward_reads_first_and_repeats_norms_before_matmuls():
+    """Under a budget the logits stay kept: the loss's backward reads them before the backward frees
+    anything, so a recompute would be live with every kept value and only cost a matmul. A LayerNorm
+    output is recomputed before any matmul is: the split of the gathered parameters it repeats is
+    a view and costs nothing, whatever the size of the buffer it splits."""
+    from spmd.graph_utils.recompute_ops import recompute_cost
+    from tests.dist import fake_process_group
+    from tests.test_graph_memory import _sharded_step_graph
+
+    with fake_process_group(2):
+        graph = _sharded_step_graph("fully_shard", memory_budget=0.7)
+    again = _again(graph)
+    vocab = [n for n in graph.nodes if n.target is aten.mm.default and n.meta["val"].shape[-1] == 4099]
+    assert vocab and not [n for n in again if n in vocab], "the logits are recomputed"
+    assert [n for n in again if n.target is aten.native_layer_norm.default]
+    splits = [n for n in graph.nodes if n.target is aten.split_with_sizes.default]
+    assert splits and all(recompute_cost(n) == 0 for n in splits)
+
+
 def test_explain_shows_kept_and_recomputed_activations_and_the_peak_by_kind():
     from tests.shard_helpers import CFG
 
