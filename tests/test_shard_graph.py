@@ -25,7 +25,7 @@ from spmd.passes import (
 )
 from spmd.graph_utils.fused_optimizer import is_fused_adam
 from tests.dist import single_process_group
-from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer, plain_step
+from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer, packing_buffer, plain_step
 
 ROOT, BLOCK0, BLOCK1 = 2, 0, 1  # units in post-order
 
@@ -109,9 +109,7 @@ def test_a_reduce_scatter_is_waited_on_before_the_next_unit_packs_its_gradients(
     for comm, nxt in zip(comms, comms[1:]):
         assert order[comm] + 1 < order[wait_of(comm)] < order[pack_start(nxt, order)] < order[nxt]
     prev, root = comms[-2:]
-    packed = root.args[0]
-    while packed.target is not torch.ops.aten.cat.default:
-        packed = packed.args[0]
+    packed = packing_buffer(root)
 
     def live_at_root_packing() -> int:
         prof = memory_profile(graph, inductor=True)
