@@ -30,6 +30,9 @@ from .shard_reduce_scatter import schedule_reduce_scatter_waits
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 _FLATTEN = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# At most this many ranges: with k ranges the end of the backward holds (1 + (k - 1) / shards) / k of the
+# packing, so past a few the memory hardly moves while each range costs a collective's latency, unoverlapped.
+MAX_CHUNKS = 8
 
 
 def _packing(comm: fx.Node) -> Optional[tuple[fx.Node, Optional[fx.Node]]]:
@@ -100,18 +103,18 @@ def _chunk(comm: fx.Node, cat: fx.Node, div: Optional[fx.Node], chunks: int) -> 
 
 @graph_optimization_pass(apply_after=[schedule_reduce_scatter_waits, split_optimizer_per_unit])
 def chunk_large_reduce_scatters(gm, max_bytes: Optional[int] = None) -> None:
-    """Reduce-scatter each gradient packing larger than ``max_bytes`` in column ranges of at most that size.
+    """Reduce-scatter each gradient packing larger than ``max_bytes`` in column ranges of about that size.
 
     Before: a sharded step graph whose units' reduce-scatters (``meta[UNIT]``, one wait each) read
     ``reduce_scatter_unit``'s packing: ``view(cat(pieces, dim=1), [-1])``, maybe divided, each piece
     (shards, n). ``max_bytes`` None: the largest packing of the other units (a step with one unit is
-    left alone). After: a packing larger than that is reduced in k = ceil(bytes / max_bytes) column
-    ranges, in order; range j is packed from slices of the pieces it covers, reduce-scattered, and
-    waited on right away, before range j + 1 is packed; the last range's wait sits where the old
-    wait sat, followed by the concatenation of the ranges' results, which replaces it. Each range's
-    collective and wait carry the unit, phase and the parameters it covers (``CARRIES``). Same values
-    bit for bit; at most one range's packing is allocated at a time, at the cost of the overlap of all
-    but the last range's communication.
+    left alone). After: a packing larger than that is reduced in k = min(ceil(bytes / max_bytes),
+    ``MAX_CHUNKS``) column ranges of equal width, in order; range j is packed from slices of the
+    pieces it covers, reduce-scattered, and waited on right away, before range j + 1 is packed; the
+    last range's wait sits where the old wait sat, followed by the concatenation of the ranges'
+    results, which replaces it. Each range's collective and wait carry the unit, phase and the
+    parameters it covers (``CARRIES``). Same values bit for bit; one range's packing is allocated at a
+    time, at the cost of the overlap of all but the last range's communication.
 
     Example::
 
@@ -126,7 +129,7 @@ def chunk_large_reduce_scatters(gm, max_bytes: Optional[int] = None) -> None:
     plans = []
     for comm in comms:
         limit = max_bytes if max_bytes is not None else max((b for c, b in sizes.items() if c is not comm), default=0)
-        chunks = math.ceil(sizes[comm] / limit) if limit else 1
+        chunks = min(math.ceil(sizes[comm] / limit), MAX_CHUNKS) if limit else 1
         if chunks > 1:
             plans.append((comm, chunks))
     for comm, chunks in plans:

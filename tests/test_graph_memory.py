@@ -4,6 +4,7 @@ use, a wait aliases its collective and the collective's input lives until the wa
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -171,12 +172,13 @@ def test_a_packing_larger_than_every_other_units_is_reduce_scattered_in_pieces()
     from spmd.graph_utils import node_order, wait_of
     from spmd.graph_utils.units import gradient_collectives, pack_start
     from spmd.passes import chunk_large_reduce_scatters, schedule_reduce_scatter_waits, split_optimizer_per_unit
+    from spmd.passes.shard_rs_chunks import MAX_CHUNKS
     from spmd.step.iter_graph_module import IterGraphModule
     from spmd.tools.memory_estimate import build, fake_group
     from spmd.tools.models import GPTConfig
     from tests.shard_helpers import packing_buffer
 
-    cfg = GPTConfig(vocab_size=4096, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    cfg = GPTConfig(vocab_size=2048, block_size=16, n_layer=2, n_head=2, n_embd=32)
     with fake_group(2):
         step, args = build("fully_shard", cfg, 2)
         gm, _, _, _ = step.trace_and_expand(step.prepare_state(args, {}), args, {})
@@ -188,7 +190,7 @@ def test_a_packing_larger_than_every_other_units_is_reduce_scattered_in_pieces()
     packed = {c: c.args[0].meta["val"].untyped_storage().nbytes() for c in (*blocks, root)}
     limit = max(packed[b] for b in blocks)
     chunks = -(-packed[root] // limit)
-    assert chunks > 2
+    assert 2 < chunks <= MAX_CHUNKS
 
     def end_of_backward_peak() -> int:
         prof = memory_profile(graph, inductor=True)
@@ -197,6 +199,10 @@ def test_a_packing_larger_than_every_other_units_is_reduce_scattered_in_pieces()
         return max(prof.live[order[start]:order[wait_of(gradient_collectives(graph)[-1])] + 1])
 
     before = end_of_backward_peak()
+    nodes = [n.name for n in graph.nodes]
+    with pytest.raises(ValueError, match="max_bytes must be a positive int"):
+        chunk_large_reduce_scatters(igm, max_bytes=0)
+    assert [n.name for n in graph.nodes] == nodes
     chunk_large_reduce_scatters(igm)
     pieces = gradient_collectives(graph)[len(blocks):]
     sizes = [c.args[0].meta["val"].untyped_storage().nbytes() for c in pieces]

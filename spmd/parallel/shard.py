@@ -69,8 +69,9 @@ def pass_pipeline(settings) -> list:
     collectives issued early and waited late, gathers
     prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer update per
     unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once), with a
-    ``memory_budget`` a packing larger than every other unit's reduce-scattered in pieces no larger
-    (the tied embedding's, at the end of the backward: memory for some overlap of its communication),
+    ``memory_budget`` a packing larger than every other unit's reduce-scattered in up to 8 pieces about
+    as large (the tied embedding's, at the end of the backward: memory for some overlap of its
+    communication),
     optimizer copy removal, state writes after the last collective (a step that fails changes nothing),
     recompute in the backward (``memory_budget``; none with
     ``recompute=False``)."""
