@@ -16,9 +16,9 @@ LR = 2.0 ** -8  # exact in float32 (the graph's lr input)
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16, frozen_pos_emb=True)  # 37: uneven rows
 
 
-def gpt(dtype=torch.float64, seed=0, n_layer=CFG.n_layer) -> GPT:
+def gpt(dtype=torch.float64, seed=0, n_layer=CFG.n_layer, vocab_size=CFG.vocab_size) -> GPT:
     torch.manual_seed(seed)
-    return GPT(dataclasses.replace(CFG, n_layer=n_layer)).to(dtype)
+    return GPT(dataclasses.replace(CFG, n_layer=n_layer, vocab_size=vocab_size)).to(dtype)
 
 
 def fsdp2_twin(model: GPT, mesh=None, reshard_after_forward=None, mp_policy=None) -> GPT:
@@ -113,10 +113,18 @@ def optim_state_layout(optim) -> dict:
     return {f"{i}.{k}": v for i, st in sd["state"].items() for k, v in st.items()}
 
 
+def packing_buffer(comm):
+    """The ``cat`` that allocates a sharded step's gradient collective's packed input."""
+    packed = comm.args[0]
+    while packed.target is not torch.ops.aten.cat.default:
+        packed = packed.args[0]
+    return packed
+
+
 def block_policy():
     return {Block}
 
 
-__all__ = ["CFG", "LR", "accumulating_step", "assert_same_layout", "assert_same_state_layouts", "batches", "block_policy", "clipped_step",
+__all__ = ["CFG", "LR", "accumulating_step", "assert_same_layout", "assert_same_state_layouts", "batches", "block_policy", "clipped_step", "packing_buffer",
            "fsdp2_twin", "full_params", "gpt", "max_param_diff", "optim_state_layout", "optimizer", "plain_step",
            "spmd"]

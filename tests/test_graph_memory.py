@@ -4,6 +4,7 @@ use, a wait aliases its collective and the collective's input lives until the wa
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -162,3 +163,53 @@ def test_fully_shards_root_copies_its_parameters_out_and_its_gather_buffer_dies_
     with fake_process_group(2):
         graph = _sharded_step_graph("shard_grad_op")
     assert not [n for n in graph.nodes if n.target is copy_out]
+
+
+def test_a_packing_larger_than_every_other_units_is_reduce_scattered_in_pieces():
+    """A big tied vocabulary in bf16 reduced in float32 on 2 ranks, as GPT 1.3B's: the root's packing is
+    reduced a column range at a time, each range no larger than a block's packing, so at the end of the
+    backward the estimate holds one range's packing (and the earlier ranges' results), not the whole."""
+    from spmd.graph_utils import node_order, wait_of
+    from spmd.graph_utils.units import gradient_collectives, pack_start
+    from spmd.passes import chunk_large_reduce_scatters, schedule_reduce_scatter_waits, split_optimizer_per_unit
+    from spmd.passes.shard_rs_chunks import MAX_CHUNKS
+    from spmd.step.iter_graph_module import IterGraphModule
+    from spmd.tools.memory_estimate import build, fake_group
+    from spmd.tools.models import GPTConfig
+    from tests.shard_helpers import packing_buffer
+
+    cfg = GPTConfig(vocab_size=2048, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    with fake_group(2):
+        step, args = build("fully_shard", cfg, 2)
+        gm, _, _, _ = step.trace_and_expand(step.prepare_state(args, {}), args, {})
+    igm = IterGraphModule(gm)
+    schedule_reduce_scatter_waits(igm)
+    split_optimizer_per_unit(igm)
+    graph = igm.graph
+    *blocks, root = gradient_collectives(graph)
+    packed = {c: c.args[0].meta["val"].untyped_storage().nbytes() for c in (*blocks, root)}
+    limit = max(packed[b] for b in blocks)
+    chunks = -(-packed[root] // limit)
+    assert 2 < chunks <= MAX_CHUNKS
+
+    def end_of_backward_peak() -> int:
+        prof = memory_profile(graph, inductor=True)
+        order = node_order(graph)
+        start = pack_start(gradient_collectives(graph)[len(blocks)], order)
+        return max(prof.live[order[start]:order[wait_of(gradient_collectives(graph)[-1])] + 1])
+
+    before = end_of_backward_peak()
+    nodes = [n.name for n in graph.nodes]
+    with pytest.raises(ValueError, match="max_bytes must be a positive int"):
+        chunk_large_reduce_scatters(igm, max_bytes=0)
+    assert [n.name for n in graph.nodes] == nodes
+    chunk_large_reduce_scatters(igm)
+    pieces = gradient_collectives(graph)[len(blocks):]
+    sizes = [c.args[0].meta["val"].untyped_storage().nbytes() for c in pieces]
+    assert len(pieces) == chunks and max(sizes) <= limit and sum(sizes) == packed[root]
+    order = node_order(graph)
+    for comm, nxt in zip(pieces, pieces[1:]):  # each range reduced before the next is packed
+        assert order[wait_of(comm)] < order[packing_buffer(nxt)]
+    # the largest moment: a range's packing beside the results (half its size on 2 ranks) of those before it
+    held = max(size + sum(sizes[:j]) // 2 for j, size in enumerate(sizes))
+    assert before - end_of_backward_peak() == packed[root] - held > packed[root] // 3

@@ -76,6 +76,38 @@ def test_prepare_for_inductor_turns_copy_views_into_views_and_wraps_inplace_opti
     assert len(after) == len(targets(gm.graph))
 
 
+def test_a_low_precision_embedding_backward_stays_one_aten_call_without_a_float32_table():
+    """Inductor's decomposition sums a bfloat16 embedding gradient in a float32 (rows, dim) buffer, twice the
+    gradient's size (at the end of a tied-embedding GPT's backward, on top of the peak); prepared for
+    Inductor it stays ATen's kernel, with eager's values. A float32 gradient is still decomposed."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.lower.inductor import compile_with_inductor
+    from spmd.lower.opaque_ops import EMBEDDING_BACKWARD
+
+    rows, dim = 64, 8
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, rows, (3, 5), generator=gen)
+
+    def backward(grad, idx):
+        return (aten.embedding_dense_backward(grad, idx, rows, -1, False),)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        grad = torch.randn(3, 5, dim, generator=gen).to(dtype)
+        gm = make_fx(backward, tracing_mode="fake")(grad, idx)
+        prepared = prepare_for_inductor(gm)
+        tables = [n for n in prepared.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+                  and n.meta["val"].shape == (rows, dim) and n.meta["val"].dtype == torch.float32]
+        kept = [n for n in prepared.graph.nodes if n.target is EMBEDDING_BACKWARD]
+        if dtype == torch.bfloat16:
+            assert kept and not tables, prepared.graph
+            compiled, _ = compile_with_inductor(gm, [grad, idx])
+            (out,) = compiled(grad, idx)
+            assert torch.equal(out, aten.embedding_dense_backward(grad, idx, rows, -1, False))
+        else:
+            assert tables and not kept, "a float32 gradient is summed in its own dtype: decomposed as before"
+
+
 def _op_counts(graph) -> Counter:
     """How often each op is called, leaving out how in-place writes are spelled: AOT autograd writes an
     in-place op as ``auto_functionalized`` + ``getitem`` + ``copy_`` back, we keep the in-place op."""

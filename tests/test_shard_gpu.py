@@ -7,6 +7,8 @@ the collectives, Inductor) is still checked against FSDP2.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -41,10 +43,13 @@ def _replayed_as_cuda_graph(step) -> bool:
 def _bf16_parity(rank, world_size, style, lowering):
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world_size,))
+    # "budget": Inductor under a memory_budget, with a tied vocabulary whose packing is larger than a block's,
+    # so the root's gradients are reduce-scattered a column range at a time
+    cfg = dataclasses.replace(CFG, vocab_size=4093) if lowering == "budget" else CFG
     torch.manual_seed(0)
-    model = GPT(CFG).to(device)
+    model = GPT(cfg).to(device)
     reshard = style == "fully_shard"
-    ref = GPT(CFG).to(device)
+    ref = GPT(cfg).to(device)
     ref.load_state_dict(model.state_dict())
     for block in ref.blocks:
         fully_shard(block, mesh=mesh, mp_policy=MP, reshard_after_forward=reshard)
@@ -56,8 +61,9 @@ def _bf16_parity(rank, world_size, style, lowering):
     inductor = lowering != "graph"
     optim = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=default)
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=lr, fused=True)
+    budget = {"memory_budget": 0.5} if lowering == "budget" else {}
     transformation = (None if default else
-                      spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=inductor))
+                      spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=inductor, **budget))
     step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(_step)
     gen = torch.Generator().manual_seed(rank)
     steps = 4
@@ -66,12 +72,16 @@ def _bf16_parity(rank, world_size, style, lowering):
     # flip of a tiny update): parameters are bounded by that, and must agree on average.
     loss_tol, param_tol = (5e-2, 2 * lr * steps) if inductor else (1e-5, 1e-6)
     for _ in range(steps):
-        idx = torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=gen).to(device)
+        idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=gen).to(device)
         targets = idx.roll(-1, 1)
         ours, theirs = step(model, optim, idx, targets), _step(ref, ref_optim, idx, targets).detach()
         assert ours.dtype == theirs.dtype == torch.bfloat16
         torch.testing.assert_close(ours.float(), theirs.float(), atol=loss_tol, rtol=0)
     assert _replayed_as_cuda_graph(step) == default
+    if budget:
+        graph = next(iter(step.cache.values())).runner.graph  # after the passes
+        scatters = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+        assert len(scatters) > 3, "the root's gradients in several column ranges"
     mine, ref_params = full_params(model), full_params(ref)
     for name in mine:
         torch.testing.assert_close(mine[name], ref_params[name], atol=param_tol, rtol=0, msg=lambda m: f"{name}: {m}")
@@ -81,7 +91,7 @@ def _bf16_parity(rank, world_size, style, lowering):
         assert p.placements == q.placements and p.to_local().shape == q.to_local().shape, name
 
 
-@pytest.mark.parametrize("lowering", ["graph", "inductor", "default"])
+@pytest.mark.parametrize("lowering", ["graph", "inductor", "default", "budget"])
 @pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op"])
 def test_bf16_mixed_precision_matches_fsdp2_on_gpus(style, lowering):
     run_distributed(_bf16_parity, style, lowering, world_size=WORLD_SIZE, backend="nccl")

@@ -57,7 +57,7 @@ from .decompose import decompose_for_inductor
 from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import KeptCode, code_of, load_kept
-from .opaque_ops import opaque_inplace_op, wrapped_ops, writes_grads
+from .opaque_ops import EMBEDDING_BACKWARD, keeps_embedding_backward_whole, opaque_inplace_op, wrapped_ops, writes_grads
 from .pieces import cut_obstacle
 from .piecewise import compile_in_pieces
 
@@ -180,6 +180,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
       lowering for some (``detach_copy`` runs as a real copy of every gradient). A view reads
       its base as it is when read, as AOT autograd's functionalization would have re-derived it.
     * In-place fused optimizer ops become their ``opaque_inplace_op``.
+    * An embedding backward with a bfloat16 or float16 gradient becomes ``opaque_ops.EMBEDDING_BACKWARD``
+      (ATen's kernel; Inductor's decomposition would add a float32 buffer twice the gradient's size).
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
 
     ``lean`` (``Lowering.lean``: True, False, or one of ``LEAN_PARTS``) adds exact rewrites that take
@@ -206,6 +208,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
             node.target = view
         elif _wrappable_fused_optimizer(node) or ("step_counts" in parts and _wrappable_step_count(node)):
             node.target = opaque_inplace_op(node.target)
+        elif keeps_embedding_backward_whole(node):
+            node.target = EMBEDDING_BACKWARD
     if "one_rank" in parts:
         drop_one_rank_all_reduces(graph)
     if decompose:

@@ -1,9 +1,12 @@
-"""Our in-place fused optimizer ops as opaque custom ops (``spmd_lowering::*``), which Inductor calls as they are.
+"""Ops Inductor calls as they are (``spmd_lowering::*``) instead of lowering them into kernels of its own.
 
 ``opaque_inplace_op(op)`` defines, once per process, a custom op with ``op``'s schema whose gradients are
 read-only, calling ``op``; Inductor runs it in place on the graph's inputs instead of lowering it into
 kernels of its own. Inductor's code calls these ops by name, so a process that loads or compiles such
 code defines them first (``wrapped_ops`` names them).
+
+``EMBEDDING_BACKWARD`` (defined on import): ATen's embedding backward for a low-precision gradient
+(``keeps_embedding_backward_whole``), whose decomposition would accumulate it in a float32 buffer.
 """
 
 from __future__ import annotations
@@ -53,3 +56,31 @@ def wrapped_ops(gm: fx.GraphModule) -> tuple[str, ...]:
     """The names of the ops ``gm`` calls through their ``opaque_inplace_op``."""
     wrapping = {opaque: op for op, opaque in _opaque_ops.items()}
     return tuple(sorted({wrapping[n.target].name() for n in gm.graph.nodes if n.target in wrapping}))
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+_opaque_lib.define("embedding_dense_backward(Tensor grad_output, Tensor indices, SymInt num_weights, "
+                   "SymInt padding_idx, bool scale_grad_by_freq) -> Tensor")
+_opaque_lib.impl("embedding_dense_backward", torch.ops.aten.embedding_dense_backward.default,
+                 "CompositeExplicitAutograd")
+torch.library.register_fake(
+    f"{OPAQUE_NAMESPACE}::embedding_dense_backward",
+    lambda grad, indices, num_weights, padding_idx, scale: grad.new_empty((num_weights, *grad.shape[indices.dim():])),
+    lib=_opaque_lib)
+EMBEDDING_BACKWARD = getattr(torch.ops, OPAQUE_NAMESPACE).embedding_dense_backward.default
+
+
+def keeps_embedding_backward_whole(node: fx.Node) -> bool:
+    """An embedding backward with a bfloat16 or float16 gradient, which Inductor is to run as ATen's kernel.
+
+    Inductor's decomposition sums such a gradient into a float32 (rows, dim) buffer, twice the
+    gradient's size, and casts it afterwards; for a tied LM-head vocabulary that buffer sits at the
+    end of the backward beside the gradient's reduce-scatter packing, on top of the step's peak.
+    ATen's kernel (what eager, and FSDP2, run) writes the low-precision gradient directly, summing
+    each row in float32 on a GPU: the same rounding, another summation order.
+    """
+    if node.op != "call_function" or node.target is not torch.ops.aten.embedding_dense_backward.default:
+        return False
+    grad = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return isinstance(grad, torch.Tensor) and grad.dtype in _LOW_PRECISION
