@@ -26,7 +26,6 @@ from .shard_memory import UnshardedMemoryError, guard_unsharded_memory, unsharde
 from .shard_optimizer import split_optimizer_per_unit
 from .shard_prefetch import prefetch_unit_gathers
 from .shard_reduce_scatter import schedule_reduce_scatter_waits
-from .shard_rs_chunks import chunk_large_reduce_scatters
 from .state_writes import defer_state_writes, early_writes
 
 __all__ = [
@@ -35,7 +34,7 @@ __all__ = [
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
     "remove_copy_from_optimizer", "placed_by_mode", "schedule_comm_wait", "schedule_tensor_parallel_comms", "split_fused_optimizer", "split_fused_optimizer_parts",
     "split_optimizer_per_bucket",
-    "UnshardedMemoryError", "chunk_large_reduce_scatters", "guard_unsharded_memory", "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
+    "UnshardedMemoryError", "guard_unsharded_memory", "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
     "split_optimizer_per_unit", "unsharded_peak", "RecomputePlan", "plan_recompute", "recompute_activations",
     "recompute_plan", "defer_state_writes", "early_writes",
 ]

@@ -16,9 +16,9 @@ LR = 2.0 ** -8  # exact in float32 (the graph's lr input)
 CFG = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=2, n_embd=16, frozen_pos_emb=True)  # 37: uneven rows
 
 
-def gpt(dtype=torch.float64, seed=0, n_layer=CFG.n_layer, vocab_size=CFG.vocab_size) -> GPT:
+def gpt(dtype=torch.float64, seed=0, n_layer=CFG.n_layer) -> GPT:
     torch.manual_seed(seed)
-    return GPT(dataclasses.replace(CFG, n_layer=n_layer, vocab_size=vocab_size)).to(dtype)
+    return GPT(dataclasses.replace(CFG, n_layer=n_layer)).to(dtype)
 
 
 def fsdp2_twin(model: GPT, mesh=None, reshard_after_forward=None, mp_policy=None) -> GPT:

@@ -43,8 +43,8 @@ def _replayed_as_cuda_graph(step) -> bool:
 def _bf16_parity(rank, world_size, style, lowering):
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world_size,))
-    # "budget": Inductor under a memory_budget, with a tied vocabulary whose packing is larger than a block's,
-    # so the root's gradients are reduce-scattered a column range at a time
+    # "budget": Inductor under a memory_budget (recompute through matmuls and attention), with a tied vocabulary
+    # whose bf16 embedding backward runs as ATen's kernel, under CUDA graphs
     cfg = dataclasses.replace(CFG, vocab_size=4093) if lowering == "budget" else CFG
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -78,10 +78,6 @@ def _bf16_parity(rank, world_size, style, lowering):
         assert ours.dtype == theirs.dtype == torch.bfloat16
         torch.testing.assert_close(ours.float(), theirs.float(), atol=loss_tol, rtol=0)
     assert _replayed_as_cuda_graph(step) == default
-    if budget:
-        graph = next(iter(step.cache.values())).runner.graph  # after the passes
-        scatters = [n for n in graph.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
-        assert len(scatters) > 3, "the root's gradients in several column ranges"
     mine, ref_params = full_params(model), full_params(ref)
     for name in mine:
         torch.testing.assert_close(mine[name], ref_params[name], atol=param_tol, rtol=0, msg=lambda m: f"{name}: {m}")

@@ -46,7 +46,7 @@ from ..errors import SpmdCompileError
 from ..graph_utils import is_comm_node, is_wait_node
 from ..graph_utils.meta import CARRIES, KEEP, PHASE, UNIT
 from ..passes import (
-    chunk_large_reduce_scatters, defer_state_writes, guard_unsharded_memory, prefetch_unit_gathers, recompute_activations,
+    defer_state_writes, guard_unsharded_memory, prefetch_unit_gathers, recompute_activations,
     remove_copy_from_optimizer, schedule_reduce_scatter_waits, schedule_tensor_parallel_comms,
     split_optimizer_per_unit,
 )
@@ -68,10 +68,7 @@ def pass_pipeline(settings) -> list:
     """A sharded mode's passes, ``settings`` (a ``GraphModuleTransformation``) bound: tensor-parallel
     collectives issued early and waited late, gathers
     prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer update per
-    unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once), with a
-    ``memory_budget`` a packing larger than every other unit's reduce-scattered in up to 8 pieces about
-    as large (the tied embedding's, at the end of the backward: memory for some overlap of its
-    communication),
+    unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once),
     optimizer copy removal, state writes after the last collective (a step that fails changes nothing),
     recompute in the backward (``memory_budget``; none with
     ``recompute=False``)."""
@@ -79,7 +76,6 @@ def pass_pipeline(settings) -> list:
     return [schedule_tensor_parallel_comms, functools.partial(prefetch_unit_gathers, depth=depth),
             schedule_reduce_scatter_waits,
             split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + depth),
-            *([chunk_large_reduce_scatters] if settings.memory_budget is not None else []),
             remove_copy_from_optimizer, defer_state_writes,
             *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
                                  free_only=settings.recompute == "free",
