@@ -4,7 +4,6 @@ use, a wait aliases its collective and the collective's input lives until the wa
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
