@@ -12,7 +12,7 @@ import torch
 import spmd
 from spmd.compile_times import recording
 from spmd.graph_utils import is_comm_node, is_wait_node
-from spmd.lower import compile_workers, pieces
+from spmd.lower import compile_workers, graph_wire, pieces
 from spmd.lower.inductor import compile_with_inductor, prepare_for_inductor
 from spmd.lower.inductor_code import PiecewiseCode, load_kept
 from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
@@ -62,9 +62,11 @@ def _flights_across_cuts(modules, plan) -> int:
             if any(is_wait_node(u) for r in results for u in r.users):
                 continue
             crossing += 1
+            inputs = [pieces._root(a) for a in torch.utils._pytree.tree_leaves(comm.args) if isinstance(a, torch.fx.Node)]
+            assert all(pieces._root(r) in value_ids[p] for r in results), f"{comm}'s result does not leave its piece"
+            assert all(a in value_ids[p] for a in inputs), f"{comm}'s input does not leave its piece"
             made = {value_ids[p][pieces._root(r)] for r in results}
-            inputs = [a for a in torch.utils._pytree.tree_leaves(comm.args) if isinstance(a, torch.fx.Node)]
-            kept = {value_ids[p][pieces._root(a)] for a in inputs}
+            kept = {value_ids[p][a] for a in inputs}
             waiting = [q for q in range(p + 1, len(modules)) if made & set(plan.takes[q])]
             assert waiting, f"{comm} is waited in no later piece"
             for q in waiting:
@@ -257,6 +259,42 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
     assert by_worker and "lower/step/0/worker" not in by_worker, sorted(times)
     failures = [r.getMessage() for r in caplog.records if "compiled here" in r.getMessage()]
     assert len(failures) == 1 and "cannot be sent to a worker: as a test asks" in failures[0], failures
+
+
+def test_a_worker_compiles_a_piece_that_launches_a_collective_and_one_that_waits_on_it(one_worker, monkeypatch):
+    """fully_shard's step cut inside a flight: the piece launching the collective and the piece waiting on it, sent
+    over the wire to a worker (fake process groups there), loaded here and run with the other pieces: the step
+    matches the graph run op by op, to 1e-12."""
+    from torch._inductor import config
+
+    from spmd.lower.inductor import _portable_config, inductor_config
+    from spmd.lower.opaque_ops import wrapped_ops
+    from spmd.lower.piecewise import _groups_of
+
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 20)
+    (worker,) = compile_workers.running()
+    with single_process_group():
+        gm, inputs = _fully_shard_graph(monkeypatch)
+        modules, specs, plan = pieces.cut(gm, 4, inputs)
+        assert _flights_across_cuts(modules, plan) >= 1
+        launching = {i for i, m in enumerate(modules) for n in m.graph.nodes
+                     if is_comm_node(n) and not any(is_wait_node(u) for r in [n, *n.users] for u in r.users)}
+        waiting = {i for i, m in enumerate(modules) for n in m.graph.nodes
+                   if is_wait_node(n) and n.args[0].op == "placeholder"}
+        assert launching and waiting
+        runners = [_boxed(m) for m in modules]  # the others run op by op
+        with torch.no_grad(), config.patch(inductor_config()):
+            for i in sorted(launching | waiting):
+                job = compile_workers.Job(f"step/{i}", graph_wire.to_bytes(modules[i].graph), specs[i],
+                                          _portable_config(config), wrapped_ops(gm), True, _groups_of(modules[i].graph))
+                status, answer = worker.compile(job)
+                assert status == "done" and answer[0] is not None, answer
+                runners[i] = load_kept(answer[0], torch.device("cpu"), f"step/{i}")
+        expected_inputs, got_inputs = _clone(inputs), _clone(inputs)
+        expected = list(gm(*expected_inputs))
+        got = list(pieces.run_pieces(plan, runners)(list(got_inputs)))
+    for a, b in zip(expected + expected_inputs, got + got_inputs):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():
