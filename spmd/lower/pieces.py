@@ -27,7 +27,11 @@ What a cut costs when the step runs: Inductor fuses nothing across it, a value c
 the layout the trace gave it, and a collective waited beyond it keeps its input until the end of the
 waiting piece rather than until the wait. The cuts fall where the weightiest piece, by its count of
 computing nodes, is lightest (it sets how long the pieces take to compile side by side), so there are
-few and each crosses the values live there anyway.
+few and each crosses the values live there anyway. Replayed as one CUDA graph (``spmd.lower.cudagraphs``
+captures the pieces run in turn), a collective launched in one piece and waited in another is captured
+as in the whole graph: the capture records launches on streams and the wait's stream dependency, and
+sees nothing of the calls between pieces, while the values held across them keep their memory out of
+the capture's reuse.
 """
 
 from __future__ import annotations
