@@ -111,9 +111,10 @@ def test_a_cut_step_runs_as_the_whole_graph_and_no_view_crosses_a_cut(monkeypatc
         assert torch.equal(a, b)
 
 
-def _flight_graph(before: int, during: int, after: int) -> list[torch.fx.Node]:
-    """The body of a graph: ``before`` computing nodes, an all_reduce, ``during`` more while it is in flight, its
-    wait, then ``after`` more; every node with a fake value, as a traced graph's."""
+def _flight_graph(before: int, during: int, after: int, write: bool = False) -> list[torch.fx.Node]:
+    """The body of a graph: ``before`` computing nodes, an all_reduce, ``during`` more while it is in flight (the
+    first writing the all_reduce's input where ``write``), its wait, then ``after`` more; every node with a fake
+    value, as a traced graph's."""
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
 
@@ -122,7 +123,10 @@ def _flight_graph(before: int, during: int, after: int) -> list[torch.fx.Node]:
             value = graph.call_function(torch.ops.aten.mul.Tensor, (value, 2))
         return value
 
-    reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (chain(x, before), "sum", "0"))
+    reduced_input = chain(x, before)
+    reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (reduced_input, "sum", "0"))
+    if write:
+        graph.call_function(torch.ops.aten.add_.Tensor, (reduced_input, 1))
     busy = chain(x, during)
     done = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
     graph.output((chain(done, after), busy))
@@ -138,6 +142,7 @@ def _inside_a_flight(body, position) -> bool:
 
 def test_a_cut_falls_inside_a_collectives_flight_where_that_balances_the_pieces_and_outside_where_about_as_well(
         monkeypatch):
+    """Nor inside a flight in which a node writes the collective's input."""
     monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)
     long_flight = _flight_graph(10, 200, 10)  # an even split only inside the flight
     (position,) = pieces._cut_positions(long_flight, 2)
@@ -147,6 +152,9 @@ def test_a_cut_falls_inside_a_collectives_flight_where_that_balances_the_pieces_
     (position,) = pieces._cut_positions(short_flight, 2)
     assert not _inside_a_flight(short_flight, position)
     assert sum(map(pieces._weight, short_flight[:position + 1])) in (100, 103)
+    written = _flight_graph(0, 200, 100, write=True)  # the all_reduce's input written in flight: held until the wait
+    (position,) = pieces._cut_positions(written, 2)
+    assert not _inside_a_flight(written, position)
 
 
 def _fully_shard_graph(monkeypatch):

@@ -10,10 +10,11 @@ Where a cut may go, and what crosses it:
 * anywhere in node order, a collective's flight included: a collective launched in one piece and
   waited in a later one crosses the cuts between them as its unwaited result (functional collectives
   keep their work by the result's storage, so the later piece's ``wait_tensor`` finds it), and its
-  input crosses to the waiting piece with it: Inductor keeps a collective's input alive, unwritten and
-  unreused, up to its wait, but only where it sees that wait; a piece without it would free the input
+  input crosses to the waiting piece with it. Inductor keeps a collective's input alive, unwritten and
+  unreused up to its wait, but only where it sees that wait: a piece without it would free the input
   at its last read, the launch, and hand its buffer to the next kernel while the collective still reads
-  it. Cuts outside every flight are taken where the weightiest piece comes out about as light
+  it; and a flight in which a node writes the collective's input (held back until the wait) is not cut.
+  Cuts outside every flight are taken where the weightiest piece comes out about as light
   (``FLIGHT_SLACK``);
 * never between a value no fake tensor describes (a profiler range's handle) and its last reader;
 * every value read across a cut is a tensor of its own: a view (an op whose schema says its result
@@ -190,8 +191,14 @@ def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
     in_flight = [False] * len(body)
     for node in body:
         if is_wait_node(node) and (comm := waited_collective(node)) is not None and comm in index:
-            for i in range(index[comm], index[node]):
+            # a node in the flight that writes the collective's input must stay after the wait, which only
+            # Inductor orders where it sees the wait: such a flight is not cut
+            read = {_root(a) for a in pytree.tree_leaves(comm.args) if isinstance(a, fx.Node)}
+            flight = range(index[comm], index[node])
+            written = any(_root(w) in read for i in flight for w in written_inputs(body[i]))
+            for i in flight:
                 in_flight[i] = True
+                blocked[i] = blocked[i] or written
         elif is_comm_node(node) and not any(is_wait_node(u) or u.target is operator.getitem for u in node.users):
             return []  # a collective nobody waits on: how long its input must live is unknown
         if node.users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
