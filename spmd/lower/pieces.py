@@ -7,16 +7,9 @@ processes of their own) and runs as its pieces in turn (``PiecePlan``, ``run_pie
 
 Where a cut may go, and what crosses it:
 
-* anywhere in node order, a collective's flight included: a collective launched in one piece and
-  waited in a later one crosses the cuts between them as its unwaited result (functional collectives
-  keep their work by the result's storage, so the later piece's ``wait_tensor`` finds it), and its
-  input crosses to the waiting piece with it. Inductor keeps a collective's input alive, unwritten and
-  unreused up to its wait, but only where it sees that wait: a piece without it would free the input
-  at its last read, the launch, and hand its buffer to the next kernel while the collective still reads
-  it; and a flight in which a node writes the collective's input (held back until the wait) is not cut.
-  Cuts outside every flight are taken where the weightiest piece comes out about as light
-  (``FLIGHT_SLACK``);
-* never between a value no fake tensor describes (a profiler range's handle) and its last reader;
+* never while a collective is in flight (between a collective and its wait), so every piece keeps
+  the schedule our passes chose, nor between a value no fake tensor describes (a profiler range's
+  handle) and its last reader;
 * every value read across a cut is a tensor of its own: a view (an op whose schema says its result
   aliases an argument) is made again from its base in the piece that reads it, and an in-place op's
   result is read as the tensor it wrote, so no two values that cross a cut share memory behind
@@ -24,15 +17,9 @@ Where a cut may go, and what crosses it:
 * a graph that writes anything but its own inputs is not cut: a piece could then not see a write
   to a value another piece holds.
 
-What a cut costs when the step runs: Inductor fuses nothing across it, a value crossing it is kept in
-the layout the trace gave it, and a collective waited beyond it keeps its input until the end of the
-waiting piece rather than until the wait. The cuts fall where the weightiest piece, by its count of
-computing nodes, is lightest (it sets how long the pieces take to compile side by side), so there are
-few and each crosses the values live there anyway. Replayed as one CUDA graph (``spmd.lower.cudagraphs``
-captures the pieces run in turn), a collective launched in one piece and waited in another is captured
-as in the whole graph: the capture records launches on streams and the wait's stream dependency, and
-sees nothing of the calls between pieces, while the values held across them keep their memory out of
-the capture's reuse.
+What a cut costs when the step runs: Inductor fuses nothing across it, and a value crossing it is
+kept in the layout the trace gave it. The cuts fall where the graph is cheapest to cut, by its count
+of computing nodes, so there are few and each crosses the values live there anyway.
 """
 
 from __future__ import annotations
@@ -53,9 +40,6 @@ aten = torch.ops.aten
 # The fewest computing nodes a piece is cut to hold: below it, what a compile costs whatever its size
 # (Inductor's passes over the graph, loading its code) outweighs compiling side by side.
 MIN_PIECE_WEIGHT = 150
-# How much heavier (a share of its weight) the weightiest piece may come out when every cut is kept outside
-# the collectives' flights, and those cuts still be taken over cuts inside: they keep no input past its wait.
-FLIGHT_SLACK = 0.02
 
 
 @dataclass(frozen=True)
@@ -183,24 +167,16 @@ def _weight(node: fx.Node) -> int:
 
 
 def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
-    """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, making the weightiest piece as light as
-    it can be (``_balanced``); all outside every collective's flight (from the collective to its wait)
-    where that makes it at most ``FLIGHT_SLACK`` heavier."""
+    """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, splitting its weight about evenly,
+    each outside every collective's flight (from the collective to its wait)."""
     index = {n: i for i, n in enumerate(body)}
     blocked = [False] * len(body)
-    in_flight = [False] * len(body)
     for node in body:
         if is_wait_node(node) and (comm := waited_collective(node)) is not None and comm in index:
-            # a node in the flight that writes the collective's input must stay after the wait, which only
-            # Inductor orders where it sees the wait: such a flight is not cut
-            read = {_root(a) for a in pytree.tree_leaves(comm.args) if isinstance(a, fx.Node)}
-            flight = range(index[comm], index[node])
-            written = any(_root(w) in read for i in flight for w in written_inputs(body[i]))
-            for i in flight:
-                in_flight[i] = True
-                blocked[i] = blocked[i] or written
+            for i in range(index[comm], index[node]):
+                blocked[i] = True
         elif is_comm_node(node) and not any(is_wait_node(u) or u.target is operator.getitem for u in node.users):
-            return []  # a collective nobody waits on: how long its input must live is unknown
+            return []  # a collective nobody waits on: where its flight ends is unknown
         if node.users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
             # a value no fake tensor describes (a profiler range's handle): never read across a cut
             for i in range(index[node], max(index.get(u, index[node]) for u in node.users)):
@@ -210,50 +186,16 @@ def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
         total += _weight(node)
         cumulative.append(total)
     count = min(count, total // MIN_PIECE_WEIGHT)
-    if count < 2:
-        return []
-    anywhere = _balanced([i for i in range(len(body)) if not blocked[i]], cumulative, count)
-    outside = _balanced([i for i in range(len(body)) if not blocked[i] and not in_flight[i]], cumulative, count)
-    return outside[0] if outside[1] <= anywhere[1] * (1 + FLIGHT_SLACK) else anywhere[0]
-
-
-def _balanced(legal: list[int], cumulative: list[int], count: int) -> tuple[list[int], int]:
-    """Cuts among ``legal`` (indices in order; ``cumulative[i]``: the weight up to and including ``i``) into at
-    most ``count`` pieces whose weightiest is as light as it can be, and that weight. The lightest bound
-    that some cut meets is searched for; under a bound, cutting at the last place that keeps the piece
-    under it never leaves more for the pieces after than cutting earlier would."""
-    total = cumulative[-1]
-
-    def cuts_under(bound: int) -> Optional[list[int]]:
-        cuts: list[int] = []
-        done, last = 0, None
-        for i in legal:
-            if cumulative[i] >= total:
+    positions: list[int] = []
+    for k in range(1, count):
+        goal = total * k / count
+        near = min(range(len(body)), key=lambda i: abs(cumulative[i] - goal))
+        for i in sorted(range(len(body)), key=lambda i: abs(i - near)):
+            if not blocked[i] and (not positions or i > positions[-1]) and cumulative[i] < total and cumulative[i] > (
+                    cumulative[positions[-1]] if positions else 0):
+                positions.append(i)
                 break
-            if cumulative[i] - done > bound:
-                if last is None:
-                    return None
-                cuts.append(last)
-                done, last = cumulative[last], None
-                if cumulative[i] - done > bound:
-                    return None
-            if cumulative[i] > done:
-                last = i
-        if total - done > bound:
-            if last is None:
-                return None
-            cuts.append(last)
-            done = cumulative[last]
-        return cuts if len(cuts) < count and total - done <= bound else None
-
-    low, high = -(-total // count), total
-    while low < high:
-        mid = (low + high) // 2
-        if cuts_under(mid) is None:
-            low = mid + 1
-        else:
-            high = mid
-    return cuts_under(high) or [], high
+    return positions
 
 
 def cut(gm: fx.GraphModule, count: int, inputs: Sequence[Any]
@@ -340,11 +282,6 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
             last = count - 1
             graphs[last].output(pytree.tree_map(lambda a: read(a, last) if isinstance(a, fx.Node) else a,
                                                 node.args[0]))
-    for node in nodes:  # a collective waited in a later piece: its inputs are handed on to that piece
-        if is_wait_node(node) and (comm := waited_collective(node)) is not None and piece_of[comm] < piece_of[node]:
-            for arg in pytree.tree_leaves((comm.args, comm.kwargs)):
-                if isinstance(arg, fx.Node):
-                    read(_root(arg), piece_of[node])
     if missing:
         return None
     for p in range(count - 1):
