@@ -83,33 +83,3 @@ def unsharded_interval(gather: fx.Node, order: dict[fx.Node, int]) -> tuple[int,
 def counts_as_unsharded(gather: fx.Node) -> bool:
     """True unless the gather belongs to a unit that keeps its parameters until the backward (``KEEP``)."""
     return not gather.meta.get(KEEP, False)
-
-
-# Ops that lay gradients out for a reduce-scatter (``parallel.shard_comm.reduce_scatter_unit``): the cast to
-# the reduce dtype, the zero padding to whole shards, the concatenation, the pre-division; with LAYOUT_OPS,
-# what lies between the gradients and the collective.
-PACK_OPS = frozenset({
-    aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.cat.default, aten.div.Tensor,
-    aten.new_zeros.default, aten.zeros.default, aten.full.default, aten.constant_pad_nd.default,
-})
-
-
-def pack_start(comm: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
-    """The first node that allocates the packed input of gradient collective ``comm``, once its gradients exist.
-
-    The pack is what ``PACK_OPS`` and ``LAYOUT_OPS`` compute from the gradients for ``comm`` alone (every
-    user inside the pack); its first node placed after the last gradient it reads that allocates (not a
-    view) is returned, else ``comm``. A wait placed before it frees the previous collective's input
-    before this one's is allocated.
-    """
-    pack, frontier = set(), [comm]
-    while frontier:
-        for arg in frontier.pop().all_input_nodes:
-            if (arg not in pack and arg.op == "call_function" and arg.target in PACK_OPS | LAYOUT_OPS
-                    and all(u is comm or u in pack for u in arg.users)):
-                pack.add(arg)
-                frontier.append(arg)
-    sources = [a for n in pack | {comm} for a in n.all_input_nodes if a not in pack]
-    after = max((order[a] for a in sources), default=-1)
-    allocating = [n for n in pack if order[n] > after and (n.target in PACK_OPS or n.target is aten.clone.default)]
-    return min(allocating, key=order.__getitem__, default=comm)

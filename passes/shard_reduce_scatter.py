@@ -1,9 +1,8 @@
 """schedule_reduce_scatter_waits: let each unit's gradient reduction overlap the next unit's backward.
 
 Traced as FSDP2's hooks run it, each reduce-scatter is waited on right after it is
-issued. FSDP2 instead waits for a unit's reduce-scatter when the next unit's gradients
-are about to be packed (at most one in flight, and its input buffer, which lives until
-its wait, freed before the next one is allocated).
+issued. FSDP2 instead waits for a unit's reduce-scatter when the next unit's is about
+to start (at most one in flight: a collective's input buffer lives until its wait).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..graph_utils import is_comm_node, node_order, wait_of
-from ..graph_utils.units import gradient_collectives, pack_start
+from ..graph_utils.units import gradient_collectives
 from ..graph_utils.waits import first_consumer
 from ..graph_utils.meta import UNIT
 
@@ -39,18 +38,16 @@ def _next_of_other_unit(comm: fx.Node, comms: list[fx.Node], order: dict[fx.Node
 
 @graph_optimization_pass()
 def schedule_reduce_scatter_waits(gm) -> None:
-    """Move each gradient collective's wait to just before the next unit's gradients are packed.
+    """Move each gradient collective's wait to just before the next unit's gradient collective.
 
     Before: a sharded step graph; each unit's gradient collectives (its reduce-scatter,
     and for hybrid_shard the all_reduce of the result; ``meta[UNIT]``, phase
     "backward") have one wait each. After: taken from the last to the first, each
     wait's block (``result_block``: the wait and the pure ops that read only it) sits
-    right before the earlier of its first consumer and the start of the packing of the
-    next gradient collective of another unit (``graph_utils.units.pack_start``: its first
-    allocation once its gradients exist), when that is later than where it was. So one
-    unit's reduction runs while the next unit's gradients are computed, at most one is in
-    flight when the next is issued, and its input buffer is freed before the next one is
-    allocated. Same values.
+    right before the earlier of its first consumer and the next gradient collective of
+    another unit, when that is later than where it was. So one unit's reduction runs
+    while the next unit's gradients are computed, and at most one is in flight when
+    the next is issued. Same values.
 
     Example::
 
@@ -65,8 +62,7 @@ def schedule_reduce_scatter_waits(gm) -> None:
             continue
         order = node_order(graph)
         block = result_block(wait)
-        nxt = _next_of_other_unit(comm, comms, order)
-        candidates = [n for n in (first_consumer(block), nxt and pack_start(nxt, order)) if n is not None]
+        candidates = [n for n in (first_consumer(block), _next_of_other_unit(comm, comms, order)) if n is not None]
         if not candidates:
             continue
         target = min(candidates, key=order.__getitem__)

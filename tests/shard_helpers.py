@@ -113,18 +113,10 @@ def optim_state_layout(optim) -> dict:
     return {f"{i}.{k}": v for i, st in sd["state"].items() for k, v in st.items()}
 
 
-def packing_buffer(comm):
-    """The ``cat`` that allocates a sharded step's gradient collective's packed input."""
-    packed = comm.args[0]
-    while packed.target is not torch.ops.aten.cat.default:
-        packed = packed.args[0]
-    return packed
-
-
 def block_policy():
     return {Block}
 
 
-__all__ = ["CFG", "LR", "accumulating_step", "assert_same_layout", "assert_same_state_layouts", "batches", "block_policy", "clipped_step", "packing_buffer",
+__all__ = ["CFG", "LR", "accumulating_step", "assert_same_layout", "assert_same_state_layouts", "batches", "block_policy", "clipped_step",
            "fsdp2_twin", "full_params", "gpt", "max_param_diff", "optim_state_layout", "optimizer", "plain_step",
            "spmd"]

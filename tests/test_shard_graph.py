@@ -16,8 +16,7 @@ import torch.fx as fx
 import spmd
 from spmd.graph_utils.meta import KEEP, UNIT
 from spmd.graph_utils import node_order, wait_of
-from spmd.graph_utils.memory import memory_profile
-from spmd.graph_utils.units import gradient_collectives, pack_start, unit_gathers, unsharded_interval
+from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval
 from spmd.step.iter_graph_module import IterGraphModule
 from spmd.passes import (
     UnshardedMemoryError, guard_unsharded_memory, prefetch_unit_gathers, schedule_reduce_scatter_waits,
@@ -25,7 +24,7 @@ from spmd.passes import (
 )
 from spmd.graph_utils.fused_optimizer import is_fused_adam
 from tests.dist import single_process_group
-from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer, packing_buffer, plain_step
+from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer, plain_step
 
 ROOT, BLOCK0, BLOCK1 = 2, 0, 1  # units in post-order
 
@@ -93,32 +92,6 @@ def test_expansion_and_sharded_passes(group):
         guard_unsharded_memory(igm, max_unsharded=1)
     assert [n.name for n in graph.nodes] == nodes_before
     guard_unsharded_memory(igm, max_unsharded=2)
-
-
-def test_a_reduce_scatter_is_waited_on_before_the_next_unit_packs_its_gradients(group):
-    """Its input buffer is freed before the next unit's is allocated, as FSDP2 frees it: at the root's
-    packing, the estimate holds the previous unit's packing buffer no longer (waited on at the next
-    collective, it would)."""
-    from spmd.passes.shard_reduce_scatter import result_block
-
-    igm = _expanded()
-    schedule_reduce_scatter_waits(igm)
-    graph = igm.graph
-    order = node_order(graph)
-    comms = gradient_collectives(graph)
-    for comm, nxt in zip(comms, comms[1:]):
-        assert order[comm] + 1 < order[wait_of(comm)] < order[pack_start(nxt, order)] < order[nxt]
-    prev, root = comms[-2:]
-    packed = packing_buffer(root)
-
-    def live_at_root_packing() -> int:
-        prof = memory_profile(graph, inductor=True)
-        return prof.live[prof.nodes.index(packed)]
-
-    now = live_at_root_packing()
-    for node in result_block(wait_of(prev)):  # the wait where it was: right before the next collective
-        root.prepend(node)
-    assert live_at_root_packing() - now == prev.args[0].meta["val"].untyped_storage().nbytes() > 0
 
 
 def _grad_waits(update):
