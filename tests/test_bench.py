@@ -278,3 +278,23 @@ def test_a_failing_mode_becomes_an_error_record_and_is_dropped():
     assert not run.alive
     assert run.record["status"] == "error" and run.record["reason"] == "RuntimeError: out of memory"
     assert "broken" in run.record["traceback"]
+
+
+def test_the_default_mode_is_built_with_the_inductor_options_and_budget_it_is_given(monkeypatch):
+    """``spmd_default`` is what ``@spmd.compile()`` gives, but for the settings the command line changes:
+    ``--inductor-option`` and ``--memory-budget`` among them (once dropped there, so a comparison ran the
+    default twice)."""
+    from spmd.tools import bench_modes
+
+    p, _ = cli.parsers()
+    args = p.parse_args(["bench", *TINY[:-1], "--inductor-option", "reorder_for_locality=True", "--memory-budget", "0.5"])
+    assert TINY[-1] == "--no-inductor"
+    settings = {}
+
+    def default_transformation(device_type, **changed):
+        settings.update(changed)
+        return None
+
+    monkeypatch.setattr(bench_modes, "default_transformation", default_transformation)
+    REGISTRY["spmd_default"].build(Setup(args, torch.device("cpu")))
+    assert settings["inductor_options"] == {"reorder_for_locality": True} and settings["memory_budget"] == 0.5

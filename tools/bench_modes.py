@@ -232,6 +232,10 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
             changed["compile_pieces"] = a.compile_pieces
         if lean is not None:
             changed["lean_lowering"] = lean
+        if a.inductor_option and not a.no_inductor:
+            changed["inductor_options"] = dict(a.inductor_option)
+        if a.memory_budget is not None:
+            changed["memory_budget"] = a.memory_budget
         transformation = default_transformation(setup.device.type, **changed) if changed else None
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
     wrap_s = time.perf_counter() - start

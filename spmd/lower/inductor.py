@@ -54,6 +54,7 @@ from ..errors import SpmdCompileError
 from . import compile_workers
 from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
 from .decompose import decompose_for_inductor
+from .loss_order import order_loss_backward_after_loss
 from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import KeptCode, code_of, load_kept
@@ -87,6 +88,13 @@ _LAUNCH_CONFIG = {"max_pointwise_cat_inputs": 64}
 # so every node lands in one partition, generated as without partitions; but finding that partition's
 # inputs walks every node's free symbols, over a second at 1.3B parameters. Set where this torch has it.
 _COMPILE_TIME_CONFIG = {"graph_partition": False}
+# Less memory, our order kept: on a graph compiled without autograd, as ours are, Inductor's post-grad
+# ``reorder_for_locality`` moves every producer down to just before its last consumer. In a training step
+# that holds big inputs alive for small outputs: the LM head's weight gradient (a (vocab, dim) mm of the
+# (tokens, vocab) loss gradient) moved to the tied embedding's add at the end of the backward, and the
+# loss's target pick to the step's output, after the backward, so the loss gradient could not be written
+# over the logits. Our passes already place every node; a user may set it back through ``inductor_options``.
+_ORDER_CONFIG = {"reorder_for_locality": False}
 
 
 # For comparison only: Inductor's own overlap scheduler and bucketer decide where collectives go.
@@ -104,7 +112,7 @@ def inductor_config(inductor_comm_passes: bool = False, extra: Optional[dict] = 
     Raises ``SpmdCompileError`` when this torch lacks one of the options (renamed or
     removed), except one ``_ABSENT_BEFORE`` says a torch this old may lack: Inductor
     would otherwise silently reorder the collectives our passes placed. ``_LAUNCH_CONFIG``
-    and ``_COMPILE_TIME_CONFIG`` are added where this torch has them, then ``extra`` (``check_inductor_options``).
+    ``_COMPILE_TIME_CONFIG`` and ``_ORDER_CONFIG`` are added where this torch has them, then ``extra`` (``check_inductor_options``).
     """
     import torch._inductor.config as config
 
@@ -119,7 +127,7 @@ def inductor_config(inductor_comm_passes: bool = False, extra: Optional[dict] = 
             "Lowering without it could silently reorder communication. Use a torch version spmd is tested with "
             f"({tested_range()}), or run without Inductor (GraphModuleTransformation(enable_inductor=False))."
         )
-    launch = {k: v for k, v in {**_LAUNCH_CONFIG, **_COMPILE_TIME_CONFIG}.items() if k in known}
+    launch = {k: v for k, v in {**_LAUNCH_CONFIG, **_COMPILE_TIME_CONFIG, **_ORDER_CONFIG}.items() if k in known}
     return {**launch, **{k: v for k, v in wanted.items() if k in known}, **check_inductor_options(extra)}
 
 
@@ -182,6 +190,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
     * In-place fused optimizer ops become their ``opaque_inplace_op``.
     * An embedding backward with a bfloat16 or float16 gradient becomes ``opaque_ops.EMBEDDING_BACKWARD``
       (ATen's kernel; Inductor's decomposition would add a float32 buffer twice the gradient's size).
+    * Each ``nll_loss_backward`` starts after its loss is computed (``spmd.lower.loss_order``), so the
+      loss gradient is written over the logits.
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
 
     ``lean`` (``Lowering.lean``: True, False, or one of ``LEAN_PARTS``) adds exact rewrites that take
@@ -210,6 +220,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
             node.target = opaque_inplace_op(node.target)
         elif keeps_embedding_backward_whole(node):
             node.target = EMBEDDING_BACKWARD
+    order_loss_backward_after_loss(graph)
     if "one_rank" in parts:
         drop_one_rank_all_reduces(graph)
     if decompose:

@@ -7,6 +7,10 @@ code defines them first (``wrapped_ops`` names them).
 
 ``EMBEDDING_BACKWARD`` (defined on import): ATen's embedding backward for a low-precision gradient
 (``keeps_embedding_backward_whole``), whose decomposition would accumulate it in a float32 buffer.
+
+``RUN_AFTER`` (defined on import): ``run_after(value, before)`` is a copy of ``value`` that Inductor makes only
+once ``before`` is computed: an ordering edge between two computations with no data between them
+(``spmd.lower.loss_order``).
 """
 
 from __future__ import annotations
@@ -84,3 +88,10 @@ def keeps_embedding_backward_whole(node: fx.Node) -> bool:
         return False
     grad = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
     return isinstance(grad, torch.Tensor) and grad.dtype in _LOW_PRECISION
+
+
+_opaque_lib.define("run_after(Tensor value, Tensor before) -> Tensor")
+_opaque_lib.impl("run_after", lambda value, before: value.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake(f"{OPAQUE_NAMESPACE}::run_after", lambda value, before: torch.empty_like(value),
+                            lib=_opaque_lib)
+RUN_AFTER = getattr(torch.ops, OPAQUE_NAMESPACE).run_after.default

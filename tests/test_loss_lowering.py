@@ -1,0 +1,85 @@
+"""How a cross-entropy loss and its backward are handed to Inductor: the gradient after the loss, in the
+logits' memory, and the LM head's weight gradient where the graph puts it (``spmd.lower.loss_order``,
+``spmd.lower.inductor._ORDER_CONFIG``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from spmd.lower.inductor import compile_with_inductor, prepare_for_inductor
+from spmd.lower.opaque_ops import RUN_AFTER
+
+aten = torch.ops.aten
+VOCAB, DIM, TOKENS = 320, 16, 64  # no padding of the vocabulary for Inductor's mm
+
+
+def _lm_step(table, hidden, head, idx, targets):
+    """A small language model's loss and gradients; the head's weight gradient is an output of the graph.
+    Low-precision logits are cast to float32 for the loss, as autocast does."""
+    x = F.embedding(idx, table)
+    h = torch.tanh(x @ hidden)
+    logits = h @ head.t()
+    loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
+    return (loss, *torch.autograd.grad(loss, (table, hidden, head)))
+
+
+def _inputs(device: str, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    table = (torch.randn(VOCAB, DIM, generator=gen) * 0.1).to(device, dtype).requires_grad_()
+    hidden = (torch.randn(DIM, DIM, generator=gen) * 0.3).to(device, dtype).requires_grad_()
+    head = (torch.randn(VOCAB, DIM, generator=gen) * 0.1).to(device, dtype).requires_grad_()
+    idx = torch.randint(0, VOCAB, (TOKENS,), generator=gen).to(device)
+    targets = torch.randint(0, VOCAB, (TOKENS,), generator=gen).to(device)
+    targets[3] = -100  # an ignored token
+    return table, hidden, head, idx, targets
+
+
+def _compiled_code(device: str, dtype: torch.dtype, options=None):
+    """(the graph prepared for Inductor, Inductor's code for it, its outputs, eager's outputs)."""
+    args = _inputs(device, dtype)
+    gm = make_fx(_lm_step)(*args)
+    inputs = [a.detach() for a in args]
+
+    def compile_and_run():
+        return compile_with_inductor(gm, inputs, options=options)[0](*inputs)
+
+    outputs, (code,) = run_and_get_code(compile_and_run)
+    return prepare_for_inductor(gm, decompose=False), code, outputs, _lm_step(*args)
+
+
+def test_the_loss_gradient_waits_for_the_loss_and_the_head_weight_gradient_stays_after_it():
+    """Inductor sees the loss backward seeded through ``RUN_AFTER`` of the loss, with eager's values; the head's
+    weight-gradient mm runs where the graph has it, right after the loss, holding the (tokens, vocab) gradient
+    no longer: Inductor's ``reorder_for_locality`` moves it down to the graph's output, after the backward."""
+    prepared, code, outputs, expected = _compiled_code("cpu", torch.float64)
+    backward = next(n for n in prepared.graph.nodes if n.target is aten.nll_loss_backward.default)
+    seed = backward.args[0]
+    assert seed.target is RUN_AFTER and seed.args[1].args[0].target is aten.nll_loss_forward.default
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+    def head_grad_before_hidden_grad(code: str) -> bool:
+        mms = re.findall(r"extern_kernels\.mm\(.*out=(buf\d+)\)", code)
+        shapes = dict(re.findall(r"(buf\d+) = empty_strided_cpu\(\((\d+, \d+)\)", code))
+        kinds = [shapes.get(b) for b in mms]
+        return kinds.index(f"{VOCAB}, {DIM}") < kinds.index(f"{DIM}, {DIM}")
+
+    assert head_grad_before_hidden_grad(code), code
+    _, moved, _, _ = _compiled_code("cpu", torch.float64, options={"reorder_for_locality": True})
+    assert not head_grad_before_hidden_grad(moved), "the test no longer sees Inductor's reordering"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_loss_gradient_is_written_over_the_logits():
+    """One (tokens, vocab) buffer in the compiled bf16 step: the loss gradient takes the logits' memory."""
+    _, code, outputs, expected = _compiled_code("cuda", torch.bfloat16)
+    allocations = re.findall(rf"empty_strided_cuda\(\({TOKENS}, {VOCAB}\)", code)
+    assert len(allocations) == 1, code
+    torch.testing.assert_close(outputs[0], expected[0], atol=2e-2, rtol=2e-2)
