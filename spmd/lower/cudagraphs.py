@@ -10,6 +10,13 @@ The batch, and values carried between iterations, are copied into static buffers
 before each replay. The hyperparameter tensors (lr, betas, ...) are persistent too:
 ``spmd.compile`` fills them in place when a value changes. NCCL collectives are captured with the rest (the process
 group's communicator exists by then: the first call runs uncaptured, as warm-up).
+
+cuBLAS keeps a scratch workspace per stream and a captured matmul keeps using the one it was captured
+with. A workspace made outside this graph's memory pool (by an earlier capture on the same stream, whose
+pool it lives in) can be freed under the graph: ``torch.compile(mode="reduce-overhead")`` releases every
+cuBLAS workspace whenever it records, and the graph's replays would then write into memory that is
+another tensor's or unmapped. So the workspaces are released before the capture, which makes its own in
+this graph's pool, and again after it, so that no later work uses the one this graph keeps.
 """
 
 from __future__ import annotations
@@ -46,6 +53,12 @@ def cudagraph_obstacle(gm: fx.GraphModule, args: tuple) -> Optional[str]:
                 return f"{what}; build the optimizer with capturable=True so its state stays on the GPU"
             return f"{what}; keep the model, its buffers and the batch on the GPU"
     return None
+
+
+def release_matmul_workspaces() -> None:
+    """Drop cuBLAS's per-stream workspaces (the next matmul on a stream makes a new one); what a CUDA
+    graph captured with one keeps using stays in that graph's pool (see the module docstring)."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 class CudaGraphRunner:
@@ -99,6 +112,7 @@ class CudaGraphRunner:
         self.pointers = [a.data_ptr() for a, p in zip(args, self.persistent) if p]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
+        release_matmul_workspaces()  # the capture's cuBLAS workspace is then made in the graph's own pool
         try:
             # thread_local: the NCCL watchdog thread keeps querying events during capture
             with phase(f"cudagraph/{self.label}/capture"), torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -115,6 +129,8 @@ class CudaGraphRunner:
                 f"{str(e).splitlines()[0] if str(e) else ''}). Parameters and optimizer state are unchanged; "
                 "run with enable_cudagraphs=False."
             ) from e
+        finally:
+            release_matmul_workspaces()  # the graph keeps its workspace; later matmuls make their own
         self.graph = graph
         self.captures += 1
         log.info("spmd: captured the %s graph as a CUDA graph (capture #%d)", self.label, self.captures)
