@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
 
 import spmd
@@ -106,6 +107,35 @@ def test_a_low_precision_embedding_backward_stays_one_aten_call_without_a_float3
             assert torch.equal(out, aten.embedding_dense_backward(grad, idx, rows, -1, False))
         else:
             assert tables and not kept, "a float32 gradient is summed in its own dtype: decomposed as before"
+
+
+def test_a_lookup_into_a_gathered_table_stays_one_aten_call_and_a_parameter_table_is_left_to_inductor():
+    """Inductor would look the rows of a gathered table up again in each kernel that reads them, the backward's
+    among them, keeping the table alive there; a lookup into a table the graph makes (as a fully sharded
+    model's gather does) runs as ATen's lookup, with eager's values. Any other table is Inductor's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.lower.inductor import compile_with_inductor
+    from spmd.lower.opaque_ops import EMBEDDING
+
+    gen = torch.Generator().manual_seed(0)
+    shard, idx = torch.randn(32, 8, generator=gen, dtype=torch.float64), torch.randint(0, 32, (3, 5), generator=gen)
+
+    def gathered(shard, idx):
+        flat = torch.ops._c10d_functional.all_gather_into_tensor(shard, 1, dist.group.WORLD.group_name)
+        table = torch.ops._c10d_functional.wait_tensor(flat)
+        return (torch.nn.functional.embedding(idx, table.view(32, 8)) * 2,)
+
+    def computed(table, idx):  # a table the step computes but gathers not (a cast): Inductor's, fused
+        return (torch.nn.functional.embedding(idx, table * 3) * 2,)
+
+    with single_process_group():
+        for fn, opaque in ((gathered, True), (computed, False)):
+            gm = make_fx(fn)(shard, idx)
+            kept = [n for n in prepare_for_inductor(gm, decompose=False).graph.nodes if n.target is EMBEDDING]
+            assert bool(kept) == opaque, fn.__name__
+            compiled, _ = compile_with_inductor(gm, [shard, idx])
+            assert torch.equal(compiled(shard, idx)[0], fn(shard, idx)[0])
 
 
 def _op_counts(graph) -> Counter:

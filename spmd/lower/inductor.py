@@ -58,7 +58,10 @@ from .loss_order import order_loss_backward_after_loss
 from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import KeptCode, code_of, load_kept
-from .opaque_ops import EMBEDDING_BACKWARD, keeps_embedding_backward_whole, opaque_inplace_op, wrapped_ops, writes_grads
+from .opaque_ops import (
+    EMBEDDING, EMBEDDING_BACKWARD, keeps_embedding_backward_whole, keeps_gathered_lookup_whole, opaque_inplace_op,
+    wrapped_ops, writes_grads,
+)
 from .pieces import cut_obstacle
 from .piecewise import compile_in_pieces
 
@@ -190,6 +193,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
     * In-place fused optimizer ops become their ``opaque_inplace_op``.
     * An embedding backward with a bfloat16 or float16 gradient becomes ``opaque_ops.EMBEDDING_BACKWARD``
       (ATen's kernel; Inductor's decomposition would add a float32 buffer twice the gradient's size).
+    * An embedding lookup into a gathered table becomes ``opaque_ops.EMBEDDING`` (ATen's lookup; Inductor would
+      look the rows up again in the backward, keeping the gathered table alive there).
     * Each ``nll_loss_backward`` starts after its loss is computed (``spmd.lower.loss_order``), so the
       loss gradient is written over the logits.
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
@@ -220,6 +225,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
             node.target = opaque_inplace_op(node.target)
         elif keeps_embedding_backward_whole(node):
             node.target = EMBEDDING_BACKWARD
+        elif keeps_gathered_lookup_whole(node):
+            node.target = EMBEDDING
     order_loss_backward_after_loss(graph)
     if "one_rank" in parts:
         drop_one_rank_all_reduces(graph)

@@ -8,6 +8,9 @@ code defines them first (``wrapped_ops`` names them).
 ``EMBEDDING_BACKWARD`` (defined on import): ATen's embedding backward for a low-precision gradient
 (``keeps_embedding_backward_whole``), whose decomposition would accumulate it in a float32 buffer.
 
+``EMBEDDING`` (defined on import): ATen's embedding lookup for a table a collective gathered (a fully sharded
+model's embedding; ``keeps_gathered_lookup_whole``).
+
 ``RUN_AFTER`` (defined on import): ``run_after(value, before)`` is a copy of ``value`` that Inductor makes only
 once ``before`` is computed: an ordering edge between two computations with no data between them
 (``spmd.lower.loss_order``).
@@ -21,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import SpmdCompileError
+from ..graph_utils.nodes import is_comm_node, is_wait_node
 from ..graph_utils.optimizer_ops import written_args
 from .fx_cache import OPAQUE_NAMESPACE
 
@@ -88,6 +92,40 @@ def keeps_embedding_backward_whole(node: fx.Node) -> bool:
         return False
     grad = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
     return isinstance(grad, torch.Tensor) and grad.dtype in _LOW_PRECISION
+
+
+_opaque_lib.define("embedding(Tensor weight, Tensor indices, SymInt padding_idx=-1, bool scale_grad_by_freq=False, "
+                   "bool sparse=False) -> Tensor")
+_opaque_lib.impl("embedding", torch.ops.aten.embedding.default, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    f"{OPAQUE_NAMESPACE}::embedding",
+    lambda weight, indices, *rest: weight.new_empty((*indices.shape, *weight.shape[1:])), lib=_opaque_lib)
+EMBEDDING = getattr(torch.ops, OPAQUE_NAMESPACE).embedding.default
+
+
+def keeps_gathered_lookup_whole(node: fx.Node) -> bool:
+    """An embedding lookup into a table a collective in the step gathered, which Inductor is to run as ATen's
+    lookup.
+
+    Inductor inlines a cheap pointwise value into every kernel that reads it rather than storing it, and a
+    lookup is cheap: the token embeddings (summed with the positions) would be looked up again inside the first
+    block's backward kernels, at the end of the backward, keeping the gathered table alive all through the
+    backward, where its last reader is the LM head's at the loss. ATen's lookup writes the (tokens, dim) rows
+    once; the same values.
+    """
+    if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
+        return False
+    source = node.args[0]  # back through the gathered buffer's views and copies to the collective it came from
+    for _ in range(_GATHER_HOPS):
+        if not isinstance(source, fx.Node) or source.op != "call_function":
+            return False
+        if is_wait_node(source) or is_comm_node(source):
+            return True
+        source = source.args[0] if source.args else None
+    return False
+
+
+_GATHER_HOPS = 16  # how far back a gathered table's lookup looks for its gather (views, a split, a copy)
 
 
 _opaque_lib.define("run_after(Tensor value, Tensor before) -> Tensor")
