@@ -234,7 +234,8 @@ def main(argv=None) -> None:
     p.add_argument("--unfused", action="store_true", help="also print each graph's peak run op by op, nothing fused")
     p.add_argument("--no-cudagraphs", action="store_true", help="measure without CUDA graphs")
     p.add_argument("--snapshot", default="",
-                   help="measure: write the last warm-up step's allocator history to FILE.ROW.pickle")
+                   help="measure: write the last warm-up step's allocator history to FILE.ROW.pickle "
+                        "(read it with python -m spmd.tools.peak_blocks)")
     p.add_argument("--steps", type=int, default=3, help="measure: warm-up steps per row (default 3)")
     p.add_argument("--time-steps", type=int, default=0, help="measure: also time this many steps (median ms)")
     p.add_argument("--memory-budget", default="",
