@@ -52,6 +52,11 @@ def test_a_replayed_matmul_survives_the_workspaces_being_released_and_the_memory
     an earlier capture on the same stream made the workspace in its own pool: the replays stay right and
     write nothing outside the graph."""
     a = torch.randn(512, 512, device="cuda")
+    side = torch.cuda.Stream()  # cuBLAS's handle is made outside a capture, as torch's CUDA graph docs ask
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        a @ a
+    torch.cuda.current_stream().wait_stream(side)
     earlier = torch.cuda.CUDAGraph()  # as a benchmark's warm-up capture does: the workspace in its pool
     with torch.cuda.graph(earlier):
         a @ a

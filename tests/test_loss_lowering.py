@@ -4,6 +4,7 @@ logits' memory, and the LM head's weight gradient where the graph puts it (``spm
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -19,13 +20,16 @@ aten = torch.ops.aten
 VOCAB, DIM, TOKENS = 320, 16, 64  # no padding of the vocabulary for Inductor's mm
 
 
-def _lm_step(table, hidden, head, idx, targets):
+def _lm_step(table, hidden, head, idx, targets, cast: bool = True):
     """A small language model's loss and gradients; the head's weight gradient is an output of the graph.
-    Low-precision logits are cast to float32 for the loss, as autocast does."""
+    ``cast``: low-precision logits are cast to float32 for the loss, as autocast does; else the loss is
+    taken in their dtype, as in a model whose parameters are bfloat16 (a sharded mode's mixed precision)."""
     x = F.embedding(idx, table)
     h = torch.tanh(x @ hidden)
     logits = h @ head.t()
-    loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
+    if cast:
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(logits, targets)
     return (loss, *torch.autograd.grad(loss, (table, hidden, head)))
 
 
@@ -40,17 +44,18 @@ def _inputs(device: str, dtype: torch.dtype):
     return table, hidden, head, idx, targets
 
 
-def _compiled_code(device: str, dtype: torch.dtype, options=None):
+def _compiled_code(device: str, dtype: torch.dtype, options=None, cast: bool = True):
     """(the graph prepared for Inductor, Inductor's code for it, its outputs, eager's outputs)."""
     args = _inputs(device, dtype)
-    gm = make_fx(_lm_step)(*args)
+    step = functools.partial(_lm_step, cast=cast)
+    gm = make_fx(step)(*args)
     inputs = [a.detach() for a in args]
 
     def compile_and_run():
         return compile_with_inductor(gm, inputs, options=options)[0](*inputs)
 
     outputs, (code,) = run_and_get_code(compile_and_run)
-    return prepare_for_inductor(gm, decompose=False), code, outputs, _lm_step(*args)
+    return prepare_for_inductor(gm, decompose=False), code, outputs, step(*args)
 
 
 def test_the_loss_gradient_waits_for_the_loss_and_the_head_weight_gradient_stays_after_it():
@@ -77,9 +82,17 @@ def test_the_loss_gradient_waits_for_the_loss_and_the_head_weight_gradient_stays
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_a_gpu_the_loss_gradient_is_written_over_the_logits():
-    """One (tokens, vocab) buffer in the compiled bf16 step: the loss gradient takes the logits' memory."""
-    _, code, outputs, expected = _compiled_code("cuda", torch.bfloat16)
-    allocations = re.findall(rf"empty_strided_cuda\(\({TOKENS}, {VOCAB}\)", code)
-    assert len(allocations) == 1, code
+@pytest.mark.parametrize("cast", [True, False], ids=["float32_loss", "bfloat16_loss"])
+def test_on_a_gpu_the_loss_gradient_is_written_over_the_logits(cast):
+    """One (tokens, vocab) buffer in the compiled bf16 step: the loss gradient takes the logits' memory, with the
+    loss in float32 (autocast) or in bfloat16. With Inductor's own ``realize_opcount_threshold`` (30), a
+    bfloat16 loss's gradient is stored in float32 first and cast in a second step: two buffers."""
+    def vocab_buffers(code: str) -> int:
+        return len(re.findall(rf"empty_strided_cuda\(\({TOKENS}, {VOCAB}\)", code))
+
+    _, code, outputs, expected = _compiled_code("cuda", torch.bfloat16, cast=cast)
+    assert vocab_buffers(code) == 1, code
     torch.testing.assert_close(outputs[0], expected[0], atol=2e-2, rtol=2e-2)
+    if not cast:
+        _, split, _, _ = _compiled_code("cuda", torch.bfloat16, options={"realize_opcount_threshold": 30}, cast=cast)
+        assert vocab_buffers(split) == 2, "the test no longer sees the stored float32 gradient"

@@ -55,6 +55,7 @@ from . import compile_workers
 from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
 from .decompose import decompose_for_inductor
 from .loss_order import order_loss_backward_after_loss
+from .pack_order import delay_early_pack_inputs
 from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import KeptCode, code_of, load_kept
@@ -97,7 +98,12 @@ _COMPILE_TIME_CONFIG = {"graph_partition": False}
 # (tokens, vocab) loss gradient) moved to the tied embedding's add at the end of the backward, and the
 # loss's target pick to the step's output, after the backward, so the loss gradient could not be written
 # over the logits. Our passes already place every node; a user may set it back through ``inductor_options``.
-_ORDER_CONFIG = {"reorder_for_locality": False}
+# A pointwise chain of more than ``realize_opcount_threshold`` ops (30 on a GPU) is stored before its next op:
+# a bfloat16 loss's gradient (the log-softmax recomputed from the online softmax's statistics, rounded to
+# bfloat16, its backward, the one-hot target) is such a chain, so its float32 result was stored and cast
+# in a second step that reads no logits, and Inductor could not write the gradient over them (one more
+# (tokens, vocab) buffer: 393 MiB at 1.3B parameters, batch 4). At 60 the chain and its cast are one store.
+_ORDER_CONFIG = {"reorder_for_locality": False, "realize_opcount_threshold": 60}
 
 
 # For comparison only: Inductor's own overlap scheduler and bucketer decide where collectives go.
@@ -197,6 +203,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
       look the rows up again in the backward, keeping the gathered table alive there).
     * Each ``nll_loss_backward`` starts after its loss is computed (``spmd.lower.loss_order``), so the
       loss gradient is written over the logits.
+    * A unit's reduce-scatter buffer is started once its last gradient exists (``spmd.lower.pack_order``),
+      where Inductor would allocate it at the first one's cast.
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
 
     ``lean`` (``Lowering.lean``: True, False, or one of ``LEAN_PARTS``) adds exact rewrites that take
@@ -228,6 +236,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
         elif keeps_gathered_lookup_whole(node):
             node.target = EMBEDDING
     order_loss_backward_after_loss(graph)
+    delay_early_pack_inputs(graph)
     if "one_rank" in parts:
         drop_one_rank_all_reduces(graph)
     if decompose:

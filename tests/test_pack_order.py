@@ -1,0 +1,54 @@
+"""A unit's reduce-scatter packing starts once its last gradient exists (``spmd.lower.pack_order``): the root
+unit of a GPT packs its final LayerNorm's gradients, computed first in the backward, with the tied embedding's,
+computed last; Inductor would fuse the first cast into the LayerNorm backward's kernel and allocate the whole
+float32 buffer there (measured on a GPU: BENCHMARKS.md, Round 11)."""
+
+from __future__ import annotations
+
+import torch
+
+from spmd.checks import rank_check
+from spmd.graph_utils import node_order
+from spmd.graph_utils.meta import UNIT
+from spmd.graph_utils.units import gradient_collectives
+from spmd.lower.inductor import prepare_for_inductor
+from spmd.lower.opaque_ops import RUN_AFTER
+from spmd.lower.pack_order import _pack_of
+from spmd.tools.memory_estimate import build, fake_group, final_module
+from spmd.tools.models import GPTConfig
+
+
+def _packs(graph):
+    """(collective, its pack's nodes, the nodes the pack reads) of each unit's gradient collective."""
+    out = []
+    for comm in gradient_collectives(graph):
+        pack = _pack_of(comm)
+        out.append((comm, pack, {a for n in pack | {comm} for a in n.all_input_nodes if a not in pack}))
+    return out
+
+
+def test_the_root_unit_packs_its_early_gradients_after_its_last_one(monkeypatch):
+    monkeypatch.setattr(rank_check, "exchange", lambda local, group, layout=None: None)
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=96, block_size=16)
+    with fake_group(2):
+        step, args = build("fully_shard", cfg, 2, device="cpu", fake=True, enable_inductor=False)
+        gm = final_module(step, args)
+
+    before = node_order(gm.graph)
+    (*blocks, (root, root_pack, root_sources)) = _packs(gm.graph)
+    earlier = [c for c, _, _ in blocks]
+    early = {s for s in root_sources if any(before[s] < before[c] for c in earlier)}
+    assert len(early) == 2, "the final LayerNorm's weight and bias gradients come before the blocks' collectives"
+    # Inductor fuses each cast into the kernel that computes its gradient, writing into the packing there
+    assert all(u in root_pack for s in early for u in s.users), "the early gradients are read by the packing alone"
+
+    prepared = prepare_for_inductor(gm, decompose=False).graph
+    order = node_order(prepared)
+    (*blocks, (root, root_pack, root_sources)) = _packs(prepared)
+    copies = [s for s in root_sources if s.target is RUN_AFTER]
+    assert len(copies) == 2, [s.target for s in root_sources]
+    last = max((s for s in root_sources if s.target is not RUN_AFTER), key=order.__getitem__)
+    assert all(c.args[1] is last and c.args[0].meta["val"].shape == c.meta["val"].shape for c in copies)
+    assert min(order[n] for n in root_pack) > order[last] > max(order[c] for c, _, _ in blocks)
+    for comm, pack, sources in blocks:  # packs whose gradients come together are left alone
+        assert not any(s.target is RUN_AFTER for s in sources), comm.meta[UNIT]
