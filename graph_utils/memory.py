@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .nodes import is_comm_node, is_wait_node
-from .recompute_ops import inductor_inlines
+from .recompute_ops import inductor_inlines, writes_a_kernel_output
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
@@ -111,7 +111,35 @@ def _inlined_last_uses(nodes: list[fx.Node], tracker, inlined: Callable[[fx.Node
         if node not in skip:
             for key in reads(node):
                 last[key] = i
-    return {"skip": skip, "last": last}
+    return {"skip": skip, "last": last, "reads": reads}
+
+
+def _reused_in_place(nodes: list[fx.Node], tracker, fused: dict, size: dict) -> dict:
+    """Fresh storage -> the storage it is written over, as Inductor reuses a buffer in place: a kernel's
+    output (``writes_a_kernel_output``) takes the storage of an input of the same shape and dtype that this
+    kernel reads last (the loss gradient over the logits). Chains resolve to the first storage."""
+    owner = tracker.storage_to_allocator
+    reused: dict = {}
+    for i, node in enumerate(nodes):
+        if node in fused["skip"] or not writes_a_kernel_output(node):
+            continue
+        fresh = list(tracker.get_fresh_allocations(node))
+        if len(fresh) != 1:
+            continue
+        for key in fused["reads"](node):
+            source = owner.get(key)
+            if (fused["last"].get(key) == i and source is not None and source.op == "call_function"
+                    and size[key] == size[fresh[0]] and _same_tensor_type(source, node)
+                    and key not in reused.values()):
+                reused[fresh[0]] = reused.get(key, key)
+                break
+    return reused
+
+
+def _same_tensor_type(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype)
 
 
 def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], bool]] = None,
@@ -136,9 +164,14 @@ def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], boo
     owner = tracker.storage_to_allocator
     size = {key: int(key.storage.nbytes()) for key in owner}
     fused = _inlined_last_uses(nodes, tracker, inductor_inlines) if inductor else None
+    reused = _reused_in_place(nodes, tracker, fused, size) if inductor else {}
     freed_at: dict[int, list] = {}
     if fused is not None:
-        for key, i in fused["last"].items():
+        last = dict(fused["last"])
+        for fresh, source in reused.items():  # the source lives on as the fresh value, and dies with it
+            last[source] = max(last.get(source, -1), last.get(fresh, -1))
+            last.pop(fresh, None)
+        for key, i in last.items():
             freed_at.setdefault(i, []).append(key)
     live_set = {key for n in nodes if n.op in ("placeholder", "get_attr") for key in tracker.get_fresh_allocations(n)}
     current = inputs = sum(size[k] for k in live_set)
@@ -146,7 +179,7 @@ def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], boo
     for i, node in enumerate(nodes):
         if node.op not in ("placeholder", "get_attr", "output") and (fused is None or node not in fused["skip"]):
             for key in tracker.get_fresh_allocations(node):
-                if key not in live_set:
+                if key not in live_set and key not in reused:
                     live_set.add(key)
                     current += size[key]
         live.append(current)

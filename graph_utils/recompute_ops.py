@@ -187,6 +187,14 @@ _POINTWISE_RESULT = frozenset({aten.nll_loss_backward.default, aten._log_softmax
                                aten._softmax_backward_data.default})
 
 
+def writes_a_kernel_output(node: fx.Node) -> bool:
+    """Whether Inductor stores ``node`` from a kernel it generates, element for element over inputs of its
+    shape (a pointwise op, or one ``_POINTWISE_RESULT`` names): a kernel that may write over an input it reads
+    last (``graph_utils.memory``)."""
+    return (node.op == "call_function" and not is_view_like(node)
+            and (is_pointwise(node) or node.target in _POINTWISE_RESULT))
+
+
 def inductor_inlines(node: fx.Node) -> bool:
     """Whether Inductor computes ``node`` inside the kernels that read it, never into a buffer of its own: a
     pointwise op (or a softmax or backward op it decomposes into a pointwise result over small row

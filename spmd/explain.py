@@ -14,6 +14,7 @@ from .graph_utils.nodes import node_order
 from .graph_utils.memory import memory_profile
 from .graph_utils.meta import BUCKET, CARRIES, GRAD_OF, MESH_DIM, PHASE, ROLE, UNIT, Role
 from .graph_utils.phases import backward_nodes
+from .lower.inductor import graph_inductor_gets
 from .passes import PassManager, pass_info, recompute_plan
 
 from .api import CompiledTrainStep
@@ -247,16 +248,19 @@ def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
 
     Activations: ``recompute_activations``' plan (names -> bytes of the saved values kept and
     recomputed, and the totals), empty when it did not run. Where the step is lowered through
-    Inductor, the peak counts what Inductor computes inside its readers as never allocated. Kinds: parameters, optimizer state,
-    inputs, activations (forward values) and gradients (backward and optimizer values).
+    Inductor, the peak is that of the graph Inductor gets (``graph_inductor_gets``), what Inductor
+    computes inside its readers never allocated. Kinds: parameters, optimizer state, inputs,
+    activations (forward values) and gradients (backward and optimizer values).
     """
     plan = recompute_plan(gm)
     activations = {} if plan is None else {
         "kept": plan.kept, "recomputed": plan.recomputed, "kept_bytes": plan.kept_bytes,
         "default_bytes": plan.default_bytes, "saved_bytes": plan.saved_bytes, "budget": plan.budget, "met": plan.met}
     lowering = getattr(gm, "lowering", None)  # lowered through Inductor: what it fuses is never allocated
-    profile = memory_profile(gm.graph, inductor=lowering is not None and lowering.inductor)
-    backward = backward_nodes(gm.graph)
+    inductor = lowering is not None and lowering.inductor
+    graph = graph_inductor_gets(gm) if inductor else gm.graph
+    profile = memory_profile(graph, inductor=inductor)
+    backward = backward_nodes(graph)
     by_role = {Role.PARAM: "parameters", Role.BUFFER: "parameters", Role.STATE: "optimizer state"}
     kinds: dict[str, int] = {}
     for v in profile.at_peak:

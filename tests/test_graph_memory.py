@@ -80,6 +80,22 @@ def test_what_inductor_computes_inside_its_readers_is_never_allocated_and_its_in
     assert not inductor_inlines(next(n for n in graph.nodes if n.target is aten.mul.Tensor))
 
 
+def test_a_kernel_writes_over_an_input_of_its_shape_and_dtype_it_reads_last_as_inductor_reuses_it():
+    def fn(x, w):                  # x, w: 1 KiB each, always live
+        a = x @ w                  # +1 KiB
+        b = a.exp()                # read by a matmul: stored, over a (its last reader, same shape and dtype): +0
+        return b @ w[:, :1]        # +1/16 KiB
+
+    def cast(x, w):
+        a = x @ w
+        b = a.exp().to(torch.float64)  # another dtype: a buffer of its own, beside a
+        return b @ w[:, :1].double()
+
+    assert memory_profile(_graph(fn, (16, 16), (16, 16)), inductor=True).peak == 3 * KIB + KIB // 16
+    assert memory_profile(_graph(fn, (16, 16), (16, 16))).peak == 4 * KIB, "op by op, b beside a"
+    assert memory_profile(_graph(cast, (16, 16), (16, 16)), inductor=True).peak == 5 * KIB
+
+
 def test_memory_estimate_reports_each_modes_peak_and_sharding_lowers_it(capsys):
     """``python -m spmd.tools.memory_estimate``: a small GPT on fake tensors in a fake 2-rank group;
     fully_shard's estimated peak is below replicate's (half the parameters and optimizer state)."""

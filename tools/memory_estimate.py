@@ -45,6 +45,7 @@ import spmd
 from spmd.graph_utils import is_comm_node
 from spmd.graph_utils.memory import MemoryProfile, memory_profile
 from spmd.graph_utils.meta import PHASE, ROLE
+from spmd.lower.inductor import graph_inductor_gets
 from spmd.passes import RecomputePlan, recompute_plan
 
 from .bench_modes import PRESETS, train_step
@@ -170,7 +171,7 @@ class Estimate:
 def estimate(style: str, cfg: GPTConfig, batch: int, unfused: bool = False, **transform) -> Estimate:
     """The liveness estimate of one rank's step, Inductor's fusion counted (call inside ``fake_group``)."""
     module = final_module(*build(style, cfg, batch, **transform))
-    graph = module.graph
+    graph = graph_inductor_gets(module)
     profile = memory_profile(graph, inductor=True)
     kind = classify(graph)
     kinds: dict[str, int] = defaultdict(int)

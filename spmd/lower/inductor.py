@@ -55,6 +55,7 @@ from . import compile_workers
 from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
 from .decompose import decompose_for_inductor
 from .loss_order import order_loss_backward_after_loss
+from .matmul_order import run_freeing_matmuls_first
 from .pack_order import delay_early_pack_inputs
 from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
@@ -205,6 +206,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
       loss gradient is written over the logits.
     * A unit's reduce-scatter buffer is started once its last gradient exists (``spmd.lower.pack_order``),
       where Inductor would allocate it at the first one's cast.
+    * Of two matmuls side by side, one that frees a large input runs first (``spmd.lower.matmul_order``):
+      the LM head's input gradient, the gathered weight's last reader, before its weight gradient.
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
 
     ``lean`` (``Lowering.lean``: True, False, or one of ``LEAN_PARTS``) adds exact rewrites that take
@@ -237,12 +240,19 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
             node.target = EMBEDDING
     order_loss_backward_after_loss(graph)
     delay_early_pack_inputs(graph)
+    run_freeing_matmuls_first(graph)
     if "one_rank" in parts:
         drop_one_rank_all_reduces(graph)
     if decompose:
         decompose_for_inductor(graph)
     graph.lint()
     return lazy_graph_module(gm, graph)
+
+
+def graph_inductor_gets(gm: fx.GraphModule) -> fx.Graph:
+    """The graph Inductor is given for ``gm``, before decomposition: what a memory estimate of a step lowered
+    through Inductor should read (``prepare_for_inductor`` moves and copies values)."""
+    return prepare_for_inductor(gm, decompose=False).graph
 
 
 def start_compile_workers() -> None:
