@@ -9,9 +9,10 @@ tensor its collective produced (the fake one is a fresh storage), and a collecti
 input stays allocated until its wait (the communication reads it until then).
 
 Graph inputs (parameters, buffers, optimizer state, the batch) are never freed; values
-the graph returns live to its end. It ignores what a compiler does to the graph (fusion
-removes many temporaries, buffer reuse, the allocator's caching and fragmentation), so
-it says what dominates the peak and how a schedule moves it, not what a GPU measures.
+the graph returns live to its end. Run op by op it ignores what a compiler does to the graph;
+``inductor=True`` counts Inductor's pointwise fusion and its in-place buffer reuse, still not the
+allocator's caching and fragmentation: it says what dominates the peak and how a schedule moves
+it, close to but not what a GPU measures.
 """
 
 from __future__ import annotations

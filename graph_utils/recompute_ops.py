@@ -64,10 +64,20 @@ def _packet(op):
     return getattr(op, "overloadpacket", op)
 
 
+# CPU ops torch's flop counter has no formula for, priced as their GPU twins (the same arithmetic): a plan made
+# on the CPU, as an estimate for a GPU run is, then recomputes what the GPU's plan does. Without it, attention
+# on the CPU cost its bytes only and a budget recomputed it before any matmul.
+_FLOP_TWINS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+
+
 def _flop_formula(op):
     from torch.utils.flop_counter import flop_registry
 
-    return flop_registry.get(_packet(op))
+    packet = _packet(op)
+    return flop_registry.get(_FLOP_TWINS.get(packet, packet))
 
 
 def _arg(node: fx.Node, name: str, default):

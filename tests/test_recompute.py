@@ -435,3 +435,17 @@ def test_the_default_recompute_adds_no_kernel_under_inductor():
     assert default.peak <= off.peak
     budget = kernels("replicate", cfg, 2, memory_budget=0.3)
     assert budget.generated + budget.extern > off.generated + off.extern
+
+
+def test_attention_on_the_cpu_is_priced_as_on_a_gpu():
+    """The CPU's flash attention has no formula in torch's flop counter; it is priced as the GPU's, so a plan made
+    on the CPU for a GPU step (an estimate) recomputes attention no sooner than the GPU's plan does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.graph_utils.recompute_ops import recompute_cost, value_bytes
+
+    q = torch.randn(2, 4, 64, 16)
+    gm = make_fx(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), tracing_mode="fake")(q, q, q)
+    (attention,) = [n for n in gm.graph.nodes if "flash_attention_for_cpu" in str(n.target)]
+    moved = value_bytes(attention) + sum(value_bytes(a) for a in attention.all_input_nodes)
+    assert recompute_cost(attention) > moved, "its FLOPs are counted, not only the bytes it moves"
