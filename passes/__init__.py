@@ -21,7 +21,7 @@ from .manager import PassManager, PassOrderError, applied_passes, graph_optimiza
 from .optimizer_copies import remove_copy_from_optimizer
 from .optimizer_split import split_optimizer_per_bucket
 from ..graph_utils.recompute_plan import RecomputePlan, plan_recompute
-from .recompute import recompute_activations, recompute_plan
+from .recompute import recompute_activations, recompute_plan, warn_unmet_budget
 from .shard_memory import UnshardedMemoryError, guard_unsharded_memory, unsharded_peak
 from .shard_optimizer import split_optimizer_per_unit
 from .shard_prefetch import prefetch_unit_gathers
@@ -36,5 +36,5 @@ __all__ = [
     "split_optimizer_per_bucket",
     "UnshardedMemoryError", "guard_unsharded_memory", "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
     "split_optimizer_per_unit", "unsharded_peak", "RecomputePlan", "plan_recompute", "recompute_activations",
-    "recompute_plan", "defer_state_writes", "early_writes",
+    "recompute_plan", "warn_unmet_budget", "defer_state_writes", "early_writes",
 ]

@@ -153,7 +153,7 @@ def _first_node(args) -> list[fx.Node]:
 @graph_optimization_pass(apply_after=[comm_fusion_with_concat, schedule_comm_wait, prefetch_unit_gathers,
                                       schedule_reduce_scatter_waits, defer_state_writes])
 def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: bool = False,
-                          lowered_by_inductor: bool = False) -> None:
+                          lowered_by_inductor: bool = False, warn: bool = True) -> None:
     """Recompute forward values in the backward instead of keeping them (see the module docstring and
     ``graph_utils.recompute_plan``).
 
@@ -163,7 +163,9 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     recomputes is computed from its row statistics in the forward too; collectives and waits keep
     their order. The decision is left on ``gm`` (``recompute_plan``). A budget recompute cannot meet
     leaves the step at the smallest activation memory it found, and one warning names the estimated
-    peak (``graph_utils.memory``, counted as Inductor compiles the step with ``lowered_by_inductor``). ``free_only``: only the free recomputes (``recompute="free"``).
+    peak (``graph_utils.memory``, counted as Inductor compiles the step with ``lowered_by_inductor``;
+    ``warn=False``: no warning here, as in ``spmd.compile``'s pipelines, which warn once the whole
+    pipeline has run, ``warn_unmet_budget``). ``free_only``: only the free recomputes (``recompute="free"``).
 
     Example::
 
@@ -184,8 +186,14 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     graph.lint()
     if not plan.met:
         plan.peak = memory_profile(graph, inductor=lowered_by_inductor).peak
-        log.warning("spmd: memory_budget=%s asks for at most %.1f MiB of activations; recompute reaches %.1f MiB, "
-                    "so the step runs at its smallest estimated peak, %.1f MiB. Raise memory_budget, or lower "
-                    "the batch size.", memory_budget, memory_budget * plan.default_bytes / 2**20,
-                    plan.kept_bytes / 2**20, plan.peak / 2**20)
+        if warn:
+            warn_unmet_budget(plan)
     vars(gm)[PLAN_ATTR] = plan
+
+
+def warn_unmet_budget(plan: RecomputePlan) -> None:
+    """The one warning of a budget recompute cannot meet, naming ``plan.peak`` (the estimated peak then)."""
+    log.warning("spmd: memory_budget=%s asks for at most %.1f MiB of activations; recompute reaches %.1f MiB, "
+                "so the step runs at its smallest estimated peak, %.1f MiB. Raise memory_budget, or lower "
+                "the batch size.", plan.budget, plan.budget * plan.default_bytes / 2**20,
+                plan.kept_bytes / 2**20, plan.peak / 2**20)

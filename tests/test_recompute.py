@@ -386,6 +386,24 @@ def test_explain_shows_kept_and_recomputed_activations_and_the_peak_by_kind():
     assert low.activations["kept_bytes"] < default.activations["kept_bytes"] == default.activations["default_bytes"]
 
 
+def test_an_unmet_budget_under_spmd_compile_warns_once_with_the_peak_explain_estimates(caplog):
+    """The warning comes after the whole pipeline, with the peak of the graph the step is lowered from: the
+    figure ``spmd.explain`` shows, counted as Inductor will compile the step."""
+    from tests.shard_helpers import CFG
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True, memory_budget=0.01))(lm_train_step)
+    idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size))
+    with single_process_group(), caplog.at_level(logging.WARNING):
+        plan = spmd.explain(step, model, optim, idx, idx.roll(-1, 1), print_plan=False)
+    (record,) = [r for r in caplog.records if "memory_budget=0.01" in r.getMessage()]
+    assert not plan.activations["met"]
+    assert f"smallest estimated peak, {plan.peak_bytes / 2**20:.1f} MiB" in record.getMessage()
+
+
 def _tiny_graph(write_before_backward: bool) -> torch.fx.Graph:
     """x * w (a column times a row) -> gelu -> sum; the backward (from the seed) reads the gelu, which the
     default recomputes from x and w (smaller than it); optionally w is written in between."""

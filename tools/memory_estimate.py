@@ -170,7 +170,7 @@ class Estimate:
 
 def estimate(style: str, cfg: GPTConfig, batch: int, unfused: bool = False, **transform) -> Estimate:
     """The liveness estimate of one rank's step, Inductor's fusion counted (call inside ``fake_group``)."""
-    module = final_module(*build(style, cfg, batch, **transform))
+    module = final_module(*build(style, cfg, batch, **{"enable_inductor": True, **transform}))  # as the GPU step
     graph = graph_inductor_gets(module)
     profile = memory_profile(graph, inductor=True)
     kind = classify(graph)

@@ -79,7 +79,8 @@ def pass_pipeline(settings) -> list:
             remove_copy_from_optimizer, defer_state_writes,
             *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
                                  free_only=settings.recompute == "free",
-                                 lowered_by_inductor=settings.enable_inductor)] if settings.recompute else [])]
+                                 lowered_by_inductor=settings.enable_inductor, warn=False)]
+               if settings.recompute else [])]
 
 
 def validate_options(dp) -> None:

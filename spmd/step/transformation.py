@@ -10,10 +10,12 @@ import torch.fx as fx
 from ..compile_times import phase
 from ..errors import SpmdConfigError
 from ..graph_utils import DumpOptions, request_dump
+from ..graph_utils.memory import memory_profile
+from ..lower.inductor import graph_inductor_gets
 from ..lower.lowering import Lowering
 from ..parallel.data_parallel import STYLES, DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
-from ..passes import PassManager, applied_passes, pass_info
+from ..passes import PassManager, applied_passes, pass_info, recompute_plan, warn_unmet_budget
 
 log = logging.getLogger(__name__)
 
@@ -147,4 +149,15 @@ class GraphModuleTransformation:
             igm.finalize_setup()
         igm.lowering = self.lowering
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
+        self._warn_if_budget_unmet(igm)
         return igm
+
+    def _warn_if_budget_unmet(self, igm: IterGraphModule) -> None:
+        """A budget recompute could not meet is said once, with the peak estimated on the graph the step is
+        lowered from (``graph_inductor_gets`` under Inductor), after every pass has run."""
+        plan = recompute_plan(igm)
+        if plan is None or plan.met:
+            return
+        inductor = self.lowering.inductor
+        plan.peak = memory_profile(graph_inductor_gets(igm) if inductor else igm.graph, inductor=inductor).peak
+        warn_unmet_budget(plan)
