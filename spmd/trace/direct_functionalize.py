@@ -85,6 +85,11 @@ def _base(node: fx.Node) -> fx.Node:
     return node
 
 
+# Views of a whole tensor that only drop autograd history: torch 2.13 traces an optimizer's write to a gradient
+# through ``detach``, torch 2.15 through ``alias``.
+_WHOLE_VIEWS = frozenset({aten.detach.default, aten.alias.default})
+
+
 def _targets(node: fx.Node, position: int) -> list[fx.Node]:
     return [_same_tensor(t) for t in _tensors(node.args[position])]
 
@@ -109,7 +114,7 @@ def _plan(graph: fx.Graph) -> Optional[tuple[list[fx.Node], set]]:
             return None  # one tensor written twice by one op
         for t in targets:
             base = _base(t)
-            if t is not base and not (t.target is aten.detach.default and _same_tensor(t.args[0]) is base
+            if t is not base and not (t.target in _WHOLE_VIEWS and _same_tensor(t.args[0]) is base
                                       and base.op != "placeholder"):
                 return None  # written through a view other than a detach of an intermediate
             if written.setdefault(base, t) is not t:
@@ -198,9 +203,9 @@ def _write(graph: fx.Graph, node: fx.Node, now, current: dict, read_after: set) 
         if value.meta["val"].dtype != target.meta["val"].dtype:
             value = _call(graph, aten._to_copy.default, (value,),
                           {"dtype": target.meta["val"].dtype, "layout": torch.strided})
-        if target.op == "call_function" and target.target is aten.detach.default:  # the view taken again
+        if target.op == "call_function" and target.target in _WHOLE_VIEWS:  # the view taken again
             current[_base(target)] = value
-            value = _call(graph, aten.detach.default, (value,))
+            value = _call(graph, target.target, (value,))
         current[target] = value
 
 
