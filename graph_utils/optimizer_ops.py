@@ -11,7 +11,8 @@ follows torch rather than restating it:
   the nodes a call writes.
 * ``inplace_of(op)`` / ``functional_of(op)``: the in-place overload that computes a
   functional fused or foreach op's results into its written arguments (the functional
-  op's k-th result is the in-place op's k-th written argument), and back.
+  op's k-th result is the in-place op's k-th written argument), and back; ``functional_of``
+  also pairs another in-place op with its functional twin (``mul_`` -> ``mul``).
 
 Ops are matched by ``OpOverload``/``OpOverloadPacket`` identity, never by node name.
 """
@@ -113,19 +114,46 @@ def inplace_of(op) -> Optional[OpOverload]:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def functional_of(op) -> Optional[OpOverload]:
-    """The functional overload of in-place fused/foreach ``op`` (the inverse of ``inplace_of``), or None."""
+    """The functional overload of in-place aten ``op``, or None.
+
+    For a fused or foreach op, the inverse of ``inplace_of``. For another op ``foo_`` that writes
+    its arguments' data (``mul_.Tensor``, ``_amp_update_scale_``; not ``t_`` or ``resize_``, which
+    change a shape or storage) and returns nothing or one argument it writes, the overload of
+    ``foo`` that takes the same arguments and returns one result per argument ``op`` writes, result
+    k holding written argument k's new value (``mul.Tensor``).
+    """
     if not isinstance(op, OpOverload) or op.namespace != "aten" or not written_args(op):
         return None
     functional_packets = {v: k for k, v in FUSED_PAIRS.items()}
     if op.overloadpacket in functional_packets:
         packet = functional_packets[op.overloadpacket]
-    elif is_foreach(op) and op._opname.endswith("_"):
+    elif op._opname.endswith("_"):
         packet = getattr(aten, op._opname[:-1], None)
     else:
         return None
     functional = getattr(packet, op._overloadname, None) if packet is not None else None
-    return functional if functional is not None and inplace_of(functional) is op else None
+    if functional is None:
+        return None
+    if op.overloadpacket in functional_packets or is_foreach(op):
+        return functional if inplace_of(functional) is op else None
+    returns = op._schema.returns
+    other = (torch.Tag.inplace_view not in op.tags and (not returns or written_result(op) is not None)
+             and not written_args(functional) and _same_arguments(op, functional)
+             and len(functional._schema.returns) == len(written_args(op)))
+    return functional if other else None
+
+
+@functools.lru_cache(maxsize=None)
+def written_result(op) -> Optional[int]:
+    """The position of the written argument that ``op`` returns (``x.mul_(2)`` is ``x``: 0), or None."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or len(schema.returns) != 1 or schema.returns[0].alias_info is None:
+        return None
+    returned = schema.returns[0].alias_info
+    return next((p for p in written_args(op) if returned.is_write
+                 and schema.arguments[p].alias_info.before_set == returned.before_set), None)
 
 
 # The Python functions optimizers call (``torch._fused_adam_``): their ``float`` arguments take

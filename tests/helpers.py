@@ -115,7 +115,7 @@ def iter_move_pipeline(pick_comm, pick_dest, seen):
 
 
 def inplace_activation_step(model, optim, x):
-    """A step with an in-place op on an activation: it is re-traced under functionalize."""
+    """A step with an in-place op on an activation (functionalized like the optimizer's writes)."""
     loss = (model(x) * 2.0).add_(1.0).sum()
     loss.backward()
     optim.step()

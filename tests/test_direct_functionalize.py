@@ -35,20 +35,30 @@ def _gpt():
     return GPT(cfg), lambda: (idx(), idx())
 
 
+def _clipped(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # writes detach views of the gradients
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+_MLP = lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),))  # noqa: E731
 CASES = {
     # name: (model and batch maker, optimizer kwargs, step, whether the direct rewrite applies)
-    "mlp-fused-adamw": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True), train_step, True),
+    "mlp-fused-adamw": (_MLP, dict(fused=True), train_step, True),
     "gpt-fused-adam": (_gpt, dict(fused=True), train_step, True),
-    "mlp-fused-adam-amsgrad": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True, amsgrad=True),
-                               train_step, True),
-    "mlp-foreach-adam": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(foreach=True), train_step, False),
-    "mlp-fused-sgd-momentum": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)),
-                               dict(cls=torch.optim.SGD, fused=True, momentum=0.9), train_step, True),
-    "convbn-buffers": (lambda: (ConvBN(), lambda: (torch.randn(2, 3, 8, 8),)), dict(fused=True), train_step, False),
-    "inplace-activation": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True),
-                           inplace_activation_step, False),
-    "returns-a-parameter": (lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),)), dict(fused=True),
-                            _returns_a_parameter, False),
+    "mlp-fused-adam-amsgrad": (_MLP, dict(fused=True, amsgrad=True), train_step, True),
+    "mlp-foreach-adam": (_MLP, dict(foreach=True), train_step, True),
+    "mlp-single-tensor-adamw": (_MLP, dict(cls=torch.optim.AdamW, foreach=False), train_step, True),
+    "mlp-fused-sgd-momentum": (_MLP, dict(cls=torch.optim.SGD, fused=True, momentum=0.9), train_step, True),
+    "mlp-foreach-sgd-momentum": (_MLP, dict(cls=torch.optim.SGD, foreach=True, momentum=0.9), train_step, True),
+    "mlp-fused-adamw-clipped": (_MLP, dict(cls=torch.optim.AdamW, fused=True), _clipped, True),
+    "mlp-foreach-adamw-clipped": (_MLP, dict(cls=torch.optim.AdamW, foreach=True), _clipped, True),
+    "convbn-buffers": (lambda: (ConvBN(), lambda: (torch.randn(2, 3, 8, 8),)), dict(fused=True), train_step, True),
+    "inplace-activation": (_MLP, dict(fused=True), inplace_activation_step, True),
+    "returns-a-parameter": (_MLP, dict(fused=True), _returns_a_parameter, False),
 }
 
 
@@ -64,8 +74,8 @@ def test_direct_rewrite_or_retrace_computes_the_same_steps(case, monkeypatch):
     twin_optim = optim_cls(twin.parameters(), lr=0.01, **optim_kwargs)
 
     results = []
-    real = spmd.trace.capture.functionalize_optimizer_writes
-    monkeypatch.setattr(spmd.trace.capture, "functionalize_optimizer_writes",
+    real = spmd.trace.capture.functionalize_writes
+    monkeypatch.setattr(spmd.trace.capture, "functionalize_writes",
                         lambda gm: results.append(real(gm)) or results[-1])
     direct = spmd.compile()(step_fn)
     retraced = spmd.compile()(step_fn)
@@ -74,7 +84,7 @@ def test_direct_rewrite_or_retrace_computes_the_same_steps(case, monkeypatch):
         out = direct(model, optim, *inputs)
         if i == 0:
             assert (results[-1] is not None) == direct_expected
-            monkeypatch.setattr(spmd.trace.capture, "functionalize_optimizer_writes", lambda gm: None)  # force re-trace
+            monkeypatch.setattr(spmd.trace.capture, "functionalize_writes", lambda gm: None)  # force re-trace
         ref = retraced(twin, twin_optim, *inputs)
         torch.testing.assert_close(out, ref, **TOL)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
@@ -84,6 +94,37 @@ def test_direct_rewrite_or_retrace_computes_the_same_steps(case, monkeypatch):
     (entry,) = retraced.cache.values()
     copying = [n for n in entry.graph.graph.nodes if n.op == "call_function" and view_of_copy_op(n.target)]
     assert not copying, f"the re-trace keeps views as views, not as copies: {copying}"
+
+
+def _scaled(model, optim, scaler, x):
+    loss = model(x).sum()
+    scaler.scale(loss).backward()  # the scaler's in-place ops: unscale and check, update the scale
+    scaler.step(optim)
+    scaler.update()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("optim_kwargs,scaled", [(dict(foreach=True), False), (dict(foreach=False), False),
+                                                 (dict(fused=True), True)],
+                         ids=["foreach-adamw-clipped", "single-tensor-adamw-clipped", "fused-adamw-grad-scaler"])
+def test_a_common_step_is_traced_once(optim_kwargs, scaled, monkeypatch):
+    """The step runs once under the tracer, and its graph is not traced again under functionalize
+    (``torch.func.functionalize`` names what it returns after the function it wraps, ``replay``)."""
+    runs, traced = [], []
+
+    def step(model, optim, *args):
+        runs.append(1)  # a number: the trace puts back a container it left holding a fake tensor
+        return _scaled(model, optim, *args) if scaled else _clipped(model, optim, *args)
+
+    real = spmd.trace.capture.make_fx
+    monkeypatch.setattr(spmd.trace.capture, "make_fx", lambda f, *a, **k: traced.append(f.__name__) or real(f, *a, **k))
+    torch.manual_seed(0)
+    model = MLP(3, 8)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, **optim_kwargs)
+    args = (torch.amp.GradScaler("cpu"),) if scaled else ()
+    spmd.compile()(step)(model, optim, *args, torch.randn(4, 8))
+    assert len(runs) == 1 and "replay" not in traced, traced
 
 
 def test_the_direct_rewrite_writes_back_parameters_state_and_steps_at_the_end():
@@ -121,8 +162,8 @@ def test_a_write_through_a_view_of_a_parameter_is_re_traced_and_lands_in_the_par
     optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     eager_optim = torch.optim.Adam(eager.parameters(), lr=0.01, fused=True)
     results = []
-    real = spmd.trace.capture.functionalize_optimizer_writes
-    monkeypatch.setattr(spmd.trace.capture, "functionalize_optimizer_writes",
+    real = spmd.trace.capture.functionalize_writes
+    monkeypatch.setattr(spmd.trace.capture, "functionalize_writes",
                         lambda gm: results.append(real(gm)) or results[-1])
     step = spmd.compile()(_nudges_parameters_through_views)
     for _ in range(3):

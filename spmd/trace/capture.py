@@ -11,9 +11,9 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    inside ``Optimizer.step`` ``HyperMode`` keeps their scalar math what eager computes.
 2. That graph (plain aten ops, some in place) is made functional: the result is pure,
    and every input the step mutates gets an explicit ``copy_`` back into it at the
-   end, so running the graph on the real tensors updates them. When the only writes
-   are the optimizer's (the usual step), ``spmd.trace.direct_functionalize`` rewrites those
-   nodes in place of a second trace; anything else is re-traced under ``functionalize``.
+   end, so running the graph on the real tensors updates them. Where the writes are plain (the
+   usual step: the optimizer's, gradient clipping's), ``spmd.trace.direct_functionalize`` rewrites
+   those nodes in place of a second trace; anything else is re-traced under ``functionalize``.
    Either way views stay views (``remove="mutations"``): each kernel reads its operands laid out as
    eager's does (a copying ``t_copy`` sent matmuls down another BLAS kernel, rounding differently).
 
@@ -26,6 +26,7 @@ Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input, grad; ``g
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -48,11 +49,13 @@ from ..optim.amp_scaler import SCALER_TENSORS, traced_scalers
 from ..optim.hyperparams import HyperMode, TracedHyper, hyper_items, learned, traced_capturable
 from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
-from .direct_functionalize import functionalize_optimizer_writes
+from .direct_functionalize import functionalize_writes
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
 from .user_objects import reachable_objects, untouched
+
+log = logging.getLogger(__name__)
 
 # --- the traced result ------------------------------------------------------------
 
@@ -341,13 +344,14 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     try:
         # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
         with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)):
-            for _ in range(len(hyper_values) + 1):
+            for traces in range(1, len(hyper_values) + 2):
                 with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
                     break
                 _specialise(state, read)  # the graph reads them as numbers: trace again with their values
+            log.debug("traced %s %d time(s)", getattr(fn, "__name__", "train_step"), traces)
             refuse_data_dependent_shapes(impure)  # a hyperparameter read as a number is a symbol until specialised
     except SpmdCompileError:
         raise
@@ -378,8 +382,9 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
         return _FunctionalFusedOptim(impure).run(*flat)
 
     with phase("trace/functionalize"), lazy_graph_modules():
-        pure = functionalize_optimizer_writes(impure)  # the common case, without a second trace
+        pure = functionalize_writes(impure)  # the common case, without a second trace
         if pure is None:
+            log.debug("traced %s again under functionalize", getattr(fn, "__name__", "train_step"))
             pure = make_fx(torch.func.functionalize(replay, remove="mutations"),
                            tracing_mode="fake")(*flat_inputs)
     n_inputs = len(flat_inputs) - len(state.flat_tensors()) - len(state.hyper_slots) - len(grads.inputs)

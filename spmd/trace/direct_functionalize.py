@@ -1,26 +1,32 @@
-"""Functionalize a traced step directly on its FX graph when its only mutations are the optimizer's.
+"""Functionalize a traced step directly on its FX graph, in place of a second trace.
 
 The general route (``spmd.trace.capture``) re-traces the whole step under ``functionalize``,
-which costs as much as tracing it did (3.4 s of a 124M GPT's 5.4 s on an H100 host).
-A typical step mutates nothing but optimizer inputs: the fused Adam/AdamW/SGD op
-updates parameters and state in place, ``_foreach_add_`` bumps the step
-counters, and ``_foreach_copy_`` sets buffers to rank 0's values before a forward.
-Those are rewritten here, node by node, into their functional ops plus a ``copy_``
-back into each updated graph input at the end of the graph, which is what the
-re-trace would produce.
+which costs as much as tracing it did. A step's in-place writes are nearly always plain: the
+optimizer's updates of parameters and state (fused, foreach or single-tensor ops), the step
+counters' ``_foreach_add_``, intermediates it updates in place (Adam's denominators), gradient
+clipping's scaling of the gradients (``detach`` views of intermediates) and ``_foreach_copy_``
+of buffers before a forward. Those are rewritten here, node by node, into what the re-trace
+produces:
 
-It applies only when that rewrite is exactly equivalent; otherwise ``None`` and the
-caller re-traces:
+* each in-place op becomes its functional overload (``optimizer_ops.functional_of``), and every
+  later read of a written tensor reads the result (a result of another dtype is first converted
+  to the tensor's, ``_to_copy``, as the in-place op rounds into it);
+* a written ``detach`` view of an intermediate is taken again of the result, and later reads of
+  the intermediate itself read the result;
+* each written graph input gets a ``copy_`` of its last value at the end of the graph, in input order.
 
-* every node that writes a tensor is a fused optimizer op or ``_foreach_add_`` (``_functional``);
-* each written tensor is a graph input, or an intermediate nobody reads afterwards
-  (fused Adam declares its gradients written);
-* no view of a written tensor made before the write is read after it (a view would see
-  the write; the rewrite could not tell);
+Views stay views. A fused optimizer op's written lists that hold no graph input and are not read
+afterwards (fused Adam declares its gradients written) get no results taken out.
+
+It applies only when that rewrite is exactly equivalent; otherwise ``None`` and the caller
+re-traces:
+
+* every in-place op has a functional overload, writes only positional arguments, and its
+  result, if read, is the one tensor it writes;
+* each written tensor is no view, or a ``detach`` of an intermediate that is no view; one
+  tensor per storage is written, and a tensor once per op;
+* no other view of a written storage made before a write is read after it;
 * no output of the graph is a written input or a view of one.
-
-Reads of a written input after the write read the new value (the optimizer reads the
-step counters ``_foreach_add_`` just bumped). Views stay views, as in the re-trace.
 """
 
 from __future__ import annotations
@@ -33,20 +39,14 @@ import torch.fx as fx
 
 from ..graph_utils import set_fake_val
 from ..graph_utils.nodes import node_order
-from ..graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args
+from ..graph_utils.optimizer_ops import functional_of, is_fused_optimizer, written_args, written_result
 
 aten = torch.ops.aten
 
 
 def _functional(node: fx.Node):
-    """The functional overload this rewrite may use for in-place ``node``: a fused optimizer op, the
-    step-counter update ``_foreach_add_`` or the buffer overwrite ``_foreach_copy_`` that
-    ``broadcast_buffers`` puts before a forward; None for any other op."""
-    target = node.target
-    packet = getattr(target, "overloadpacket", None)
-    if is_fused_optimizer(target) or packet in (aten._foreach_add_, aten._foreach_copy_):
-        return functional_of(target)
-    return None
+    """The functional overload of in-place ``node``'s op (``optimizer_ops.functional_of``), or None."""
+    return functional_of(node.target) if node.op == "call_function" else None
 
 
 def _written_positions(node: fx.Node) -> tuple[int, ...]:
@@ -67,107 +67,155 @@ def _is_view(node: fx.Node) -> bool:
     return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def _base(node: fx.Node) -> fx.Node:
-    """The tensor whose storage ``node`` views (``node`` itself if it is no view)."""
-    while _is_view(node) and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
+def _same_tensor(node: fx.Node) -> fx.Node:
+    """The node whose tensor ``node`` is: an in-place op's result is the tensor it wrote (``x.mul_(2)`` is ``x``)."""
+    while node.op == "call_function" and written_result(node.target) is not None:
+        position = written_result(node.target)
+        if position >= len(node.args) or not isinstance(node.args[position], fx.Node):
+            break
+        node = node.args[position]
     return node
 
 
-def _aliases(node: fx.Node) -> set[fx.Node]:
-    """``node`` and every view of it, transitively (ops whose schema says they alias an input)."""
-    found, frontier = {node}, [node]
-    while frontier:
-        for user in frontier.pop().users:
-            schema = getattr(user.target, "_schema", None)
-            returns_alias = schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
-                                                       for r in schema.returns)
-            if user not in found and (returns_alias or user.target is operator.getitem and user.args[0] in found
-                                      and _is_view(user)):
-                found.add(user)
-                frontier.append(user)
-    return found
+def _base(node: fx.Node) -> fx.Node:
+    """The tensor whose storage ``node`` views (``node``'s own tensor if it is no view)."""
+    node = _same_tensor(node)
+    while _is_view(node) and isinstance(node.args[0], fx.Node):
+        node = _same_tensor(node.args[0])
+    return node
 
 
-def _rewritable(graph: fx.Graph) -> Optional[list[tuple[fx.Node, list[int]]]]:
-    """The in-place nodes and their written argument positions, or None if the rewrite would not be exact."""
-    order = node_order(graph)
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+# Views of a whole tensor that only drop autograd history: torch 2.13 traces an optimizer's write to a gradient
+# through ``detach``, torch 2.15 through ``alias``.
+_WHOLE_VIEWS = frozenset({aten.detach.default, aten.alias.default})
+
+
+def _targets(node: fx.Node, position: int) -> list[fx.Node]:
+    return [_same_tensor(t) for t in _tensors(node.args[position])]
+
+
+def _plan(graph: fx.Graph) -> Optional[tuple[list[fx.Node], set]]:
+    """The in-place nodes in order, and the ``(node, tensor)`` writes whose storage is read afterwards;
+    None if the rewrite would not be exact (the conditions in the module docstring)."""
     writes = []
     for node in graph.nodes:
         positions = _written_positions(node)
         if not positions:
             continue
-        if _functional(node) is None or node.users or max(positions) >= len(node.args):
+        if _functional(node) is None or max(positions) >= len(node.args):
             return None
-        writes.append((node, positions))
-    written: set[fx.Node] = set()
-    for node, positions in writes:
-        for target in (t for p in positions for t in _tensors(node.args[p])):
-            if target in written:
-                return None  # written twice: reads between the writes would need the middle value
-            written.add(target)
-            base = _base(target)
-            if base is not target and base.op == "placeholder":
-                return None  # a write through a view of a graph input
-            aliases = _aliases(base)
-            later = [u for a in aliases for u in a.users if order[u] > order[node]]
-            if output in later:
-                return None
-            if target.op != "placeholder" and later:
-                return None  # an intermediate (or a tensor sharing its storage) read after the write
-            if any(order[u] > order[node] for v in aliases if v is not target and order[v] < order[node]
-                   for u in v.users):
-                return None  # a view made before the write, read after it
-    return writes
+        if node.users and written_result(node.target) is None:
+            return None
+        writes.append(node)
+    written: dict[fx.Node, fx.Node] = {}  # storage (base) -> the one tensor written in it
+    for node in writes:
+        targets = [t for p in _written_positions(node) for t in _targets(node, p)]
+        if len(set(targets)) != len(targets):
+            return None  # one tensor written twice by one op
+        for t in targets:
+            base = _base(t)
+            if t is not base and not (t.target in _WHOLE_VIEWS and _same_tensor(t.args[0]) is base
+                                      and base.op != "placeholder"):
+                return None  # written through a view other than a detach of an intermediate
+            if written.setdefault(base, t) is not t:
+                return None  # two tensors of one storage written
+    aliases: dict[fx.Node, list[fx.Node]] = {base: [base] for base in written}
+    for node in graph.nodes:
+        if node not in aliases and (_is_view(node) or _same_tensor(node) is not node):
+            base = _base(node)
+            if base in aliases:
+                aliases[base].append(node)
+    order = node_order(graph)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    read_after = set()
+    for node in writes:
+        for t in (t for p in _written_positions(node) for t in _targets(node, p)):
+            base = _base(t)
+            for alias in aliases[base]:
+                readers = [u for u in alias.users if order[u] > order[node]]
+                if not readers:
+                    continue
+                read_after.add((node, t))
+                if base.op == "placeholder" and output in readers:
+                    return None  # an output is a written input or a view of one
+                if _same_tensor(alias) not in (t, base) and order[alias] < order[node]:
+                    return None  # a view made before the write, read after it
+    return writes, read_after
 
 
-def functionalize_optimizer_writes(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
-    """``gm`` with its in-place optimizer ops made functional and inputs written back at the end, or None.
+def functionalize_writes(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
+    """``gm`` with its in-place ops made functional and written inputs copied back at the end, or None.
 
-    None means the step mutates something else (or in a way this rewrite cannot
-    reproduce exactly; see the module docstring) and must be re-traced under
-    ``functionalize``. ``gm`` is edited in place when the rewrite applies.
+    None means the step writes in a way this rewrite cannot reproduce exactly (see the module
+    docstring) and must be re-traced under ``functionalize``; ``gm`` is then untouched. Otherwise
+    ``gm`` is edited in place.
     """
     graph = gm.graph
-    writes = _rewritable(graph)
-    if writes is None:
+    plan = _plan(graph)
+    if plan is None:
         return None
-    current: dict[fx.Node, fx.Node] = {}  # graph input -> node holding its latest value
-    write_backs: list[fx.Node] = []
-    for node, positions in writes:
-        args = [fx.node.map_arg(a, lambda n: current.get(n, n)) for a in node.args]
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: current.get(n, n))
-        functional = _functional(node)
+    writes, read_after = plan
+    in_place = set(writes)
+    current: dict[fx.Node, fx.Node] = {}  # a written tensor or storage -> the node holding its value now
+
+    def now(n: fx.Node) -> fx.Node:
+        return current.get(_same_tensor(n), n)
+
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            continue
+        if node not in in_place:
+            node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), now)
+            continue
         with graph.inserting_before(node):
-            new = graph.call_function(functional, tuple(args), kwargs)
-            set_fake_val(new)
-            single_list = len(positions) == 1  # _foreach_add returns one list, the fused ops a list per written arg
-            for k, p in enumerate(positions):
-                arg = node.args[p]
-                targets = list(arg) if isinstance(arg, (list, tuple)) else [arg]
-                if not any(isinstance(t, fx.Node) and t.op == "placeholder" for t in targets):
-                    continue  # e.g. fused Adam's gradients: their new values are never read
-                results = new
-                if not single_list:
-                    results = graph.call_function(operator.getitem, (new, k))
-                    results.meta["val"] = new.meta["val"][k]
-                for i, target in enumerate(targets):
-                    if isinstance(target, fx.Node) and target.op == "placeholder":
-                        value = graph.call_function(operator.getitem, (results, i))
-                        value.meta["val"] = results.meta["val"][i]
-                        write_backs.append(target)
-                        current[target] = value
-        graph.erase_node(node)
-    order = node_order(graph)
-    for target, value in current.items():  # later reads of a written input read its new value
-        for user in list(target.users):
-            if order[user] > order[value]:
-                user.replace_input_with(target, value)
+            _write(graph, node, now, current, read_after)
+    for node in reversed(writes):
+        graph.erase_node(node)  # its readers read ``current`` now
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     with graph.inserting_before(output):
-        for target in write_backs:
-            copy = graph.call_function(aten.copy_.default, (target, current[target]))
-            copy.meta["val"] = target.meta["val"]
+        for target in graph.find_nodes(op="placeholder"):
+            if target in current:
+                copy = graph.call_function(aten.copy_.default, (target, current[target]))
+                copy.meta["val"] = target.meta["val"]
     graph.lint()
     return gm
+
+
+def _write(graph: fx.Graph, node: fx.Node, now, current: dict, read_after: set) -> None:
+    """Insert the functional form of in-place ``node`` and point ``current`` at the values it wrote."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), now)
+    new = graph.call_function(_functional(node), args, kwargs)
+    set_fake_val(new)
+    positions = _written_positions(node)
+    fused = is_fused_optimizer(node.target)
+    values = []  # (written tensor, its new value), in the order of the op's results
+    for k, p in enumerate(positions):
+        targets = _targets(node, p)
+        kept = [t for t in targets if not fused or t.op == "placeholder" or (node, t) in read_after]
+        if not kept:
+            continue  # e.g. fused Adam's gradients: their new values are never read
+        results = new if len(positions) == 1 else _getitem(graph, new, k)
+        if not isinstance(node.args[p], (list, tuple)):
+            values.append((targets[0], results))
+            continue
+        values += [(t, _getitem(graph, results, i)) for i, t in enumerate(targets) if t in kept]
+    for target, value in values:
+        if value.meta["val"].dtype != target.meta["val"].dtype:
+            value = _call(graph, aten._to_copy.default, (value,),
+                          {"dtype": target.meta["val"].dtype, "layout": torch.strided})
+        if target.op == "call_function" and target.target in _WHOLE_VIEWS:  # the view taken again
+            current[_base(target)] = value
+            value = _call(graph, target.target, (value,))
+        current[target] = value
+
+
+def _getitem(graph: fx.Graph, node: fx.Node, index: int) -> fx.Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    item.meta["val"] = node.meta["val"][index]
+    return item
+
+
+def _call(graph: fx.Graph, op, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
+    node = graph.call_function(op, args, kwargs or {})
+    set_fake_val(node)
+    return node
