@@ -114,7 +114,6 @@ def inplace_of(op) -> Optional[OpOverload]:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def functional_of(op) -> Optional[OpOverload]:
     """The functional overload of in-place aten ``op``, or None.
 
