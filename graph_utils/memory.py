@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from .nodes import is_comm_node, is_wait_node
+from .nodes import is_comm_node, is_wait_node, value_inputs
 from .recompute_ops import inductor_inlines, writes_a_kernel_output
 
 _ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -56,9 +56,10 @@ class MemoryProfile:
         return self.nodes[self.peak_index]
 
 
-def _alias_tracker(nodes: list[fx.Node], inplace_all_reduce: bool = False):
-    """torch's ``GraphAliasTracker`` with the two collective facts above added; ``inplace_all_reduce``: an
-    all_reduce whose input nothing else reads reduces that buffer in place (Inductor reinplaces it)."""
+def _alias_tracker(nodes: list[fx.Node], inductor: bool = False):
+    """torch's ``GraphAliasTracker`` with the two collective facts above added; ``inductor``: as Inductor
+    compiles, an all_reduce whose input nothing else reads reduces that buffer in place (Inductor reinplaces
+    it), and an operand read only for its shape (``nodes.value_inputs``) is not kept for its reader."""
     from torch._inductor.fx_passes.memory_estimator import GraphAliasTracker
 
     class _Tracker(GraphAliasTracker):
@@ -75,7 +76,7 @@ def _alias_tracker(nodes: list[fx.Node], inplace_all_reduce: bool = False):
             own = GraphAliasTracker._get_output_storages(node)
             if is_wait_node(node) and node.args and isinstance(node.args[0], fx.Node):
                 return self._alias(own, self.node_to_output_storages[node.args[0]])  # the collective's own result
-            if (inplace_all_reduce and node.target is _ALL_REDUCE and isinstance(node.args[0], fx.Node)
+            if (inductor and node.target is _ALL_REDUCE and isinstance(node.args[0], fx.Node)
                     and len(node.args[0].users) == 1):
                 source = self.node_to_output_storages[node.args[0]]
                 if [k.storage.nbytes() for k in source] == [k.storage.nbytes() for k in own]:
@@ -83,7 +84,12 @@ def _alias_tracker(nodes: list[fx.Node], inplace_all_reduce: bool = False):
             return type(own)(self.same_as.get(key, key) for key in own)
 
         def _get_input_storages(self, node):
-            storages = super()._get_input_storages(node)
+            if inductor:
+                storages = type(super()._get_input_storages(node))()
+                for arg in value_inputs(node):
+                    storages.update(self.node_to_output_storages[arg])
+            else:
+                storages = super()._get_input_storages(node)
             if is_wait_node(node) and node.args and isinstance(node.args[0], fx.Node) and is_comm_node(node.args[0]):
                 storages.update(super()._get_input_storages(node.args[0]))  # the collective read them until now
             return storages
@@ -161,7 +167,7 @@ def memory_profile(graph: fx.Graph, releasable: Optional[Callable[[fx.Node], boo
     """
     releasable = releasable or (lambda n: n.op not in ("placeholder", "get_attr"))
     nodes = list(graph.nodes)
-    tracker = _alias_tracker(nodes, inplace_all_reduce=inductor)
+    tracker = _alias_tracker(nodes, inductor=inductor)
     owner = tracker.storage_to_allocator
     size = {key: int(key.storage.nbytes()) for key in owner}
     fused = _inlined_last_uses(nodes, tracker, inductor_inlines) if inductor else None

@@ -106,6 +106,27 @@ def view_of_copy_op(target) -> Optional[torch._ops.OpOverload]:
     return view
 
 
+# Operands an op reads only for their shape, dtype and device: ``nll_loss_backward`` scatters its result
+# into zeros shaped like ``self`` (ATen's kernel and Inductor's decomposition both), never reading a value.
+_SHAPE_ONLY_OPERANDS = {
+    torch.ops.aten.nll_loss_backward.default: 1,
+    torch.ops.aten.nll_loss2d_backward.default: 1,
+}
+
+
+def value_inputs(node: fx.Node) -> list[fx.Node]:
+    """The input nodes whose values ``node`` reads: all of them but an operand read only for its shape
+    (``nll_loss_backward``'s log-probabilities), unless another argument reads the same node."""
+    index = _SHAPE_ONLY_OPERANDS.get(node.target)
+    if index is None or len(node.args) <= index or not isinstance(node.args[index], fx.Node):
+        return node.all_input_nodes
+    shape_only = node.args[index]
+    rest = node.args[:index] + node.args[index + 1:]
+    read: set[fx.Node] = set()
+    fx.node.map_arg((rest, node.kwargs), read.add)
+    return [n for n in node.all_input_nodes if n is not shape_only or n in read]
+
+
 def tensor_bytes(node: fx.Node) -> int:
     """Bytes of the tensor a node produces (0 when it has no tensor ``meta['val']``)."""
     val = node.meta.get("val")

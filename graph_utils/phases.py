@@ -17,7 +17,7 @@ import bisect
 import torch
 import torch.fx as fx
 
-from .nodes import node_order, view_of_copy_op
+from .nodes import node_order, value_inputs, view_of_copy_op
 
 aten = torch.ops.aten
 
@@ -52,7 +52,8 @@ def saved_for_backward(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     A value counts when a gradient seed lies between it and a node that reads it: that reader
     is in a backward pass (or is the ``detach`` autograd makes when it unpacks a saved tensor,
     which is no seed's descendant), and the value lives across the forward→backward boundary.
-    So the optimizer's own step counters, computed after the backward, do not count. Graph
+    So the optimizer's own step counters, computed after the backward, do not count, nor does a reader
+    of only the value's shape (``nll_loss_backward``'s log-probabilities: ``nodes.value_inputs``). Graph
     inputs are left out (they live for the whole step anyway), and so are values the graph
     returns (they live to its end).
     """
@@ -64,7 +65,7 @@ def saved_for_backward(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
                 or any(u.op == "output" for u in n.users)):
             continue
         later = bisect.bisect_right(seeds, order[n])  # the first seed after n
-        readers = [u for u in n.users if later < len(seeds) and order[u] > seeds[later]]
+        readers = [u for u in n.users if later < len(seeds) and order[u] > seeds[later] and n in value_inputs(u)]
         if readers:
             out[n] = readers
     return out

@@ -79,10 +79,13 @@ def test_default_recomputes_only_chains_inductor_fuses_into_their_readers():
     kept = {n for n in graph.nodes if n.name in plan.kept}
     assert {aten.amax.default, aten.sum.dim_IntList, aten.mm.default} <= {n.target for n in kept}
     assert not [n for n in kept if n.target in (aten.sub.Tensor, aten.exp.default)], "no float32 logits kept"
-    # the loss's two backward readers of the log-softmax (no extern kernel between them) share one recompute
-    (result,) = [n for n in again if n.meta[RECOMPUTE_OF] in plan.fused and n.target is aten.sub.Tensor
-                 and any(u.target is aten.nll_loss_backward.default for u in n.users)]
-    assert [u.target for u in _consumers(result)].count(aten._log_softmax_backward_data.default) == 1
+    # the log-softmax's backward reads the recompute; the loss's backward reads the forward's value only for its
+    # shape (``nodes.value_inputs``), so nothing is recomputed for it
+    (result,) = [n for n in again if n.target is aten.sub.Tensor
+                 and aten._log_softmax_backward_data.default in {c.target for c in _consumers(n)}]
+    assert [c.target for c in _consumers(result)].count(aten._log_softmax_backward_data.default) == 1
+    (loss_backward,) = [n for n in graph.nodes if n.target is aten.nll_loss_backward.default]
+    assert RECOMPUTE_OF not in loss_backward.args[1].meta
     # every free recompute is read only by kernels Inductor inlines it into; each GELU is recomputed beside
     # its gelu_backward, from the fc output (a matmul's output, kept for gelu_backward anyway)
     for n in again:
@@ -467,3 +470,36 @@ def test_attention_on_the_cpu_is_priced_as_on_a_gpu():
     (attention,) = [n for n in gm.graph.nodes if "flash_attention_for_cpu" in str(n.target)]
     moved = value_bytes(attention) + sum(value_bytes(a) for a in attention.all_input_nodes)
     assert recompute_cost(attention) > moved, "its FLOPs are counted, not only the bytes it moves"
+
+
+def _log_probs_loss_step(model, optim, x, y):
+    """A loss as CUDA's bf16 autocast makes it: bf16 log-probabilities, read by the loss in float32."""
+    log_probs = F.log_softmax(model(x).bfloat16(), -1)
+    loss = F.nll_loss(log_probs.float(), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def test_a_value_the_loss_backward_reads_only_for_its_shape_is_neither_saved_nor_recomputed():
+    """``nll_loss_backward`` reads its float32 log-probabilities only for their shape (ATen's kernel and
+    Inductor's decomposition both): they are no saved activation, kept or recomputed (a GPU plan recomputed
+    them from the logits, whose estimate then kept the logits beside the bf16 log-probabilities), and the
+    default's estimated peak is at most recompute=False's."""
+    def plan(recompute):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4096))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True, recompute=recompute))(_log_probs_loss_step)
+        x, y = torch.randn(256, 32), torch.randint(0, 4096, (256,))
+        with single_process_group():
+            return spmd.explain(step, model, optim, x, y, print_plan=False)
+
+    default, off = plan(True), plan(False)
+    saved = {**default.activations["kept"], **default.activations["recomputed"]}
+    log_probs_fp32, log_probs_bf16 = 256 * 4096 * 4, 256 * 4096 * 2
+    assert log_probs_fp32 not in saved.values(), saved
+    assert sorted(saved.values())[-2:] == [32 * 4096 * 4, log_probs_bf16], saved  # the head's weight, read back
+    assert default.peak_bytes <= off.peak_bytes, (default.peak_bytes, off.peak_bytes)
