@@ -6,6 +6,8 @@ import copy
 import dataclasses
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -21,10 +23,17 @@ def gpt(dtype=torch.float64, seed=0, n_layer=CFG.n_layer) -> GPT:
     return GPT(dataclasses.replace(CFG, n_layer=n_layer)).to(dtype)
 
 
+def world_mesh_like(model: torch.nn.Module) -> DeviceMesh:
+    """A 1-D mesh over every rank, on the device type of ``model``'s parameters: FSDP2's own default mesh is
+    on the GPU wherever one is visible, even for a model on the CPU."""
+    return init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+
+
 def fsdp2_twin(model: GPT, mesh=None, reshard_after_forward=None, mp_policy=None) -> GPT:
-    """A deep copy of ``model`` with FSDP2's ``fully_shard`` on each block, then on the root."""
+    """A deep copy of ``model`` with FSDP2's ``fully_shard`` on each block, then on the root (over ``mesh``,
+    by default every rank on the model's device type)."""
     ref = copy.deepcopy(model)
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": mesh or world_mesh_like(model), "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in ref.blocks:

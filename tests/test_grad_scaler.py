@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.dist import run_distributed
 from tests.parity import ddp_copy
+from tests.shard_helpers import world_mesh_like
 
 REPLICATE = spmd.DataParallel("replicate", grad_reduce="avg")
 SETTINGS = dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.25, growth_interval=2)
@@ -61,10 +62,11 @@ def _batches(rank, dtype, steps=len(SCALES)):
 def _fsdp2_twin(model, style):
     ref = copy.deepcopy(model)
     reshard = style == "fully_shard"  # shard_grad_op: FSDP2 without resharding after forward
+    mesh = world_mesh_like(model)
     for layer in ref:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, reshard_after_forward=reshard)
-    return fully_shard(ref, reshard_after_forward=reshard)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    return fully_shard(ref, mesh=mesh, reshard_after_forward=reshard)
 
 
 def _parity(rank, world_size, impl, clip, autocast, style="replicate"):
