@@ -166,6 +166,11 @@ def _weight(node: fx.Node) -> int:
     return 0 if node.target is operator.getitem or _is_view(node) else 1
 
 
+def weight(gm: fx.GraphModule) -> int:
+    """What compiling ``gm`` costs Inductor, roughly: its computing nodes (``_weight``)."""
+    return sum(_weight(n) for n in gm.graph.nodes if n.op == "call_function")
+
+
 def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
     """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, splitting its weight about evenly,
     each outside every collective's flight (from the collective to its wait)."""
