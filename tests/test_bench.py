@@ -28,8 +28,8 @@ from spmd.tools.models import GPT
 from tests.fresh_process import run_python
 
 MODES = ["single_eager", "ddp", "spmd_pipeline", "spmd_pipeline_cg"]
-SHARDED = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile", "simple_fsdp", "simple_fsdp_plain",
-           "spmd_fully_shard_cg", "spmd_shard_grad_op_cg"]
+SHARDED = ["spmd_fully_shard", "spmd_fully_shard_whole", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile", "simple_fsdp",
+           "simple_fsdp_plain", "spmd_fully_shard_cg", "spmd_shard_grad_op_cg"]
 TORCHTITAN_MISSING = bench_peers.simple_fsdp_unavailable()  # None when SimpleFSDP loads here (and in the bench)
 RUN_HERE = ["spmd_fully_shard", "spmd_shard_grad_op", "fsdp2", "fsdp2_compile"] + \
     ([] if TORCHTITAN_MISSING else ["simple_fsdp_plain"])
@@ -146,6 +146,8 @@ def test_sharded_modes_match_ddp_within_tolerance_and_fsdp2_exactly(run):
 def test_sharded_modes_that_cannot_run_here_say_why(run):
     _, rows, _ = run
     assert rows["spmd_fully_shard_cg"]["reason"] == "CUDA graphs need a CUDA device"
+    assert rows["spmd_fully_shard_whole"] == dict(mode="spmd_fully_shard_whole", status="skipped",
+                                                  reason="--no-inductor is set")
     if TORCHTITAN_MISSING:
         for mode in ("simple_fsdp", "simple_fsdp_plain"):
             assert rows[mode]["status"] == "skipped" and rows[mode]["reason"].startswith("SimpleFSDP needs torchtitan")

@@ -20,9 +20,10 @@ from tests.dist import single_process_group
 from tests.parity import lm_train_step, train_step
 
 
-def _step_graph(model, batch, body):
-    """The optimized step graph of ``body`` (bucketed all_reduces, waits where read, in-place fused AdamW),
-    ready for Inductor but not decomposed, and its inputs for the step's first call."""
+def _step_graph(model, batch, body, optim_class=torch.optim.AdamW, **optim_settings):
+    """The optimized step graph of ``body`` (bucketed all_reduces, waits where read, an in-place fused
+    optimizer, AdamW unless ``optim_class`` says), ready for Inductor but not decomposed, and its inputs for
+    the step's first call."""
     seen = {}
 
     def transform(gm):
@@ -34,7 +35,7 @@ def _step_graph(model, batch, body):
         seen["igm"] = igm
         return igm
 
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    optim = optim_class(model.parameters(), **{"lr": 0.01, "fused": True, **optim_settings})
     step = spmd.compile(gm_transformation=transform, cache_dir=False)(body)
     step(model, optim, *batch)
     state = step.prepare_state((model, optim, *batch), {})
@@ -56,7 +57,7 @@ def test_a_cut_step_runs_as_the_whole_graph_and_no_collective_or_view_crosses_a_
     model = GPT(GPTConfig(n_layer=2)).double()
     idx = torch.randint(0, 256, (2, 32))
     with single_process_group():
-        gm, inputs = _step_graph(model, (idx, idx), lm_train_step)
+        gm, inputs = _step_graph(model, (idx, idx), lm_train_step, torch.optim.SGD, momentum=0.9)
         made = pieces.cut(gm, 4, inputs)
         assert made is not None, pieces.cut_obstacle(gm.graph)
         modules, specs, plan = made
@@ -80,6 +81,30 @@ def test_a_cut_step_runs_as_the_whole_graph_and_no_collective_or_view_crosses_a_
         assert torch.equal(a, b)
 
 
+def test_no_cut_falls_between_a_state_write_and_the_value_it_writes(monkeypatch):
+    """The step's state writes (``copy_`` into an input at the end: AdamW's step counts) stay in the piece that
+    computes what they write, where Inductor writes it from the same kernel; cut apart, each was a kernel
+    more (136 a step for fully_shard at GPT 124M). The graph is still cut, and runs as the whole graph."""
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 5)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2)).double()
+    idx = torch.randint(0, 256, (2, 32))
+    with single_process_group():
+        gm, inputs = _step_graph(model, (idx, idx), lm_train_step)
+        made = pieces.cut(gm, 12, inputs)
+        assert made is not None
+        modules, _, plan = made
+        whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
+        whole = list(gm(*whole_inputs))
+        cut = pieces.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
+    writes = [n for m in modules for n in m.graph.nodes
+              if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"]
+    assert len(modules) > 2 and len(writes) >= 6 * 2  # every parameter's step count, at least
+    assert all(w.args[1].op != "placeholder" for w in writes), [w.name for w in writes if w.args[1].op == "placeholder"]
+    for a, b in zip(whole + whole_inputs, cut + cut_inputs):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_a_graph_that_writes_a_value_it_made_is_not_cut():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -92,7 +117,7 @@ def test_a_graph_that_writes_a_value_it_made_is_not_cut():
 
 @pytest.fixture
 def one_worker(monkeypatch):
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 14)  # a small graph (43 computing nodes), cut in three
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)  # a small graph (36 computing nodes), cut in three
     compile_workers.start(1)
     assert compile_workers.running()[0].ready()  # started: it takes the first piece as the compile begins
     yield
@@ -122,7 +147,7 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
     x = torch.randn(8, 16, dtype=torch.float64)
     times: dict[str, float] = {}
     with single_process_group(), caplog.at_level(logging.WARNING, logger="spmd.lower.piecewise"):
-        gm, inputs = _step_graph(model, (x,), train_step)
+        gm, inputs = _step_graph(model, (x,), train_step, torch.optim.SGD, momentum=0.9)
         expected_inputs = _clone(inputs)
         expected = list(gm(*expected_inputs))
         with recording(times):
@@ -140,12 +165,44 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
     assert by_worker and f"lower/step/{failed}/worker" not in by_worker, sorted(times)
 
 
+def test_the_kernels_compiled_loading_a_workers_piece_are_kept_with_its_code(one_worker, monkeypatch):
+    """A worker on a GPU leaves a piece's Triton kernels to the process that loads its code: what that process
+    compiles while loading is collected (``triton_kernels.collecting``, asked for on a GPU only) and kept with
+    the piece's code, as for a piece compiled there, so a restart launches them. On the CPU a stand-in
+    collector marks what it was around."""
+    import contextlib
+
+    from spmd.lower import piecewise
+
+    asked = []
+
+    @contextlib.contextmanager
+    def stand_in(enabled):
+        asked.append(enabled)
+        found = []
+        yield found
+        found.append(b"kernels loaded here")
+
+    monkeypatch.setattr(piecewise, "collecting_triton_kernels", stand_in)
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16).double()
+    times: dict[str, float] = {}
+    with single_process_group(), recording(times):
+        gm, inputs = _step_graph(model, (torch.randn(8, 16, dtype=torch.float64),), train_step, torch.optim.SGD, momentum=0.9)
+        _, code = compile_with_inductor(gm, inputs, pieces=2)
+    assert isinstance(code, PiecewiseCode)
+    by_worker = [i for i in range(len(code.pieces)) if f"lower/step/{i}/worker" in times]
+    assert by_worker and asked == [False] * len(by_worker)  # on the CPU Inductor's bundler is not asked for
+    kept = [piece.triton_kernels for piece in code.pieces]
+    assert kept == [b"kernels loaded here" if i in by_worker else None for i in range(len(kept))], kept
+
+
 def test_pieces_are_taken_heaviest_first(monkeypatch):
     """With no worker running, this process compiles every piece, the heaviest (most computing nodes) first:
     the piece that takes longest is never the one left for whoever comes free last."""
     from spmd.lower import piecewise
 
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 14)
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)
     monkeypatch.setattr(compile_workers, "running", lambda: [])
     taken = []
 
@@ -157,7 +214,7 @@ def test_pieces_are_taken_heaviest_first(monkeypatch):
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16).double()
     with single_process_group():
-        gm, inputs = _step_graph(model, (torch.randn(8, 16, dtype=torch.float64),), train_step)
+        gm, inputs = _step_graph(model, (torch.randn(8, 16, dtype=torch.float64),), train_step, torch.optim.SGD, momentum=0.9)
         made = piecewise.compile_in_pieces(gm, inputs, "step", 3, {}, False, ())
     assert made is not None and len(taken) == 3
     assert taken == sorted(taken, reverse=True) and taken[0] > taken[-1], taken

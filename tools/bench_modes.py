@@ -208,7 +208,7 @@ def ddp_ca(setup: Setup) -> Step:
 
 def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm: bool = False, passes=(),
           optimizer_impl: Optional[str] = None, style: str = "replicate", fast_default: bool = False,
-          recompute=True, lean: Optional[object] = None) -> Step:
+          recompute=True, lean: Optional[object] = None, pieces: Optional[int] = None) -> Step:
     a = setup.args
     model = setup.model()
     if style == "replicate":
@@ -225,7 +225,7 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
         enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
         passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None,
-        compile_pieces=a.compile_pieces if not a.no_inductor else 1)
+        compile_pieces=(pieces or a.compile_pieces) if not a.no_inductor else 1)
     if fast_default:  # what @spmd.compile() gives a user who asks for nothing, but for the settings changed here
         changed = {"recompute": recompute} if recompute is not True else {}
         if a.compile_pieces != "auto":
@@ -345,6 +345,15 @@ def spmd_pipeline_itermove(setup: Setup) -> Step:
 def spmd_fully_shard(setup: Setup) -> Step:
     """spmd fully_shard (a unit per Block) with our sharded passes (bucketing, prefetch), through Inductor."""
     return _spmd(setup, optimize=True, style="fully_shard")
+
+
+@register("spmd_fully_shard_whole", sharded=True,
+          unavailable=lambda setup: "--no-inductor is set" if setup.args.no_inductor else None)
+def spmd_fully_shard_whole(setup: Setup) -> Step:
+    """spmd_fully_shard with its step graph compiled whole (``compile_pieces=1``), whatever --compile-pieces
+    says: beside spmd_fully_shard, whole and in pieces measured in turn in one process (one process each
+    measured 19-39 ms a step for the same code at 124M on an H200, BENCHMARKS.md "Round 13")."""
+    return _spmd(setup, optimize=True, style="fully_shard", pieces=1)
 
 
 @register("spmd_shard_grad_op", sharded=True)
