@@ -14,13 +14,13 @@ from spmd.graph_utils import is_comm_node, is_wait_node
 from spmd.lower import compile_workers, pieces
 from spmd.lower.inductor import compile_with_inductor, prepare_for_inductor
 from spmd.lower.inductor_code import PiecewiseCode, load_kept
-from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
+from spmd.passes import comm_fusion_with_concat, defer_state_writes, remove_copy_from_optimizer, schedule_comm_wait
 from spmd.tools.models import GPT, MLP, GPTConfig
 from tests.dist import single_process_group
 from tests.parity import lm_train_step, train_step
 
 
-def _step_graph(model, batch, body, optim_class=torch.optim.AdamW, **optim_settings):
+def _step_graph(model, batch, body, optim_class=torch.optim.AdamW, defer_writes=False, **optim_settings):
     """The optimized step graph of ``body`` (bucketed all_reduces, waits where read, an in-place fused
     optimizer, AdamW unless ``optim_class`` says), ready for Inductor but not decomposed, and its inputs for
     the step's first call."""
@@ -31,6 +31,8 @@ def _step_graph(model, batch, body, optim_class=torch.optim.AdamW, **optim_setti
         comm_fusion_with_concat(igm, 0.002)
         schedule_comm_wait(igm)
         remove_copy_from_optimizer(igm)
+        if defer_writes:
+            defer_state_writes(igm)
         igm.finalize_setup()
         seen["igm"] = igm
         return igm
@@ -81,16 +83,17 @@ def test_a_cut_step_runs_as_the_whole_graph_and_no_collective_or_view_crosses_a_
         assert torch.equal(a, b)
 
 
-def test_no_cut_falls_between_a_state_write_and_the_value_it_writes(monkeypatch):
-    """The step's state writes (``copy_`` into an input at the end: AdamW's step counts) stay in the piece that
-    computes what they write, where Inductor writes it from the same kernel; cut apart, each was a kernel
-    more (136 a step for fully_shard at GPT 124M). The graph is still cut, and runs as the whole graph."""
+def test_a_state_write_runs_in_the_piece_that_computes_the_value_it_writes(monkeypatch):
+    """The step's state writes (``copy_`` into an input, moved after the last wait by ``defer_state_writes``:
+    AdamW's step counts) run in the piece that computes what they write, where Inductor writes it from the
+    same kernel; left at the end, each was a kernel more (136 a step for fully_shard at GPT 124M). They weigh
+    nothing in the cut, which still cuts the graph; the pieces run as the whole graph does."""
     monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 5)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).double()
     idx = torch.randint(0, 256, (2, 32))
     with single_process_group():
-        gm, inputs = _step_graph(model, (idx, idx), lm_train_step)
+        gm, inputs = _step_graph(model, (idx, idx), lm_train_step, defer_writes=True)
         made = pieces.cut(gm, 12, inputs)
         assert made is not None
         modules, _, plan = made
@@ -101,6 +104,7 @@ def test_no_cut_falls_between_a_state_write_and_the_value_it_writes(monkeypatch)
               if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"]
     assert len(modules) > 2 and len(writes) >= 6 * 2  # every parameter's step count, at least
     assert all(w.args[1].op != "placeholder" for w in writes), [w.name for w in writes if w.args[1].op == "placeholder"]
+    assert all(pieces._weight(w) == 0 for w in writes)  # fused into their values' kernels: no weight to cut by
     for a, b in zip(whole + whole_inputs, cut + cut_inputs):
         assert (a is None and b is None) or torch.equal(a, b)
 

@@ -9,8 +9,10 @@ Where a cut may go, and what crosses it:
 
 * never while a collective is in flight (between a collective and its wait), so every piece keeps
   the schedule our passes chose, nor between a value no fake tensor describes (a profiler range's
-  handle) and its last reader, nor between a state write at the step's end and the value it writes
-  (Inductor fuses the two into one kernel);
+  handle) and its last reader;
+* a state write left at the step's end runs in the piece that computes the value it writes, where that
+  piece comes after the step's last wait and no later piece reads the input it writes (``_write_anchors``):
+  Inductor then writes the value from the kernel that computes it;
 * every value read across a cut is a tensor of its own: a view (an op whose schema says its result
   aliases an argument) is made again from its base in the piece that reads it, and an in-place op's
   result is read as the tensor it wrote, so no two values that cross a cut share memory behind
@@ -163,8 +165,9 @@ def cut_obstacle(graph: fx.Graph) -> Optional[str]:
 
 
 def _weight(node: fx.Node) -> int:
-    """What a node costs Inductor, roughly: a computing node 1, a view or getitem nothing."""
-    return 0 if node.target is operator.getitem or _is_view(node) else 1
+    """What a node costs Inductor, roughly: a computing node 1; a view, a getitem or a state write (fused
+    into the kernel that computes its value, ``_write_anchors``) nothing."""
+    return 0 if node.target is operator.getitem or _is_view(node) or _written_back(node) is not None else 1
 
 
 def weight(gm: fx.GraphModule) -> int:
@@ -174,11 +177,7 @@ def weight(gm: fx.GraphModule) -> int:
 
 def _written_back(node: fx.Node) -> Optional[fx.Node]:
     """For a ``copy_`` of a value the graph made into one of its inputs (a state write the trace left at
-    the step's end, ``passes.state_writes``): the node that made the value (through ``getitem``), else None.
-
-    Whole, Inductor writes such a value straight into the input from the kernel that computes it; cut
-    apart, the value crosses as a buffer of its own and the write is a kernel more: 136 more launches a
-    step for fully_shard at GPT 124M (each AdamW step count), 19.1 against 24.9 ms a step on an H200."""
+    the step's end, ``passes.state_writes``): the node that made the value (through ``getitem``), else None."""
     if node.target is not aten.copy_.default or _root(node.args[0]).op != "placeholder":
         return None
     source = node.args[1]
@@ -187,10 +186,38 @@ def _written_back(node: fx.Node) -> Optional[fx.Node]:
     return source if isinstance(source, fx.Node) and source.op == "call_function" else None
 
 
+def _write_anchors(body: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Each state write (``_written_back``) that may run in an earlier piece than its place in the graph: the
+    node whose piece it joins, the later of the value it writes and the last other node reading the input it
+    writes (through views), where that comes after the graph's last wait.
+
+    Whole, Inductor writes such a value into the input from the kernel that computes it; left at the end,
+    after a cut, the write was a kernel of its own (136 more launches a step for fully_shard at GPT 124M:
+    each AdamW step count). Run early in the piece that computes its value, it is fused again, and no
+    cut has to keep the optimizer and the writes together. Only after the last wait: a write before the
+    step's last collective completes would leave a failed step half written (``passes.state_writes``)."""
+    index = {n: i for i, n in enumerate(body)}
+    waits = [i for i, n in enumerate(body) if is_wait_node(n)]
+    last_wait = waits[-1] if waits else -1
+    readers: dict[fx.Node, int] = {}  # input -> the last node reading it or a view of it, but its writes
+    for i, node in enumerate(body):
+        if _written_back(node) is None:
+            for arg in node.all_input_nodes:
+                readers[_root(arg)] = i
+    anchors = {}
+    for node in body:
+        source = _written_back(node)
+        if source is None or source not in index:
+            continue
+        anchor = max(index[source], readers.get(_root(node.args[0]), -1))
+        if last_wait < anchor < index[node]:
+            anchors[node] = body[anchor]
+    return anchors
+
+
 def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
     """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, splitting its weight about evenly,
-    each outside every collective's flight (from the collective to its wait) and never between a state
-    write and the value it writes back (``_written_back``)."""
+    each outside every collective's flight (from the collective to its wait)."""
     index = {n: i for i, n in enumerate(body)}
     blocked = [False] * len(body)
     for node in body:
@@ -199,9 +226,6 @@ def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
                 blocked[i] = True
         elif is_comm_node(node) and not any(is_wait_node(u) or u.target is operator.getitem for u in node.users):
             return []  # a collective nobody waits on: where its flight ends is unknown
-        if (source := _written_back(node)) is not None and source in index:
-            for i in range(index[source], index[node]):  # the write stays with the value it writes back
-                blocked[i] = True
         if node.users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
             # a value no fake tensor describes (a profiler range's handle): never read across a cut
             for i in range(index[node], max(index.get(u, index[node]) for u in node.users)):
@@ -245,6 +269,8 @@ def cut(gm: fx.GraphModule, count: int, inputs: Sequence[Any]
     for node in body:  # a getitem goes with the node whose result it picks from
         if node.target is operator.getitem:
             piece_of[node] = piece_of[node.args[0]]
+    for write, anchor in _write_anchors(body).items():  # a state write with the value it writes
+        piece_of[write] = piece_of[anchor]
     return _build(nodes, placeholders, piece_of, len(positions) + 1, inputs, gm)
 
 
