@@ -167,6 +167,7 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
     failed = int(failures[0].split("piece ")[1].split()[0])
     by_worker = [name for name in times if name.endswith("/worker")]  # which pieces depends on timing
     assert by_worker and f"lower/step/{failed}/worker" not in by_worker, sorted(times)
+    assert times["lower/step/workers_ready"] >= 0  # the fixture's worker was ready before the compile began
 
 
 def test_the_kernels_compiled_loading_a_workers_piece_are_kept_with_its_code(one_worker, monkeypatch):
@@ -222,6 +223,19 @@ def test_pieces_are_taken_heaviest_first(monkeypatch):
         made = piecewise.compile_in_pieces(gm, inputs, "step", 3, {}, False, ())
     assert made is not None and len(taken) == 3
     assert taken == sorted(taken, reverse=True) and taken[0] > taken[-1], taken
+
+
+def test_a_worker_compiling_for_a_gpu_starts_no_pool_of_kernel_compilers():
+    """On a GPU a worker only generates code (the process that loads it compiles the kernels): Inductor, which
+    starts its pool of kernel compilers with its first GPU graph, is left one compile thread, so starts none,
+    and each kernel is left undefined."""
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+    from spmd.lower.compile_worker import _code_only
+
+    with _code_only(torch.device("cuda")):
+        assert get_compile_threads() == 1 and not AsyncCompile.use_process_pool()
+        assert AsyncCompile().triton("triton_poi_fused_0", "source") is None
 
 
 def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():

@@ -5,7 +5,9 @@ It imports torch, Inductor and spmd, then answers each job sent on its stdin wit
 
 On a GPU a worker generates code and compiles no Triton kernel (``_code_only``): the process that loads
 the code compiles them in its own pool of kernel compilers, which is running already, where a worker's
-would first have to start (and until it answers, Inductor compiles kernels one after another).
+would first have to start (and until it answers, Inductor compiles kernels one after another). So a
+worker starts no such pool either: Inductor would start one on its first GPU graph, a process and its
+compilers importing torch for nothing, beside the kernels being compiled for the step.
 """
 
 from __future__ import annotations
@@ -49,16 +51,19 @@ def _stand_in_groups(groups: dict) -> None:
 @contextlib.contextmanager
 def _code_only(device) -> Iterator[None]:
     """On a GPU: Inductor's code is generated and loaded, but each Triton kernel it defines is left undefined
-    (``None``) instead of compiled; the code is only sent on, and where it is loaded they are compiled."""
+    (``None``) instead of compiled, and no pool of kernel compilers is started (one compile thread); the
+    code is only sent on, and where it is loaded the kernels are compiled."""
     if device.type != "cuda":
         yield
         return
+    from torch._inductor import config
     from torch._inductor.async_compile import AsyncCompile
 
     compile_kernel = AsyncCompile.triton
     AsyncCompile.triton = lambda self, *args, **kwargs: None
     try:
-        yield
+        with config.patch(compile_threads=1):
+            yield
     finally:
         AsyncCompile.triton = compile_kernel
 

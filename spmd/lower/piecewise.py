@@ -84,15 +84,19 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
     modules, specs, plan = made
     device = device_of(example_inputs)
     start = time.perf_counter()
-    untaken = collections.deque(sorted(range(len(modules)), key=lambda i: -weight(modules[i])))
+    weights = [weight(m) for m in modules]  # before Inductor, which rewrites the graphs it compiles here
+    untaken = collections.deque(sorted(range(len(modules)), key=lambda i: -weights[i]))
     lock = threading.Lock()
     answers: queue.Queue = queue.Queue()
     workers = compile_workers.running()
+    timeline: list[tuple[int, str, float, float]] = []  # (piece, where, taken at, done at), seconds from start
+    ready_at: list[float] = []  # when each worker was ready, seconds from start
 
     def serve(worker: compile_workers.Worker) -> None:
         """A worker's thread: take the heaviest piece nobody has taken, until none is left or the worker fails."""
         if not worker.ready():
             return
+        ready_at.append(time.perf_counter() - start)
         while True:
             with lock:
                 if not untaken:
@@ -104,7 +108,9 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
             except NotWireable as err:
                 answers.put((i, "failed", f"it cannot be sent to a worker: {err}"))
                 continue
+            taken = time.perf_counter() - start
             status, answer = worker.compile(job)
+            timeline.append((i, f"worker {workers.index(worker)}", taken, time.perf_counter() - start))
             answers.put((i, status, answer if status == "done" else f"its worker failed: {answer}"))
             if status != "done":
                 return
@@ -118,7 +124,9 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
 
     def compile_here(i: int) -> None:
         nonlocal here
+        taken = time.perf_counter() - start
         runners[i], codes[i] = _compile_here(modules[i], specs[i], f"{label}/{i}", fx_cache, wrapped, device)
+        timeline.append((i, "here", taken, time.perf_counter() - start))
         here += 1
 
     def settle(i: int, status: str, answer: Any) -> None:
@@ -158,7 +166,11 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
                     compile_here(j)
             break
         settle(*answered)
-    log.info("spmd: the %s graph compiled in %d pieces in %.1f s, %d of them in this process", label, len(modules),
-             time.perf_counter() - start, here)
+    if ready_at:  # how long this process compiled alone: what starting the workers sooner would save
+        compile_times.add({f"lower/{label}/workers_ready": max(ready_at)})
+    log.info("spmd: the %s graph compiled in %d pieces (weights %s) in %.1f s, %d of them in this process; workers "
+             "ready after %s s; (piece, where, taken at s, done at s): %s", label, len(modules), weights,
+             time.perf_counter() - start, here, [round(r, 2) for r in ready_at],
+             [(i, who, round(a, 2), round(b, 2)) for i, who, a, b in sorted(timeline, key=lambda t: t[2])])
     kept = PiecewiseCode(tuple(codes), plan) if all(c is not None for c in codes) else None
     return run_pieces(plan, runners), kept
