@@ -1,5 +1,6 @@
 """A step graph compiled in pieces (spmd.lower.pieces, piecewise, compile_workers): where it is cut, what
-crosses a cut, and that the pieces run as the whole graph does, compiled here or in a worker process."""
+crosses a cut (a collective in flight included), and that the pieces run as the whole graph does, compiled
+here or in a worker process."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import torch
 import spmd
 from spmd.compile_times import recording
 from spmd.graph_utils import is_comm_node, is_wait_node
-from spmd.lower import compile_workers, pieces
+from spmd.lower import compile_workers, graph_wire, pieces
 from spmd.lower.inductor import compile_with_inductor, prepare_for_inductor
 from spmd.lower.inductor_code import PiecewiseCode, load_kept
 from spmd.passes import comm_fusion_with_concat, defer_state_writes, remove_copy_from_optimizer, schedule_comm_wait
 from spmd.tools.models import GPT, MLP, GPTConfig
-from tests.dist import single_process_group
+from tests.dist import run_distributed, single_process_group
 from tests.parity import lm_train_step, train_step
 
 
@@ -45,6 +46,37 @@ def _step_graph(model, batch, body, optim_class=torch.optim.AdamW, defer_writes=
     return prepare_for_inductor(seen["igm"].logical_gm, decompose=False), inputs
 
 
+def _flights_across_cuts(modules, plan) -> int:
+    """How many collectives are waited in a later piece than the one launching them, checking for each that it
+    crosses as the collective's unwaited result and that the waiting piece also takes the collective's input
+    (or the tensor it views), which keeps that input alive, unwritten and unreused, until the wait."""
+    def ids(module, p):  # value id of each placeholder and of each output of piece p
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        found = dict(zip(placeholders, plan.takes[p]))
+        if p < len(modules) - 1:
+            found.update(zip(next(iter(reversed(module.graph.nodes))).args[0], plan.makes[p]))
+        return found
+
+    crossing = 0
+    value_ids = [ids(m, p) for p, m in enumerate(modules)]
+    for p, module in enumerate(modules):
+        for comm in filter(is_comm_node, module.graph.nodes):
+            results = [u for u in comm.users if u.target is operator.getitem] or [comm]
+            if any(is_wait_node(u) for r in results for u in r.users):
+                continue
+            crossing += 1
+            inputs = [pieces._root(a) for a in torch.utils._pytree.tree_leaves(comm.args) if isinstance(a, torch.fx.Node)]
+            assert all(pieces._root(r) in value_ids[p] for r in results), f"{comm}'s result does not leave its piece"
+            assert all(a in value_ids[p] for a in inputs), f"{comm}'s input does not leave its piece"
+            made = {value_ids[p][pieces._root(r)] for r in results}
+            kept = {value_ids[p][a] for a in inputs}
+            waiting = [q for q in range(p + 1, len(modules)) if made & set(plan.takes[q])]
+            assert waiting, f"{comm} is waited in no later piece"
+            for q in waiting:
+                assert kept <= set(plan.takes[q]), f"piece {q} waits on {comm} but does not hold its input"
+    return crossing
+
+
 def _boxed(gm):
     return lambda args: list(gm(*args))
 
@@ -53,7 +85,7 @@ def _clone(inputs):
     return [t.detach().clone() for t in inputs]
 
 
-def test_a_cut_step_runs_as_the_whole_graph_and_no_collective_or_view_crosses_a_cut(monkeypatch):
+def test_a_cut_step_runs_as_the_whole_graph_and_no_view_crosses_a_cut(monkeypatch):
     monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)  # a small graph, cut all the same
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).double()
@@ -67,8 +99,7 @@ def test_a_cut_step_runs_as_the_whole_graph_and_no_collective_or_view_crosses_a_
         for module, spec in zip(modules, specs):
             placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
             assert len(placeholders) == len(spec)
-            for comm in filter(is_comm_node, module.graph.nodes):  # each collective is waited in its own piece
-                assert any(is_wait_node(u) or u.target is operator.getitem for u in comm.users), comm
+        _flights_across_cuts(modules, plan)
         # what crosses a cut is a value of its own, never a view: views are made again where they are read
         for module in modules[:-1]:
             for out in next(iter(reversed(module.graph.nodes))).args[0]:
@@ -105,6 +136,109 @@ def test_a_state_write_runs_in_the_piece_that_computes_the_value_it_writes(monke
     assert len(modules) > 2 and len(writes) >= 6 * 2  # every parameter's step count, at least
     assert all(w.args[1].op != "placeholder" for w in writes), [w.name for w in writes if w.args[1].op == "placeholder"]
     assert all(pieces._weight(w) == 0 for w in writes)  # fused into their values' kernels: no weight to cut by
+    for a, b in zip(whole + whole_inputs, cut + cut_inputs):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def _flight_graph(before: int, during: int, after: int, write: bool = False) -> list[torch.fx.Node]:
+    """The body of a graph: ``before`` computing nodes, an all_reduce, ``during`` more while it is in flight (the
+    first writing the all_reduce's input where ``write``), its wait, then ``after`` more; every node with a fake
+    value, as a traced graph's."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+
+    def chain(value, n):
+        for _ in range(n):
+            value = graph.call_function(torch.ops.aten.mul.Tensor, (value, 2))
+        return value
+
+    reduced_input = chain(x, before)
+    reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (reduced_input, "sum", "0"))
+    if write:
+        graph.call_function(torch.ops.aten.add_.Tensor, (reduced_input, 1))
+    busy = chain(x, during)
+    done = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+    graph.output((chain(done, after), busy))
+    for node in graph.nodes:
+        node.meta["val"] = torch.empty(4)
+    return [n for n in graph.nodes if n.op == "call_function"]
+
+
+def _inside_a_flight(body, position) -> bool:
+    comm = next(n for n in body if is_comm_node(n))
+    return body.index(comm) <= position < body.index(next(n for n in body if is_wait_node(n)))
+
+
+def test_a_cut_falls_inside_a_collectives_flight_where_that_balances_the_pieces_and_outside_where_about_as_well(
+        monkeypatch):
+    """Nor inside a flight in which a node writes the collective's input."""
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)
+    long_flight = _flight_graph(10, 200, 10)  # an even split only inside the flight
+    (position,) = pieces._cut_positions(long_flight, 2)
+    assert _inside_a_flight(long_flight, position)
+    assert sum(map(pieces._weight, long_flight[:position + 1])) == len(long_flight) // 2
+    short_flight = _flight_graph(100, 1, 100)  # cut outside: the heavier piece 1% heavier than it could be
+    (position,) = pieces._cut_positions(short_flight, 2)
+    assert not _inside_a_flight(short_flight, position)
+    assert sum(map(pieces._weight, short_flight[:position + 1])) in (100, 103)
+    written = _flight_graph(0, 200, 100, write=True)  # the all_reduce's input written in flight: held until the wait
+    (position,) = pieces._cut_positions(written, 2)
+    assert not _inside_a_flight(written, position)
+
+
+def _fully_shard_graph(monkeypatch):
+    """The prepared step graph of a 2-block GPT under fully_shard (one unit per block, AdamW), as Inductor gets it,
+    and its inputs for the step's first call."""
+    from spmd.step.compiled_step import CompiledStep
+    from tests.shard_helpers import batches, block_policy, gpt, optimizer, plain_step
+
+    seen = []
+    lower = CompiledStep.lower
+
+    def record(self, inputs, *args, **kwargs):
+        seen.append((self.runner.logical_gm, [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]))
+        return lower(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledStep, "lower", record)
+    model = gpt()
+    mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
+    spmd.shard(model, mode)
+    spmd.compile(parallel_mode=mode)(plain_step)(model, optimizer(model, "adamw"), *next(batches(0, 1)))
+    (gm, inputs), = seen
+    return prepare_for_inductor(gm, decompose=False), inputs
+
+
+def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch):
+    """Prefetched gathers and late reduce-scatter waits keep some collective in flight over much of a fully_shard
+    step: it is cut inside flights, evenly; no view and no profiler handle crosses a cut (a range that spans one
+    is closed and opened again); and the pieces, run op by op, compute what the graph does, bit for bit."""
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 20)
+    with single_process_group():
+        gm, inputs = _fully_shard_graph(monkeypatch)
+        made = pieces.cut(gm, 4, inputs)
+        assert made is not None, pieces.cut_obstacle(gm.graph)
+        modules, specs, plan = made
+        assert len(modules) == 4
+        assert _flights_across_cuts(modules, plan) >= 1
+        weights = [sum(pieces._weight(n) for n in m.graph.nodes if n.op == "call_function" and
+                       n.target is not torch.ops._c10d_functional.wait_tensor.default) for m in modules]
+        assert max(weights) <= 1.25 * sum(weights) / len(weights), weights
+        for module in modules:
+            for node in module.graph.nodes:
+                if node.op == "placeholder":
+                    assert isinstance(node.meta.get("val"), torch.Tensor), node
+            for out in next(iter(reversed(module.graph.nodes))).args[0] if module is not modules[-1] else ():
+                assert not pieces._is_view(out), out
+        enter, exit_ = torch.ops.profiler._record_function_enter_new.default, pieces._RANGE_EXIT
+        for module in modules:  # a range that spans cuts is closed in each piece and opened again in the next
+            assert sum(n.target is enter for n in module.graph.nodes) == \
+                sum(n.target is exit_ for n in module.graph.nodes)
+        opened = [n.args[0] for m in modules for n in m.graph.nodes if n.target is enter]
+        assert set(opened) == {n.args[0] for n in gm.graph.nodes if n.target is enter}
+        assert opened.count("Optimizer.step#AdamW.step") >= 2  # the optimizer's range, cut through
+        whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
+        whole = list(gm(*whole_inputs))
+        cut = pieces.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
     for a, b in zip(whole + whole_inputs, cut + cut_inputs):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -209,10 +343,11 @@ def test_pieces_are_taken_heaviest_first(monkeypatch):
 
     monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)
     monkeypatch.setattr(compile_workers, "running", lambda: [])
+    monkeypatch.setattr(piecewise, "weight", lambda gm: len(gm.graph.nodes))  # the cut is even: weigh apart
     taken = []
 
     def record(gm, specs, label, fx_cache, wrapped, device):
-        taken.append(pieces.weight(gm))
+        taken.append(len(gm.graph.nodes))
         return _boxed(gm), None
 
     monkeypatch.setattr(piecewise, "_compile_here", record)
@@ -238,6 +373,42 @@ def test_a_worker_compiling_for_a_gpu_starts_no_pool_of_kernel_compilers():
         assert AsyncCompile().triton("triton_poi_fused_0", "source") is None
 
 
+def test_a_worker_compiles_a_piece_that_launches_a_collective_and_one_that_waits_on_it(one_worker, monkeypatch):
+    """fully_shard's step cut inside a flight: the piece launching the collective and the piece waiting on it, sent
+    over the wire to a worker (fake process groups there), loaded here and run with the other pieces: the step
+    matches the graph run op by op, to 1e-12."""
+    from torch._inductor import config
+
+    from spmd.lower.inductor import _portable_config, inductor_config
+    from spmd.lower.opaque_ops import wrapped_ops
+    from spmd.lower.piecewise import _groups_of
+
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 20)
+    (worker,) = compile_workers.running()
+    with single_process_group():
+        gm, inputs = _fully_shard_graph(monkeypatch)
+        modules, specs, plan = pieces.cut(gm, 4, inputs)
+        assert _flights_across_cuts(modules, plan) >= 1
+        launching = {i for i, m in enumerate(modules) for n in m.graph.nodes
+                     if is_comm_node(n) and not any(is_wait_node(u) for r in [n, *n.users] for u in r.users)}
+        waiting = {i for i, m in enumerate(modules) for n in m.graph.nodes
+                   if is_wait_node(n) and n.args[0].op == "placeholder"}
+        assert launching and waiting
+        runners = [_boxed(m) for m in modules]  # the others run op by op
+        with torch.no_grad(), config.patch(inductor_config()):
+            for i in sorted(launching | waiting):
+                job = compile_workers.Job(f"step/{i}", graph_wire.to_bytes(modules[i].graph), specs[i],
+                                          _portable_config(config), wrapped_ops(gm), True, _groups_of(modules[i].graph))
+                status, answer = worker.compile(job)
+                assert status == "done" and answer[0] is not None, answer
+                runners[i] = load_kept(answer[0], torch.device("cpu"), f"step/{i}")
+        expected_inputs, got_inputs = _clone(inputs), _clone(inputs)
+        expected = list(gm(*expected_inputs))
+        got = list(pieces.run_pieces(plan, runners)(list(got_inputs)))
+    for a, b in zip(expected + expected_inputs, got + got_inputs):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():
     """Inductor looks a collective's group up by name while it compiles: a worker registers a fake group of
     the parent's size under each name (in a fresh process, as a worker is one)."""
@@ -251,3 +422,103 @@ def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():
     done = run_python(["-c", code], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["2", "1", "2"]
+
+
+def test_a_worker_compiling_for_a_gpu_starts_no_pool_of_kernel_compilers():
+    """On a GPU a worker only generates code (the process that loads it compiles the kernels): Inductor, which
+    starts its pool of kernel compilers with its first GPU graph, is left one compile thread, so starts none,
+    and each kernel is left undefined."""
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+    from spmd.lower.compile_worker import _code_only
+
+    with _code_only(torch.device("cuda")):
+        assert get_compile_threads() == 1 and not AsyncCompile.use_process_pool()
+        assert AsyncCompile().triton("triton_poi_fused_0", "source") is None
+
+
+def _fully_shard_in_pieces(rank, world_size):
+    from spmd.lower import piecewise
+    from tests.shard_helpers import batches, block_policy, fsdp2_twin, gpt, max_param_diff, optimizer, plain_step
+
+    made = []
+    cut = piecewise.cut
+
+    def kept(*args, **kwargs):
+        made.append(cut(*args, **kwargs))
+        return made[-1]
+
+    min_weight, piecewise.cut, pieces.MIN_PIECE_WEIGHT = pieces.MIN_PIECE_WEIGHT, kept, 40  # a tiny step cut in pieces
+    slack, pieces.FLIGHT_SLACK = pieces.FLIGHT_SLACK, -1.0  # the most even cut, in flight or not
+    try:
+        model = gpt(n_layer=2)
+        ref = fsdp2_twin(model)
+        mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
+        spmd.shard(model, mode)
+        optim, ref_optim = optimizer(model, "adamw"), optimizer(ref, "adamw")
+        lowering = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True, compile_pieces=2)
+        step = spmd.compile(parallel_mode=mode, gm_transformation=lowering)(plain_step)
+        for idx, targets in batches(rank, 3):
+            ours, theirs = step(model, optim, idx, targets), plain_step(ref, ref_optim, idx, targets)
+            assert (ours - theirs).abs().item() <= 1e-12, (ours, theirs)
+        assert max_param_diff(model, ref) <= 1e-12
+    finally:
+        piecewise.cut, pieces.MIN_PIECE_WEIGHT, pieces.FLIGHT_SLACK = cut, min_weight, slack
+    (modules, _, plan), = made
+    weights = [sum(map(pieces._weight, m.graph.nodes)) for m in modules]
+    assert len(modules) >= 2 and _flights_across_cuts(modules, plan) >= 1, weights
+
+
+def test_fully_shard_compiled_in_pieces_cut_inside_flights_matches_fsdp2():
+    """Inductor on the CPU, fully_shard's float64 step (a 1-block GPT) in three pieces, shared between each rank and
+    a worker process of its own (which compiles with fake process groups), one cut inside a collective's flight:
+    a collective launched in one piece is waited in the next, and the step matches eager FSDP2 to 1e-12 over
+    three steps."""
+    run_distributed(_fully_shard_in_pieces)
+
+
+def test_a_piece_output_returned_without_its_kept_dimension_is_viewed_in_its_graphs_shape():
+    """torch 2.11's Inductor returns a keepdim reduction it computes in a mix-order reduction kernel without
+    its kept dimension (GPT 1.3B fully_shard on a GPU: a layer norm's weight gradient ``(1, 2048)`` came back
+    as ``(2048,)``, and the next piece's input check failed). The pieces' runner views such an output in the
+    shape its graph gives before a later piece reads it; an output with another number of elements is an
+    error that says what to do."""
+    plan = pieces.PiecePlan(takes=((0,), (1,)), makes=((1,), ()), drops=((0,), (1,)), shapes=(((1, 4),), ()))
+    seen = []
+
+    def first(args):  # like the miscompiled piece: (4,) where its graph makes (1, 4)
+        return [args[0].sum(0)]
+
+    def second(args):
+        seen.append(tuple(args[0].shape))
+        return [args[0] * 2]
+
+    run = pieces.run_pieces(plan, [first, second])
+    for _ in range(2):  # learned on the first run, applied on every run
+        (out,) = run([torch.ones(3, 4)])
+        assert out.shape == (1, 4) and torch.equal(out, torch.full((1, 4), 6.0))
+    assert seen == [(1, 4), (1, 4)]
+    wrong = pieces.run_pieces(plan, [lambda args: [args[0].sum()], second])
+    with pytest.raises(RuntimeError, match=r"returned output 0 with shape \(\) where its graph gives \(1, 4\).*"
+                                           r"compile_pieces=1"):
+        wrong([torch.ones(3, 4)])
+
+
+def test_a_cut_records_the_shape_of_each_value_crossing_it(monkeypatch):
+    """What the runner checks piece outputs against: the shape of each value crossing a cut, from its graph."""
+    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 5)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2)).double()
+    idx = torch.randint(0, 256, (2, 32))
+    with single_process_group():
+        gm, inputs = _step_graph(model, (idx, idx), lm_train_step)
+        made = pieces.cut(gm, 4, inputs)
+    assert made is not None
+    modules, specs, plan = made
+    assert len(plan.shapes) == len(plan) and plan.shapes[-1] == ()
+    shape_of = {v: s for p in range(len(plan)) for v, s in zip(plan.makes[p], plan.shapes[p])}
+    assert len(shape_of) > 10
+    for p in range(1, len(plan)):  # each later piece's inputs are described as the earlier piece made them
+        for v, spec in zip(plan.takes[p], specs[p]):
+            if v in shape_of:
+                assert shape_of[v] == tuple(spec.shape)

@@ -2,11 +2,13 @@
 
 Run on a GPU machine: ``pytest -m gpu tests/test_shard_gpu.py -q``. With one GPU the process
 group has one rank (the collectives are then copies) and the CUDA path (bf16 casts around
-the collectives, Inductor) is still checked against FSDP2.
+the collectives, Inductor) is still checked against FSDP2; ``default_in_pieces`` also compiles the
+step in pieces with a collective in flight across a cut, replayed as one CUDA graph.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -18,6 +20,7 @@ import spmd
 from spmd.tools.models import GPT, Block, GPTConfig
 from tests.dist import run_distributed
 from tests.shard_helpers import full_params
+from tests.test_piecewise import _flights_across_cuts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 WORLD_SIZE = min(2, torch.cuda.device_count())
@@ -41,6 +44,11 @@ def _replayed_as_cuda_graph(step) -> bool:
 
 
 def _bf16_parity(rank, world_size, style, lowering):
+    if lowering == "default_in_pieces":  # a graph this small cut too, with a collective in flight across a cut
+        with _pieces_in_flight() as made:
+            _bf16_parity(rank, world_size, style, "default")
+        assert made and _flights_across_cuts(*made[0]) >= 1
+        return
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world_size,))
     # "budget": Inductor under a memory_budget (recompute through matmuls and attention), with a tied vocabulary
@@ -57,7 +65,7 @@ def _bf16_parity(rank, world_size, style, lowering):
     mode = spmd.DataParallel(style, wrap_policy={Block}, mp_policy=MP, mesh=mesh)
     spmd.shard(model, mode)
     lr = 2.0 ** -8
-    default = lowering == "default"  # spmd.compile's own choice: passes, Inductor, CUDA graphs
+    default = lowering in ("default", "default_in_pieces")  # spmd.compile's own choice: passes, Inductor, CUDA graphs
     inductor = lowering != "graph"
     optim = torch.optim.AdamW(model.parameters(), lr=lr, fused=True, capturable=default)
     ref_optim = torch.optim.AdamW(ref.parameters(), lr=lr, fused=True)
@@ -87,7 +95,33 @@ def _bf16_parity(rank, world_size, style, lowering):
         assert p.placements == q.placements and p.to_local().shape == q.to_local().shape, name
 
 
+@contextlib.contextmanager
+def _pieces_in_flight():
+    """Step graphs cut into pieces however small they are; yields the (modules, plan) of each cut made."""
+    from spmd.lower import pieces, piecewise
+
+    made, cut = [], piecewise.cut
+
+    def kept(*args, **kwargs):
+        result = cut(*args, **kwargs)
+        if result is not None:
+            made.append((result[0], result[2]))
+        return result
+
+    min_weight, piecewise.cut, pieces.MIN_PIECE_WEIGHT = pieces.MIN_PIECE_WEIGHT, kept, 20
+    try:
+        yield made
+    finally:
+        piecewise.cut, pieces.MIN_PIECE_WEIGHT = cut, min_weight
+
+
 @pytest.mark.parametrize("lowering", ["graph", "inductor", "default", "budget"])
 @pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op"])
 def test_bf16_mixed_precision_matches_fsdp2_on_gpus(style, lowering):
     run_distributed(_bf16_parity, style, lowering, world_size=WORLD_SIZE, backend="nccl")
+
+
+def test_fully_shard_cut_inside_flights_replays_as_a_cuda_graph_and_matches_fsdp2():
+    """The default lowering (Inductor in pieces, CUDA graphs) with the step cut in pieces, a gather or reduce-scatter
+    launched in one piece and waited in a later one, all captured in one CUDA graph: it matches FSDP2 as above."""
+    run_distributed(_bf16_parity, "fully_shard", "default_in_pieces", world_size=WORLD_SIZE, backend="nccl")

@@ -31,7 +31,8 @@ kernels (``spmd.lower.triton_kernels``), which that process launches without Tri
 Compiling the compute regions between collectives separately would keep the schedule trivially
 but cut fusion at every bucket boundary, materialize every tensor that crosses one and multiply
 compile work by the number of regions. ``pieces`` (``spmd.lower.piecewise``) cuts a graph a few
-times only, where no collective is in flight, to compile the pieces side by side.
+times only, to compile the pieces side by side; a collective may be in flight across a cut, its wait in a
+later piece (``spmd.lower.pieces`` says what crosses with it).
 """
 
 from __future__ import annotations

@@ -7,9 +7,20 @@ processes of their own) and runs as its pieces in turn (``PiecePlan``, ``run_pie
 
 Where a cut may go, and what crosses it:
 
-* never while a collective is in flight (between a collective and its wait), so every piece keeps
-  the schedule our passes chose, nor between a value no fake tensor describes (a profiler range's
-  handle) and its last reader;
+* anywhere in node order, a collective's flight included: a collective launched in one piece and
+  waited in a later one crosses the cuts between them as its unwaited result (functional collectives
+  keep their work by the result's storage, so the later piece's ``wait_tensor`` finds it), and its
+  input crosses to the waiting piece with it. Inductor keeps a collective's input alive, unwritten and
+  unreused up to its wait, but only where it sees that wait: a piece without it would free the input
+  at its last read, the launch, and hand its buffer to the next kernel while the collective still reads
+  it; and a flight in which a node writes the collective's input (held back until the wait) is not cut.
+  Cuts outside every flight are taken where the weightiest piece comes out about as light
+  (``FLIGHT_SLACK``);
+* never between a value no fake tensor describes and its last reader, but a profiler range's handle: a
+  range that spans cuts is closed at the end of each piece it covers and opened again, under its name,
+  at the start of the next (``_build``), so a profile shows it as consecutive ranges of that name (the
+  optimizer's ``record_function`` range covers its whole step: kept in one piece, it was a third of
+  fully_shard's graph at GPT 124M);
 * a state write left at the step's end runs in the piece that computes the value it writes, where that
   piece comes after the step's last wait and no later piece reads the input it writes (``_write_anchors``):
   Inductor then writes the value from the kernel that computes it;
@@ -20,13 +31,21 @@ Where a cut may go, and what crosses it:
 * a graph that writes anything but its own inputs is not cut: a piece could then not see a write
   to a value another piece holds.
 
-What a cut costs when the step runs: Inductor fuses nothing across it, and a value crossing it is
-kept in the layout the trace gave it. The cuts fall where the graph is cheapest to cut, by its count
-of computing nodes, so there are few and each crosses the values live there anyway.
+What a cut costs when the step runs: Inductor fuses nothing across it, a value crossing it is kept in
+the layout the trace gave it, and a collective waited beyond it keeps its input until the end of the
+waiting piece rather than until the wait. The cuts fall where the weightiest piece, by its count of
+computing nodes, is lightest (it sets how long the pieces take to compile side by side), so there are
+few and each crosses the values live there anyway. Replayed as one CUDA graph (``spmd.lower.cudagraphs``
+captures the pieces run in turn), a collective launched in one piece and waited in another is captured
+as in the whole graph: the capture records launches on streams and the wait's stream dependency, and
+sees nothing of the calls between pieces, while the values held across them keep their memory out of
+the capture's reuse.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -39,10 +58,16 @@ from ..graph_utils.nodes import is_comm_node, is_wait_node, waited_collective
 from ..graph_utils.optimizer_ops import written_inputs
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 # The fewest computing nodes a piece is cut to hold: below it, what a compile costs whatever its size
 # (Inductor's passes over the graph, loading its code) outweighs compiling side by side.
 MIN_PIECE_WEIGHT = 150
+_RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
+_RANGE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+# How much heavier (a share of its weight) the weightiest piece may come out when every cut is kept outside
+# the collectives' flights, and those cuts still be taken over cuts inside: they keep no input past its wait.
+FLIGHT_SLACK = 0.02
 
 
 @dataclass(frozen=True)
@@ -85,6 +110,7 @@ class PiecePlan:
     takes: tuple[tuple[int, ...], ...]
     makes: tuple[tuple[int, ...], ...]
     drops: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[Optional[tuple[int, ...]], ...], ...] = ()  # each made value's shape (None: not a tensor)
 
     def __len__(self) -> int:
         return len(self.takes)
@@ -92,22 +118,56 @@ class PiecePlan:
 
 def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Callable[[list], list]:
     """One callable (Inductor's boxed convention: called on a list of the graph's inputs, which it
-    clears) that runs ``pieces`` (each in that convention) as ``plan`` says."""
+    clears) that runs ``pieces`` (each in that convention) as ``plan`` says.
+
+    A piece's output that comes back in another shape than its graph gives it, with as many elements,
+    is viewed in that shape before a later piece reads it: torch 2.11's Inductor returns the result of a
+    keepdim reduction it computes in a mix-order reduction kernel without its kept dimension (a layer
+    norm's weight gradient, ``(1, n)`` returned as ``(n,)``; fixed in pytorch#177782), which inside one
+    graph no kernel notices but which the next piece's input check refuses. Which outputs need it is
+    found on each piece's first run."""
     steps = list(zip(pieces, plan.takes, plan.makes, plan.drops))
+    reshapes: list[Optional[list[tuple[int, tuple[int, ...]]]]] = [None] * len(steps)  # learned per piece
 
     def run(args: list) -> list:
         values = dict(enumerate(args))
         args.clear()
         result: list = []
-        for piece, takes, makes, drops in steps:
+        for p, (piece, takes, makes, drops) in enumerate(steps):
             inputs = [values[i] for i in takes]
             for i in drops:
                 del values[i]
             result = piece(inputs)
+            if reshapes[p] is None:
+                reshapes[p] = _misshapen(result, plan.shapes[p] if plan.shapes else (), p)
+            if reshapes[p]:
+                result = list(result)
+                for k, shape in reshapes[p]:
+                    result[k] = result[k].view(shape)
             values.update(zip(makes, result))
         return result
 
     return run
+
+
+def _misshapen(outputs: Sequence[Any], shapes: Sequence[Optional[tuple[int, ...]]], piece: int
+               ) -> list[tuple[int, tuple[int, ...]]]:
+    """(index, shape its graph gives it) for each of piece ``piece``'s ``outputs`` that came back in another
+    shape with as many elements; an output with another number of elements is an error."""
+    found = []
+    for k, (out, shape) in enumerate(zip(outputs, shapes)):
+        if shape is None or not isinstance(out, torch.Tensor) or tuple(out.shape) == shape:
+            continue
+        if out.numel() != math.prod(shape):
+            raise RuntimeError(f"spmd: piece {piece} of a graph compiled in pieces returned output {k} with shape "
+                               f"{tuple(out.shape)} where its graph gives {shape}: Inductor compiled the piece "
+                               "wrongly. Compile the step whole (spmd.GraphModuleTransformation(enable_inductor=True, "
+                               "compile_pieces=1) as gm_transformation) and report this.")
+        log.info("spmd: piece %d's output %d came back with shape %s where its graph gives %s (Inductor's "
+                 "mix-order reduction dropped a kept dimension); it is viewed in its graph's shape",
+                 piece, k, tuple(out.shape), shape)
+        found.append((k, shape))
+    return found
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -216,18 +276,27 @@ def _write_anchors(body: list[fx.Node]) -> dict[fx.Node, fx.Node]:
 
 
 def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
-    """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, splitting its weight about evenly,
-    each outside every collective's flight (from the collective to its wait)."""
+    """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, making the weightiest piece as light as
+    it can be (``_balanced``); all outside every collective's flight (from the collective to its wait)
+    where that makes it at most ``FLIGHT_SLACK`` heavier."""
     index = {n: i for i, n in enumerate(body)}
     blocked = [False] * len(body)
+    in_flight = [False] * len(body)
     for node in body:
         if is_wait_node(node) and (comm := waited_collective(node)) is not None and comm in index:
-            for i in range(index[comm], index[node]):
-                blocked[i] = True
+            # a node in the flight that writes the collective's input must stay after the wait, which only
+            # Inductor orders where it sees the wait: such a flight is not cut
+            read = {_root(a) for a in pytree.tree_leaves(comm.args) if isinstance(a, fx.Node)}
+            flight = range(index[comm], index[node])
+            written = any(_root(w) in read for i in flight for w in written_inputs(body[i]))
+            for i in flight:
+                in_flight[i] = True
+                blocked[i] = blocked[i] or written
         elif is_comm_node(node) and not any(is_wait_node(u) or u.target is operator.getitem for u in node.users):
-            return []  # a collective nobody waits on: where its flight ends is unknown
-        if node.users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)):
-            # a value no fake tensor describes (a profiler range's handle): never read across a cut
+            return []  # a collective nobody waits on: how long its input must live is unknown
+        if node.users and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list)) and \
+                node.target is not _RANGE_ENTER:
+            # a value no fake tensor describes: never read across a cut
             for i in range(index[node], max(index.get(u, index[node]) for u in node.users)):
                 blocked[i] = True
     cumulative, total = [], 0
@@ -235,16 +304,50 @@ def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
         total += _weight(node)
         cumulative.append(total)
     count = min(count, total // MIN_PIECE_WEIGHT)
-    positions: list[int] = []
-    for k in range(1, count):
-        goal = total * k / count
-        near = min(range(len(body)), key=lambda i: abs(cumulative[i] - goal))
-        for i in sorted(range(len(body)), key=lambda i: abs(i - near)):
-            if not blocked[i] and (not positions or i > positions[-1]) and cumulative[i] < total and cumulative[i] > (
-                    cumulative[positions[-1]] if positions else 0):
-                positions.append(i)
+    if count < 2:
+        return []
+    anywhere = _balanced([i for i in range(len(body)) if not blocked[i]], cumulative, count)
+    outside = _balanced([i for i in range(len(body)) if not blocked[i] and not in_flight[i]], cumulative, count)
+    return outside[0] if outside[1] <= anywhere[1] * (1 + FLIGHT_SLACK) else anywhere[0]
+
+
+def _balanced(legal: list[int], cumulative: list[int], count: int) -> tuple[list[int], int]:
+    """Cuts among ``legal`` (indices in order; ``cumulative[i]``: the weight up to and including ``i``) into at
+    most ``count`` pieces whose weightiest is as light as it can be, and that weight. The lightest bound
+    that some cut meets is searched for; under a bound, cutting at the last place that keeps the piece
+    under it never leaves more for the pieces after than cutting earlier would."""
+    total = cumulative[-1]
+
+    def cuts_under(bound: int) -> Optional[list[int]]:
+        cuts: list[int] = []
+        done, last = 0, None
+        for i in legal:
+            if cumulative[i] >= total:
                 break
-    return positions
+            if cumulative[i] - done > bound:
+                if last is None:
+                    return None
+                cuts.append(last)
+                done, last = cumulative[last], None
+                if cumulative[i] - done > bound:
+                    return None
+            if cumulative[i] > done:
+                last = i
+        if total - done > bound:
+            if last is None:
+                return None
+            cuts.append(last)
+            done = cumulative[last]
+        return cuts if len(cuts) < count and total - done <= bound else None
+
+    low, high = -(-total // count), total
+    while low < high:
+        mid = (low + high) // 2
+        if cuts_under(mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    return cuts_under(high) or [], high
 
 
 def cut(gm: fx.GraphModule, count: int, inputs: Sequence[Any]
@@ -310,6 +413,8 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
     def read(node: fx.Node, p: int) -> fx.Node:
         if node in envs[p]:
             return envs[p][node]
+        if node.target is _RANGE_ENTER:
+            return reopened(node, p)
         if node.op != "placeholder" and piece_of[node] != p:
             if (written := _written_result(node)) is not None:
                 envs[p][node] = read(written, p)
@@ -318,6 +423,19 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
                 return copy(node, p)
         envs[p][node] = take(node, p)
         return envs[p][node]
+
+    closes: list[tuple[int, fx.Node]] = []  # (piece, range handle) closed at the end of that piece
+
+    def reopened(enter: fx.Node, p: int) -> fx.Node:
+        """The handle of profiler range ``enter``, opened in an earlier piece, in piece ``p``: in each piece
+        after the last it is open in, up to ``p``, opened again first thing, and closed at the end of the
+        piece before."""
+        last = max(q for q in range(p) if enter in envs[q])
+        for q in range(last + 1, p + 1):
+            closes.append((q - 1, envs[q - 1][enter]))
+            with graphs[q].inserting_before(first_body[q]) if first_body[q] is not None else _nothing():
+                envs[q][enter] = first_body[q] = graphs[q].node_copy(enter)
+        return envs[p][enter]
 
     def copy(node: fx.Node, p: int) -> fx.Node:
         new = graphs[p].node_copy(node, lambda a: read(a, p))
@@ -333,11 +451,19 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
             last = count - 1
             graphs[last].output(pytree.tree_map(lambda a: read(a, last) if isinstance(a, fx.Node) else a,
                                                 node.args[0]))
+    for node in nodes:  # a collective waited in a later piece: its inputs are handed on to that piece
+        if is_wait_node(node) and (comm := waited_collective(node)) is not None and piece_of[comm] < piece_of[node]:
+            for arg in pytree.tree_leaves((comm.args, comm.kwargs)):
+                if isinstance(arg, fx.Node):
+                    read(_root(arg), piece_of[node])
     if missing:
         return None
+    for p, handle in closes:
+        graphs[p].call_function(_RANGE_EXIT, (handle,))
     for p in range(count - 1):
         graphs[p].output(tuple(envs[p][n] for n in exports[p]))
     makes = [tuple(value_id[n] for n in exports[p]) for p in range(count - 1)] + [()]
+    shapes = [tuple(_shape_of(n) for n in exports[p]) for p in range(count - 1)] + [()]
     last_use: dict[int, int] = {}
     for p, taken in enumerate(takes):
         for i in taken:
@@ -348,7 +474,12 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
         g.eliminate_dead_code()
         g.lint()
         modules.append(fx.GraphModule(gm, g))
-    return modules, specs, PiecePlan(tuple(map(tuple, takes)), tuple(makes), tuple(drops))
+    return modules, specs, PiecePlan(tuple(map(tuple, takes)), tuple(makes), tuple(drops), tuple(shapes))
+
+
+def _shape_of(node: fx.Node) -> Optional[tuple[int, ...]]:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 class _nothing:
