@@ -31,7 +31,7 @@ from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
 from .parallel.grad_check import refuse_untrained_parameters
-from .step.cache_key import StepKey, step_key
+from .step.cache_key import StepKey, function_digest, step_key
 from .step.cache_store import CacheStore, resolve_cache_dir
 from .step.job_compile import job_store
 from .step.step_cache import StepCache, uncacheable
@@ -235,8 +235,10 @@ class CompiledTrainStep:
         key = step_key(self.fn, state, args, kwargs, self.parallel_mode, transformation, self.module_override)
         job = job_store(self.parallel_mode.process_group()) if self.one_compile_per_job else None
         cache = StepCache(store, self.__name__, self.parallel_mode, job, self.compile_wait_s)
-        return cache.load_or_compile(key, state, args, kwargs, lambda s: self._compile(s, args, kwargs),
-                                     lambda entry, s: self._graph_inputs(entry, s, args, kwargs))
+        compiled = cache.load_or_compile(key, state, args, kwargs, lambda s: self._compile(s, args, kwargs),
+                                         lambda entry, s: self._graph_inputs(entry, s, args, kwargs))
+        store.mark_function(function_digest(self.fn))  # its next wrap expects to load (start_compile_workers_at_wrap)
+        return compiled
 
     @staticmethod
     def _graph_inputs(entry: CompiledStep, state: StepState, args: tuple, kwargs: dict) -> list:
@@ -348,6 +350,29 @@ class CompiledTrainStep:
         state = self.prepare_state(args, kwargs)
         return step_key(self.fn, state, args, kwargs, self.parallel_mode, self.transformation_for(state),
                         self.module_override)
+
+    def start_compile_workers_at_wrap(self) -> bool:
+        """Start the processes that compile a step's pieces (and Inductor's kernel compilers) now, at the wrap,
+        rather than at the first call's trace, where that first call will most likely compile on this GPU: this
+        process is the only rank of its job (on several ranks one rank compiles each step, and which one is
+        known only then), and no step of this function was compiled or loaded in the compile cache before
+        (a restarted job loads instead). Their imports, the bound of a cold compile in pieces at GPT 124M,
+        then overlap the wrap's and the user's setup too. Returns whether they were started."""
+        ranks = max(int(os.environ.get(name) or 1) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+        if ranks > 1 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        if self.compile_cache is not None and self.compile_cache.has_function(function_digest(self.fn)):
+            return False
+        transformation = self.gm_transformation
+        if transformation is None:
+            if "cuda" not in self._defaults:
+                self._defaults["cuda"] = default_transformation("cuda")
+            transformation = self._defaults["cuda"]
+        if not isinstance(transformation, GraphModuleTransformation):
+            return False
+        transformation.lowering.start(torch.device("cuda"))
+        log.info("spmd: %s: compile workers started at the wrap (no step of it in the compile cache)", self.__name__)
+        return True
 
     def transformation_for(self, state: StepState) -> Callable:
         """The transformation a graph of ``state`` gets: the one given, else the default for its device."""
@@ -620,9 +645,11 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     def decorator(fn: Callable) -> CompiledTrainStep:
         if not callable(fn):
             raise SpmdConfigError(f"spmd.compile: decorates a train step function, got {type(fn).__name__} {fn!r}.")
+        step = CompiledTrainStep(fn, module_override, gm_transformation, mode, cache_dir)
         if may_lower_through_inductor(gm_transformation):  # as torch.compile does when it wraps
+            step.start_compile_workers_at_wrap()
             import_for_inductor()
-        return CompiledTrainStep(fn, module_override, gm_transformation, mode, cache_dir)
+        return step
 
     return decorator
 

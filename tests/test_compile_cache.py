@@ -131,6 +131,20 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+def test_a_compiled_step_marks_its_function_in_the_cache_and_clearing_the_cache_unmarks_it(tmp_path):
+    """What the next wrap reads to tell a restart (which loads) from a first compile (``function_digest``)."""
+    from spmd.step.cache_key import function_digest
+
+    assert not CacheStore(tmp_path).has_function(function_digest(train_step))
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    spmd.compile(cache_dir=str(tmp_path))(train_step)(model, optim, torch.randn(4, 8, dtype=torch.float64))
+    store = CacheStore(tmp_path)
+    assert store.has_function(function_digest(train_step)) and not store.has_function(function_digest(eager_step))
+    assert store.clear() == 1 and not store.has_function(function_digest(train_step))
+
+
 def test_concurrent_writers_leave_one_whole_entry(tmp_path):
     module = os.path.join(ROOT, "spmd", "step", "cache_store.py")
     writers = [subprocess.Popen([sys.executable, "-c", _WRITER, module, str(tmp_path), str(w)]) for w in range(3)]

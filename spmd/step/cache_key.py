@@ -85,6 +85,12 @@ def step_key(fn: Callable, state: StepState, args: tuple, kwargs: dict, parallel
     })
 
 
+def function_digest(fn: Callable) -> str:
+    """A digest of the step function alone (its part of ``step_key``): known at the wrap, before any call, to
+    tell whether a step of it was kept in the compile cache (``CacheStore.has_function``)."""
+    return hashlib.sha256(canonical_json(describe(fn)).encode()).hexdigest()
+
+
 # --- versions and device ------------------------------------------------------------------
 
 

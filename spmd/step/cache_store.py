@@ -9,6 +9,10 @@ corrupted, another format) says so once, removes it and treats it as a miss.
 
 Where: ``cache_dir=`` of ``spmd.compile``, else ``$SPMD_CACHE_DIR``, else ``spmd`` beside Inductor's
 cache (``torch._inductor`` cache dir); ``False`` or an empty ``SPMD_CACHE_DIR`` turns it off.
+
+Beside the entries, ``functions/`` holds an empty marker per step function a step was compiled or
+loaded for: at the wrap, before any key can be computed, it says whether a first call will likely
+load (``spmd.api``: compile workers start at the wrap only where it will not).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"spmd-compile-cache 1"
 SUFFIX = ".spmd"
+FUNCTIONS = "functions"  # a marker per step function compiled or loaded here (``mark_function``)
 
 
 def resolve_cache_dir(cache_dir: Union[str, os.PathLike, bool, None] = None) -> Optional[Path]:
@@ -151,4 +156,21 @@ class CacheStore:
             if not damaged_only or not entry.ok:
                 entry.path.unlink(missing_ok=True)
                 removed += 1
+        if not damaged_only:
+            for marker in (self.root / FUNCTIONS).glob("*"):
+                marker.unlink(missing_ok=True)
         return removed
+
+    def mark_function(self, digest: str) -> None:
+        """Note that a step of the function with ``digest`` (``cache_key.function_digest``) was compiled or
+        loaded here: its next wrap expects to load it (``has_function``). Best effort: a directory that cannot
+        be written only costs the next cold wrap its head start."""
+        try:
+            (self.root / FUNCTIONS).mkdir(parents=True, exist_ok=True)
+            (self.root / FUNCTIONS / digest).touch()
+        except OSError as err:
+            log.debug("spmd: could not mark %s in the compile cache: %s", digest, err)
+
+    def has_function(self, digest: str) -> bool:
+        """Whether a step of the function with ``digest`` was compiled or loaded here before (``mark_function``)."""
+        return (self.root / FUNCTIONS / digest).exists()
