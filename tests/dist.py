@@ -243,6 +243,7 @@ def _worker(rank, world_size, backend, store, log, conn):
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks in the log
     _exit_with_parent()
     try:
         torch.set_num_threads(1)

@@ -89,6 +89,23 @@ def test_a_rank_that_raises_or_dies_fails_the_test_with_its_traceback_or_exit_co
     run_distributed(_expect_clean, os.getcwd())  # a new pool serves the next test
 
 
+def _rank_1_crashes(rank, world_size):
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: a segmentation fault, as a crash in native code would be
+    dist.barrier()
+
+
+def test_a_rank_that_crashes_leaves_its_python_stack_in_the_output(capsys, short_grace):
+    """A rank killed by a signal (a crash in native code: gloo, a compiled kernel) leaves where it was."""
+    with pytest.raises(DistributedTestFailure, match=r"rank 1 died \(exit code -11\)"):
+        run_distributed(_rank_1_crashes)
+    out = capsys.readouterr().out
+    assert "[rank 1] Fatal Python error: Segmentation fault" in out and "_rank_1_crashes" in out, out[-2000:]
+    run_distributed(_expect_clean, os.getcwd())
+
+
 def _hang_on_rank_1(rank, world_size):
     if rank == 1:
         threading.Event().wait()
