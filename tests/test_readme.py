@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs as pasted against the installed package.
+"""Every ```python block of README.md and docs/*.md runs as pasted.
 
 Each block is saved to its own file in its own temporary folder and run there as a script (``__main__``)
 in a process of its own, one test per block, so pytest-xdist spreads the blocks over its workers (run
@@ -6,7 +6,8 @@ together, the blocks' processes would outnumber the cores). The processes are fo
 imported torch and spmd first and did nothing else (``tests.fresh_process``), so a block pays for those
 imports once for all rather than once each; a block that starts processes of its own (``mp.spawn``)
 starts fresh interpreters as it would from a shell. A block that exits non-zero (or raises) or outlives
-the time limit fails its test with its output.
+the time limit fails its test with its output; a block listed in ``PRINTS`` must also print what it
+promises its reader.
 """
 
 from __future__ import annotations
@@ -20,12 +21,28 @@ import pytest
 
 from tests.fresh_process import run_python
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 TIMEOUT_S = 180
+
+# What a block must print besides exiting 0, keyed by a line that names the block: {text: times printed}.
+PRINTS = {
+    "def grad_norm_probe(gm):": {  # docs/passes.md: three steps, each checked against eager inside the block
+        "gradient norm": 3,
+        "reduces the gradients of ['2.bias', '2.weight', '0.bias']": 1,  # one bucket of three
+    },
+}
 
 
 def python_blocks(text: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def all_blocks() -> list[tuple[str, int, str]]:
+    """(page relative to the repository, index on its page, code) for every python block of README.md and docs/."""
+    return [(str(path.relative_to(ROOT)), i, code)
+            for path in DOCS for i, code in enumerate(python_blocks(path.read_text()))]
 
 
 def user_env() -> dict:
@@ -37,16 +54,27 @@ def test_readme_has_python_blocks():
     assert len(python_blocks(README.read_text())) >= 2  # the Use example and the pass example
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks(README.read_text()))), ids=lambda i: f"block{i}")
-def test_every_python_block_runs_as_pasted(tmp_path, index):
-    code = python_blocks(README.read_text())[index]
+def test_every_printed_promise_names_exactly_one_block():
+    for marker in PRINTS:
+        found = [f"{page} block {i}" for page, i, code in all_blocks() if marker in code]
+        assert len(found) == 1, f"PRINTS key {marker!r} names {found or 'no block'}: make it name one block"
+
+
+@pytest.mark.parametrize("page,index,code", all_blocks(), ids=[f"{Path(p).stem}{i}" for p, i, _ in all_blocks()])
+def test_every_python_block_runs_as_pasted(tmp_path, page, index, code):
     (tmp_path / "block.py").write_text(code)
     env = user_env()
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     try:
         proc = run_python(["block.py"], env=env, cwd=tmp_path, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"README python block {index} did not finish within {TIMEOUT_S} s:\n{code}\n--- output:\n"
+        pytest.fail(f"{page} python block {index} did not finish within {TIMEOUT_S} s:\n{code}\n--- output:\n"
                     f"{(err.output or '')[-3000:]}{(err.stderr or '')[-3000:]}")
-    assert proc.returncode == 0, (f"README python block {index} exited {proc.returncode}:\n{code}\n--- output:\n"
+    assert proc.returncode == 0, (f"{page} python block {index} exited {proc.returncode}:\n{code}\n--- output:\n"
                                   f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    for marker, prints in PRINTS.items():
+        if marker in code:
+            for text, times in prints.items():
+                assert proc.stdout.count(text) == times, (
+                    f"{page} python block {index} printed {text!r} {proc.stdout.count(text)} times, not {times}:\n"
+                    f"{proc.stdout[-3000:]}")
