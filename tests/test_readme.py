@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and docs/*.md runs as pasted.
+"""Every ```python block of README.md and docs/*.md runs as pasted; docs/layout.md lists exactly the tree's modules.
 
 Each block is saved to its own file in its own temporary folder and run there as a script (``__main__``)
 in a process of its own, one test per block, so pytest-xdist spreads the blocks over its workers (run
@@ -24,6 +24,8 @@ from tests.fresh_process import run_python
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+LAYOUT = ROOT / "docs" / "layout.md"
+MODULE_FOLDERS = ("spmd", "passes", "graph_utils", "tools")
 TIMEOUT_S = 180
 
 # What a block must print besides exiting 0, keyed by a line that names the block: {text: times printed}.
@@ -82,3 +84,35 @@ def test_every_python_block_runs_as_pasted(tmp_path, page, index, code):
                 assert proc.stdout.count(text) == times, (
                     f"{page} python block {index} printed {text!r} {proc.stdout.count(text)} times, not {times}:\n"
                     f"{proc.stdout[-3000:]}")
+
+
+def layout_modules(text: str) -> list[str]:
+    """The modules docs/layout.md lists: each "- `name.py`: ..." line under a "## `folder/`" heading of a module
+    folder (spmd/, passes/, graph_utils/, tools/ or one below them), as folder/name.py."""
+    modules, folder = [], None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            heading = re.fullmatch(r"## `([\w/]+)/`", line)
+            folder = heading.group(1) if heading and heading.group(1).split("/")[0] in MODULE_FOLDERS else None
+        entry = re.match(r"- `(\w+\.py)`: \S", line)
+        if entry and folder:
+            modules.append(f"{folder}/{entry.group(1)}")
+    return modules
+
+
+def test_layout_lists_every_module_of_the_tree_once_and_nothing_else():
+    listed = layout_modules(LAYOUT.read_text())
+    twice = sorted({m for m in listed if listed.count(m) > 1})
+    assert not twice, f"docs/layout.md lists {twice} more than once"
+    tree = {str(p.relative_to(ROOT)) for folder in MODULE_FOLDERS for p in (ROOT / folder).rglob("*.py")
+            if "__pycache__" not in p.parts}
+    unlisted, gone = sorted(tree - set(listed)), sorted(set(listed) - tree)
+    assert not unlisted, (f"docs/layout.md does not list {unlisted}: add a line `- `name.py`: what it does` "
+                          "under its folder's heading")
+    assert not gone, f"docs/layout.md lists {gone}, which the tree does not hold: remove their lines"
+
+
+def test_layout_reads_module_lines_only_under_module_folders():
+    page = ("## `spmd/lower/`\n\n- `inductor.py`: lowers.\n- `pieces.py`: cuts.\n\n"
+            "## `tests/`\n\n- `dist.py`: not listed.\n\n## Other\n\n- `api.py`: not listed.\n")
+    assert layout_modules(page) == ["spmd/lower/inductor.py", "spmd/lower/pieces.py"]
