@@ -1,4 +1,5 @@
-"""Every ```python block of README.md and docs/*.md runs as pasted; docs/layout.md lists exactly the tree's modules.
+"""README.md and docs/*.md: every ```python block runs as pasted, docs/layout.md lists exactly the tree's modules,
+and every link between the pages reaches its file and heading.
 
 Each block is saved to its own file in its own temporary folder and run there as a script (``__main__``)
 in a process of its own, one test per block, so pytest-xdist spreads the blocks over its workers (run
@@ -116,3 +117,29 @@ def test_layout_reads_module_lines_only_under_module_folders():
     page = ("## `spmd/lower/`\n\n- `inductor.py`: lowers.\n- `pieces.py`: cuts.\n\n"
             "## `tests/`\n\n- `dist.py`: not listed.\n\n## Other\n\n- `api.py`: not listed.\n")
     assert layout_modules(page) == ["spmd/lower/inductor.py", "spmd/lower/pieces.py"]
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def prose(path: Path) -> str:
+    """A markdown page without its code blocks: a link or a heading inside code is neither."""
+    return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+
+
+def test_every_link_between_the_pages_reaches_a_file_and_heading():
+    broken = []
+    for path in DOCS:
+        for target in re.findall(r"\[[^\]]*\]\(([^)\s]+)\)", prose(path)):
+            if target.startswith(("http://", "https://")):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            if not linked.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and anchor not in {heading_anchor(h) for h in
+                                           re.findall(r"^#+ (.+)$", prose(linked), flags=re.M)}:
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "links that lead nowhere; fix the target or the heading:\n" + "\n".join(broken)
