@@ -295,7 +295,7 @@ class CompiledTrainStep:
         return self._side_group
 
     def _remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any]) -> None:
-        """Cache ``entry``, count the trace (a step loaded from the compile cache was not traced), and say why
+        """Cache ``entry``, count the trace, and say why
         the step retraced (warning once when it keeps doing so)."""
         self.trace_count += 1
         if self._last_signature is not None:

@@ -56,8 +56,7 @@ def user_env() -> dict:
 def test_readme_has_its_example_and_every_guide_its_python_blocks():
     assert len(python_blocks(README.read_text())) == 1  # the Use example; the guides hold the rest
     pages = {Path(page).name for page, _, _ in all_blocks()}
-    for name in ("modes.md", "tensor_parallel.md", "step_contents.md", "passes.md", "memory.md",
-                 "compile_cache.md"):
+    for name in ("modes.md", "tensor_parallel.md", "step_contents.md", "passes.md", "memory.md"):
         assert name in pages, f"docs/{name} has no python block"
 
 
