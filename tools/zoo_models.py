@@ -174,7 +174,7 @@ def _unet(is_toy: bool, batch: int, side: int):
 
 ZOO: dict[str, ZooModel] = {
     "llama": ZooModel(_hf("LlamaConfig:LlamaForCausalLM", _LLAMA, _TOY_DECODER), ("transformers",),
-                      "Llama 1024d 8L GQA 16/4 SwiGLU 2816", 8, 1024, 2, 16, "LlamaDecoderLayer"),
+                      "Llama 1024d 8L GQA 16/4 SwiGLU 2816, vocab 32000", 8, 1024, 2, 16, "LlamaDecoderLayer"),
     "llama_lora": ZooModel(_hf("LlamaConfig:LlamaForCausalLM", _LLAMA, _TOY_DECODER, lora=True),
                            ("transformers", "peft"), "Llama above + LoRA r=16 q/k/v/o, base frozen", 8, 1024, 2, 16,
                            "LlamaDecoderLayer"),
