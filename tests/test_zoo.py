@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from spmd.tools import cli, zoo, zoo_report
+from spmd.tools import cli, zoo, zoo_report, zoo_run
 from spmd.tools.zoo_models import ZOO, ZooModel
 from tests.dist import single_process_group
 
@@ -24,17 +24,17 @@ STEPS = 2
 FLOAT32 = {"mixtral"}  # torch._grouped_mm: float32, bfloat16 and float16 only
 
 
-def spec(model: str) -> zoo.Spec:
+def spec(model: str) -> zoo_run.Spec:
     missing = ZOO[model].missing()
     if missing:
         pytest.skip(f"{model} {missing}")
-    return zoo.Spec(ZOO[model], toy=True, device=torch.device("cpu"),
+    return zoo_run.Spec(ZOO[model], toy=True, device=torch.device("cpu"),
                     dtype=torch.float32 if model in FLOAT32 else torch.float64)
 
 
-def trained(s: zoo.Spec, mode: str):
+def trained(s: zoo_run.Spec, mode: str):
     """``STEPS`` steps of the toy model in ``mode``: (losses, parameters after them)."""
-    step = zoo.ZOO_MODES[mode].build(s)
+    step = zoo_run.ZOO_MODES[mode].build(s)
     batches = s.batches()
     losses = [step(*batches[i % len(batches)], last_train_step=i == STEPS - 1) for i in range(STEPS)]
     params = [p.full_tensor() if isinstance(p, DTensor) else p for p in step.model.parameters()]  # fully_shard's
@@ -78,7 +78,7 @@ def test_a_run_records_what_the_table_shows(tmp_path):
     derives the table's figures from them."""
     spec("gpt2")
     out = tmp_path / "cold.json"
-    zoo.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:eager:cold", "--child-out", str(out)))
+    zoo_run.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:eager:cold", "--child-out", str(out)))
     record = json.loads(out.read_text())
     assert record["status"] == "ok", record.get("traceback")
     assert record["flops_per_step"] > 0 and record["median_ms"] > 0 and record["first_call_s"] > 0
@@ -96,9 +96,9 @@ def test_a_failing_mode_is_a_failed_row_with_its_first_line(tmp_path, monkeypatc
 
     def broken(s):
         raise RuntimeError("the step cannot be built\nsecond line")
-    monkeypatch.setitem(zoo.ZOO_MODES, "eager", zoo.ZooMode(broken, "broken", compiles=False))
+    monkeypatch.setitem(zoo_run.ZOO_MODES, "eager", zoo_run.ZooMode(broken, "broken", compiles=False))
     out = tmp_path / "cold.json"
-    zoo.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:eager:cold", "--child-out", str(out)))
+    zoo_run.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:eager:cold", "--child-out", str(out)))
     record = json.loads(out.read_text())
     assert record["status"] == "error" and record["reason"] == "RuntimeError: the step cannot be built"
     text, state = zoo_report.cells(dict(model="gpt2", mode="eager", cold=record, warm=None))

@@ -90,8 +90,9 @@ def markdown(rows: list[dict], args, cuda: bool, device: str) -> str:
     for r in rows:
         text, _ = cells(r)
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in text) + " |")
-    sizes = "; ".join(f"{n}: {ZOO[n].what}, batch {ZOO[n].batch if args.size == 'full' else ZOO[n].toy_batch}"
-                      for n in dict.fromkeys(r["model"] for r in rows))
+    full = args.size == "full"
+    sizes = "; ".join(f"{n}: {ZOO[n].what if full else 'a toy config of ' + ZOO[n].what}, batch "
+                      f"{ZOO[n].batch if full else ZOO[n].toy_batch}" for n in dict.fromkeys(r["model"] for r in rows))
     return "\n".join(lines) + f"\n\n{caption(args, cuda, device)}. Models: {sizes}.\n"
 
 
