@@ -26,7 +26,8 @@ SUBCOMMANDS = {"demo": ["--dump-dir", "--steps", "--nproc"],
                "bench": ["--repeat", "--measure", "--suite", "--parts", "--profile", "spmd_pipeline_cg", "ddp_ca"],
                "inspect": ["dump_dir", "--diff", "--node"],
                "timeline": ["--record", "--modes", "--window"],
-               "cache": ["list", "verify", "clear", "SPMD_CACHE_DIR"]}
+               "cache": ["list", "verify", "clear", "SPMD_CACHE_DIR"],
+               "zoo": ["--models", "--modes", "--jobs", "--budget-s", "llama_lora", "spmd_fully_shard"]}
 
 
 def _entry_point():

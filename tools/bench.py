@@ -137,8 +137,9 @@ def make_batches(args, batch: int, rank: int, device: torch.device) -> list:
 class ModeRun:
     """One mode on this rank: its step function, its calls so far, and what was measured."""
 
-    def __init__(self, name: str, setup: Setup, batches: list, advance):
+    def __init__(self, name: str, setup: Setup, batches: list, advance, build=None):
         self.name, self.setup, self.batches, self.advance = name, setup, batches, advance
+        self.build = build or MODES[name].build  # setup -> step; ``spmd zoo`` passes its own
         self.sync = torch.cuda.synchronize if setup.cuda else (lambda: None)
         self.step = None
         self.profile_text = ""
@@ -164,7 +165,7 @@ class ModeRun:
         self.baseline = torch.cuda.memory_allocated() if cuda else 0
         self.warmup = warmup
         torch_timings()  # from here on torch's compile timers count this mode's compiles
-        self.step = MODES[self.name].build(self.setup)
+        self.step = self.build(self.setup)
         self.sync()
         start = time.perf_counter()
         self.call()

@@ -5,6 +5,7 @@
     spmd bench-tp              time the tensor-parallel GPT on a (dp, tp) mesh: spmd against FSDP2 + TP
     spmd inspect DIR           read a graph dump folder: the pass pipeline, stage diffs, one node
     spmd timeline              draw a profiler trace as a GPU timeline, or --record one per mode
+    spmd zoo                   time real models (HF, timm, torchvision, diffusers) eager, compiled and under spmd
     spmd cache ACTION          list, verify or clear the compile cache's entries
 
 Commands that train (demo, bench, timeline --record) spawn one process per GPU (NCCL), or 2 gloo
@@ -18,7 +19,7 @@ import argparse
 import sys
 from typing import Optional
 
-from . import bench, bench_tp, cache_cli, demo, inspect_dump, timeline
+from . import bench, bench_tp, cache_cli, demo, inspect_dump, timeline, zoo
 
 COMMANDS = {
     "demo": (demo, "train a small GPT with spmd.compile next to DDP and compare them"),
@@ -26,6 +27,7 @@ COMMANDS = {
     "bench-tp": (bench_tp, "time the tensor-parallel GPT on a (dp, tp) mesh: spmd against FSDP2 + TP"),
     "inspect": (inspect_dump, "read a graph dump folder: the pass pipeline, stage diffs, one node"),
     "timeline": (timeline, "draw a profiler trace as a GPU timeline, or --record one per mode"),
+    "zoo": (zoo, "train real models (HF, timm, torchvision, diffusers) eager, torch.compile'd and spmd-compiled"),
     "cache": (cache_cli, "list, verify or clear the compile cache's entries (size, age, what each was compiled for)"),
 }
 

@@ -1,0 +1,119 @@
+"""``spmd zoo``: its real models at toy sizes train under spmd.compile exactly as eagerly, and its command's
+runs, failures and skips become the rows it reports.
+
+Each model whose library imports here (transformers, peft, timm, torchvision, diffusers: the
+``bench`` extra; the others are skipped, naming the package) trains two steps eagerly and under
+``@spmd.compile()`` from the same seed-0 weights on the same batches, in float64 (Mixtral in
+float32: its experts' grouped matmul has no float64 kernel); losses and parameters must agree, and
+the parameters must have moved.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from spmd.tools import cli, zoo, zoo_report, zoo_run
+from spmd.tools.zoo_models import ZOO, ZooModel
+from tests.dist import single_process_group
+
+STEPS = 2
+FLOAT32 = {"mixtral"}  # torch._grouped_mm: float32, bfloat16 and float16 only
+
+
+def spec(model: str) -> zoo_run.Spec:
+    missing = ZOO[model].missing()
+    if missing:
+        pytest.skip(f"{model} {missing}")
+    return zoo_run.Spec(ZOO[model], toy=True, device=torch.device("cpu"),
+                    dtype=torch.float32 if model in FLOAT32 else torch.float64)
+
+
+def trained(s: zoo_run.Spec, mode: str):
+    """``STEPS`` steps of the toy model in ``mode``: (losses, parameters after them)."""
+    step = zoo_run.ZOO_MODES[mode].build(s)
+    batches = s.batches()
+    losses = [step(*batches[i % len(batches)], last_train_step=i == STEPS - 1) for i in range(STEPS)]
+    params = [p.full_tensor() if isinstance(p, DTensor) else p for p in step.model.parameters()]  # fully_shard's
+    return torch.stack(losses), [p.detach().clone() for p in params]
+
+
+def assert_trains_as_eager(model: str, mode: str) -> None:
+    s = spec(model)
+    atol = 1e-6 if s.dtype == torch.float32 else 1e-12
+    eager_losses, eager_params = trained(s, "eager")
+    losses, params = trained(s, mode)
+    torch.testing.assert_close(losses, eager_losses, rtol=0, atol=atol)
+    assert len(params) == len(eager_params)
+    for p, q in zip(params, eager_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=atol)
+    initial = list(s.model().parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(params, initial)), "no parameter changed: nothing was trained"
+
+
+@pytest.mark.parametrize("model", ["llama_lora", "qwen2", "mixtral", "t5", "vit", "resnet50"])
+def test_spmd_step_matches_eager(model):
+    """spmd.compile'd steps of a handful of zoo models (LoRA with a frozen base, tied embeddings, MoE,
+    encoder-decoder, ViT, a channels_last ResNet with SGD momentum) compute eager's losses and parameters."""
+    assert_trains_as_eager(model, "spmd")
+
+
+def test_fully_shard_in_a_group_of_one_matches_eager():
+    """The zoo's spmd_fully_shard mode (a unit per decoder layer) in a process group of one trains Llama as eager."""
+    with single_process_group():
+        assert_trains_as_eager("llama", "spmd_fully_shard")
+
+
+def child_args(*argv: str):
+    p, commands = cli.parsers()
+    return p.parse_args(["zoo", "--size", "toy", "--precision", "fp64", "--warmup", "1", "--windows", "2",
+                         "--steps", "1", *argv])
+
+
+def test_a_run_records_what_the_table_shows(tmp_path):
+    """A cold run's process (here in this one) writes its timings, FLOPs, losses and first call; summarize
+    derives the table's figures from them."""
+    spec("gpt2")
+    out = tmp_path / "cold.json"
+    zoo_run.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:eager:cold", "--child-out", str(out)))
+    record = json.loads(out.read_text())
+    assert record["status"] == "ok", record.get("traceback")
+    assert record["flops_per_step"] > 0 and record["median_ms"] > 0 and record["first_call_s"] > 0
+    assert len(record["round_medians_ms"]) == 2
+    assert len(record["losses"]) == 1 + 1 + 2 * 2 * 1 + 1  # first call, warm-up, 2 windows x 2 x 1 step, last
+    rows = [dict(model="gpt2", mode="eager", cold=record, warm=None)]
+    zoo_report.summarize(rows)
+    assert rows[0]["per_s"] == pytest.approx(2 * 16 / (record["median_ms"] / 1000))
+    assert rows[0]["first_losses"] == record["losses"][:3]
+
+
+def test_a_failing_mode_is_a_failed_row_with_its_first_line(tmp_path, monkeypatch):
+    """A mode whose build raises writes an error record naming the exception's first line; the table says FAILED."""
+    spec("gpt2")
+
+    def broken(s):
+        raise RuntimeError("the step cannot be built\nsecond line")
+    monkeypatch.setitem(zoo_run.ZOO_MODES, "eager", zoo_run.ZooMode(broken, "broken", compiles=False))
+    out = tmp_path / "cold.json"
+    zoo_run.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:eager:cold", "--child-out", str(out)))
+    record = json.loads(out.read_text())
+    assert record["status"] == "error" and record["reason"] == "RuntimeError: the step cannot be built"
+    text, state = zoo_report.cells(dict(model="gpt2", mode="eager", cold=record, warm=None))
+    assert state == "failed" and text[-1] == "FAILED: RuntimeError: the step cannot be built"
+
+
+def test_a_model_whose_library_is_missing_is_skipped_naming_it(tmp_path, monkeypatch):
+    """Without its library a model's rows are skipped, with the package and the install command; no process runs."""
+    monkeypatch.setitem(ZOO, "fake", ZooModel(lambda *a: None, ("no_such_zoo_library",), "fake", 1, 1, 1, 1, "Block"))
+    monkeypatch.setattr(zoo, "_process", lambda *a: pytest.fail("a process was started"))
+    args = child_args("--models", "fake", "--modes", "eager,spmd", "--json", str(tmp_path / "z.json"),
+                      "--markdown", str(tmp_path / "z.md"))
+    assert cli.main(["zoo", "--models", "fake", "--modes", "eager,spmd", "--json", args.json,
+                     "--markdown", args.markdown]) == 0
+    rows = json.loads((tmp_path / "z.json").read_text())["rows"]
+    assert [(r["mode"], r["cold"]["status"]) for r in rows] == [("eager", "skipped"), ("spmd", "skipped")]
+    assert "no_such_zoo_library" in rows[0]["cold"]["reason"] and "pip install 'spmd[bench]'" in rows[0]["cold"]["reason"]
+    assert (tmp_path / "z.md").read_text().count("skipped: needs no_such_zoo_library") == 2

@@ -1,0 +1,237 @@
+"""One run of ``spmd zoo``: the process that builds one zoo model in one mode, measures it and writes its record.
+
+``Spec`` is what the process builds (a ``zoo_models.ZOO`` entry at a size, on a device, in a
+precision), ``ZOO_MODES`` how each mode trains it (eager, ``torch.compile``, ``@spmd.compile()``,
+fully_shard in a process group of one), ``count_flops`` the FLOPs of one step, and ``measure`` the
+run itself: a ``cold`` run (FLOPs, the first call, warm-up and timed windows, timed with
+``bench.ModeRun``) or a ``warm`` one (the first call alone, in a restarted process). The parent
+(``zoo``) starts one such process per run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .bench import ModeRun
+from .bench_modes import Setup, timed_wrap, train_step
+from .launch import launch
+from .zoo_models import ZOO, ZooModel, unit_classes
+
+N_BATCHES = 2  # distinct (x, y) batches, cycled
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one process builds: a zoo model at a size, on a device, in a precision."""
+
+    entry: ZooModel
+    toy: bool
+    device: torch.device
+    dtype: torch.dtype = torch.float32  # the parameters' dtype
+    autocast: bool = False  # bf16 autocast around the forward
+
+    @property
+    def batch(self) -> int:
+        return self.entry.toy_batch if self.toy else self.entry.batch
+
+    @property
+    def seq(self) -> int:
+        return self.entry.toy_seq if self.toy else self.entry.seq
+
+    def model(self) -> torch.nn.Module:
+        """A fresh seed-0 model: the same weights in every mode."""
+        torch.manual_seed(0)
+        with self.device:  # initialised where it trains (a GPU initialises a large model in a moment)
+            model, _ = self.entry.build(self.toy, self.batch, self.seq)
+        model = model.to(device=self.device, dtype=self.dtype)
+        return model.to(memory_format=torch.channels_last) if self.entry.channels_last else model
+
+    def batches(self) -> list:
+        """``N_BATCHES`` seed-0 batches ``(x, y)`` on the device: the same in every mode."""
+        with torch.device("meta"):  # the model only for its shapes: no memory, no initialisation
+            _, draw = self.entry.build(self.toy, self.batch, self.seq)
+        gen = torch.Generator().manual_seed(0)
+        out = []
+        for _ in range(N_BATCHES):
+            x, y = (t.to(self.device, self.dtype if t.is_floating_point() else t.dtype) for t in draw(gen))
+            if self.entry.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            out.append((x, y))
+        return out
+
+    def optimizer(self, model: torch.nn.Module, capturable: bool = False) -> torch.optim.Optimizer:
+        """AdamW lr 1e-4 (SGD lr 1e-2 momentum 0.9 where the table says) over the trainable parameters; fused on
+        a GPU."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        fused = dict(fused=True) if self.device.type == "cuda" else {}
+        if self.entry.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=1e-2, momentum=0.9, **fused)
+        return torch.optim.AdamW(params, lr=1e-4, **fused, **(dict(capturable=True) if capturable and fused else {}))
+
+
+Step = Callable[..., torch.Tensor]
+
+
+def _torch(spec: Spec, wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> Step:
+    model = spec.model()
+    optim = spec.optimizer(model)
+    wrapped, wrap_s = timed_wrap(lambda: wrap(model))
+
+    def step(x, y, last_train_step=False):
+        return train_step(wrapped, optim, x, y, spec.autocast)
+    step.wrap_s, step.model = wrap_s, model
+    return step
+
+
+def _spmd(spec: Spec, style: Optional[str]) -> Step:
+    import spmd
+
+    model = spec.model()
+    mode = None
+    if style is not None:
+        mode = spmd.DataParallel(style, wrap_policy=unit_classes(model, spec.entry.unit))
+        spmd.shard(model, mode)
+    optim = spec.optimizer(model, capturable=True)
+    compiled, wrap_s = timed_wrap(lambda: spmd.compile(parallel_mode=mode)(train_step))
+
+    def step(x, y, last_train_step=False):
+        return compiled(model, optim, x, y, spec.autocast, last_train_step=last_train_step)
+    step.wrap_s, step.model = wrap_s, model
+    step.compile_times = lambda: compiled.compile_times
+    step.captures = lambda: getattr(compiled, "cuda_graph_captures", None)
+    return step
+
+
+@dataclass(frozen=True)
+class ZooMode:
+    build: Callable[[Spec], Step]
+    doc: str
+    compiles: bool = True  # a warm run (a restarted process) is worth timing
+    cuda_only: bool = False
+    group: bool = False  # runs in a process group of one
+
+
+ZOO_MODES: dict[str, ZooMode] = {
+    "eager": ZooMode(lambda s: _torch(s, lambda m: m), "eager PyTorch", compiles=False),
+    "compile": ZooMode(lambda s: _torch(s, torch.compile), "torch.compile(model), optimizer step eager"),
+    "compile_ro": ZooMode(lambda s: _torch(s, lambda m: torch.compile(m, mode="reduce-overhead")),
+                          "torch.compile(model, mode='reduce-overhead'): Inductor and CUDA graphs", cuda_only=True),
+    "spmd": ZooMode(lambda s: _spmd(s, None), "@spmd.compile() with nothing else: the whole step, no process group"),
+    "spmd_fully_shard": ZooMode(lambda s: _spmd(s, "fully_shard"),
+                                "spmd fully_shard (a unit per repeated block) in a process group of one", group=True),
+}
+
+
+def count_flops(spec: Spec) -> int:
+    """FLOPs of one forward and backward of a fresh model on the first batch (``torch.utils.flop_counter``)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, (x, y) = spec.model(), spec.batches()[0]
+    custom = {}
+    if hasattr(torch.ops.aten, "_grouped_mm"):  # MoE experts: 2 * (rows x inner) * columns, backward included
+        custom[torch.ops.aten._grouped_mm] = lambda a, b, *args, out_shape=None, **kw: 2 * _numel(a) * b[-1]
+    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
+        with torch.autocast(spec.device.type, dtype=torch.bfloat16, enabled=spec.autocast):
+            loss = model(x, y)
+        loss.backward()
+    del model, loss
+    gc.collect()
+    if spec.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return counter.get_total_flops()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+
+
+
+def run_child(args) -> int:
+    """Build ``--child``'s model and mode here, measure it, write the record to ``--child-out``."""
+    model, mode, name = args.child.split(":")
+    if ZOO_MODES[mode].group:  # a process group of one, set up as torchrun would
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return launch(measure, args)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return measure(0, 1, device, args)
+
+
+def spec_for(args, model: str, device: torch.device) -> Spec:
+    dtype = {"bf16": torch.float32, "fp32": torch.float32, "fp64": torch.float64}[args.precision]
+    return Spec(ZOO[model], args.size == "toy", device, dtype, autocast=args.precision == "bf16")
+
+
+def measure(rank: int, world: int, device: torch.device, args) -> int:
+    """The run: FLOPs (cold run), the first call, then (cold run) the warm-up and timed windows."""
+    model, mode, name = args.child.split(":")
+    spec = spec_for(args, model, device)
+    record = dict(status="ok", model=model, mode=mode, run=name, batch=spec.batch, seq=spec.seq,
+                  items_per_step=spec.entry.items_per_step(spec.batch, spec.seq), per=spec.entry.per,
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    run = ModeRun(mode, Setup(args, device), [], lambda n: None, build=lambda setup: ZOO_MODES[mode].build(spec))
+
+    def first_call():
+        run.batches = spec.batches()
+        if name == "cold":
+            record["flops_per_step"] = count_flops(spec)
+        run.build_and_warm_up(1)
+    run.attempt(first_call)
+    if run.alive:
+        record["wrap_s"] = getattr(run.step, "wrap_s", 0.0)
+        captures = getattr(run.step, "captures", lambda: None)
+        record["captures_after_first_call"] = captures()
+    if run.alive and name == "cold":
+        with _turn(args.lock):
+            run.attempt(_calls, run, args.warmup)
+            before = captures() if run.alive else None
+            for _ in range(args.windows):
+                if run.alive:
+                    run.attempt(run.time_round, args.steps)
+        after = captures() if run.alive else None
+        if before is not None and after is not None:
+            record["captures_per_step"] = (after - before) / (2 * args.windows * args.steps)
+        if run.alive:
+            run.attempt(run.finish)
+    record.update(run.record)
+    with open(args.child_out, "w") as f:
+        json.dump(record, f)
+    return 0
+
+
+def _calls(run: ModeRun, n: int) -> None:
+    for _ in range(n):
+        run.call()
+    run.sync()
+
+
+@contextlib.contextmanager
+def _turn(path: Optional[str]):
+    """Hold the file lock at ``path`` (one process at a time times its steps); nothing without a path."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
