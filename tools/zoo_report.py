@@ -33,9 +33,10 @@ def summarize(rows: list[dict]) -> None:
         seconds = cold["median_ms"] / 1000
         r["ms"] = cold["median_ms"]
         r["per_s"] = cold["items_per_step"] / seconds
-        r["tflops"] = cold["flops_per_step"] / seconds / 1e12
+        flops = cold.get("flops_per_step")
+        r["tflops"] = flops / seconds / 1e12 if flops else None
         peak = peak_tflops(cold["device"])
-        r["mfu"] = r["tflops"] / peak if peak else None
+        r["mfu"] = r["tflops"] / peak if peak and r["tflops"] else None
         r["first_losses"] = cold["losses"][:FIRST_LOSSES]
         ref = eager.get(r["model"])
         if ref is not None and r["mode"] != "eager":
@@ -66,10 +67,13 @@ def cells(r: dict) -> tuple[list[str], str]:
     note = [] if warm is None or warm["status"] == "ok" else [f"warm run {warm['status']}: {warm['reason']}"]
     captures = cold.get("captures_per_step")
     dloss = r.get("dloss_vs_eager")
+    counted = cold.get("flops_counted_by", "flop_counter")
+    if counted != "flop_counter":
+        note.append(f"FLOPs: {counted}")
     if r.get("loss_ok") is False:
         note.append(f"first losses differ from eager's beyond {ATOL:g} + {RTOL:g}*|loss|")
     return [r["model"], r["mode"], f"{r['ms']:.1f}", f"{spread['min']:.1f}-{spread['max']:.1f}",
-            f"{r['per_s']:,.0f} {per}", f"{r['tflops']:.3g}", "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+            f"{r['per_s']:,.0f} {per}", "—" if r["tflops"] is None else f"{r['tflops']:.3g}", "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
             "n/a" if cold["peak_gib"] is None else f"{cold['peak_gib']:.2f}", f"{cold['first_call_s']:.1f}", warm_text,
             "—" if captures is None else f"{captures:g}", " ".join(f"{x:.4f}" for x in r["first_losses"]),
             "reference" if r["mode"] == "eager" else ("—" if dloss is None else f"{dloss:.2e}"),
