@@ -1,0 +1,107 @@
+"""Nothing the trace read once is frozen silently into the compiled step.
+
+Written as users write these: a batch that arrives transposed after contiguous ones, a
+gm_transformation that hands back a GraphModule of its own making, numbers drawn with numpy
+or ``random`` and ``time.time()`` inside the step, ``print`` and counters in the step. Each is
+either what eager does on every call, or refused / warned about once, naming the line and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import spmd
+from tests.dist import run_distributed
+from tests.parity import train_step
+
+F64 = torch.float64
+TOL = 1e-10
+
+
+def _model_and_optim(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 6), nn.Tanh(), nn.Linear(6, 1)).to(F64)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _assert_same_params(a: nn.Module, b: nn.Module) -> None:
+    worst = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    assert worst <= TOL, f"parameters differ by {worst}"
+
+
+# --- an input laid out otherwise than the traced one -------------------------------------------------
+
+
+def flat_step(model, optim, x):
+    """Flattens each (3, 4) sample pair: a reshape the trace records as a view of a contiguous batch."""
+    loss = model(x.reshape(x.shape[0], -1)).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _transposed_batches(rank, world_size):
+    model, optim = _model_and_optim()
+    ddp = DDP(copy.deepcopy(model))
+    ref_optim = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(flat_step)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(2, 3, 4, generator=gen, dtype=F64) for _ in range(3)]
+    batches += [torch.randn(2, 4, 3, generator=gen, dtype=F64).transpose(1, 2) for _ in range(3)]  # other strides
+    batches += [torch.randn(2, 3, 4, generator=gen, dtype=F64)]
+    for x in batches:
+        loss = step(model, optim, x)
+        expected = flat_step(ddp, ref_optim, x).detach()
+        assert (loss - expected).abs().item() <= TOL, (loss, expected)
+    _assert_same_params(model, ddp.module)
+    assert step.trace_count == 2  # one graph per layout, each reused
+
+
+def test_a_batch_with_other_strides_retraces_and_trains_like_ddp():
+    run_distributed(_transposed_batches)
+
+
+# --- a gm_transformation that returns another GraphModule ---------------------------------------------
+
+
+def _retraced_taking_a_list(gm: fx.GraphModule) -> fx.GraphModule:
+    """A retrace as users write one: the graph's inputs as one list (its forward takes a single argument)."""
+    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    return make_fx(lambda flat: gm(*flat), tracing_mode="fake")(inputs)
+
+
+def _copied_into_a_new_module(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {}, return_output_node=False)
+    graph.output(out)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("transformation", [_retraced_taking_a_list, _copied_into_a_new_module])
+def test_a_transformation_returning_another_graph_module_trains_like_eager(transformation):
+    model, optim = _model_and_optim()
+    ref, ref_optim = _model_and_optim()
+    step = spmd.compile(gm_transformation=transformation)(train_step)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 12, generator=gen, dtype=F64)
+        loss = step(model, optim, x)
+        assert (loss - train_step(ref, ref_optim, x).detach()).abs().item() <= TOL
+    _assert_same_params(model, ref)
+
+
+def test_a_transformation_returning_a_callable_of_other_inputs_is_refused_naming_what_to_return():
+    model, optim = _model_and_optim()
+    before = copy.deepcopy(model.state_dict())
+    step = spmd.compile(gm_transformation=lambda gm: (lambda inputs: gm(*inputs)))(train_step)
+    with pytest.raises(spmd.SpmdConfigError, match=r"cannot be called with the step's \d+ graph inputs.*positionally"):
+        step(model, optim, torch.randn(4, 12, dtype=F64))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
