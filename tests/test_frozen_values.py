@@ -9,7 +9,14 @@ either what eager does on every call, or refused / warned about once, naming the
 from __future__ import annotations
 
 import copy
+import os
+import random
+import re
+import time
+import warnings
+from time import perf_counter
 
+import numpy as np
 import pytest
 import torch
 import torch.fx as fx
@@ -105,3 +112,94 @@ def test_a_transformation_returning_a_callable_of_other_inputs_is_refused_naming
     with pytest.raises(spmd.SpmdConfigError, match=r"cannot be called with the step's \d+ graph inputs.*positionally"):
         step(model, optim, torch.randn(4, 12, dtype=F64))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# --- numbers the step reads from the host ------------------------------------------------------------
+
+
+def _scaled_step(draw):
+    """A step whose loss is scaled by ``draw()``, a Python number read inside the step."""
+
+    def step(model, optim, x):
+        loss = model(x).square().mean() * draw()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("draw, named", [
+    (lambda: float(np.random.rand()), "numpy.random.rand"),
+    (lambda: random.random(), "random.random"),
+    (lambda: random.Random().uniform(0.5, 1.5), "random.Random.uniform"),
+    (lambda: 1.0 + 0.0 * time.time(), "time.time"),
+    (lambda: 1.0 + 0.0 * perf_counter(), "time.perf_counter"),  # bound by `from time import` before the trace
+])
+def test_a_number_drawn_or_a_clock_read_in_the_step_is_refused_naming_the_line(draw, named):
+    model, optim = _model_and_optim()
+    before = copy.deepcopy(model.state_dict())
+    step = spmd.compile()(_scaled_step(draw))
+    with pytest.raises(spmd.SpmdCompileError, match=rf"calls {re.escape(named)} at {re.escape(__file__)}:\d+ "
+                                                    r"\(in <lambda>\).*(torch\.rand|outside the step)"):
+        step(model, optim, torch.randn(4, 12, dtype=F64))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert random.random is _RANDOM and time.time is _TIME and np.random.rand is _NP_RAND  # put back after the trace
+    assert model(torch.ones(1, 12, dtype=F64)).shape == (1, 1)
+
+
+_RANDOM, _TIME, _NP_RAND = random.random, time.time, np.random.rand
+
+
+def test_item_used_as_a_number_is_refused_naming_the_line():
+    model, optim = _model_and_optim()
+
+    def reads_item(model, optim, x):
+        loss = model(x).square().mean()
+        loss = loss * (1.0 + 0.0 * loss.item())
+        loss.backward()
+        optim.step()
+        return loss
+
+    step = spmd.compile()(reads_item)
+    with pytest.raises(spmd.SpmdCompileError, match=rf"reads the value of a tensor at {re.escape(__file__)}:\d+ "
+                                                    r"\(in reads_item\).*keep the value a tensor"):
+        step(model, optim, torch.randn(4, 12, dtype=F64))
+    assert torch.Tensor.item is _ITEM
+
+
+_ITEM = torch.Tensor.item
+
+
+def test_torch_rng_in_the_step_draws_anew_on_every_call_like_eager():
+    model, optim = _model_and_optim()
+    ref, ref_optim = _model_and_optim()
+    body = _scaled_step(lambda: torch.rand((), dtype=F64) + 0.5)
+    step = spmd.compile()(body)
+    x = torch.randn(4, 12, dtype=F64)
+    torch.manual_seed(1)
+    expected = [body(ref, ref_optim, x).detach() for _ in range(3)]
+    torch.manual_seed(1)
+    losses = [step(model, optim, x) for _ in range(3)]
+    assert len({round(v.item(), 12) for v in losses}) == 3
+    assert all((a - b).abs().item() <= TOL for a, b in zip(losses, expected)), (losses, expected)
+    _assert_same_params(model, ref)
+
+
+def test_an_environment_variable_read_in_the_step_is_warned_about_once_with_its_line(monkeypatch):
+    monkeypatch.setenv("SPMD_TEST_LOSS_SCALE", "2.0")
+    model, optim = _model_and_optim()
+    ref, ref_optim = _model_and_optim()
+    body = _scaled_step(lambda: float(os.environ.get("SPMD_TEST_LOSS_SCALE", "1")))
+    step = spmd.compile()(body)
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            x = torch.randn(4, 12, generator=gen, dtype=F64)
+            assert (step(model, optim, x) - body(ref, ref_optim, x).detach()).abs().item() <= TOL
+    said = [w for w in caught if "SPMD_TEST_LOSS_SCALE" in str(w.message)]
+    assert len(said) == 1 and said[0].category is RuntimeWarning and said[0].filename == __file__, said
+    assert "pass the value as an argument" in str(said[0].message)
+    _assert_same_params(model, ref)

@@ -50,6 +50,7 @@ from ..optim.hyperparams import HyperMode, TracedHyper, hyper_items, learned, tr
 from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
+from .host_reads import checking_host_reads, user_frame_of, value_read_error
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
@@ -150,22 +151,13 @@ def _grad_spec(param: torch.Tensor):
     return param.grad._spec if isinstance(param.grad, DTensor) else None
 
 
-def _data_dependent_error() -> SpmdCompileError:
-    """A fresh error each time: a shared instance would collect every raise's traceback."""
-    return SpmdCompileError(
-        "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
-        "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
-        "with tensor ops (torch.where), return the tensor itself, or move it outside train_step."
-    )
-
-
 def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
     """Turn the errors torch raises for untraceable steps into ones that name the fix."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
 
     text = str(err)
     if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
-        return _data_dependent_error()
+        return value_read_error(user_frame_of(err.__traceback__))
     no_kernel = ("no fake impl or Meta kernel", "attempted to run this operator with Meta", "no fake impl registered")
     if isinstance(err, UnsupportedOperatorException) or any(t in text for t in no_kernel):
         op = getattr(err, "func", None) or (text.split("for <CustomOpDef(", 1)[1].split(")", 1)[0]
@@ -319,7 +311,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         flat_out, out_spec = pytree.tree_flatten(out)
         out_holder["spec"], out_holder["grads"] = out_spec, plan
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
-            raise _data_dependent_error()
+            raise value_read_error()
         values, out_holder["dtensors"] = graph_outputs(flat_out, getattr(fn, "__name__", "train_step"))
         return values + [g.detach() for g in left]
 
@@ -343,7 +335,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     first_hyper = n_params + n_buffers + n_state
     try:
         # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
-        with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)):
+        with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)), \
+                checking_host_reads(fn, state.modules):  # a number drawn or read at trace would be frozen
             for traces in range(1, len(hyper_values) + 2):
                 with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
