@@ -218,7 +218,7 @@ class CompiledTrainStep:
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
         entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
                              first_step=first_step_slots(state, created), grads=traced.grads,
-                             dtensors=traced.dtensors)
+                             dtensors=traced.dtensors, replays=traced.replays)
         return entry, state, created
 
     def _load_or_compile(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState, list]:
@@ -408,6 +408,9 @@ class CompiledTrainStep:
         if first_run:
             _check_outputs(self.gm_transformation, entry, len(out))
             entry.finished_run()
+        else:  # the trace made them for the first call (spmd.trace.side_effects)
+            for replay in entry.replays:
+                replay()
         grads = entry.grads
         if grads:
             n = len(out) - len(grads.outputs)

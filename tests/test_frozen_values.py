@@ -9,6 +9,7 @@ either what eager does on every call, or refused / warned about once, naming the
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import random
 import re
@@ -203,3 +204,63 @@ def test_an_environment_variable_read_in_the_step_is_warned_about_once_with_its_
     assert len(said) == 1 and said[0].category is RuntimeWarning and said[0].filename == __file__, said
     assert "pass the value as an argument" in str(said[0].message)
     _assert_same_params(model, ref)
+
+
+# --- Python side effects of the step ---------------------------------------------------------------
+
+
+class Counting(nn.Module):
+    """Counts its forward calls and remembers the batch size it saw last, as users' modules do."""
+
+    calls = 0
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 1, dtype=F64)
+        self.batch = None
+
+    def forward(self, x):
+        self.calls += 1
+        self.batch = x.shape[0]
+        return self.fc(x)
+
+
+def test_a_counter_counts_every_call_and_a_plain_write_is_named_once():
+    torch.manual_seed(0)
+    model = Counting()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+    step = spmd.compile()(train_step)
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(4):
+            x = torch.randn(4, 12, generator=gen, dtype=F64)
+            assert (step(model, optim, x) - train_step(ref, ref_optim, x).detach()).abs().item() <= TOL
+    assert model.calls == ref.calls == 4
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "spmd" in str(w.message)]
+    assert len(said) == 1 and "sets Counting.batch" in said[0] and __file__ in said[0], said
+    _assert_same_params(model, ref)
+
+
+def test_print_and_log_records_happen_on_every_call_and_are_named_once(capsys, caplog):
+    model, optim = _model_and_optim()
+
+    def logged_step(model, optim, x):
+        loss = model(x).square().mean()
+        print("step done")
+        logging.getLogger("user.training").warning("stage %s", "warmup")
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    step = spmd.compile()(logged_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            step(model, optim, torch.randn(4, 12, dtype=F64))
+    assert capsys.readouterr().out.count("step done") == 3
+    assert [r.getMessage() for r in caplog.records if r.name == "user.training"] == ["stage warmup"] * 3
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 2 and "prints at" in said[0] and "logs at" in said[1], said

@@ -51,6 +51,7 @@ from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
 from .host_reads import checking_host_reads, user_frame_of, value_read_error
+from .side_effects import recording_side_effects, undo_side_effects
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
@@ -73,6 +74,7 @@ class TracedStep:
     out_spec: pytree.TreeSpec
     grads: GradPlan = field(default_factory=GradPlan)  # the gradients it takes and leaves (``spmd.trace.accumulation``)
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.trace.step_outputs``)
+    replays: list = field(default_factory=list)  # Python side effects to run after each later call (side_effects)
 
 
 @contextlib.contextmanager
@@ -255,13 +257,14 @@ ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 
 def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                        mode_context: ModeContext | None = None, found_inf_group: Optional[ProcessGroup] = None,
-                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan, dict]:
+                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan, dict, list]:
     """Stage 1: ``fn(*args, **kwargs)`` as a graph of aten ops, some in place (see the module docstring).
 
     Returns the graph, the spec of ``fn``'s flattened return value, the graph's inputs
     (parameters, buffers, optimizer state, hyperparameters, user tensors, gradients held on
     entry), the ``GradPlan`` (``spmd.trace.accumulation``) and the DTensor specs of the outputs
-    (``spmd.trace.step_outputs``). Running the graph
+    (``spmd.trace.step_outputs``) and the Python side effects to replay (``spmd.trace.side_effects``).
+    Running the graph
     on the real tensors performs the step. ``mode_context(params)``, given the traced
     parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
     mode's hooks (default: none). ``found_inf_group``: the group over which the step's GradScalers
@@ -338,11 +341,13 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)), \
                 checking_host_reads(fn, state.modules):  # a number drawn or read at trace would be frozen
             for traces in range(1, len(hyper_values) + 2):
-                with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
+                with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules(), \
+                        recording_side_effects(state.modules) as replays:  # print, logs, counters: spmd.trace.side_effects
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
                     break
+                undo_side_effects(replays)  # the next trace counts again
                 _specialise(state, read)  # the graph reads them as numbers: trace again with their values
             log.debug("traced %s %d time(s)", getattr(fn, "__name__", "train_step"), traces)
             refuse_data_dependent_shapes(impure)  # a hyperparameter read as a number is a symbol until specialised
@@ -357,7 +362,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         hook.remove()
 
     return (impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)], out_holder["grads"],
-            out_holder["dtensors"])
+            out_holder["dtensors"], replays)
 
 
 @reporting  # torch's errors for untraceable steps in the user's terms (spmd.trace.trace_errors)
@@ -368,8 +373,8 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
 
     ``mode_context`` and ``found_inf_group``: see ``capture_train_step``.
     """
-    impure, out_spec, flat_inputs, grads, dtensors = capture_train_step(fn, state, args, kwargs, mode_context,
-                                                                        found_inf_group)
+    impure, out_spec, flat_inputs, grads, dtensors, replays = capture_train_step(fn, state, args, kwargs,
+                                                                                mode_context, found_inf_group)
 
     def replay(*flat):
         return _FunctionalFusedOptim(impure).run(*flat)
@@ -395,4 +400,4 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
     pure.meta[LEAVES_GRADS] = bool(grads.outputs)
-    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors)
+    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors, replays=replays)

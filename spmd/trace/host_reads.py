@@ -61,14 +61,22 @@ def _top(frame) -> str:
     return (frame.f_globals.get("__name__") or "").split(".")[0]
 
 
-def _user_frame():
-    """The frame of the user's code that called into a patched function, or None where a library did."""
-    frame = sys._getframe(2)
-    while frame is not None and (_top(frame) in _PLUMBING or frame.f_globals.get("__name__") == __name__):
+def user_frame(plumbing: frozenset = _PLUMBING, depth: int = 2):
+    """The frame of the user's code that called into a patched function (the caller ``depth`` frames up, past
+    frames of the modules named in ``plumbing``), or None where a library (``_LIBRARIES``) did."""
+    frame = sys._getframe(depth)
+    while frame is not None and (_top(frame) in plumbing or frame.f_globals.get("__name__") in plumbing):
         frame = frame.f_back
     if frame is None or _top(frame) in _LIBRARIES:
         return None
     return frame
+
+
+def warn_at(frame, message: str) -> None:
+    """A ``RuntimeWarning`` attributed to ``frame``'s line, once per place."""
+    warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
 
 
 def user_frame_of(tb: Optional[types.TracebackType]):
@@ -120,15 +128,13 @@ def value_read_error(frame=None) -> SpmdCompileError:
 
 def _warn_environ(key: str, value: str, frame) -> None:
     """Warn once per place that the step read environment variable ``key`` at trace."""
-    warnings.warn_explicit(
-        f"spmd.compile: the step reads the environment variable {key!r} ({value}) while it is traced: the "
-        "compiled step keeps what it computed from that value, and later calls do not read it again. Read it "
-        "outside the step and pass the value as an argument (a number retraces when it changes; a 0-dim tensor "
-        "does not).", RuntimeWarning, frame.f_code.co_filename, frame.f_lineno,
-        module=frame.f_globals.get("__name__"), registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    warn_at(frame, f"spmd.compile: the step reads the environment variable {key!r} ({value}) while it is traced: "
+            "the compiled step keeps what it computed from that value, and later calls do not read it again. Read "
+            "it outside the step and pass the value as an argument (a number retraces when it changes; a 0-dim "
+            "tensor does not).")
 
 
-class _Patches:
+class Patches:
     """Attributes replaced for the trace, put back by ``restore`` (the ones a class had not are deleted)."""
 
     def __init__(self):
@@ -180,7 +186,7 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
     def guard(name: str, original: Callable, error: Callable) -> Callable:
         @functools.wraps(original)
         def guarded(*args, **kwargs):
-            frame = _user_frame()
+            frame = user_frame()
             if frame is not None:
                 raise error(name, frame)
             return original(*args, **kwargs)
@@ -189,7 +195,7 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
         return guarded
 
     def environ_read(self, key):
-        frame = _user_frame()
+        frame = user_frame()
         if frame is None:
             return original_getitem(self, key)
         try:
@@ -203,7 +209,7 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
     def item(self):
         value = original_item(self)
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and not in_optimizer_step[0]:
-            frame = _user_frame()
+            frame = user_frame()
             if frame is not None:
                 raise value_read_error(frame)
         return value
@@ -215,7 +221,7 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
         in_optimizer_step[0] -= 1
 
     original_getitem, original_item = _ENVIRON_TYPE.__getitem__, torch.Tensor.item
-    patches = _Patches()
+    patches = Patches()
     handles = []
     try:
         for name in _CLOCKS:

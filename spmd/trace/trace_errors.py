@@ -103,7 +103,8 @@ def translated(translator: Callable[[BaseException], Optional[SpmdCompileError]]
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
 _TEXT_PLUMBING = tuple(os.path.join(os.path.dirname(torch.__file__), f) for f in ("_tensor.py", "_tensor_str.py",
-                                                                                    "overrides.py"))
+                                                                                    "overrides.py")) + (
+    os.path.join(os.path.dirname(__file__), "side_effects.py"),)  # its print, which calls the builtin
 
 
 def _warn_at(frame, message: str) -> None:

@@ -1,0 +1,154 @@
+"""Python side effects of the step: replayed on every call where they can be, else named once at trace.
+
+Tracing runs the user's step once; a compiled step's later calls run only the graph. So Python
+effects (a ``print``, a log record, a counter on a module) would happen once, at the first call,
+where eager has them on every call. ``recording_side_effects`` watches the trace (from the user's
+code only: torch and spmd pass through, ``host_reads.user_frame``) and decides per kind:
+
+* ``print(...)`` and a logger's records (``logger.info``, ``logging.warning``, ...) without a tensor
+  among their arguments are replayed after each later call, with the text made at trace, and said
+  once (``RuntimeWarning``, at the call's line): a value that changes between calls is not seen in
+  it. With a tensor they are not replayed (its text at trace is a placeholder): the warning says to
+  print the returned value after the step.
+* ``module.x += c`` / ``-= c`` on a number attribute of one of the step's modules (a counter) is
+  replayed as the same increment after each later call; the augmented assignment is read from the
+  caller's bytecode, so a plain ``module.x = value`` is never mistaken for one.
+* any other attribute write on one of the step's modules is said once: a value is set once, at
+  trace; a tensor computed in the step is not kept at all (``user_objects`` puts the old one back).
+
+Replays are plain callables (``TracedStep.replays``), run by ``spmd.compile`` after each call but the
+first (every process traces its step, a step whose lowering the compile cache keeps too).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dis
+import functools
+import logging
+import sys
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .host_reads import Patches, user_frame, warn_at, where
+
+_PLUMBING = frozenset({"logging", __name__})
+_AUGMENTED = {"+=", "-=", "INPLACE_ADD", "INPLACE_SUBTRACT"}  # BINARY_OP's argrepr (3.11+), opnames before
+_MISSING = object()
+
+
+def _holds_tensor(values: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(values))
+
+
+@functools.lru_cache(maxsize=256)
+def _augmented_at(code, offset: int) -> bool:
+    """Whether the attribute store at ``offset`` of ``code`` is ``x.a += ...`` or ``x.a -= ...``."""
+    before = None
+    for instruction in dis.get_instructions(code):
+        if instruction.offset == offset:
+            return before is not None and (before.argrepr in _AUGMENTED or before.opname in _AUGMENTED)
+        if instruction.opname not in ("SWAP", "ROT_TWO", "CACHE"):
+            before = instruction
+    return False
+
+
+class Increment:
+    """A replay of ``module.name += delta`` (the module held weakly); ``undo`` takes back the trace's own."""
+
+    def __init__(self, module: nn.Module, name: str, delta: Any):
+        self.ref, self.name, self.delta = weakref.ref(module), name, delta
+
+    def __call__(self, sign: int = 1) -> None:
+        module = self.ref()
+        if module is not None:
+            setattr(module, self.name, getattr(module, self.name) + sign * self.delta)
+
+    def undo(self) -> None:
+        self(-1)
+
+
+def undo_side_effects(replays: list) -> None:
+    """Take back what the trace that recorded ``replays`` did to the step's modules (its counters' steps), for a
+    trace that failed or is done again."""
+    for replay in reversed(replays):
+        if isinstance(replay, Increment):
+            replay.undo()
+
+
+def _print_again(args: tuple, kwargs: dict) -> None:
+    builtins.print(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[], None]]]:
+    """Watch the body (one trace of a step on ``modules``) as the module docstring says; yields the list the
+    replays are appended to. Everything patched is put back after the body, succeeded or raised."""
+    replays: list[Callable[[], None]] = []
+    owned = {id(m) for root in modules for m in root.modules()}
+    original_print, original_log, original_setattr = builtins.print, logging.Logger._log, nn.Module.__setattr__
+
+    def print_(*args, **kwargs):
+        frame = user_frame(_PLUMBING)
+        if frame is not None and not _holds_tensor((args, kwargs)):
+            if kwargs.get("file") is sys.stdout:
+                kwargs = {k: v for k, v in kwargs.items() if k != "file"}  # the stdout of the call, not the trace's
+            replays.append(functools.partial(_print_again, args, kwargs))
+            warn_at(frame, f"spmd.compile: the step prints at {where(frame)}: the text is made once, at trace, and "
+                    "printed again after each later call, so a value that changes between calls is not seen in "
+                    "it. Print such values outside the step, from what it returns.")
+        return original_print(*args, **kwargs)
+
+    def log(self, level, msg, args, *rest, **kwargs):
+        frame = user_frame(_PLUMBING)
+        if frame is not None:
+            if _holds_tensor((msg, args)):
+                warn_at(frame, f"spmd.compile: the step logs a tensor at {where(frame)}: while it is traced the "
+                        "tensor has no value, and later calls, which run the compiled graph, log nothing. Return "
+                        "the tensor and log it after the step: loss = train_step(...); log.info('%s', loss).")
+            else:
+                replays.append(functools.partial(self.log, level, msg, *args))
+                warn_at(frame, f"spmd.compile: the step logs at {where(frame)}: the record is made once, at "
+                        "trace, and logged again after each later call, so a value that changes between calls is "
+                        "not seen in it. Log such values outside the step, from what it returns.")
+        return original_log(self, level, msg, args, *rest, **kwargs)
+
+    def setattr_(self, name, value):
+        frame = user_frame(_PLUMBING) if id(self) in owned else None
+        if frame is None or isinstance(value, (nn.Module, nn.Parameter)) or name in self._parameters \
+                or name in self._buffers or name in self._modules:
+            return original_setattr(self, name, value)
+        old = getattr(self, name, _MISSING)
+        original_setattr(self, name, value)
+        numbers = type(old) in (int, float) and type(value) in (int, float)
+        what = f"{type(self).__name__}.{name}"
+        if numbers and _augmented_at(frame.f_code, frame.f_lasti):
+            replays.append(Increment(self, name, value - old))
+        elif isinstance(value, torch.Tensor):
+            warn_at(frame, f"spmd.compile: the step stores a tensor it computes in {what} at {where(frame)}: the "
+                    "compiled step cannot keep it there (the attribute keeps the value it had before the step). "
+                    "Return the tensor from the step instead, or register a buffer and update it in place "
+                    f"(self.{name}.copy_(...)), which the graph does on every call.")
+        elif old is _MISSING or old is not value:
+            warn_at(frame, f"spmd.compile: the step sets {what} at {where(frame)} while it is traced: it is set "
+                    "once, at trace, and later calls, which run the compiled graph, do not set it again. Set it "
+                    "outside the step, or keep it in a buffer updated in place (self.register_buffer(name, tensor), "
+                    "then e.g. self.calls.add_(1)), which the graph updates on every call.")
+        return None
+
+    patches = Patches()
+    try:
+        patches.set(builtins, "print", print_)
+        patches.set(logging.Logger, "_log", log)
+        patches.set(nn.Module, "__setattr__", setattr_)
+        yield replays
+    except BaseException:
+        undo_side_effects(replays)  # a failed trace leaves no count behind
+        raise
+    finally:
+        patches.restore()
