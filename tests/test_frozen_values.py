@@ -44,6 +44,20 @@ def _assert_same_params(a: nn.Module, b: nn.Module) -> None:
     assert worst <= TOL, f"parameters differ by {worst}"
 
 
+def _train_beside_eager(step, body, trained: tuple, reference: tuple, calls: int = 3) -> list:
+    """``calls`` steps of the compiled ``step`` on ``trained`` (model, optim) and of ``body`` eagerly on
+    ``reference``, on the same batches, losses equal each call and parameters at the end; returns the
+    warnings the calls gave."""
+    gen = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(calls):
+            x = torch.randn(4, 12, generator=gen, dtype=F64)
+            assert (step(*trained, x) - body(*reference, x).detach()).abs().item() <= TOL
+    _assert_same_params(trained[0], reference[0])
+    return caught
+
+
 # --- an input laid out otherwise than the traced one -------------------------------------------------
 
 
@@ -95,15 +109,8 @@ def _copied_into_a_new_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 @pytest.mark.parametrize("transformation", [_retraced_taking_a_list, _copied_into_a_new_module])
 def test_a_transformation_returning_another_graph_module_trains_like_eager(transformation):
-    model, optim = _model_and_optim()
-    ref, ref_optim = _model_and_optim()
     step = spmd.compile(gm_transformation=transformation)(train_step)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        x = torch.randn(4, 12, generator=gen, dtype=F64)
-        loss = step(model, optim, x)
-        assert (loss - train_step(ref, ref_optim, x).detach()).abs().item() <= TOL
-    _assert_same_params(model, ref)
+    _train_beside_eager(step, train_step, _model_and_optim(), _model_and_optim())
 
 
 def test_a_transformation_returning_a_callable_of_other_inputs_is_refused_naming_what_to_return():
@@ -193,17 +200,10 @@ def test_an_environment_variable_read_in_the_step_is_warned_about_once_with_its_
     model, optim = _model_and_optim()
     ref, ref_optim = _model_and_optim()
     body = _scaled_step(lambda: float(os.environ.get("SPMD_TEST_LOSS_SCALE", "1")))
-    step = spmd.compile()(body)
-    gen = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        for _ in range(3):
-            x = torch.randn(4, 12, generator=gen, dtype=F64)
-            assert (step(model, optim, x) - body(ref, ref_optim, x).detach()).abs().item() <= TOL
+    caught = _train_beside_eager(spmd.compile()(body), body, (model, optim), (ref, ref_optim))
     said = [w for w in caught if "SPMD_TEST_LOSS_SCALE" in str(w.message)]
     assert len(said) == 1 and said[0].category is RuntimeWarning and said[0].filename == __file__, said
     assert "pass the value as an argument" in str(said[0].message)
-    _assert_same_params(model, ref)
 
 
 # --- Python side effects of the step ---------------------------------------------------------------
@@ -229,18 +229,11 @@ def test_a_counter_counts_every_call_and_a_plain_write_is_named_once():
     torch.manual_seed(0)
     model = Counting()
     ref = copy.deepcopy(model)
-    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
-    step = spmd.compile()(train_step)
-    gen = torch.Generator().manual_seed(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        for _ in range(4):
-            x = torch.randn(4, 12, generator=gen, dtype=F64)
-            assert (step(model, optim, x) - train_step(ref, ref_optim, x).detach()).abs().item() <= TOL
+    optims = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
+    caught = _train_beside_eager(spmd.compile()(train_step), train_step, (model, optims[0]), (ref, optims[1]), 4)
     assert model.calls == ref.calls == 4
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "spmd" in str(w.message)]
     assert len(said) == 1 and "sets Counting.batch" in said[0] and __file__ in said[0], said
-    _assert_same_params(model, ref)
 
 
 def test_print_and_log_records_happen_on_every_call_and_are_named_once(capsys, caplog):
