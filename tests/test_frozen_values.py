@@ -257,3 +257,28 @@ def test_print_and_log_records_happen_on_every_call_and_are_named_once(capsys, c
     assert [r.getMessage() for r in caplog.records if r.name == "user.training"] == ["stage warmup"] * 3
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(said) == 2 and "prints at" in said[0] and "logs at" in said[1], said
+
+
+LOSSES: list = []
+
+
+def test_a_list_the_step_appends_to_is_named_once_at_the_appending_line():
+    model, optim = _model_and_optim()
+
+    def keeps_losses(model, optim, x):
+        loss = model(x).square().mean()
+        LOSSES.append(loss)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    step = spmd.compile()(keeps_losses)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            step(model, optim, torch.randn(4, 12, dtype=F64))
+    said = [w for w in caught if "LOSSES" in str(w.message)]
+    appending = keeps_losses.__code__.co_firstlineno + 2
+    assert len(said) == 1 and (said[0].filename, said[0].lineno) == (__file__, appending), said
+    assert "tensor put there is taken out again" in str(said[0].message) and LOSSES == []

@@ -51,7 +51,7 @@ from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
 from .host_reads import checking_host_reads, user_frame_of, value_read_error
-from .side_effects import recording_side_effects, undo_side_effects
+from .side_effects import recording_side_effects, undo_side_effects, watching_containers
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
@@ -339,6 +339,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     try:
         # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
         with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)), \
+                watching_containers(fn, state.modules), \
                 checking_host_reads(fn, state.modules):  # a number drawn or read at trace would be frozen
             for traces in range(1, len(hyper_values) + 2):
                 with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules(), \

@@ -30,6 +30,7 @@ import functools
 import os
 import random
 import sys
+import threading
 import time
 import types
 import warnings
@@ -61,9 +62,12 @@ def _top(frame) -> str:
     return (frame.f_globals.get("__name__") or "").split(".")[0]
 
 
-def user_frame(plumbing: frozenset = _PLUMBING, depth: int = 2):
+def user_frame(thread: int, plumbing: frozenset = _PLUMBING, depth: int = 2):
     """The frame of the user's code that called into a patched function (the caller ``depth`` frames up, past
-    frames of the modules named in ``plumbing``), or None where a library (``_LIBRARIES``) did."""
+    frames of the modules named in ``plumbing``), or None where a library (``_LIBRARIES``) did, or where the
+    call was made on another thread than ``thread``, the trace's (a data loader's, say)."""
+    if threading.get_ident() != thread:
+        return None
     frame = sys._getframe(depth)
     while frame is not None and (_top(frame) in plumbing or frame.f_globals.get("__name__") in plumbing):
         frame = frame.f_back
@@ -74,22 +78,26 @@ def user_frame(plumbing: frozenset = _PLUMBING, depth: int = 2):
 
 def warn_at(frame, message: str) -> None:
     """A ``RuntimeWarning`` attributed to ``frame``'s line, once per place."""
-    warnings.warn_explicit(message, RuntimeWarning, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"),
-                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    warn_at_line(frame.f_code.co_filename, frame.f_lineno, frame.f_globals, message)
+
+
+def warn_at_line(file: str, line: int, namespace: dict, message: str) -> None:
+    """A ``RuntimeWarning`` attributed to ``file:line`` of the module whose globals are ``namespace``, once."""
+    warnings.warn_explicit(message, RuntimeWarning, file, line, module=namespace.get("__name__"),
+                           registry=namespace.setdefault("__warningregistry__", {}))
 
 
 def user_frame_of(tb: Optional[types.TracebackType]):
     """The innermost frame of the user's code (outside torch, spmd, the libraries they call) in ``tb``, or None."""
     found = None
     while tb is not None:
-        if not _is_library(tb.tb_frame.f_globals.get("__name__") or ""):
+        if not is_library(tb.tb_frame.f_globals.get("__name__") or ""):
             found = tb.tb_frame
         tb = tb.tb_next
     return found
 
 
-def _is_library(module_name: str) -> bool:
+def is_library(module_name: str) -> bool:
     return module_name.split(".")[0] in _LIBRARIES
 
 
@@ -170,7 +178,7 @@ def _user_namespaces(fn: Callable, modules: list[nn.Module]) -> list[dict]:
         for cls in {type(m) for m in module.modules()}:
             for base in cls.__mro__:
                 source = sys.modules.get(base.__module__)
-                if source is not None and not _is_library(base.__module__):
+                if source is not None and not is_library(base.__module__):
                     found.setdefault(id(source.__dict__), source.__dict__)
     return list(found.values())
 
@@ -180,13 +188,14 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
     """Patch the host reads listed in the module docstring for the length of the body (a trace of ``fn`` on
     ``modules``), refusing or warning where the user's code makes one; everything is restored after it."""
     numpy_random = sys.modules.get("numpy.random")
+    thread = threading.get_ident()
     in_optimizer_step = [0]
     replaced: dict[int, Callable] = {}  # id(original) -> its guard, for the names bound in user namespaces
 
     def guard(name: str, original: Callable, error: Callable) -> Callable:
         @functools.wraps(original)
         def guarded(*args, **kwargs):
-            frame = user_frame()
+            frame = user_frame(thread)
             if frame is not None:
                 raise error(name, frame)
             return original(*args, **kwargs)
@@ -195,7 +204,7 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
         return guarded
 
     def environ_read(self, key):
-        frame = user_frame()
+        frame = user_frame(thread)
         if frame is None:
             return original_getitem(self, key)
         try:
@@ -209,7 +218,7 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
     def item(self):
         value = original_item(self)
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and not in_optimizer_step[0]:
-            frame = user_frame()
+            frame = user_frame(thread)
             if frame is not None:
                 raise value_read_error(frame)
         return value

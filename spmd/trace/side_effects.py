@@ -15,6 +15,10 @@ code only: torch and spmd pass through, ``host_reads.user_frame``) and decides p
   caller's bytecode, so a plain ``module.x = value`` is never mistaken for one.
 * any other attribute write on one of the step's modules is said once: a value is set once, at
   trace; a tensor computed in the step is not kept at all (``user_objects`` puts the old one back).
+* a list, dict or set the step changes in place (``losses.append(loss)`` on a global or closure
+  variable of the step, ``self.history.append(...)`` on one of its modules) is said once
+  (``watching_containers``), at the line that changes it where the bytecode names it: the change
+  happens once, at trace, and a tensor put there is taken out again (``user_objects``).
 
 Replays are plain callables (``TracedStep.replays``), run by ``spmd.compile`` after each call but the
 first (every process traces its step, a step whose lowering the compile cache keeps too).
@@ -28,14 +32,16 @@ import dis
 import functools
 import logging
 import sys
+import threading
+import types
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .host_reads import Patches, user_frame, warn_at, where
+from .host_reads import Patches, is_library, user_frame, warn_at, warn_at_line, where
 
 _PLUMBING = frozenset({"logging", __name__})
 _AUGMENTED = {"+=", "-=", "INPLACE_ADD", "INPLACE_SUBTRACT"}  # BINARY_OP's argrepr (3.11+), opnames before
@@ -46,7 +52,6 @@ def _holds_tensor(values: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(values))
 
 
-@functools.lru_cache(maxsize=256)
 def _augmented_at(code, offset: int) -> bool:
     """Whether the attribute store at ``offset`` of ``code`` is ``x.a += ...`` or ``x.a -= ...``."""
     before = None
@@ -81,6 +86,104 @@ def undo_side_effects(replays: list) -> None:
             replay.undo()
 
 
+_MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add",
+             "discard", "sort", "reverse", "__setitem__", "__delitem__"}
+_LARGEST = 10_000  # containers with more items are not watched (a data set, say)
+
+
+def _contents(container: Any) -> Any:
+    return list(container.items()) if isinstance(container, dict) else list(container)
+
+
+def _changed(container: Any, before: list) -> bool:
+    """Whether ``container`` holds other items than ``before`` (``_contents`` of it then), by identity."""
+    now = _contents(container)
+    if isinstance(container, set):
+        return set(map(id, now)) != set(map(id, before))
+    if len(now) != len(before):
+        return True
+    if isinstance(container, dict):
+        return any(k is not j or v is not w for (k, v), (j, w) in zip(now, before))
+    return any(a is not b for a, b in zip(now, before))
+
+
+def _codes(code) -> Iterator:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            yield from _codes(const)
+
+
+def _line_changing(codes: list, name: str) -> Optional[tuple[str, int]]:
+    """(file, line) where one of ``codes`` loads ``name`` and calls a mutating method on it (``name.append``),
+    else where it first loads ``name``, else None."""
+    first = None
+    for code in (c for top in codes for c in _codes(top)):
+        starts = [(offset, line) for offset, line in dis.findlinestarts(code) if line is not None]
+        instructions = list(dis.get_instructions(code))
+        for here, after in zip(instructions, instructions[1:] + [None]):
+            if here.argval != name or not here.opname.startswith("LOAD_"):
+                continue
+            line = max((ln for offset, ln in starts if offset <= here.offset), default=code.co_firstlineno)
+            if after is not None and after.opname.startswith("LOAD_") and after.argval in _MUTATORS:
+                return code.co_filename, line
+            first = first or (code.co_filename, line)
+    return first
+
+
+def _watched(fn: Callable, modules: list[nn.Module]) -> list[tuple]:
+    """(what, name, container, its items now, the code that may change it, that code's globals) for each
+    list, dict or set the step's code names (globals, closure) and each one a step's module holds in a
+    public attribute."""
+    out, seen = [], set()
+
+    def watch(what: str, name: str, value: Any, codes: list, namespace: dict) -> None:
+        if type(value) in (list, dict, set) and id(value) not in seen and len(value) <= _LARGEST:
+            seen.add(id(value))
+            out.append((what, name, value, _contents(value), codes, namespace))
+
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        namespace = getattr(fn, "__globals__", {})
+        for name in {n for c in _codes(code) for n in c.co_names}:
+            if name in namespace:
+                watch(f"the global {name!r}", name, namespace[name], [code], namespace)
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                watch(f"the closure variable {name!r}", name, cell.cell_contents, [code], namespace)
+    for module in {id(m): m for root in modules for m in root.modules()}.values():
+        cls = type(module)
+        own = [base for base in cls.__mro__ if not is_library(base.__module__)]
+        codes = [f.__code__ for base in own for f in vars(base).values() if isinstance(f, types.FunctionType)]
+        namespace = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+        for name, value in vars(module).items():
+            if not name.startswith("_"):
+                watch(f"{cls.__name__}.{name}", name, value, codes, namespace)
+    return out
+
+
+@contextlib.contextmanager
+def watching_containers(fn: Callable, modules: list[nn.Module]) -> Iterator[None]:
+    """Say once, after the body (a trace of ``fn`` on ``modules``) succeeded, which lists, dicts and sets it
+    changed in place (see the module docstring). Enter it inside ``user_objects.untouched``, which then takes
+    the tensors the trace put in them out again."""
+    watched = _watched(fn, modules)
+    yield
+    for what, name, container, before, codes, namespace in watched:
+        if not _changed(container, before):
+            continue
+        file, line = _line_changing(codes, name) or (codes[0].co_filename, codes[0].co_firstlineno) if codes \
+            else ("<unknown>", 0)
+        tensor = ", and the tensor put there is taken out again (it has no value until the step runs)" \
+            if _holds_tensor(_contents(container)) else ""
+        warn_at_line(file, line, namespace,
+                     f"spmd.compile: the step changes {what} ({type(container).__name__}) in place at {file}:{line} "
+                     f"while it is traced: the change happens once, at trace{tensor}; later calls, which run the "
+                     "compiled graph, do not make it. Return the value from the step and change the container "
+                     "outside it: loss = train_step(...); losses.append(loss).")
+
+
 def _print_again(args: tuple, kwargs: dict) -> None:
     builtins.print(*args, **kwargs)
 
@@ -90,11 +193,12 @@ def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[
     """Watch the body (one trace of a step on ``modules``) as the module docstring says; yields the list the
     replays are appended to. Everything patched is put back after the body, succeeded or raised."""
     replays: list[Callable[[], None]] = []
+    thread = threading.get_ident()
     owned = {id(m) for root in modules for m in root.modules()}
     original_print, original_log, original_setattr = builtins.print, logging.Logger._log, nn.Module.__setattr__
 
     def print_(*args, **kwargs):
-        frame = user_frame(_PLUMBING)
+        frame = user_frame(thread, _PLUMBING)
         if frame is not None and not _holds_tensor((args, kwargs)):
             if kwargs.get("file") is sys.stdout:
                 kwargs = {k: v for k, v in kwargs.items() if k != "file"}  # the stdout of the call, not the trace's
@@ -105,7 +209,7 @@ def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[
         return original_print(*args, **kwargs)
 
     def log(self, level, msg, args, *rest, **kwargs):
-        frame = user_frame(_PLUMBING)
+        frame = user_frame(thread, _PLUMBING)
         if frame is not None:
             if _holds_tensor((msg, args)):
                 warn_at(frame, f"spmd.compile: the step logs a tensor at {where(frame)}: while it is traced the "
@@ -119,7 +223,7 @@ def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[
         return original_log(self, level, msg, args, *rest, **kwargs)
 
     def setattr_(self, name, value):
-        frame = user_frame(_PLUMBING) if id(self) in owned else None
+        frame = user_frame(thread, _PLUMBING) if id(self) in owned else None
         if frame is None or isinstance(value, (nn.Module, nn.Parameter)) or name in self._parameters \
                 or name in self._buffers or name in self._modules:
             return original_setattr(self, name, value)
