@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from .._torch_version import FAKE_DEVICE_MISMATCH_TEXTS
 from ..errors import SpmdCompileError
 from ..graph_utils.meta import NAME, ROLE, Role
+from .host_reads import warn_at
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +145,10 @@ def _warn_on_text() -> Iterator[None]:
     def __repr__(self, *args, **kwargs):
         frame = _text_asked_by_user()
         if frame is not None:
-            _warn_at(frame, "spmd.compile: train_step turns a tensor into text (print(loss), str(t), f'{t}') while "
-                     "it is traced: it printed a placeholder (FakeTensor) once, and later calls, which run the "
-                     "compiled graph, print nothing. Return the tensor and print it after the step: "
-                     "loss = train_step(...); print(loss).")
+            warn_at(frame, "spmd.compile: train_step turns a tensor into text (print(loss), str(t), f'{t}') while "
+                    "it is traced: it printed a placeholder (FakeTensor) once, and later calls, which run the "
+                    "compiled graph, print nothing. Return the tensor and print it after the step: "
+                    "loss = train_step(...); print(loss).")
         return torch.Tensor.__repr__(self, *args, **kwargs)
 
     if had_own:  # a newer torch with its own repr: leave it alone
