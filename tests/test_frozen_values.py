@@ -168,6 +168,7 @@ def test_item_used_as_a_number_is_refused_naming_the_line():
         loss = loss * (1.0 + 0.0 * loss.item())
         loss.backward()
         optim.step()
+        optim.zero_grad()
         return loss
 
     step = spmd.compile()(reads_item)

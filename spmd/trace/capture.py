@@ -337,13 +337,14 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     hook = register_optimizer_step_pre_hook(refuse_unknown_optimizer)
     first_hyper = n_params + n_buffers + n_state
     try:
-        # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
+        # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back;
+        # a number drawn or read at trace would be frozen (host_reads); Python effects replay (side_effects)
         with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)), \
-                watching_containers(fn, state.modules), \
-                checking_host_reads(fn, state.modules):  # a number drawn or read at trace would be frozen
+                watching_containers(fn, state.modules), checking_host_reads(fn, state.modules) as value_reads:
             for traces in range(1, len(hyper_values) + 2):
+                value_reads.clear()
                 with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules(), \
-                        recording_side_effects(state.modules) as replays:  # print, logs, counters: spmd.trace.side_effects
+                        recording_side_effects(state.modules) as replays:
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
@@ -351,7 +352,12 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
                 undo_side_effects(replays)  # the next trace counts again
                 _specialise(state, read)  # the graph reads them as numbers: trace again with their values
             log.debug("traced %s %d time(s)", getattr(fn, "__name__", "train_step"), traces)
-            refuse_data_dependent_shapes(impure)  # a hyperparameter read as a number is a symbol until specialised
+            try:
+                refuse_data_dependent_shapes(impure)  # a hyperparameter read as a number is a symbol until specialised
+            except SpmdCompileError:
+                if value_reads:  # the symbol is the value of a tensor the user's code read
+                    raise value_read_error(value_reads[0]) from None
+                raise
     except SpmdCompileError:
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know

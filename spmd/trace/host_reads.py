@@ -11,8 +11,9 @@ and the patched library itself):
   clock read (``time.time``, ``perf_counter``, ``monotonic``, ...) raises ``SpmdCompileError`` naming
   the call, its file:line and the fix (torch's RNG, which the graph draws on every call, or the value
   passed as an argument);
-* ``tensor.item()`` whose value only the running step knows raises alike (a read in an optimizer's
-  ``step`` is a hyperparameter's, which the trace specialises on: ``spmd.trace.capture``);
+* ``tensor.item()`` whose value only the running step knows is refused alike, by the trace, at the
+  user's line (``value_read_error``; a hyperparameter read so is specialised on instead:
+  ``spmd.trace.capture``);
 * an ``os.environ`` / ``os.getenv`` read warns (``RuntimeWarning``), once per place, that the step
   keeps the value read at trace: environment variables are configuration, and library code reading
   one is never refused.
@@ -38,7 +39,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..errors import SpmdCompileError
 
@@ -184,12 +184,14 @@ def _user_namespaces(fn: Callable, modules: list[nn.Module]) -> list[dict]:
 
 
 @contextlib.contextmanager
-def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None]:
+def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list]:
     """Patch the host reads listed in the module docstring for the length of the body (a trace of ``fn`` on
-    ``modules``), refusing or warning where the user's code makes one; everything is restored after it."""
+    ``modules``), refusing or warning where the user's code makes one; everything is restored after it.
+    Yields the frames of the user's ``.item()`` calls whose value is a symbol (``value_read_error``'s
+    place where the traced graph keeps one: a hyperparameter read so is specialised on instead)."""
     numpy_random = sys.modules.get("numpy.random")
     thread = threading.get_ident()
-    in_optimizer_step = [0]
+    value_reads: list = []  # frames of the user's .item() calls whose value only the running step knows
     replaced: dict[int, Callable] = {}  # id(original) -> its guard, for the names bound in user namespaces
 
     def guard(name: str, original: Callable, error: Callable) -> Callable:
@@ -217,21 +219,14 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
 
     def item(self):
         value = original_item(self)
-        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and not in_optimizer_step[0]:
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             frame = user_frame(thread)
             if frame is not None:
-                raise value_read_error(frame)
+                value_reads.append(frame)
         return value
-
-    def enter(*_):
-        in_optimizer_step[0] += 1
-
-    def leave(*_):
-        in_optimizer_step[0] -= 1
 
     original_getitem, original_item = _ENVIRON_TYPE.__getitem__, torch.Tensor.item
     patches = Patches()
-    handles = []
     try:
         for name in _CLOCKS:
             if hasattr(time, name):
@@ -253,9 +248,6 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[None
                     patches.set(namespace, name, replaced[id(value)])
         patches.set(_ENVIRON_TYPE, "__getitem__", environ_read)
         patches.set(torch.Tensor, "item", item)
-        handles = [register_optimizer_step_pre_hook(enter), register_optimizer_step_post_hook(leave)]
-        yield
+        yield value_reads
     finally:
-        for handle in handles:
-            handle.remove()
         patches.restore()
