@@ -310,13 +310,16 @@ TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")  # of a tensor the
 INPUT_FIELDS = (*TENSOR_FIELDS, "strides")  # of a tensor the step is called with: its layout too
 
 
-def input_strides(t: torch.Tensor) -> Optional[tuple]:
-    """An input's layout as a graph specialises on it: None for a contiguous tensor, else its strides (0
-    where a dimension has one element, whose stride no kernel reads). A view made in the graph of a
-    contiguous batch (``x.reshape``, traced as ``aten.view``) cannot view a transposed one."""
-    if t.is_contiguous():
-        return None
-    return tuple(s if n > 1 else 0 for s, n in zip(t.stride(), t.shape))
+def input_strides(t: torch.Tensor) -> Any:
+    """An input's layout as a graph specialises on it: "contiguous", else its strides (0 where a dimension
+    has one element, whose stride no kernel reads); a DTensor's local tensor's. A view made in the graph of
+    a contiguous batch (``x.reshape``, traced as ``aten.view``) cannot view a transposed one."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if local.layout != torch.strided:
+        return str(local.layout)
+    if local.is_contiguous():
+        return "contiguous"
+    return tuple(s if n > 1 else 0 for s, n in zip(local.stride(), local.shape))
 
 
 def tensor_signature(t: torch.Tensor) -> tuple:
