@@ -236,8 +236,8 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list
                 patches.set(random, name, guard(f"random.{name}", getattr(random, name), _frozen_draw))
                 patches.set(random.Random, name, guard(f"random.Random.{name}", getattr(random.Random, name),
                                                        _frozen_draw))
-        if numpy_random is not None:
-            draws = numpy_random.mtrand._rand
+        draws = getattr(getattr(numpy_random, "mtrand", None), "_rand", None)  # the legacy global RandomState
+        if draws is not None:
             for name in dir(numpy_random):
                 value = getattr(numpy_random, name)
                 if getattr(value, "__self__", None) is draws and name not in _NOT_DRAWS:
