@@ -125,17 +125,30 @@ def test_a_transformation_returning_a_callable_of_other_inputs_is_refused_naming
 # --- numbers the step reads from the host ------------------------------------------------------------
 
 
-def _scaled_step(draw):
-    """A step whose loss is scaled by ``draw()``, a Python number read inside the step."""
+def _step_doing(effect):
+    """A step that passes its loss through ``effect`` (Python code of the user's) before backward."""
 
     def step(model, optim, x):
-        loss = model(x).square().mean() * draw()
+        loss = effect(model(x).square().mean())
         loss.backward()
         optim.step()
         optim.zero_grad()
         return loss
 
     return step
+
+
+def _scaled_step(draw):
+    """A step whose loss is scaled by ``draw()``, a Python number read inside the step."""
+    return _step_doing(lambda loss: loss * draw())
+
+
+def _warnings_of_calls(step, model, optim, calls: int = 3) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(calls):
+            step(model, optim, torch.randn(4, 12, dtype=F64))
+    return caught
 
 
 @pytest.mark.parametrize("draw, named", [
@@ -238,22 +251,12 @@ def test_a_counter_counts_every_call_and_a_plain_write_is_named_once():
 
 
 def test_print_and_log_records_happen_on_every_call_and_are_named_once(capsys, caplog):
-    model, optim = _model_and_optim()
-
-    def logged_step(model, optim, x):
-        loss = model(x).square().mean()
+    def report(loss):
         print("step done")
         logging.getLogger("user.training").warning("stage %s", "warmup")
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
         return loss
 
-    step = spmd.compile()(logged_step)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        for _ in range(3):
-            step(model, optim, torch.randn(4, 12, dtype=F64))
+    caught = _warnings_of_calls(spmd.compile()(_step_doing(report)), *_model_and_optim())
     assert capsys.readouterr().out.count("step done") == 3
     assert [r.getMessage() for r in caplog.records if r.name == "user.training"] == ["stage warmup"] * 3
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
@@ -264,22 +267,12 @@ LOSSES: list = []
 
 
 def test_a_list_the_step_appends_to_is_named_once_at_the_appending_line():
-    model, optim = _model_and_optim()
-
-    def keeps_losses(model, optim, x):
-        loss = model(x).square().mean()
+    def keep(loss):
         LOSSES.append(loss)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
         return loss
 
-    step = spmd.compile()(keeps_losses)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("default")
-        for _ in range(3):
-            step(model, optim, torch.randn(4, 12, dtype=F64))
+    caught = _warnings_of_calls(spmd.compile()(_step_doing(keep)), *_model_and_optim())
     said = [w for w in caught if "LOSSES" in str(w.message)]
-    appending = keeps_losses.__code__.co_firstlineno + 2
+    appending = keep.__code__.co_firstlineno + 1
     assert len(said) == 1 and (said[0].filename, said[0].lineno) == (__file__, appending), said
     assert "tensor put there is taken out again" in str(said[0].message) and LOSSES == []

@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .host_reads import Patches, is_library, user_frame, warn_at, warn_at_line, where
+from .user_objects import named_references
 
 _PLUMBING = frozenset({"logging", __name__})
 _AUGMENTED = {"+=", "-=", "INPLACE_ADD", "INPLACE_SUBTRACT"}  # BINARY_OP's argrepr (3.11+), opnames before
@@ -133,8 +134,8 @@ def _line_changing(codes: list, name: str) -> Optional[tuple[str, int]]:
 
 def _watched(fn: Callable, modules: list[nn.Module]) -> list[tuple]:
     """(what, name, container, its items now, the code that may change it, that code's globals) for each
-    list, dict or set the step's code names (globals, closure) and each one a step's module holds in a
-    public attribute."""
+    list, dict or set the step's code, or a function of the user's it names, names (globals, closure) and
+    each one a step's module holds in a public attribute."""
     out, seen = [], set()
 
     def watch(what: str, name: str, value: Any, codes: list, namespace: dict) -> None:
@@ -142,16 +143,8 @@ def _watched(fn: Callable, modules: list[nn.Module]) -> list[tuple]:
             seen.add(id(value))
             out.append((what, name, value, _contents(value), codes, namespace))
 
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        namespace = getattr(fn, "__globals__", {})
-        for name in {n for c in _codes(code) for n in c.co_names}:
-            if name in namespace:
-                watch(f"the global {name!r}", name, namespace[name], [code], namespace)
-        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-            with contextlib.suppress(ValueError):  # an empty cell
-                watch(f"the closure variable {name!r}", name, cell.cell_contents, [code], namespace)
+    for what, name, value, code, namespace in named_references(fn):
+        watch(what, name, value, [code], namespace)
     for module in {id(m): m for root in modules for m in root.modules()}.values():
         cls = type(module)
         own = [base for base in cls.__mro__ if not is_library(base.__module__)]
