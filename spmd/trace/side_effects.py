@@ -125,7 +125,7 @@ def _line_changing(codes: list, name: str) -> Optional[tuple[str, int]]:
         for here, after in zip(instructions, instructions[1:] + [None]):
             if here.argval != name or not here.opname.startswith("LOAD_"):
                 continue
-            line = max((ln for offset, ln in starts if offset <= here.offset), default=code.co_firstlineno)
+            line = max(((o, ln) for o, ln in starts if o <= here.offset), default=(0, code.co_firstlineno))[1]
             if after is not None and after.opname.startswith("LOAD_") and after.argval in _MUTATORS:
                 return code.co_filename, line
             first = first or (code.co_filename, line)
@@ -175,6 +175,13 @@ def watching_containers(fn: Callable, modules: list[nn.Module]) -> Iterator[None
                      f"while it is traced: the change happens once, at trace{tensor}; later calls, which run the "
                      "compiled graph, do not make it. Return the value from the step and change the container "
                      "outside it: loss = train_step(...); losses.append(loss).")
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Whether writing ``new`` over ``old`` changes nothing a later call could see (the same object, or an equal
+    number, string or None)."""
+    plain = (int, float, str, bool, type(None))
+    return old is new or (type(old) is type(new) and isinstance(new, plain) and old == new)
 
 
 def _print_again(args: tuple, kwargs: dict) -> None:
@@ -231,7 +238,7 @@ def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[
                     "compiled step cannot keep it there (the attribute keeps the value it had before the step). "
                     "Return the tensor from the step instead, or register a buffer and update it in place "
                     f"(self.{name}.copy_(...)), which the graph does on every call.")
-        elif old is _MISSING or old is not value:
+        elif old is _MISSING or not _same(old, value):
             warn_at(frame, f"spmd.compile: the step sets {what} at {where(frame)} while it is traced: it is set "
                     "once, at trace, and later calls, which run the compiled graph, do not set it again. Set it "
                     "outside the step, or keep it in a buffer updated in place (self.register_buffer(name, tensor), "
