@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import functools
+import inspect
 import itertools
 import logging
 import time
@@ -206,7 +207,7 @@ class CompiledTrainStep:
                 traced_at = time.perf_counter()
                 with phase("transform"):
                     runner = transformation(gm)
-                _check_runner(transformation, runner)
+                runner = _runner_for(transformation, runner, len(gm.graph.find_nodes(op="placeholder")))
         except BaseException:
             undo_created(created)
             raise
@@ -217,7 +218,7 @@ class CompiledTrainStep:
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
         entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
                              first_step=first_step_slots(state, created), grads=traced.grads,
-                             dtensors=traced.dtensors)
+                             dtensors=traced.dtensors, replays=traced.replays)
         return entry, state, created
 
     def _load_or_compile(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState, list]:
@@ -403,9 +404,13 @@ class CompiledTrainStep:
                 out = entry.runner(*flat, last_iter=last_train_step)
             else:
                 out = entry.runner(*flat)
-        if first_run:
-            entry.finished_run()
         out = list(out)
+        if first_run:
+            _check_outputs(self.gm_transformation, entry, len(out))
+            entry.finished_run()
+        else:  # the trace made them for the first call (spmd.trace.side_effects)
+            for replay in entry.replays:
+                replay()
         grads = entry.grads
         if grads:
             n = len(out) - len(grads.outputs)
@@ -577,14 +582,69 @@ def _check_optimizers_follow_modules(modules: list[nn.Module], optimizers: list)
             )
 
 
-def _check_runner(transformation: Callable, runner: Any) -> None:
-    """Refuse a transformation's result that cannot run the step, before the step is cached or runs."""
+def _runner_for(transformation: Callable, runner: Any, n_inputs: int) -> Callable:
+    """What runs the step, called with its ``n_inputs`` graph inputs positionally, from what ``transformation``
+    returned: ``runner`` itself, or for an ``fx.GraphModule`` that takes them in another structure (one made
+    by ``make_fx(lambda inputs: gm(*inputs))`` takes one list) a call that builds that structure. Anything else
+    that cannot take them is refused (``SpmdConfigError``) before the step is cached or runs."""
+    name = getattr(transformation, "__name__", type(transformation).__name__)
+    must = ("It must return what runs the step on the graph's inputs, passed positionally as the GraphModule it was "
+            "given takes them: that GraphModule (edited or not), an IterGraphModule, another fx.GraphModule with "
+            "the same placeholders, or a compiled callable taking the same inputs.")
     if not callable(runner):
-        name = getattr(transformation, "__name__", type(transformation).__name__)
         raise SpmdConfigError(
             f"spmd.compile: gm_transformation {name} returned {type(runner).__name__} {runner!r}, not a callable. "
-            "It must return what runs the step: the fx.GraphModule it was given (edited or not), an "
-            "IterGraphModule, or a compiled callable taking the same inputs.")
+            + must)
+    if isinstance(runner, IterGraphModule):
+        return runner
+    if isinstance(runner, fx.GraphModule):
+        taken = sum(1 for _ in runner.graph.find_nodes(op="placeholder"))
+        in_spec = getattr(getattr(runner.graph._codegen, "pytree_info", None), "in_spec", None)
+        if in_spec is not None and in_spec.num_leaves == n_inputs and not _takes_positionally(runner, n_inputs):
+            return functools.partial(_call_structured, runner, in_spec)
+        if taken != n_inputs:
+            raise SpmdConfigError(
+                f"spmd.compile: gm_transformation {name} returned an fx.GraphModule with {taken} inputs "
+                f"(placeholders), where the step has {n_inputs}. " + must)
+    if not _takes_positionally(runner, n_inputs):
+        raise SpmdConfigError(
+            f"spmd.compile: gm_transformation {name} returned {type(runner).__name__} {runner!r}, which cannot be "
+            f"called with the step's {n_inputs} graph inputs. " + must)
+    return runner
+
+
+def _check_outputs(transformation: Optional[Callable], entry: CompiledStep, returned: int) -> None:
+    """Refuse, on the first run, a runner that returned another number of values than the step's graph."""
+    expected = entry.out_spec.num_leaves + len(entry.grads.outputs if entry.grads else ())
+    if returned != expected:
+        name = getattr(transformation, "__name__", type(transformation).__name__)
+        raise SpmdConfigError(
+            f"spmd.compile: what gm_transformation {name} returned gave {returned} values where the step's graph "
+            f"returns {expected}. It must return what runs the step and returns the graph's outputs, flat, in order "
+            "(as the fx.GraphModule it was given does).")
+
+
+def _takes_positionally(runner: Callable, n: int) -> bool:
+    """Whether ``runner``'s signature accepts ``n`` positional arguments (True where it has none to read)."""
+    try:
+        signature = inspect.signature(runner.forward if isinstance(runner, nn.Module) else runner)
+    except (TypeError, ValueError):  # a builtin or extension callable: its call will tell
+        return True
+    try:
+        signature.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def _call_structured(runner: fx.GraphModule, in_spec: pytree.TreeSpec, *flat: Any) -> Any:
+    """``runner`` called with ``flat``, the graph's inputs, arranged as its ``in_spec`` says: its positional
+    arguments, or ``(args, kwargs)``."""
+    structured = pytree.tree_unflatten(list(flat), in_spec)
+    if (in_spec.type is tuple and in_spec.num_children == 2 and in_spec.child(0).type is tuple
+            and in_spec.child(1).type is dict):
+        return runner(*structured[0], **structured[1])
+    return runner(*structured)
 
 
 def compile(module_override: Optional[Sequence] = None, gm_transformation: Optional[Callable] = None,

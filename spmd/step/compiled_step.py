@@ -40,6 +40,7 @@ class CompiledStep:
     grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.trace.accumulation)
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.trace.step_outputs)
     cache_digest: Optional[str] = None  # its key in the compile cache (``spmd.step.cache_key``), where it has one
+    replays: list = field(default_factory=list)  # Python side effects run after each call but the first (side_effects)
     lowered: bool = False  # ``lower`` ran: calls only run ``runner`` from then on
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
 

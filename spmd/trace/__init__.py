@@ -3,7 +3,10 @@
 ``capture`` runs the step once on fake tensors and functionalizes it (``direct_functionalize`` when
 the optimizer's writes are its only mutations); ``step_state`` lays out what the step owns (modules,
 optimizers, their tensors) as the graph's inputs; ``user_objects`` leaves the user's objects as tracing
-found them. Hyperparameters enter as inputs through ``spmd.optim``, which the tracer calls.
+found them; ``host_reads`` refuses (or, for environment variables, names) the Python values a trace would
+freeze (``random``, ``numpy.random``, clocks, ``.item()``) and ``side_effects`` replays the step's
+prints, log records and counters on every call, naming once those it cannot replay. Hyperparameters
+enter as inputs through ``spmd.optim``, which the tracer calls.
 Hands the traced graph to ``spmd.parallel`` for expansion (``spmd.checks``' optimizer probe traces
 each optimizer alone through it first).
 """

@@ -50,6 +50,8 @@ from ..optim.hyperparams import HyperMode, TracedHyper, hyper_items, learned, tr
 from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
+from .host_reads import checking_host_reads, user_frame_of, value_read_error
+from .side_effects import recording_side_effects, undo_side_effects, watching_containers
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
@@ -72,6 +74,7 @@ class TracedStep:
     out_spec: pytree.TreeSpec
     grads: GradPlan = field(default_factory=GradPlan)  # the gradients it takes and leaves (``spmd.trace.accumulation``)
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.trace.step_outputs``)
+    replays: list = field(default_factory=list)  # Python side effects to run after each later call (side_effects)
 
 
 @contextlib.contextmanager
@@ -150,22 +153,13 @@ def _grad_spec(param: torch.Tensor):
     return param.grad._spec if isinstance(param.grad, DTensor) else None
 
 
-def _data_dependent_error() -> SpmdCompileError:
-    """A fresh error each time: a shared instance would collect every raise's traceback."""
-    return SpmdCompileError(
-        "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
-        "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
-        "with tensor ops (torch.where), return the tensor itself, or move it outside train_step."
-    )
-
-
 def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
     """Turn the errors torch raises for untraceable steps into ones that name the fix."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
 
     text = str(err)
     if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
-        return _data_dependent_error()
+        return value_read_error(user_frame_of(err.__traceback__))
     no_kernel = ("no fake impl or Meta kernel", "attempted to run this operator with Meta", "no fake impl registered")
     if isinstance(err, UnsupportedOperatorException) or any(t in text for t in no_kernel):
         op = getattr(err, "func", None) or (text.split("for <CustomOpDef(", 1)[1].split(")", 1)[0]
@@ -263,13 +257,14 @@ ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 
 def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                        mode_context: ModeContext | None = None, found_inf_group: Optional[ProcessGroup] = None,
-                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan, dict]:
+                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan, dict, list]:
     """Stage 1: ``fn(*args, **kwargs)`` as a graph of aten ops, some in place (see the module docstring).
 
     Returns the graph, the spec of ``fn``'s flattened return value, the graph's inputs
     (parameters, buffers, optimizer state, hyperparameters, user tensors, gradients held on
     entry), the ``GradPlan`` (``spmd.trace.accumulation``) and the DTensor specs of the outputs
-    (``spmd.trace.step_outputs``). Running the graph
+    (``spmd.trace.step_outputs``) and the Python side effects to replay (``spmd.trace.side_effects``).
+    Running the graph
     on the real tensors performs the step. ``mode_context(params)``, given the traced
     parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
     mode's hooks (default: none). ``found_inf_group``: the group over which the step's GradScalers
@@ -319,7 +314,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         flat_out, out_spec = pytree.tree_flatten(out)
         out_holder["spec"], out_holder["grads"] = out_spec, plan
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
-            raise _data_dependent_error()
+            raise value_read_error()
         values, out_holder["dtensors"] = graph_outputs(flat_out, getattr(fn, "__name__", "train_step"))
         return values + [g.detach() for g in left]
 
@@ -342,17 +337,27 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     hook = register_optimizer_step_pre_hook(refuse_unknown_optimizer)
     first_hyper = n_params + n_buffers + n_state
     try:
-        # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
-        with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)):
+        # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back;
+        # a number drawn or read at trace would be frozen (host_reads); Python effects replay (side_effects)
+        with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)), \
+                watching_containers(fn, state.modules), checking_host_reads(fn, state.modules) as value_reads:
             for traces in range(1, len(hyper_values) + 2):
-                with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
+                value_reads.clear()
+                with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules(), \
+                        recording_side_effects(state.modules) as replays:
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
                     break
+                undo_side_effects(replays)  # the next trace counts again
                 _specialise(state, read)  # the graph reads them as numbers: trace again with their values
             log.debug("traced %s %d time(s)", getattr(fn, "__name__", "train_step"), traces)
-            refuse_data_dependent_shapes(impure)  # a hyperparameter read as a number is a symbol until specialised
+            try:
+                refuse_data_dependent_shapes(impure)  # a hyperparameter read as a number is a symbol until specialised
+            except SpmdCompileError:
+                if value_reads:  # the symbol is the value of a tensor the user's code read
+                    raise value_read_error(value_reads[0]) from None
+                raise
     except SpmdCompileError:
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know
@@ -364,7 +369,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         hook.remove()
 
     return (impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)], out_holder["grads"],
-            out_holder["dtensors"])
+            out_holder["dtensors"], replays)
 
 
 @reporting  # torch's errors for untraceable steps in the user's terms (spmd.trace.trace_errors)
@@ -375,8 +380,8 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
 
     ``mode_context`` and ``found_inf_group``: see ``capture_train_step``.
     """
-    impure, out_spec, flat_inputs, grads, dtensors = capture_train_step(fn, state, args, kwargs, mode_context,
-                                                                        found_inf_group)
+    impure, out_spec, flat_inputs, grads, dtensors, replays = capture_train_step(fn, state, args, kwargs,
+                                                                                mode_context, found_inf_group)
 
     def replay(*flat):
         return _FunctionalFusedOptim(impure).run(*flat)
@@ -402,4 +407,4 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
     pure.meta[LEAVES_GRADS] = bool(grads.outputs)
-    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors)
+    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors, replays=replays)

@@ -306,27 +306,40 @@ def training_modes(modules: list[nn.Module]) -> tuple[bool, ...]:
     return tuple(m.training for mod in modules for m in mod.modules())
 
 
-TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")
+TENSOR_FIELDS = ("shape", "dtype", "device", "requires_grad")  # of a tensor the state holds: attributes
+INPUT_FIELDS = (*TENSOR_FIELDS, "strides")  # of a tensor the step is called with: its layout too
+
+
+def input_strides(t: torch.Tensor) -> Any:
+    """An input's layout as a graph specialises on it: "contiguous", else its strides (0 where a dimension
+    has one element, whose stride no kernel reads); a DTensor's local tensor's. A view made in the graph of
+    a contiguous batch (``x.reshape``, traced as ``aten.view``) cannot view a transposed one."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if local.layout != torch.strided:
+        return str(local.layout)
+    if local.is_contiguous():
+        return "contiguous"
+    return tuple(s if n > 1 else 0 for s, n in zip(local.stride(), local.shape))
 
 
 def tensor_signature(t: torch.Tensor) -> tuple:
-    """What a graph specialises on in one input tensor, as a plain tuple of ``TENSOR_FIELDS``
+    """What a graph specialises on in one input tensor, as a plain tuple of ``INPUT_FIELDS``
     (built for every tensor on every call, so as cheap as it gets)."""
-    return tuple(t.shape), t.dtype, t.device, t.requires_grad
+    return tuple(t.shape), t.dtype, t.device, t.requires_grad, input_strides(t)
 
 
 def held_tensor_signature(t: torch.Tensor) -> tuple:
-    """``tensor_signature`` of a tensor the step's state holds: for a DTensor, its local tensor's
-    shape, dtype and device (the graph input) and the DTensor's own ``requires_grad`` (what the
-    step reads: a frozen sharded parameter gets no gradient; its local tensor never requires one)."""
-    if isinstance(t, DTensor):
-        local = t._local_tensor
-        return tuple(local.shape), local.dtype, local.device, t.requires_grad
-    return tensor_signature(t)
+    """What a graph specialises on in a tensor the step's state holds, a plain tuple of ``TENSOR_FIELDS``:
+    for a DTensor, its local tensor's shape, dtype and device (the graph input) and the DTensor's own
+    ``requires_grad`` (what the step reads: a frozen sharded parameter gets no gradient; its local
+    tensor never requires one)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return tuple(local.shape), local.dtype, local.device, t.requires_grad
 
 
 def _is_tensor_signature(value: Any) -> bool:
-    return isinstance(value, tuple) and len(value) == len(TENSOR_FIELDS) and isinstance(value[1], torch.dtype)
+    return (isinstance(value, tuple) and len(value) in (len(TENSOR_FIELDS), len(INPUT_FIELDS))
+            and isinstance(value[1], torch.dtype))
 
 
 def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -341,7 +354,7 @@ def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         elif old[name] != value:
             before = old[name]
             if _is_tensor_signature(value) and _is_tensor_signature(before):
-                out += [f"{name} {field} {a} -> {b}" for field, a, b in zip(TENSOR_FIELDS, before, value) if a != b]
+                out += [f"{name} {field} {a} -> {b}" for field, a, b in zip(INPUT_FIELDS, before, value) if a != b]
             else:
                 out.append(f"{name} changed {before} -> {value}")
     out += [f"{name} is gone" for name in old if name not in new]

@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from .._torch_version import FAKE_DEVICE_MISMATCH_TEXTS
 from ..errors import SpmdCompileError
 from ..graph_utils.meta import NAME, ROLE, Role
+from .host_reads import warn_at
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,8 @@ def translated(translator: Callable[[BaseException], Optional[SpmdCompileError]]
 
 _LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
 _TEXT_PLUMBING = tuple(os.path.join(os.path.dirname(torch.__file__), f) for f in ("_tensor.py", "_tensor_str.py",
-                                                                                    "overrides.py"))
+                                                                                    "overrides.py")) + (
+    os.path.join(os.path.dirname(__file__), "side_effects.py"),)  # its print, which calls the builtin
 
 
 def _warn_at(frame, message: str) -> None:
@@ -143,10 +145,10 @@ def _warn_on_text() -> Iterator[None]:
     def __repr__(self, *args, **kwargs):
         frame = _text_asked_by_user()
         if frame is not None:
-            _warn_at(frame, "spmd.compile: train_step turns a tensor into text (print(loss), str(t), f'{t}') while "
-                     "it is traced: it printed a placeholder (FakeTensor) once, and later calls, which run the "
-                     "compiled graph, print nothing. Return the tensor and print it after the step: "
-                     "loss = train_step(...); print(loss).")
+            warn_at(frame, "spmd.compile: train_step turns a tensor into text (print(loss), str(t), f'{t}') while "
+                    "it is traced: it printed a placeholder (FakeTensor) once, and later calls, which run the "
+                    "compiled graph, print nothing. Return the tensor and print it after the step: "
+                    "loss = train_step(...); print(loss).")
         return torch.Tensor.__repr__(self, *args, **kwargs)
 
     if had_own:  # a newer torch with its own repr: leave it alone

@@ -37,18 +37,39 @@ def _code_names(code: types.CodeType) -> Iterator[str]:
             yield from _code_names(const)
 
 
+def _is_library(fn: Callable) -> bool:
+    return (getattr(fn, "__module__", None) or "").split(".")[0] in ("torch", "spmd")
+
+
+def named_references(fn: Callable) -> Iterator[tuple[str, str, Any, types.CodeType, dict]]:
+    """(what, name, value, the code naming it, that code's globals) for each global and closure variable that
+    ``fn``'s code names, and in turn each user function it names does (a helper appending to a global list),
+    e.g. ``("the global 'losses'", "losses", [...], code, globals)``. torch's and spmd's functions are not
+    followed."""
+    functions, visited = [getattr(fn, "__func__", fn)], set()
+    while functions:
+        fn = functions.pop()
+        code = getattr(fn, "__code__", None)
+        if code is None or id(fn) in visited or _is_library(fn):
+            continue
+        visited.add(id(fn))
+        namespace = getattr(fn, "__globals__", {})
+        named = [(f"the global {n!r}", n, namespace[n]) for n in sorted(set(_code_names(code))) if n in namespace]
+        for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                named.append((f"the closure variable {name!r}", name, cell.cell_contents))
+        for what, name, value in named:
+            yield what, name, value, code, namespace
+            if isinstance(value, types.FunctionType):
+                functions.append(value)
+
+
 def _referenced(fn: Callable) -> Iterator[Any]:
-    """What ``fn`` reaches without being passed it: its closure, the globals its code names, its ``self``."""
+    """What ``fn`` reaches without being passed it: its ``self``, its closure and the globals its code names,
+    and theirs for each user function among them (``named_references``)."""
     yield getattr(fn, "__self__", None)
-    fn = getattr(fn, "__func__", fn)
-    for cell in getattr(fn, "__closure__", None) or ():
-        with contextlib.suppress(ValueError):  # an empty cell
-            yield cell.cell_contents
-    code, namespace = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
-    if code is not None:
-        for name in set(_code_names(code)):
-            if name in namespace:
-                yield namespace[name]
+    for _, _, value, _, _ in named_references(fn):
+        yield value
 
 
 def reachable_objects(fn: Callable, args: tuple, kwargs: dict, modules: list[nn.Module],

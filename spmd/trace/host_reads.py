@@ -1,0 +1,253 @@
+"""Values the step reads from the host while it is traced, which a compiled step would freeze.
+
+The trace runs the user's step once; whatever Python value it computes then is a constant of the
+graph. Eager draws a new ``random.random()`` or ``numpy.random.rand()`` on every call, reads the
+clock anew, and reads a tensor's value with ``.item()`` after computing it. ``checking_host_reads``
+patches those functions for the length of the trace (restoring them after it, succeeded or
+raised) and, where the call comes from the user's code (the innermost frame outside torch, spmd
+and the patched library itself):
+
+* a draw from ``random`` or ``numpy.random`` (module functions and ``random.Random`` instances) or a
+  clock read (``time.time``, ``perf_counter``, ``monotonic``, ...) raises ``SpmdCompileError`` naming
+  the call, its file:line and the fix (torch's RNG, which the graph draws on every call, or the value
+  passed as an argument);
+* ``tensor.item()`` whose value only the running step knows is refused alike, by the trace, at the
+  user's line (``value_read_error``; a hyperparameter read so is specialised on instead:
+  ``spmd.trace.capture``);
+* an ``os.environ`` / ``os.getenv`` read warns (``RuntimeWarning``), once per place, that the step
+  keeps the value read at trace: environment variables are configuration, and library code reading
+  one is never refused.
+
+Names the step's module, or a model class's module, bound to one of these functions before the trace
+(``from time import time``) are patched in those namespaces too. Calls made from torch or spmd (their
+own timers, RNG seeding) pass through untouched. Not seen: ``numpy.random.Generator`` and
+``RandomState`` instances, ``datetime.now()`` (C types that cannot be patched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+import sys
+import threading
+import time
+import types
+import warnings
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from ..errors import SpmdCompileError
+
+_CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time",
+           "process_time_ns", "thread_time", "thread_time_ns")
+_RANDOM = ("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
+           "normalvariate", "lognormvariate", "expovariate", "vonmisesvariate", "gammavariate", "betavariate",
+           "paretovariate", "weibullvariate", "triangular", "getrandbits", "randbytes", "binomialvariate")
+_NOT_DRAWS = {"seed", "get_state", "set_state", "get_bit_generator", "set_bit_generator"}
+_ENVIRON_TYPE = type(os.environ)
+
+
+# torch, spmd and what torch itself calls (sympy draws from ``random`` while torch reasons about shapes)
+_LIBRARIES = frozenset({"torch", "spmd", "functorch", "sympy", "mpmath", "networkx", "triton", "filelock", "jinja2",
+                        "fsspec", "typing_extensions"}) | frozenset(sys.stdlib_module_names)
+# the patched functions' own modules: a call between them is one call of the caller's
+_PLUMBING = frozenset({"random", "os", "collections", "numpy", __name__})  # _collections_abc is "collections.abc"
+
+
+def _top(frame) -> str:
+    return (frame.f_globals.get("__name__") or "").split(".")[0]
+
+
+def user_frame(thread: int, plumbing: frozenset = _PLUMBING, depth: int = 2):
+    """The frame of the user's code that called into a patched function (the caller ``depth`` frames up, past
+    frames of the modules named in ``plumbing``), or None where a library (``_LIBRARIES``) did, or where the
+    call was made on another thread than ``thread``, the trace's (a data loader's, say)."""
+    if threading.get_ident() != thread:
+        return None
+    frame = sys._getframe(depth)
+    while frame is not None and (_top(frame) in plumbing or frame.f_globals.get("__name__") in plumbing):
+        frame = frame.f_back
+    if frame is None or _top(frame) in _LIBRARIES:
+        return None
+    return frame
+
+
+def warn_at(frame, message: str) -> None:
+    """A ``RuntimeWarning`` attributed to ``frame``'s line, once per place."""
+    warn_at_line(frame.f_code.co_filename, frame.f_lineno, frame.f_globals, message)
+
+
+def warn_at_line(file: str, line: int, namespace: dict, message: str) -> None:
+    """A ``RuntimeWarning`` attributed to ``file:line`` of the module whose globals are ``namespace``, once."""
+    warnings.warn_explicit(message, RuntimeWarning, file, line, module=namespace.get("__name__"),
+                           registry=namespace.setdefault("__warningregistry__", {}))
+
+
+def user_frame_of(tb: Optional[types.TracebackType]):
+    """The innermost frame of the user's code (outside torch, spmd, the libraries they call) in ``tb``, or None."""
+    found = None
+    while tb is not None:
+        if not is_library(tb.tb_frame.f_globals.get("__name__") or ""):
+            found = tb.tb_frame
+        tb = tb.tb_next
+    return found
+
+
+def is_library(module_name: str) -> bool:
+    return module_name.split(".")[0] in _LIBRARIES
+
+
+def where(frame) -> str:
+    """``file:line (in function)`` of ``frame``."""
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} (in {frame.f_code.co_name})"
+
+
+def _frozen_draw(name: str, frame) -> SpmdCompileError:
+    return SpmdCompileError(
+        f"spmd.compile: the step calls {name} at {where(frame)} while it is traced: the compiled step would "
+        "keep the number drawn then and use it on every call, where eager draws a new one each call. Draw it "
+        "with torch's RNG, which the graph draws anew on every call (e.g. torch.rand(()) or "
+        "torch.randint(0, n, (), generator=g)), or draw it outside the step and pass it as an argument "
+        "(a 0-dim tensor, which does not retrace when it changes).")
+
+
+def _frozen_clock(name: str, frame) -> SpmdCompileError:
+    return SpmdCompileError(
+        f"spmd.compile: the step calls {name} at {where(frame)} while it is traced: the compiled step would "
+        "keep the time read then on every call. Read the clock outside the step (t0 = time.time(); "
+        "loss = train_step(...); elapsed = time.time() - t0), or pass the value as an argument (a 0-dim "
+        "tensor, which does not retrace when it changes).")
+
+
+def value_read_error(frame=None) -> SpmdCompileError:
+    """The step reads a tensor's value as a Python value (``frame``: where, if known). A fresh error each
+    time: a shared instance would collect every raise's traceback."""
+    at = f" at {where(frame)}" if frame is not None else ""
+    return SpmdCompileError(
+        f"spmd.compile: train_step branches on or reads the value of a tensor{at} (e.g. `if loss > 0`, "
+        "`loss.item()`, `float(t)`), a value only the running step knows, which a whole-step graph cannot capture. "
+        "Compute the decision with tensor ops (torch.where), keep the value a tensor (loss * t, not "
+        "loss * t.item()), return the tensor itself, or move it outside train_step.")
+
+
+def _warn_environ(key: str, value: str, frame) -> None:
+    """Warn once per place that the step read environment variable ``key`` at trace."""
+    warn_at(frame, f"spmd.compile: the step reads the environment variable {key!r} ({value}) while it is traced: "
+            "the compiled step keeps what it computed from that value, and later calls do not read it again. Read "
+            "it outside the step and pass the value as an argument (a number retraces when it changes; a 0-dim "
+            "tensor does not).")
+
+
+class Patches:
+    """Attributes replaced for the trace, put back by ``restore`` (the ones a class had not are deleted)."""
+
+    def __init__(self):
+        self._saved: list[tuple[Any, str, bool, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        namespace = owner if isinstance(owner, dict) else vars(owner)
+        self._saved.append((owner, name, name in namespace, namespace.get(name)))
+        if isinstance(owner, dict):
+            owner[name] = value
+        else:
+            setattr(owner, name, value)
+
+    def restore(self) -> None:
+        for owner, name, had, old in reversed(self._saved):
+            if isinstance(owner, dict):
+                owner[name] = old
+            elif had:
+                setattr(owner, name, old)
+            else:
+                delattr(owner, name)
+        self._saved.clear()
+
+
+def _user_namespaces(fn: Callable, modules: list[nn.Module]) -> list[dict]:
+    """The globals of the step's module and of each model class's module (not torch's or spmd's), where a
+    name bound to a patched function before the trace (``from time import time``) is patched too."""
+    found = {}
+    code_globals = getattr(getattr(fn, "__func__", fn), "__globals__", None)
+    if code_globals is not None:
+        found[id(code_globals)] = code_globals
+    for module in modules:
+        for cls in {type(m) for m in module.modules()}:
+            for base in cls.__mro__:
+                source = sys.modules.get(base.__module__)
+                if source is not None and not is_library(base.__module__):
+                    found.setdefault(id(source.__dict__), source.__dict__)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list]:
+    """Patch the host reads listed in the module docstring for the length of the body (a trace of ``fn`` on
+    ``modules``), refusing or warning where the user's code makes one; everything is restored after it.
+    Yields the frames of the user's ``.item()`` calls whose value is a symbol (``value_read_error``'s
+    place where the traced graph keeps one: a hyperparameter read so is specialised on instead)."""
+    numpy_random = sys.modules.get("numpy.random")
+    thread = threading.get_ident()
+    value_reads: list = []  # frames of the user's .item() calls whose value only the running step knows
+    replaced: dict[int, Callable] = {}  # id(original) -> its guard, for the names bound in user namespaces
+
+    def guard(name: str, original: Callable, error: Callable) -> Callable:
+        @functools.wraps(original)
+        def guarded(*args, **kwargs):
+            frame = user_frame(thread)
+            if frame is not None:
+                raise error(name, frame)
+            return original(*args, **kwargs)
+
+        replaced[id(original)] = guarded
+        return guarded
+
+    def environ_read(self, key):
+        frame = user_frame(thread)
+        if frame is None:
+            return original_getitem(self, key)
+        try:
+            value = original_getitem(self, key)
+        except KeyError:
+            _warn_environ(key, "unset", frame)
+            raise
+        _warn_environ(key, f"= {value!r}", frame)
+        return value
+
+    def item(self):
+        value = original_item(self)
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            frame = user_frame(thread)
+            if frame is not None:
+                value_reads.append(frame)
+        return value
+
+    original_getitem, original_item = _ENVIRON_TYPE.__getitem__, torch.Tensor.item
+    patches = Patches()
+    try:
+        for name in _CLOCKS:
+            if hasattr(time, name):
+                patches.set(time, name, guard(f"time.{name}", getattr(time, name), _frozen_clock))
+        for name in _RANDOM:
+            if hasattr(random, name):
+                patches.set(random, name, guard(f"random.{name}", getattr(random, name), _frozen_draw))
+                patches.set(random.Random, name, guard(f"random.Random.{name}", getattr(random.Random, name),
+                                                       _frozen_draw))
+        draws = getattr(getattr(numpy_random, "mtrand", None), "_rand", None)  # the legacy global RandomState
+        if draws is not None:
+            for name in dir(numpy_random):
+                value = getattr(numpy_random, name)
+                if getattr(value, "__self__", None) is draws and name not in _NOT_DRAWS:
+                    patches.set(numpy_random, name, guard(f"numpy.random.{name}", value, _frozen_draw))
+        for namespace in _user_namespaces(fn, modules):
+            for name, value in list(namespace.items()):
+                if callable(value) and id(value) in replaced and namespace[name] is not replaced[id(value)]:
+                    patches.set(namespace, name, replaced[id(value)])
+        patches.set(_ENVIRON_TYPE, "__getitem__", environ_read)
+        patches.set(torch.Tensor, "item", item)
+        yield value_reads
+    finally:
+        patches.restore()

@@ -1,0 +1,258 @@
+"""Python side effects of the step: replayed on every call where they can be, else named once at trace.
+
+Tracing runs the user's step once; a compiled step's later calls run only the graph. So Python
+effects (a ``print``, a log record, a counter on a module) would happen once, at the first call,
+where eager has them on every call. ``recording_side_effects`` watches the trace (from the user's
+code only: torch and spmd pass through, ``host_reads.user_frame``) and decides per kind:
+
+* ``print(...)`` and a logger's records (``logger.info``, ``logging.warning``, ...) without a tensor
+  among their arguments are replayed after each later call, with the text made at trace, and said
+  once (``RuntimeWarning``, at the call's line): a value that changes between calls is not seen in
+  it. With a tensor they are not replayed (its text at trace is a placeholder): the warning says to
+  print the returned value after the step.
+* ``module.x += c`` / ``-= c`` on a number attribute of one of the step's modules (a counter) is
+  replayed as the same increment after each later call; the augmented assignment is read from the
+  caller's bytecode, so a plain ``module.x = value`` is never mistaken for one.
+* any other attribute write on one of the step's modules is said once: a value is set once, at
+  trace; a tensor computed in the step is not kept at all (``user_objects`` puts the old one back).
+* a list, dict or set the step changes in place (``losses.append(loss)`` on a global or closure
+  variable of the step, ``self.history.append(...)`` on one of its modules) is said once
+  (``watching_containers``), at the line that changes it where the bytecode names it: the change
+  happens once, at trace, and a tensor put there is taken out again (``user_objects``).
+
+Replays are plain callables (``TracedStep.replays``), run by ``spmd.compile`` after each call but the
+first (every process traces its step, a step whose lowering the compile cache keeps too).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dis
+import functools
+import logging
+import sys
+import threading
+import types
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .host_reads import Patches, is_library, user_frame, warn_at, warn_at_line, where
+from .user_objects import named_references
+
+_PLUMBING = frozenset({"logging", __name__})
+_AUGMENTED = {"+=", "-=", "INPLACE_ADD", "INPLACE_SUBTRACT"}  # BINARY_OP's argrepr (3.11+), opnames before
+_MISSING = object()
+
+
+def _holds_tensor(values: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(values))
+
+
+def _augmented_at(code, offset: int) -> bool:
+    """Whether the attribute store at ``offset`` of ``code`` is ``x.a += ...`` or ``x.a -= ...``."""
+    before = None
+    for instruction in dis.get_instructions(code):
+        if instruction.offset == offset:
+            return before is not None and (before.argrepr in _AUGMENTED or before.opname in _AUGMENTED)
+        if instruction.opname not in ("SWAP", "ROT_TWO", "CACHE"):
+            before = instruction
+    return False
+
+
+class Increment:
+    """A replay of ``module.name += delta`` (the module held weakly); ``undo`` takes back the trace's own."""
+
+    def __init__(self, module: nn.Module, name: str, delta: Any):
+        self.ref, self.name, self.delta = weakref.ref(module), name, delta
+
+    def __call__(self, sign: int = 1) -> None:
+        module = self.ref()
+        if module is not None:
+            setattr(module, self.name, getattr(module, self.name) + sign * self.delta)
+
+    def undo(self) -> None:
+        self(-1)
+
+
+def undo_side_effects(replays: list) -> None:
+    """Take back what the trace that recorded ``replays`` did to the step's modules (its counters' steps), for a
+    trace that failed or is done again."""
+    for replay in reversed(replays):
+        if isinstance(replay, Increment):
+            replay.undo()
+
+
+_MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add",
+             "discard", "sort", "reverse", "__setitem__", "__delitem__"}
+_LARGEST = 10_000  # containers with more items are not watched (a data set, say)
+
+
+def _contents(container: Any) -> Any:
+    return list(container.items()) if isinstance(container, dict) else list(container)
+
+
+def _changed(container: Any, before: list) -> bool:
+    """Whether ``container`` holds other items than ``before`` (``_contents`` of it then), by identity."""
+    now = _contents(container)
+    if isinstance(container, set):
+        return set(map(id, now)) != set(map(id, before))
+    if len(now) != len(before):
+        return True
+    if isinstance(container, dict):
+        return any(k is not j or v is not w for (k, v), (j, w) in zip(now, before))
+    return any(a is not b for a, b in zip(now, before))
+
+
+def _codes(code) -> Iterator:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            yield from _codes(const)
+
+
+def _line_changing(codes: list, name: str) -> Optional[tuple[str, int]]:
+    """(file, line) where one of ``codes`` loads ``name`` and calls a mutating method on it (``name.append``),
+    else where it first loads ``name``, else None."""
+    first = None
+    for code in (c for top in codes for c in _codes(top)):
+        starts = [(offset, line) for offset, line in dis.findlinestarts(code) if line is not None]
+        instructions = list(dis.get_instructions(code))
+        for here, after in zip(instructions, instructions[1:] + [None]):
+            if here.argval != name or not here.opname.startswith("LOAD_"):
+                continue
+            line = max(((o, ln) for o, ln in starts if o <= here.offset), default=(0, code.co_firstlineno))[1]
+            if after is not None and after.opname.startswith("LOAD_") and after.argval in _MUTATORS:
+                return code.co_filename, line
+            first = first or (code.co_filename, line)
+    return first
+
+
+def _watched(fn: Callable, modules: list[nn.Module]) -> list[tuple]:
+    """(what, name, container, its items now, the code that may change it, that code's globals) for each
+    list, dict or set the step's code, or a function of the user's it names, names (globals, closure) and
+    each one a step's module holds in a public attribute."""
+    out, seen = [], set()
+
+    def watch(what: str, name: str, value: Any, codes: list, namespace: dict) -> None:
+        if type(value) in (list, dict, set) and id(value) not in seen and len(value) <= _LARGEST:
+            seen.add(id(value))
+            out.append((what, name, value, _contents(value), codes, namespace))
+
+    for what, name, value, code, namespace in named_references(fn):
+        watch(what, name, value, [code], namespace)
+    for module in {id(m): m for root in modules for m in root.modules()}.values():
+        cls = type(module)
+        own = [base for base in cls.__mro__ if not is_library(base.__module__)]
+        codes = [f.__code__ for base in own for f in vars(base).values() if isinstance(f, types.FunctionType)]
+        namespace = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+        for name, value in vars(module).items():
+            if not name.startswith("_"):
+                watch(f"{cls.__name__}.{name}", name, value, codes, namespace)
+    return out
+
+
+@contextlib.contextmanager
+def watching_containers(fn: Callable, modules: list[nn.Module]) -> Iterator[None]:
+    """Say once, after the body (a trace of ``fn`` on ``modules``) succeeded, which lists, dicts and sets it
+    changed in place (see the module docstring). Enter it inside ``user_objects.untouched``, which then takes
+    the tensors the trace put in them out again."""
+    watched = _watched(fn, modules)
+    yield
+    for what, name, container, before, codes, namespace in watched:
+        if not _changed(container, before):
+            continue
+        file, line = _line_changing(codes, name) or (codes[0].co_filename, codes[0].co_firstlineno) if codes \
+            else ("<unknown>", 0)
+        tensor = ", and the tensor put there is taken out again (it has no value until the step runs)" \
+            if _holds_tensor(_contents(container)) else ""
+        warn_at_line(file, line, namespace,
+                     f"spmd.compile: the step changes {what} ({type(container).__name__}) in place at {file}:{line} "
+                     f"while it is traced: the change happens once, at trace{tensor}; later calls, which run the "
+                     "compiled graph, do not make it. Return the value from the step and change the container "
+                     "outside it: loss = train_step(...); losses.append(loss).")
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Whether writing ``new`` over ``old`` changes nothing a later call could see (the same object, or an equal
+    number, string or None)."""
+    plain = (int, float, str, bool, type(None))
+    return old is new or (type(old) is type(new) and isinstance(new, plain) and old == new)
+
+
+def _print_again(args: tuple, kwargs: dict) -> None:
+    builtins.print(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[], None]]]:
+    """Watch the body (one trace of a step on ``modules``) as the module docstring says; yields the list the
+    replays are appended to. Everything patched is put back after the body, succeeded or raised."""
+    replays: list[Callable[[], None]] = []
+    thread = threading.get_ident()
+    owned = {id(m) for root in modules for m in root.modules()}
+    original_print, original_log, original_setattr = builtins.print, logging.Logger._log, nn.Module.__setattr__
+
+    def print_(*args, **kwargs):
+        frame = user_frame(thread, _PLUMBING)
+        if frame is not None and not _holds_tensor((args, kwargs)):
+            if kwargs.get("file") is sys.stdout:
+                kwargs = {k: v for k, v in kwargs.items() if k != "file"}  # the stdout of the call, not the trace's
+            replays.append(functools.partial(_print_again, args, kwargs))
+            warn_at(frame, f"spmd.compile: the step prints at {where(frame)}: the text is made once, at trace, and "
+                    "printed again after each later call, so a value that changes between calls is not seen in "
+                    "it. Print such values outside the step, from what it returns.")
+        return original_print(*args, **kwargs)
+
+    def log(self, level, msg, args, *rest, **kwargs):
+        frame = user_frame(thread, _PLUMBING)
+        if frame is not None:
+            if _holds_tensor((msg, args)):
+                warn_at(frame, f"spmd.compile: the step logs a tensor at {where(frame)}: while it is traced the "
+                        "tensor has no value, and later calls, which run the compiled graph, log nothing. Return "
+                        "the tensor and log it after the step: loss = train_step(...); log.info('%s', loss).")
+            else:
+                replays.append(functools.partial(self.log, level, msg, *args))
+                warn_at(frame, f"spmd.compile: the step logs at {where(frame)}: the record is made once, at "
+                        "trace, and logged again after each later call, so a value that changes between calls is "
+                        "not seen in it. Log such values outside the step, from what it returns.")
+        return original_log(self, level, msg, args, *rest, **kwargs)
+
+    def setattr_(self, name, value):
+        frame = user_frame(thread, _PLUMBING) if id(self) in owned else None
+        if frame is None or isinstance(value, (nn.Module, nn.Parameter)) or name in self._parameters \
+                or name in self._buffers or name in self._modules:
+            return original_setattr(self, name, value)
+        old = getattr(self, name, _MISSING)
+        original_setattr(self, name, value)
+        numbers = type(old) in (int, float) and type(value) in (int, float)
+        what = f"{type(self).__name__}.{name}"
+        if numbers and _augmented_at(frame.f_code, frame.f_lasti):
+            replays.append(Increment(self, name, value - old))
+        elif isinstance(value, torch.Tensor):
+            warn_at(frame, f"spmd.compile: the step stores a tensor it computes in {what} at {where(frame)}: the "
+                    "compiled step cannot keep it there (the attribute keeps the value it had before the step). "
+                    "Return the tensor from the step instead, or register a buffer and update it in place "
+                    f"(self.{name}.copy_(...)), which the graph does on every call.")
+        elif old is _MISSING or not _same(old, value):
+            warn_at(frame, f"spmd.compile: the step sets {what} at {where(frame)} while it is traced: it is set "
+                    "once, at trace, and later calls, which run the compiled graph, do not set it again. Set it "
+                    "outside the step, or keep it in a buffer updated in place (self.register_buffer(name, tensor), "
+                    "then e.g. self.calls.add_(1)), which the graph updates on every call.")
+        return None
+
+    patches = Patches()
+    try:
+        patches.set(builtins, "print", print_)
+        patches.set(logging.Logger, "_log", log)
+        patches.set(nn.Module, "__setattr__", setattr_)
+        yield replays
+    except BaseException:
+        undo_side_effects(replays)  # a failed trace leaves no count behind
+        raise
+    finally:
+        patches.restore()
