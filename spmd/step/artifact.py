@@ -61,6 +61,7 @@ class StepArtifact:
     grads: dict
     dtensors: dict[int, SpecRecord]
     lowering: Optional[Lowering]
+    live: dict[int, int] = field(default_factory=dict)  # output position -> the state's tensor it returns
     format: int = FORMAT
     extra: dict = field(default_factory=dict)  # what the caller keeps beside it (key description, guards)
 
@@ -125,6 +126,7 @@ def artifact_of(entry: CompiledStep, state: StepState) -> StepArtifact:
                "specs": [_spec_record(s, state) for s in grads.specs]},
         dtensors={i: _spec_record(s, state) for i, s in entry.dtensors.items()},
         lowering=runner.lowering,
+        live=dict(entry.live),
     )
 
 
@@ -165,4 +167,4 @@ def step_from_artifact(artifact: StepArtifact, state: StepState, parallel_mode: 
                     frozenset(grads["kept"]))
     return CompiledStep(runner, pytree.treespec_loads(artifact.out_spec),
                         functools.partial(_expanded, artifact.expanded, parallel_mode), grads=plan,
-                        dtensors={i: _spec(s, state) for i, s in artifact.dtensors.items()})
+                        dtensors={i: _spec(s, state) for i, s in artifact.dtensors.items()}, live=dict(artifact.live))

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from ..optim.amp_scaler import scaler_signature
 from ..optim.hyperparams import flags
 from ..parallel.group_roles import root_mesh
-from ..trace.step_state import StepState, training_modes
+from ..trace.step_state import ATTRIBUTE, HELD, StepState, training_modes
 from .describe import canonical_json, describe, device_name, tensor_facts
 
 
@@ -164,7 +164,8 @@ def state_tensors(state: StepState) -> dict:
     for name, p in zip(state.param_names, state.params):
         if p.grad is not None:
             out[f"gradient of {name}"] = tensor_facts(p.grad)
-    out["tensor attributes"] = [n for n, a in zip(state.buffer_names, state.buffer_is_attribute) if a]
+    for kind in (ATTRIBUTE, HELD):
+        out[f"{kind}s"] = [n for n, k in zip(state.buffer_names, state.buffer_kinds) if k == kind]
     held = {id(p): st for optim in state.optimizers for p, st in optim.state.items()}
     out["optimizer state keys"] = {  # a value that is not a tensor (a Python step count) is traced as a constant
         name: {k: "tensor" if torch.is_tensor(v) else describe(v) for k, v in sorted(held[id(p)].items())}

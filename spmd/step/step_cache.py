@@ -142,7 +142,7 @@ class StepCache:
             return None
         created = [made for o in state.optimizers if (made := ensure_optimizer_state(o)) is not None]
         if created:
-            state = StepState(state.modules, state.optimizers, state.scalers)
+            state = state.again()
         n_inputs = sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs)))
         entry = step_from_artifact(payload["artifact"], state, self.parallel_mode, n_inputs)
         if entry is None:

@@ -1,0 +1,196 @@
+"""What a train step reaches besides the tensors among its arguments, and where each piece lies.
+
+A step may reach what it trains through objects: a trainer's method reads ``self.model``,
+``self.optim`` and ``self.scaler``; a step keeps an EMA as a list of tensors on an object, in a
+closure or a global; a config dataclass carries a module. ``reach(fn, args, kwargs)`` walks from the
+step's roots (its arguments' objects; the ``self`` of a bound method; its closure; the globals its
+code names) through lists, dicts, tuples and the attributes of plain objects (dataclasses included),
+``_DEPTH`` levels down, and returns, in the order found:
+
+* the ``nn.Module``s, ``Optimizer``s and ``GradScaler``s (a module, optimizer or scaler is not
+  looked into: its own tables say what it holds);
+* the tensors held outside the argument pytree (``held``), each with its name in the user's terms
+  (``self.ema[0]``, ``closure ema[1]``, ``global STATS['mean']``) and its ``Place``, where tracing
+  puts its traced stand-in and puts it back afterwards (``swapped``). A tensor in a tuple has no
+  place it can be swapped in: it is listed in ``fixed``, and a step that reads it is refused
+  by name (``spmd.trace.trace_errors``).
+
+A tensor among the arguments themselves (a leaf of their pytree, as ``ema`` in
+``train_step(model, optim, ema, x)``) is an input of the graph, not a held tensor. Containers
+of more than ``LARGEST`` items (a data set) are not looked into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.amp import GradScaler
+
+_DEPTH = 4               # how far below a root containers and attributes are followed
+LARGEST = 10_000        # containers with more items are not looked into (a data set, say)
+NOT_USER_OBJECTS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                     functools.partial, torch.Tensor)
+
+
+def _code_names(code: types.CodeType) -> Iterator[str]:
+    """The global names ``code`` and the functions defined in it refer to."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_names(const)
+
+
+def _roots_of(fn: Callable) -> Iterator[tuple[str, Any, "Place | None"]]:
+    """(name, value, place) of what ``fn`` reaches without being passed it: its ``self``, its closure
+    variables, the globals its code names."""
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        yield "self", owner, None
+    fn = getattr(fn, "__func__", fn)
+    code, namespace = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    names = code.co_freevars if code is not None else ()
+    for name, cell in zip(names, getattr(fn, "__closure__", None) or ()):
+        with contextlib.suppress(ValueError):  # an empty cell
+            yield f"closure {name}", cell.cell_contents, Place(cell, None)
+    if code is not None:
+        for name in sorted(set(_code_names(code))):
+            if name in namespace:
+                yield f"global {name}", namespace[name], Place(namespace, name)
+
+
+def referenced(fn: Callable) -> list[Any]:
+    """What ``fn`` reaches without being passed it: its ``self``, its closure, the globals its code names."""
+    return [value for _, value, _ in _roots_of(fn)]
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a held tensor lies: ``holder[key]`` (a list or dict), attribute ``key`` of an object, a
+    closure cell (``key`` None) or a module's globals (a dict)."""
+
+    holder: Any
+    key: Any
+
+    def get(self) -> Any:
+        if isinstance(self.holder, types.CellType):
+            return self.holder.cell_contents
+        if isinstance(self.holder, (list, dict)):
+            return self.holder[self.key]
+        return vars(self.holder)[self.key]
+
+    def set(self, value: Any) -> None:
+        if isinstance(self.holder, types.CellType):
+            self.holder.cell_contents = value
+        elif isinstance(self.holder, (list, dict)):
+            self.holder[self.key] = value
+        else:
+            vars(self.holder)[self.key] = value
+
+
+@dataclass
+class Reach:
+    """What a step reaches (see the module docstring), each kind in the order found."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    scalers: list[GradScaler] = field(default_factory=list)
+    held: list[torch.Tensor] = field(default_factory=list)
+    held_names: list[str] = field(default_factory=list)
+    places: list[list[Place]] = field(default_factory=list)  # per held tensor, every place it lies in
+    fixed: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> a tensor held where it cannot be swapped
+
+    def objects(self) -> list[Any]:
+        """Everything found, in one list: what a call compares by identity with the last call's."""
+        return [*self.modules, *self.optimizers, *self.scalers, *self.held]
+
+
+def _library_object(value: Any) -> bool:
+    """True for an object of torch's or spmd's own classes (a DeviceMesh, a process group, a compiled step):
+    the step's state is never found inside them."""
+    return type(value).__module__.partition(".")[0] in ("torch", "spmd")
+
+
+class _Walk:
+    def __init__(self):
+        self.reach = Reach()
+        self.seen: set[int] = set()  # ids of the objects looked into or found
+        self.held: dict[int, int] = {}  # id of a held tensor -> its index in ``reach.held``
+
+    def root(self, name: str, value: Any, place: "Place | None") -> None:
+        self.visit(name, value, place, _DEPTH)
+
+    def visit(self, name: str, value: Any, place: "Place | None", depth: int) -> None:
+        found = self.reach
+        if isinstance(value, torch.Tensor):
+            if place is None:
+                found.fixed.setdefault(name, value)
+            elif id(value) in self.held:  # held in a second place too: swapped there as well
+                found.places[self.held[id(value)]].append(place)
+            else:
+                self.held[id(value)] = len(found.held)
+                found.held.append(value)
+                found.held_names.append(name)
+                found.places.append([place])
+            return
+        if id(value) in self.seen:
+            return
+        for kind, into in ((nn.Module, found.modules), (torch.optim.Optimizer, found.optimizers),
+                           (GradScaler, found.scalers)):
+            if isinstance(value, kind):
+                self.seen.add(id(value))
+                into.append(value)
+                return
+        if depth == 0 or isinstance(value, NOT_USER_OBJECTS) or _library_object(value):
+            return
+        if isinstance(value, (list, tuple, dict)):
+            if len(value) > LARGEST:
+                return
+            self.seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in list(items):
+                self.visit(f"{name}[{key!r}]", item,
+                           None if isinstance(value, tuple) else Place(value, key), depth - 1)
+        elif hasattr(value, "__dict__") and not callable(getattr(value, "__func__", None)):
+            self.seen.add(id(value))
+            for key, item in list(vars(value).items()):
+                self.visit(f"{name}.{key}", item, Place(value, key), depth - 1)
+
+
+def _input_name(path: tuple) -> str:
+    """``input 2``, ``input 'batch'``, ``input 1[0]``: a leaf of ``(args, kwargs)`` in the user's terms."""
+    (where, first), rest = path[:2], path[2:]
+    head = str(first.idx) if where.idx == 0 else repr(first.key)
+    return f"input {head}{pytree.keystr(rest) if rest else ''}"
+
+
+def reach(fn: Callable, args: tuple, kwargs: dict) -> Reach:
+    """What ``fn(*args, **kwargs)`` reaches (see the module docstring): the objects among its arguments
+    and under them, then under its ``self``, its closure and the globals its code names."""
+    walk = _Walk()
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if not isinstance(leaf, torch.Tensor):  # a tensor leaf is a graph input
+            walk.root(_input_name(path), leaf, None)
+    for name, value, place in _roots_of(fn):
+        walk.root(name, value, place)
+    return walk.reach
+
+
+@contextlib.contextmanager
+def swapped(places: list[list[Place]], values: list[Any]) -> Iterator[None]:
+    """Put each of ``values`` in its ``places`` for the body, then put back what was there."""
+    pairs = [(place, value) for where, value in zip(places, values) for place in where]
+    before = [place.get() for place, _ in pairs]
+    try:
+        for place, value in pairs:
+            place.set(value)
+        yield
+    finally:
+        for (place, _), value in zip(pairs, before):
+            place.set(value)
