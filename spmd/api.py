@@ -9,6 +9,7 @@ import itertools
 import logging
 import operator
 import time
+import types
 import warnings
 import weakref
 from collections import OrderedDict
@@ -137,6 +138,11 @@ class CompiledTrainStep:
         self._side_resolved = False
         root = resolve_cache_dir(cache_dir)  # the persistent compile cache (spmd.step.cache_store), or None
         self.compile_cache: Optional[CacheStore] = CacheStore(root) if root is not None else None
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        """``@spmd.compile`` on a method: ``trainer.step(batch)`` calls the step with ``trainer`` first, as
+        a method (what it reaches through ``self`` is its state, ``spmd.trace.step_reach``)."""
+        return self if obj is None else types.MethodType(self, obj)
 
     def _apply_overrides(self, modules: list[nn.Module]) -> None:
         for mod in modules:
@@ -332,8 +338,13 @@ class CompiledTrainStep:
         and the step's own arguments' (``input 2``: shape, dtype, ... of a tensor; value of a number)."""
         sig = state.signature()
         sig.update(grads_signature(state.param_names, state.params))
-        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+        for path, leaf in leaves:
             sig[_input_name(path)] = self._leaf_signature(leaf)
+        passed = {id(leaf) for _, leaf in leaves}
+        reached = [self._serial(o) for o in (*state.modules, *state.optimizers, *state.scalers) if id(o) not in passed]
+        if reached:  # through self, a container, the closure or a global (spmd.trace.step_reach): objects as inputs
+            sig["reached"] = tuple(reached)
         return sig
 
     def _leaf_signature(self, leaf: Any) -> Any:

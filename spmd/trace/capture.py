@@ -51,7 +51,7 @@ from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
 from .step_outputs import graph_outputs
-from .step_reach import swapped
+from .step_reach import REAL_TENSOR_IN_TRACE, reach, swapped, unreached_tensor_error
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
 from .user_objects import reachable_objects, untouched
@@ -372,6 +372,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know
         better = translated(_translate_trace_error, err)
+        if REAL_TENSOR_IN_TRACE in str(err):
+            better = unreached_tensor_error(reach(fn, args, kwargs))
         if better is None:
             raise
         raise better from err

@@ -33,6 +33,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.amp import GradScaler
 
+from ..errors import SpmdCompileError
+
 _DEPTH = 4               # how far below a root containers and attributes are followed
 LARGEST = 10_000        # containers with more items are not looked into (a data set, say)
 NOT_USER_OBJECTS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
@@ -163,11 +165,17 @@ class _Walk:
                 self.visit(f"{name}.{key}", item, Place(value, key), depth - 1)
 
 
-def _input_name(path: tuple) -> str:
-    """``input 2``, ``input 'batch'``, ``input 1[0]``: a leaf of ``(args, kwargs)`` in the user's terms."""
+def _argument_name(fn: Callable, path: tuple) -> str:
+    """A leaf of ``(args, kwargs)`` by the step's own parameter names: ``self``, ``ema[0]``, ``batch``
+    (``input 3`` past the names ``fn``'s code gives)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    names = code.co_varnames[int(hasattr(fn, "__self__")):code.co_argcount] if code is not None else ()
     (where, first), rest = path[:2], path[2:]
-    head = str(first.idx) if where.idx == 0 else repr(first.key)
-    return f"input {head}{pytree.keystr(rest) if rest else ''}"
+    if where.idx == 1:
+        head = str(first.key)
+    else:
+        head = names[first.idx] if first.idx < len(names) else f"input {first.idx}"
+    return head + (pytree.keystr(rest) if rest else "")
 
 
 def reach(fn: Callable, args: tuple, kwargs: dict) -> Reach:
@@ -176,10 +184,27 @@ def reach(fn: Callable, args: tuple, kwargs: dict) -> Reach:
     walk = _Walk()
     for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
         if not isinstance(leaf, torch.Tensor):  # a tensor leaf is a graph input
-            walk.root(_input_name(path), leaf, None)
+            walk.root(_argument_name(fn, path), leaf, None)
     for name, value, place in _roots_of(fn):
         walk.root(name, value, place)
     return walk.reach
+
+
+# what fake tensors say when a traced op meets a real tensor: one the step reached in a way no walk follows
+REAL_TENSOR_IN_TRACE = "Please convert all Tensors to FakeTensors"
+
+
+def unreached_tensor_error(found: Reach) -> SpmdCompileError:
+    """The error for a step that computes with a tensor it holds where tracing cannot put a traced one."""
+    where = f" Tensors found in tuples: {sorted(found.fixed)[:4]}." if found.fixed else ""
+    return SpmdCompileError(
+        "spmd.compile: train_step computes with a tensor that is neither among its arguments nor a parameter, "
+        "buffer or optimizer state, nor held in a list, dict or object attribute the step reaches (through its "
+        f"arguments, self, closure or the globals its code names), so it cannot be a graph input.{where} Pass "
+        "the tensor to train_step, or keep it in a list or an attribute of an object the step has, e.g. "
+        "self.ema = [...] rather than a tuple, or a global the step's own code names rather than one only a "
+        "helper function reads."
+    )
 
 
 @contextlib.contextmanager
