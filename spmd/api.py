@@ -7,7 +7,6 @@ import os
 import functools
 import itertools
 import logging
-import operator
 import time
 import types
 import warnings
@@ -492,7 +491,7 @@ class CompiledTrainStep:
         if list(map(self._leaf_signature, leaves)) != last.leaf_signatures:
             return None
         objects = reached.objects()
-        if len(objects) != len(last.reached) or not all(map(operator.is_, objects, last.reached)):
+        if len(objects) != len(last.reached) or any(ref() is not o for ref, o in zip(last.reached, objects)):
             return None
         values = last.check.hypers_if_unchanged()
         if values is None:
@@ -546,7 +545,8 @@ class CompiledTrainStep:
         if not repeated or missed:  # check the next call only after the same entry twice, and no failed check
             return entry, [*state.flat_tensors(), *hypers], state.owned_tensors()
         check = StateCheck(state, on_free=self._forget_last_call)
-        self._last_call = LastCall(entry, spec, list(map(self._leaf_signature, leaves)), reached.objects(), check)
+        self._last_call = LastCall(entry, spec, list(map(self._leaf_signature, leaves)),
+                                   [weakref.ref(o) for o in reached.objects()], check)
         return entry, [*check.flat, *hypers], check.owned
 
     def _forget_last_call(self, _freed: Any = None) -> None:

@@ -91,8 +91,8 @@ class CompiledStep:
 @dataclass
 class LastCall:
     """A call ``CompiledTrainStep._repeat_last_call`` can recognise again: the entry it ran, the
-    structure and leaf signatures of its arguments, what the step reached besides them (compared by
-    identity, ``spmd.trace.step_reach``), and a ``StateCheck`` of its modules and optimizers."""
+    structure and leaf signatures of its arguments, what the step reached besides them (weak references,
+    compared by identity, ``spmd.trace.step_reach``), and a ``StateCheck`` of its modules and optimizers."""
 
     entry: CompiledStep
     spec: pytree.TreeSpec
