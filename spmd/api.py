@@ -465,7 +465,7 @@ class CompiledTrainStep:
         for a call with these arguments: the entry found (a repeated call), or looked up and compiled; lowered
         before it is returned."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        reached = reach(self.fn, args, kwargs)  # what the step depends on besides its arguments
+        reached = reach(self.fn, args, kwargs, leaves)  # what the step depends on besides its arguments
         group = self._agreement_group(args, kwargs)
         found = self._repeat_last_call(leaves, spec, reached)
         compared = found is not None and group is not None and not rank_agreement.agreed(found[0], group)

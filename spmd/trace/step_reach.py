@@ -23,10 +23,13 @@ of more than ``LARGEST`` items (a data set) are not looked into.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
+import re
 import types
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -41,12 +44,24 @@ NOT_USER_OBJECTS = (types.ModuleType, type, types.FunctionType, types.BuiltinFun
                      functools.partial, torch.Tensor)
 
 
-def _code_names(code: types.CodeType) -> Iterator[str]:
-    """The global names ``code`` and the functions defined in it refer to."""
-    yield from code.co_names
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _code_names(const)
+GLOBAL_LOADS = ("LOAD_GLOBAL", "LOAD_NAME")  # the instructions that read a global (not an attribute) by name
+# code -> the global names it reads, a memo (a call looks them up each time); weak, so it holds only live code
+_GLOBAL_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def nested_codes(code: types.CodeType) -> list[types.CodeType]:
+    """``code`` and the code objects nested in its constants (lambdas, comprehensions, inner functions)."""
+    return [code, *(c for const in code.co_consts if isinstance(const, types.CodeType) for c in nested_codes(const))]
+
+
+def global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The global names ``code`` and the functions defined in it read (not attribute names: ``self.model``
+    reads no global ``model``), sorted."""
+    names = _GLOBAL_NAMES.get(code)
+    if names is None:
+        names = _GLOBAL_NAMES[code] = tuple(sorted({i.argval for c in nested_codes(code)
+                                                    for i in dis.get_instructions(c) if i.opname in GLOBAL_LOADS}))
+    return names
 
 
 def _roots_of(fn: Callable) -> Iterator[tuple[str, Any, "Place | None"]]:
@@ -62,7 +77,7 @@ def _roots_of(fn: Callable) -> Iterator[tuple[str, Any, "Place | None"]]:
         with contextlib.suppress(ValueError):  # an empty cell
             yield f"closure {name}", cell.cell_contents, Place(cell, None)
     if code is not None:
-        for name in sorted(set(_code_names(code))):
+        for name in global_names(code):
             if name in namespace:
                 yield f"global {name}", namespace[name], Place(namespace, name)
 
@@ -165,6 +180,9 @@ class _Walk:
                 self.visit(f"{name}.{key}", item, Place(value, key), depth - 1)
 
 
+_LEAF = "\0leaf"  # a walk's provisional name for the argument leaf it starts from
+
+
 def _argument_name(fn: Callable, path: tuple) -> str:
     """A leaf of ``(args, kwargs)`` by the step's own parameter names: ``self``, ``ema[0]``, ``batch``
     (``input 3`` past the names ``fn``'s code gives)."""
@@ -178,13 +196,27 @@ def _argument_name(fn: Callable, path: tuple) -> str:
     return head + (pytree.keystr(rest) if rest else "")
 
 
-def reach(fn: Callable, args: tuple, kwargs: dict) -> Reach:
+def reach(fn: Callable, args: tuple, kwargs: dict, leaves: Optional[list] = None) -> Reach:
     """What ``fn(*args, **kwargs)`` reaches (see the module docstring): the objects among its arguments
-    and under them, then under its ``self``, its closure and the globals its code names."""
+    and under them, then under its ``self``, its closure and the globals its code names. ``leaves``: the
+    leaves of ``(args, kwargs)``' pytree, where the caller has them."""
     walk = _Walk()
-    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+    leaves = pytree.tree_leaves((args, kwargs)) if leaves is None else leaves
+    for k, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):  # a tensor leaf is a graph input
-            walk.root(_argument_name(fn, path), leaf, None)
+            walk.root(f"{_LEAF}{k}", leaf, None)
+    if any(name.startswith(_LEAF) for name in (*walk.reach.held_names, *walk.reach.fixed)):
+        # named by the argument they lie under (a path per leaf costs more than the walk: only now)
+        names = [_argument_name(fn, path) for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
+
+        def renamed(name: str) -> str:
+            if not name.startswith(_LEAF):
+                return name
+            k, rest = re.match(r"(\d+)(.*)", name[len(_LEAF):]).groups()
+            return names[int(k)] + rest
+
+        walk.reach.held_names = list(map(renamed, walk.reach.held_names))
+        walk.reach.fixed = {renamed(name): t for name, t in walk.reach.fixed.items()}
     for name, value, place in _roots_of(fn):
         walk.root(name, value, place)
     return walk.reach
