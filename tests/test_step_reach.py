@@ -151,7 +151,7 @@ def _sharded(rank, world_size, style):
     spmd.shard(model, mode)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.1))
     ref = Trainer(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=0.1))
-    spmd.shard(trainer.stats, mode)  # a sharded step's modules are all sharded (it holds no parameter)
+    # trainer.stats, never sharded by the user, is sharded on the first call as the step's other modules
     assert all(isinstance(t, DTensor) for t in trainer.ema)
     _check_trainers(trainer, ref, spmd.compile(parallel_mode=mode)(trainer.step), batches)
 
@@ -253,3 +253,28 @@ def test_a_tensor_held_in_a_tuple_is_refused_by_name_and_nothing_changes():
         spmd.compile()(TupleHolder.step)(holder, _batches(0)[0])
     _same(holder.ema, before)
     assert all(p.grad is None for p in model.parameters()) and not holder.optim.state
+
+
+def test_a_second_module_in_a_closure_moves_with_the_model_as_eager():
+    model = _mlp()
+    ema_model = copy.deepcopy(model).requires_grad_(False)  # never passed to the step, nor trained
+    ref, ref_ema_model = copy.deepcopy(model), copy.deepcopy(ema_model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+
+    def step_with(ema_model):
+        def step(model, optim, x):
+            loss = model(x).square().mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            with torch.no_grad():
+                for e, p in zip(ema_model.parameters(), model.parameters()):
+                    e.lerp_(p, DECAY)
+            return loss
+        return step
+
+    compiled, eager = spmd.compile()(step_with(ema_model)), step_with(ref_ema_model)
+    for x in _batches(0):
+        torch.testing.assert_close(compiled(model, optim, x), eager(ref, ref_optim, x), atol=1e-12, rtol=0)
+        _same(ema_model.parameters(), ref_ema_model.parameters())
+    assert compiled.trace_count == 1
