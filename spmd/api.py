@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import functools
 import itertools
@@ -346,8 +347,9 @@ class CompiledTrainStep:
             sig["reached"] = tuple(reached)
         return sig
 
-    def _leaf_signature(self, leaf: Any) -> Any:
-        """What the traced graph specialises on in one leaf of the step's arguments."""
+    def _leaf_signature(self, leaf: Any, depth: int = 4) -> Any:
+        """What the traced graph specialises on in one leaf of the step's arguments (and, ``depth`` levels
+        down, in the fields of a dataclass among them and the containers under those)."""
         if isinstance(leaf, DTensor):  # its local tensor is the graph input
             return tensor_signature(leaf), tensor_signature(leaf._local_tensor), sharding_signature(leaf._spec)
         if isinstance(leaf, torch.Tensor):
@@ -358,6 +360,14 @@ class CompiledTrainStep:
             return self._serial(leaf), scaler_signature(leaf)
         if leaf is None or type(leaf) in (int, float, bool, str):
             return repr(leaf)
+        if depth and isinstance(leaf, (list, tuple)):
+            return type(leaf).__name__, tuple(self._leaf_signature(v, depth - 1) for v in leaf)
+        if depth and isinstance(leaf, dict):
+            return "dict", tuple((repr(k), self._leaf_signature(v, depth - 1)) for k, v in leaf.items())
+        if depth and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            # field by field: its repr would show the values of the tensors it holds (an EMA), which change
+            return type(leaf).__name__, tuple((f.name, self._leaf_signature(getattr(leaf, f.name), depth - 1))
+                                              for f in dataclasses.fields(leaf))
         return f"{type(leaf).__name__}: {leaf!r}"
 
     def cache_key(self, *args, **kwargs) -> StepKey:

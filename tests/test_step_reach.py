@@ -9,6 +9,7 @@ state tensor is the live object. Each against eager (DDP, FSDP2 or one process) 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -155,6 +156,10 @@ def _sharded(rank, world_size, style):
     assert all(isinstance(t, DTensor) for t in trainer.ema)
     _check_trainers(trainer, ref, spmd.compile(parallel_mode=mode)(trainer.step), batches)
 
+    returned = spmd.compile(parallel_mode=mode)(_returns_weight)(model, trainer.optim, batches[0])
+    assert returned is model[0].weight and isinstance(returned, DTensor)  # the live sharded parameter
+    _returns_weight(ref_model, ref.optim, batches[0])
+
     ema, ref_ema = ([p.detach().clone() for p in m.parameters()] for m in (model, ref_model))
     step = spmd.compile(parallel_mode=mode)(ema_step)
     for x in batches:  # an EMA of DTensors passed as a list: each enters as its local tensor, updated in place
@@ -193,6 +198,13 @@ def test_trainer_with_a_grad_scaler_on_self_skips_and_scales_as_eager():
         _same(model.parameters(), ref_model.parameters())
     assert scales == [2.0**10, 2.0**8, 2.0**8]
     assert Compiled.step.trace_count == 1
+
+
+def _returns_weight(model, optim, x):
+    model(x).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+    return model[0].weight
 
 
 def _returns_state(model, optim, x):
@@ -278,3 +290,30 @@ def test_a_second_module_in_a_closure_moves_with_the_model_as_eager():
         torch.testing.assert_close(compiled(model, optim, x), eager(ref, ref_optim, x), atol=1e-12, rtol=0)
         _same(ema_model.parameters(), ref_ema_model.parameters())
     assert compiled.trace_count == 1
+
+
+@dataclass
+class Parts:
+    model: nn.Module
+    optim: torch.optim.Optimizer
+    ema: list
+
+
+def parts_step(parts, x):
+    """A step given its model, optimizer and EMA in a dict of dataclasses."""
+    return ema_step(parts["main"].model, parts["main"].optim, parts["main"].ema, x)
+
+
+def test_model_optimizer_and_ema_in_a_dict_of_dataclasses_train_as_eager():
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    parts = {"main": Parts(model, torch.optim.Adam(model.parameters(), lr=0.1), [p.detach().clone() for p in
+                                                                               model.parameters()])}
+    ref_parts = {"main": Parts(ref, torch.optim.Adam(ref.parameters(), lr=0.1), [p.detach().clone() for p in
+                                                                             ref.parameters()])}
+    step = spmd.compile()(parts_step)
+    for x in _batches(0):
+        torch.testing.assert_close(step(parts, x), parts_step(ref_parts, x), atol=1e-12, rtol=0)
+        _same(parts["main"].ema, ref_parts["main"].ema)
+    _same(model.parameters(), ref.parameters())
+    assert step.trace_count == 1
