@@ -317,3 +317,22 @@ def test_model_optimizer_and_ema_in_a_dict_of_dataclasses_train_as_eager():
         _same(parts["main"].ema, ref_parts["main"].ema)
     _same(model.parameters(), ref.parameters())
     assert step.trace_count == 1
+
+
+class Rebinds(Trainer):
+    def step(self, x):
+        loss = self.model(x).square().mean()
+        with torch.no_grad():
+            self.ema = [e.lerp(p, DECAY) for e, p in zip(self.ema, self.model.parameters())]  # new tensors
+        return loss
+
+
+def test_an_ema_replaced_instead_of_updated_in_place_is_refused_by_name():
+    model = _mlp()
+    trainer = Rebinds(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ema = trainer.ema
+    before = [t.clone() for t in ema]
+    with pytest.raises(spmd.SpmdCompileError, match=r"replaces \['self.ema\[0\]'.*Update them in place"):
+        spmd.compile()(trainer.step)(_batches(0)[0])
+    assert trainer.ema is ema  # as it was
+    _same(ema, before)

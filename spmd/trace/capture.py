@@ -51,7 +51,7 @@ from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
 from .step_outputs import graph_outputs
-from .step_reach import REAL_TENSOR_IN_TRACE, reach, swapped, unreached_tensor_error
+from .step_reach import REAL_TENSOR_IN_TRACE, reach, refuse_rebound, swapped, unreached_tensor_error
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
 from .user_objects import reachable_objects, untouched
@@ -325,6 +325,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             scaler_tensors = state_tensors[n_state - len(SCALER_TENSORS) * len(state.scalers):]  # they come last
             stack.enter_context(traced_scalers(state.scalers, scaler_tensors, found_inf_group))
             out = fn(*call_args, **call_kwargs)
+            refuse_rebound({name: traced[i] for (name, _, _), (_, i) in zip(state.held, state.held_slots)},
+                           reach(fn, args, kwargs))
             _check_state_updated_in_place(state, before, states)
             plan, left = plan_left_grads(state.param_names, entry, params, bool(stepped))
         flat_out, out_spec = pytree.tree_flatten(out)

@@ -239,6 +239,21 @@ def unreached_tensor_error(found: Reach) -> SpmdCompileError:
     )
 
 
+def refuse_rebound(expected: dict[str, torch.Tensor], after: Reach) -> None:
+    """Raise naming each held tensor (``expected``: name -> the traced tensor put there) that the step, once
+    traced, no longer finds where it was (``after``, its reach then): it stored a new tensor there or removed
+    it, where a compiled step can only update a tensor in place."""
+    now = dict(zip(after.held_names, after.held))
+    names = sorted(name for name, t in expected.items() if now.get(name) is not t)
+    if names:
+        raise SpmdCompileError(
+            f"spmd.compile: train_step replaces {names[:4]}{'...' if len(names) > 4 else ''} with new tensors (or "
+            "removes them) instead of updating them in place, so a compiled step would lose the new values. "
+            "Update them in place, e.g. torch._foreach_lerp_(self.ema, params, 0.01) or ema[i].copy_(new), "
+            "rather than self.ema = [...]."
+        )
+
+
 @contextlib.contextmanager
 def swapped(places: list[list[Place]], values: list[Any]) -> Iterator[None]:
     """Put each of ``values`` in its ``places`` for the body, then put back what was there."""

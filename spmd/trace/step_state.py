@@ -114,8 +114,8 @@ class StepState:
         self.param_names: list[str] = []
         self.buffers: list[torch.Tensor] = []
         self.buffer_names: list[str] = []
-        # BUFFER, or a plain tensor attribute of a module (``self.scale = torch.tensor(2.0)``) or a held tensor,
-        # both read like a buffer
+        # per buffer: BUFFER, ATTRIBUTE (a module's plain tensor attribute, ``self.scale = torch.tensor(2.0)``)
+        # or HELD; all are read like buffers
         self.buffer_kinds: list[str] = []
         self._param_index: dict[int, int] = {}
         self._buffer_index: dict[int, int] = {}
