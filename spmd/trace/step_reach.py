@@ -3,9 +3,10 @@
 A step may reach what it trains through objects: a trainer's method reads ``self.model``,
 ``self.optim`` and ``self.scaler``; a step keeps an EMA as a list of tensors on an object, in a
 closure or a global; a config dataclass carries a module. ``reach(fn, args, kwargs)`` walks from the
-step's roots (its arguments' objects; the ``self`` of a bound method; its closure; the globals its
-code names) through lists, dicts, tuples and the attributes of plain objects (dataclasses included),
-``_DEPTH`` levels down, and returns, in the order found:
+step's roots (its arguments' objects; the ``self`` of a bound method, a partial's bound arguments;
+its closure; the globals its code reads) through lists, dicts, tuples and the attributes of plain
+objects (dataclasses included; not torch's or spmd's own objects), ``_DEPTH`` levels down, and returns,
+in the order found:
 
 * the ``nn.Module``s, ``Optimizer``s and ``GradScaler``s (a module, optimizer or scaler is not
   looked into: its own tables say what it holds);
@@ -13,7 +14,9 @@ code names) through lists, dicts, tuples and the attributes of plain objects (da
   (``self.ema[0]``, ``closure ema[1]``, ``global STATS['mean']``) and its ``Place``, where tracing
   puts its traced stand-in and puts it back afterwards (``swapped``). A tensor in a tuple has no
   place it can be swapped in: it is listed in ``fixed``, and a step that reads it is refused
-  by name (``spmd.trace.trace_errors``).
+  by name (``unreached_tensor_error``). A step that stores a new tensor where a held one was,
+  rather than updating it in place, is refused by name too (``refuse_rebound``): the graph
+  can only write into the tensors it was given.
 
 A tensor among the arguments themselves (a leaf of their pytree, as ``ema`` in
 ``train_step(model, optim, ema, x)``) is an input of the graph, not a held tensor. Containers
@@ -38,10 +41,10 @@ from torch.amp import GradScaler
 
 from ..errors import SpmdCompileError
 
-_DEPTH = 4               # how far below a root containers and attributes are followed
-LARGEST = 10_000        # containers with more items are not looked into (a data set, say)
+_DEPTH = 4          # how far below a root containers and attributes are followed
+LARGEST = 10_000    # containers with more items are not looked into (a data set, say)
 NOT_USER_OBJECTS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                     functools.partial, torch.Tensor)
+                    functools.partial, torch.Tensor)
 
 
 GLOBAL_LOADS = ("LOAD_GLOBAL", "LOAD_NAME")  # the instructions that read a global (not an attribute) by name
@@ -65,8 +68,15 @@ def global_names(code: types.CodeType) -> tuple[str, ...]:
 
 
 def _roots_of(fn: Callable) -> Iterator[tuple[str, Any, "Place | None"]]:
-    """(name, value, place) of what ``fn`` reaches without being passed it: its ``self``, its closure
-    variables, the globals its code names."""
+    """(name, value, place) of what ``fn`` reaches without being passed it: its ``self`` (a partial's bound
+    arguments), its closure variables, the globals its code reads."""
+    if isinstance(fn, functools.partial):  # what it binds, then what its function reaches
+        for k, value in enumerate(fn.args):
+            yield f"partial argument {k}", value, None
+        for key, value in fn.keywords.items():
+            yield f"partial argument {key}", value, None
+        yield from _roots_of(fn.func)
+        return
     owner = getattr(fn, "__self__", None)
     if owner is not None and not isinstance(owner, types.ModuleType):
         yield "self", owner, None
@@ -198,7 +208,7 @@ def _argument_name(fn: Callable, path: tuple) -> str:
 
 def reach(fn: Callable, args: tuple, kwargs: dict, leaves: Optional[list] = None) -> Reach:
     """What ``fn(*args, **kwargs)`` reaches (see the module docstring): the objects among its arguments
-    and under them, then under its ``self``, its closure and the globals its code names. ``leaves``: the
+    and under them, then under its ``self``, its closure and the globals its code reads. ``leaves``: the
     leaves of ``(args, kwargs)``' pytree, where the caller has them."""
     walk = _Walk()
     leaves = pytree.tree_leaves((args, kwargs)) if leaves is None else leaves
