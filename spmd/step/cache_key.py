@@ -66,19 +66,21 @@ def step_key(fn: Callable, state: StepState, args: tuple, kwargs: dict, parallel
     """The key of the step ``fn`` compiled for ``state`` and ``(args, kwargs)`` (see the module docstring).
 
     ``parallel_mode``: the ``DataParallel``; ``transformation``: the one the step's graph gets
-    (``CompiledTrainStep.transformation_for``); ``module_override``: the step's overrides.
+    (``CompiledTrainStep.transformation_for``); ``module_override``: the step's overrides. A tensor the
+    graph takes as input (the state's, a held EMA's) is described by its facts, not its contents.
     """
+    taken = frozenset(map(id, state.owned_tensors()))
     return StepKey({
         "versions": versions(),
         "device": device_facts(state, may_use_inductor(transformation)),
         "torch settings": torch_settings(),
-        "step function": describe(fn),
+        "step function": describe(fn, inputs=taken),
         "module overrides": describe(list(module_override)),
         "modules": [module_structure(m) for m in state.modules],
         "tensors": state_tensors(state),
         "optimizers": optimizer_settings(state),
         "grad scalers": [scaler_signature(s) for s in state.scalers],
-        "inputs": inputs(state, args, kwargs),
+        "inputs": inputs(state, args, kwargs, taken),
         "parallel mode": parallel_settings(parallel_mode),
         "mesh coordinates": mesh_coordinates(state, parallel_mode),
         "transformation": transformation_settings(transformation),
@@ -202,9 +204,10 @@ def optimizer_settings(state: StepState) -> list:
             for o, optim in enumerate(state.optimizers)]
 
 
-def inputs(state: StepState, args: tuple, kwargs: dict) -> dict:
+def inputs(state: StepState, args: tuple, kwargs: dict, taken: frozenset = frozenset()) -> dict:
     """The step's arguments, by path: a module or optimizer by its place in ``state``, a tensor by its facts,
-    a number or string by its value (the graph specialises on it)."""
+    a number or string by its value (the graph specialises on it), another object as ``describe`` gives it
+    (``taken``: ids of the tensors the graph takes as inputs, described by their facts alone)."""
     leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
     structure = str(spec)
     out = {"structure": structure if " at 0x" not in structure else None}
@@ -217,7 +220,7 @@ def inputs(state: StepState, args: tuple, kwargs: dict) -> dict:
         elif isinstance(leaf, torch.Tensor):
             out[name] = tensor_facts(leaf)  # a graph input: its values are not in the key
         else:
-            out[name] = describe(leaf)
+            out[name] = describe(leaf, inputs=taken)
     return out
 
 
