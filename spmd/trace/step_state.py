@@ -155,7 +155,8 @@ class StepState:
                     if id(p) not in self._param_index:
                         raise SpmdCompileError(
                             "spmd.compile: an optimizer updates a parameter that belongs to none of the "
-                            "modules passed to train_step. Pass every module whose parameters it trains."
+                            "modules train_step reaches (its arguments, self, closure, globals). Pass every "
+                            "module whose parameters it trains, or keep a loose parameter in an nn.Module."
                         )
                     if id(p) in owner:
                         raise SpmdCompileError(
