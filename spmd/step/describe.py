@@ -74,13 +74,12 @@ def mesh_facts(mesh: Any) -> Any:
     return {"dims": describe(mesh_signature(mesh)[:3]), "of": describe(mesh_signature(root))}
 
 
-def describe(value: Any, depth: int = 0, inputs: frozenset = frozenset()) -> Any:
+def describe(value: Any, depth: int = 0) -> Any:
     """``value`` as a JSON value that two processes build alike: no ids, no addresses.
 
     Numbers, strings and None as they are; containers item by item (a dict's keys as strings, a set
-    sorted); a tensor by its facts and, where not one of ``inputs`` (ids of the tensors the graph takes as
-    inputs: the step's state, the EMA it holds; else a constant the graph bakes in), a digest of its
-    contents; a class or function by module and qualified name, plus the code of user
+    sorted); a tensor by its facts and, where not a state's tensor (a constant the graph bakes in),
+    a digest of its contents; a class or function by module and qualified name, plus the code of user
     code (``describe_function``); a mesh or process group by ranks; a module, optimizer or scaler by
     class (their state is described apart); another object by class and attributes, to a depth.
     """
@@ -93,20 +92,20 @@ def describe(value: Any, depth: int = 0, inputs: frozenset = frozenset()) -> Any
     if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return device_name(value) if isinstance(value, torch.device) else str(value)
     if isinstance(value, torch.Tensor):
-        return {"tensor": tensor_facts(value), "contents": "input" if id(value) in inputs else _contents_digest(value)}
+        return {"tensor": tensor_facts(value), "contents": _contents_digest(value)}
     if depth > _MAX_DEPTH:
         return {"class": _qualname(type(value))}
     if isinstance(value, (list, tuple, set, frozenset, dict)):
-        return _describe_collection(value, depth, inputs)
+        return _describe_collection(value, depth)
     if isinstance(value, type):
         return _class(value)
     if isinstance(value, types.ModuleType):
         return {"module": value.__name__}
     if isinstance(value, functools.partial):
-        return {"partial": describe(value.func, depth + 1, inputs), "args": describe(value.args, depth + 1, inputs),
-                "keywords": describe(value.keywords, depth + 1, inputs)}
+        return {"partial": describe(value.func, depth + 1), "args": describe(value.args, depth + 1),
+                "keywords": describe(value.keywords, depth + 1)}
     if isinstance(value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.CodeType)):
-        return describe_function(value, depth, inputs)
+        return describe_function(value, depth)
     if isinstance(value, (nn.Module, torch.optim.Optimizer)):
         return {"class": _qualname(type(value))}
     if isinstance(value, GradScaler):
@@ -117,26 +116,25 @@ def describe(value: Any, depth: int = 0, inputs: frozenset = frozenset()) -> Any
         return {"process group role": describe(group_role(value))}
     if dataclasses.is_dataclass(value):
         return {"class": _qualname(type(value)),
-                "fields": {f.name: describe(getattr(value, f.name), depth + 1, inputs)
-                           for f in dataclasses.fields(value)}}
+                "fields": {f.name: describe(getattr(value, f.name), depth + 1) for f in dataclasses.fields(value)}}
     if callable(getattr(value, "__wrapped__", None)):  # a wrapper (a compiled step): what it wraps
-        return {"wraps": describe(value.__wrapped__, depth + 1, inputs)}
+        return {"wraps": describe(value.__wrapped__, depth + 1)}
     if hasattr(value, "__dict__") and not callable(getattr(value, "__func__", None)):
         return {"class": _class(type(value)),
-                "attributes": {k: describe(v, depth + 1, inputs) for k, v in sorted(vars(value).items())}}
+                "attributes": {k: describe(v, depth + 1) for k, v in sorted(vars(value).items())}}
     if callable(value):
-        return describe_function(value, depth, inputs)
+        return describe_function(value, depth)
     text = repr(value)
     return {"class": _qualname(type(value)), "repr": text if " at 0x" not in text else None}
 
 
-def _describe_collection(value: Any, depth: int, inputs: frozenset) -> Any:
+def _describe_collection(value: Any, depth: int) -> Any:
     if isinstance(value, dict):
-        items = [[describe(k, depth + 1, inputs), describe(v, depth + 1, inputs)] for k, v in value.items()]
+        items = [[describe(k, depth + 1), describe(v, depth + 1)] for k, v in value.items()]
         items.sort(key=canonical_json)
         out = {"dict": items}
     else:
-        items = [describe(v, depth + 1, inputs) for v in value]
+        items = [describe(v, depth + 1) for v in value]
         if isinstance(value, (set, frozenset)):
             items.sort(key=canonical_json)
         out = items if type(value) in (list, tuple) else {_qualname(type(value)): items}
@@ -181,7 +179,7 @@ def _class(cls: type) -> Any:
     return {"class": _qualname(cls), "code": code}
 
 
-def describe_function(fn: Any, depth: int = 0, inputs: frozenset = frozenset()) -> Any:
+def describe_function(fn: Any, depth: int = 0) -> Any:
     """A function by module and qualified name; user code also by its code (``_code``), defaults, closure
     values and the globals its code names, described in turn (library code: the versions cover it)."""
     fn = getattr(fn, "__func__", fn)
@@ -192,13 +190,12 @@ def describe_function(fn: Any, depth: int = 0, inputs: frozenset = frozenset()) 
     if _is_library(fn) or depth > _MAX_DEPTH:
         return {"function": _qualname(fn)}
     code = fn.__code__
-    closure = {name: describe(cell.cell_contents, depth + 1, inputs) if _filled(cell) else "<empty>"
+    closure = {name: describe(cell.cell_contents, depth + 1) if _filled(cell) else "<empty>"
                for name, cell in zip(code.co_freevars, fn.__closure__ or ())}
-    fn_globals = {n: describe(fn.__globals__[n], depth + 1, inputs) for n in global_names(code)
-                  if n in fn.__globals__ and fn.__globals__[n] is not fn}
-    return {"function": _qualname(fn), "code": _code(code), "defaults": describe(fn.__defaults__, depth + 1, inputs),
-            "keyword defaults": describe(fn.__kwdefaults__, depth + 1, inputs), "closure": closure,
-            "globals": fn_globals}
+    fn_globals = {n: describe(fn.__globals__[n], depth + 1) for n in global_names(code) if n in fn.__globals__
+                  and fn.__globals__[n] is not fn}
+    return {"function": _qualname(fn), "code": _code(code), "defaults": describe(fn.__defaults__, depth + 1),
+            "keyword defaults": describe(fn.__kwdefaults__, depth + 1), "closure": closure, "globals": fn_globals}
 
 
 def _filled(cell) -> bool:
