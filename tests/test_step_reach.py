@@ -337,3 +337,23 @@ def test_an_ema_replaced_instead_of_updated_in_place_is_refused_by_name():
     assert trainer.ema is ema  # as it was
     _same(ema, before)
 
+
+
+GLOBAL_EMA: list = []
+
+
+def global_ema_step(model, optim, x):
+    return ema_step(model, optim, GLOBAL_EMA, x)
+
+
+def test_an_ema_in_a_global_list_moves_as_eager():
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    GLOBAL_EMA[:] = [p.detach().clone() for p in model.parameters()]
+    ref_ema = [p.detach().clone() for p in ref.parameters()]
+    step = spmd.compile()(global_ema_step)
+    for x in _batches(0):
+        torch.testing.assert_close(step(model, optim, x), ema_step(ref, ref_optim, ref_ema, x), atol=1e-12, rtol=0)
+        _same(GLOBAL_EMA, ref_ema)
+    assert step.trace_count == 1
