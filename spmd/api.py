@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import functools
 import inspect
 import itertools
 import logging
 import time
+import types
 import warnings
 import weakref
 from collections import OrderedDict
@@ -19,6 +21,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .checks import rank_agreement
@@ -27,7 +30,7 @@ from .compile_times import phase, recording
 from .errors import SpmdCompileError, SpmdConfigError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .lower.preload import import_for_inductor, may_lower_through_inductor
-from .optim.amp_scaler import GradScaler, closure_scalers, ensure_scale, scaler_signature, step_scalers
+from .optim.amp_scaler import GradScaler, ensure_scale, scaler_signature, step_scalers
 from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
@@ -43,7 +46,10 @@ from .step.transformation import GraphModuleTransformation
 from .trace.accumulation import grads_on_entry, grads_signature
 from .trace.capture import trace_train_step
 from .trace.step_outputs import rewrap
-from .trace.step_state import StepState, describe_changes, find_modules_and_optimizers, tensor_signature
+from .trace.step_reach import Reach, reach
+from .trace.step_state import (
+    StepState, describe_changes, find_modules_and_optimizers, local_tensor, sharding_signature, tensor_signature,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +141,11 @@ class CompiledTrainStep:
         self.compile_cache: Optional[CacheStore] = (CacheStore(root, shared=named_by_user(cache_dir))
                                                     if root is not None else None)
 
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        """``@spmd.compile`` on a method: ``trainer.step(batch)`` calls the step with ``trainer`` first, as
+        a method (what it reaches through ``self`` is its state, ``spmd.trace.step_reach``)."""
+        return self if obj is None else types.MethodType(self, obj)
+
     def _apply_overrides(self, modules: list[nn.Module]) -> None:
         for mod in modules:
             if mod in self._overridden or not self.module_override:
@@ -167,7 +178,7 @@ class CompiledTrainStep:
                     if made is not None:
                         created.append(made)
             if created:  # state was just created: lay it out again
-                state = StepState(state.modules, state.optimizers, state.scalers)
+                state = state.again()
             with phase("trace"):
                 traced = trace_train_step(
                     self.fn, state, args, kwargs,
@@ -218,7 +229,7 @@ class CompiledTrainStep:
             _write_dump({"00_traced": gm, **dump.stages}, runner, folder)
         entry = CompiledStep(runner, traced.out_spec, gm, compile_times=times,
                              first_step=first_step_slots(state, created), grads=traced.grads,
-                             dtensors=traced.dtensors, replays=traced.replays)
+                             dtensors=traced.dtensors, replays=traced.replays, live=traced.live)
         return entry, state, created
 
     def _load_or_compile(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState, list]:
@@ -246,7 +257,7 @@ class CompiledTrainStep:
         """The inputs ``entry``'s graphs take in a call with these arguments on ``state``: its tensors, the
         hyperparameter tensors, the user's tensors, the gradients taken (what ``_prepare_call`` passes)."""
         flat = [*state.flat_tensors(), *entry.hyper_inputs(state.hyper_values(), state)]
-        flat += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        flat += [local_tensor(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         return flat + (entry.grads.entry_grads(state.params) if entry.grads else [])
 
     def _agree(self, candidate: rank_agreement.Candidate, group: rank_agreement.Agreement, compared: bool,
@@ -289,7 +300,7 @@ class CompiledTrainStep:
         ``agree_across_ranks=False``); made on the first call, from the modules it is called with."""
         if not self._side_resolved:
             wanted = self.agree_across_ranks
-            modules = find_modules_and_optimizers(args, kwargs)[0] if wanted is not False else []
+            modules = find_modules_and_optimizers(reach(self.fn, args, kwargs))[0] if wanted is not False else []
             self._side_group = None if wanted is False else rank_agreement.agreement_for(
                 self.parallel_mode, modules, on_one_rank=bool(wanted))
             self._side_resolved = True
@@ -328,12 +339,20 @@ class CompiledTrainStep:
         and the step's own arguments' (``input 2``: shape, dtype, ... of a tensor; value of a number)."""
         sig = state.signature()
         sig.update(grads_signature(state.param_names, state.params))
-        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
+        for path, leaf in leaves:
             sig[_input_name(path)] = self._leaf_signature(leaf)
+        passed = {id(leaf) for _, leaf in leaves}
+        reached = [self._serial(o) for o in (*state.modules, *state.optimizers, *state.scalers) if id(o) not in passed]
+        if reached:  # through self, a container, the closure or a global (spmd.trace.step_reach): objects as inputs
+            sig["reached"] = tuple(reached)
         return sig
 
-    def _leaf_signature(self, leaf: Any) -> Any:
-        """What the traced graph specialises on in one leaf of the step's arguments."""
+    def _leaf_signature(self, leaf: Any, depth: int = 4) -> Any:
+        """What the traced graph specialises on in one leaf of the step's arguments (and, ``depth`` levels
+        down, in the fields of a dataclass among them and the containers under those)."""
+        if isinstance(leaf, DTensor):  # its local tensor is the graph input
+            return tensor_signature(leaf), tensor_signature(leaf._local_tensor), sharding_signature(leaf._spec)
         if isinstance(leaf, torch.Tensor):
             return tensor_signature(leaf)
         if isinstance(leaf, (nn.Module, torch.optim.Optimizer)):
@@ -342,6 +361,14 @@ class CompiledTrainStep:
             return self._serial(leaf), scaler_signature(leaf)
         if leaf is None or type(leaf) in (int, float, bool, str):
             return repr(leaf)
+        if depth and isinstance(leaf, (list, tuple)):
+            return type(leaf).__name__, tuple(self._leaf_signature(v, depth - 1) for v in leaf)
+        if depth and isinstance(leaf, dict):
+            return "dict", tuple((repr(k), self._leaf_signature(v, depth - 1)) for k, v in leaf.items())
+        if depth and dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            # field by field: its repr would show the values of the tensors it holds (an EMA), which change
+            return type(leaf).__name__, tuple((f.name, self._leaf_signature(getattr(leaf, f.name), depth - 1))
+                                              for f in dataclasses.fields(leaf))
         return f"{type(leaf).__name__}: {leaf!r}"
 
     def start_compile_workers_at_wrap(self) -> bool:
@@ -380,22 +407,24 @@ class CompiledTrainStep:
         """The transformation's dump settings, or (for a custom transformation) the environment's."""
         return getattr(self.gm_transformation, "dump", None) or DumpOptions.resolve()
 
-    def prepare_state(self, args: tuple, kwargs: dict) -> StepState:
-        """Find the step's modules and optimizers, apply overrides, and check the gradients they hold
-        can be taken as graph inputs (``spmd.trace.accumulation``)."""
-        modules, optimizers = find_modules_and_optimizers(args, kwargs)
+    def prepare_state(self, args: tuple, kwargs: dict, found: Optional[Reach] = None) -> StepState:
+        """Find the step's modules, optimizers, scalers and held tensors (``found``: what it reaches, else
+        looked for now; ``spmd.trace.step_reach``), apply overrides, and check the gradients they hold can
+        be taken as graph inputs (``spmd.trace.accumulation``)."""
+        found = found or reach(self.fn, args, kwargs)
+        modules, optimizers = find_modules_and_optimizers(found)
         self._apply_overrides(modules)
         _check_materialized(modules)
         _check_mesh_devices(modules)
         _check_optimizers_follow_modules(modules, optimizers)
-        scalers = step_scalers(self.fn, args, kwargs)
+        scalers = step_scalers(found.scalers)
         ensure_scale(scalers, modules)
-        state = StepState(modules, optimizers, scalers)
+        state = StepState(modules, optimizers, scalers, list(zip(found.held_names, found.held, found.places)))
         grads_on_entry(state.param_names, state.params)  # gradients held now are graph inputs: refuse odd ones
         return state
 
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
-        entry, flat, params = self._prepare_call(args, kwargs)
+        entry, flat, owned = self._prepare_call(args, kwargs)
         first_run = not entry.ran
         # the first run captures CUDA graphs: its time goes to this entry too
         with torch.no_grad(), recording(entry.compile_times), (
@@ -414,10 +443,9 @@ class CompiledTrainStep:
         grads = entry.grads
         if grads:
             n = len(out) - len(grads.outputs)
-            grads.leave(params, out[n:])
+            grads.leave(owned, out[n:])
             out = out[:n]
-        if entry.dtensors:
-            out = rewrap(out, entry.dtensors)
+        out = rewrap(out, entry.dtensors, entry.live, owned)
         return pytree.tree_unflatten(out, entry.out_spec)
 
     def lower(self, *args, **kwargs) -> CompiledStep:
@@ -440,42 +468,47 @@ class CompiledTrainStep:
         return self._prepare_call(args, kwargs)[0]
 
     def _prepare_call(self, args: tuple, kwargs: dict) -> tuple[CompiledStep, list, list]:
-        """(entry, its graph inputs, the parameters) for a call with these arguments: the entry found
-        (a repeated call), or looked up and compiled; lowered before it is returned."""
+        """(entry, its graph inputs, the state's tensors: parameters, buffers, optimizer state, in graph order)
+        for a call with these arguments: the entry found (a repeated call), or looked up and compiled; lowered
+        before it is returned."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        signed = [*leaves, *closure_scalers(self.fn)]  # what the step depends on besides its state
+        reached = reach(self.fn, args, kwargs, leaves)  # what the step depends on besides its arguments
         group = self._agreement_group(args, kwargs)
-        found = self._repeat_last_call(signed, spec)
+        found = self._repeat_last_call(leaves, spec, reached)
         compared = found is not None and group is not None and not rank_agreement.agreed(found[0], group)
         if found is None or compared:  # a rank that runs another graph this call: compare in detail
-            found = self._look_up(args, kwargs, signed, spec, group, compared)
-        entry, flat, params = found
-        flat += [t for t in leaves if isinstance(t, torch.Tensor)]
+            found = self._look_up(args, kwargs, leaves, spec, reached, group, compared)
+        entry, flat, owned = found
+        flat += [local_tensor(t) for t in leaves if isinstance(t, torch.Tensor)]
         if entry.grads:
-            flat += entry.grads.entry_grads(params)
+            flat += entry.grads.entry_grads(owned)
         if not entry.lowered:
             entry.lower(flat)  # the lower stage, on the first call's inputs, before it runs
-        return entry, flat, params
+        return entry, flat, owned
 
-    def _repeat_last_call(self, leaves: list, spec: pytree.TreeSpec
+    def _repeat_last_call(self, leaves: list, spec: pytree.TreeSpec, reached: Reach
                           ) -> Optional[tuple[CompiledStep, list, list]]:
-        """(entry, graph inputs before the user's tensors, parameters) when this call has the last call's
+        """(entry, graph inputs before the user's tensors, the state's tensors) when this call has the last call's
         signature, else None: the same argument structure and leaf signatures (so the same modules
-        and optimizers), and nothing changed in their state (``StateCheck``)."""
+        and optimizers), the same objects reached besides (``spmd.trace.step_reach``), and nothing
+        changed in their state (``StateCheck``)."""
         last = self._last_call
         if last is None or spec != last.spec or last.entry is not self._last_run:
             return None
         if list(map(self._leaf_signature, leaves)) != last.leaf_signatures:
             return None
+        objects = reached.objects()
+        if len(objects) != len(last.reached) or any(ref() is not o for ref, o in zip(last.reached, objects)):
+            return None
         values = last.check.hypers_if_unchanged()
         if values is None:
             return None
-        return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], last.check.params
+        return last.entry, [*last.check.flat, *last.entry.hyper_inputs(values)], last.check.owned
 
-    def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec,
+    def _look_up(self, args: tuple, kwargs: dict, leaves: list, spec: pytree.TreeSpec, reached: Reach,
                  group: Optional[rank_agreement.Agreement] = None, compared: bool = False
                  ) -> tuple[CompiledStep, list, list]:
-        """(entry, graph inputs before the user's tensors, the parameters), from
+        """(entry, graph inputs before the user's tensors, the state's tensors), from
         the full signature: the cached entry, or a new one compiled. With ``group``, the ranks then
         agree on what runs (``_agree``; ``compared``: they already found that they differ), this rank
         taking part even when its own lookup or trace failed. Prepares new parameters and buffers (a
@@ -485,7 +518,7 @@ class CompiledTrainStep:
         missed, self._last_call = self._last_call is not None, None
         created, times = [], {}
         try:
-            state = self.prepare_state(args, kwargs)
+            state = self.prepare_state(args, kwargs, reached)
             signature = self.signature(state, args, kwargs)
             key = tuple(signature.items())
             candidate = rank_agreement.Candidate(self.cache.get(key), state)
@@ -517,10 +550,11 @@ class CompiledTrainStep:
             self._prepared.update(dict.fromkeys(new_tensors, True))
         hypers = entry.hyper_inputs(state.hyper_values(), state)
         if not repeated or missed:  # check the next call only after the same entry twice, and no failed check
-            return entry, [*state.flat_tensors(), *hypers], state.params
+            return entry, [*state.flat_tensors(), *hypers], state.owned_tensors()
         check = StateCheck(state, on_free=self._forget_last_call)
-        self._last_call = LastCall(entry, spec, list(map(self._leaf_signature, leaves)), check)
-        return entry, [*check.flat, *hypers], state.params
+        self._last_call = LastCall(entry, spec, list(map(self._leaf_signature, leaves)),
+                                   [weakref.ref(o) for o in reached.objects()], check)
+        return entry, [*check.flat, *hypers], check.owned
 
     def _forget_last_call(self, _freed: Any = None) -> None:
         """Drop ``_last_call`` (its tensors with it): one of its modules or optimizers was freed."""
@@ -545,8 +579,6 @@ def _check_materialized(modules: list[nn.Module]) -> None:
 def mesh_device_mismatches(modules: list[nn.Module]) -> list[str]:
     """The sharded parameters whose data is on another device type than their DeviceMesh (``name (data on
     cuda, mesh on cpu)``): their collectives would run over the mesh's backend on the wrong device."""
-    from torch.distributed.tensor import DTensor
-
     return [f"{name} (data on {p._local_tensor.device.type}, mesh on {p.device_mesh.device_type})"
             for mod in modules for name, p in mod.named_parameters()
             if isinstance(p, DTensor) and p._local_tensor.device.type != p.device_mesh.device_type]
@@ -567,8 +599,6 @@ def _check_mesh_devices(modules: list[nn.Module]) -> None:
 def _check_optimizers_follow_modules(modules: list[nn.Module], optimizers: list) -> None:
     """Refuse, naming the fix, an optimizer that holds a sharded model's parameters as they were before
     ``spmd.shard`` replaced them."""
-    from torch.distributed.tensor import DTensor
-
     params = {id(p) for mod in modules for p in mod.parameters()}
     sharded = any(isinstance(p, DTensor) for mod in modules for p in mod.parameters())
     for optim in optimizers:

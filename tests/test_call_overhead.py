@@ -66,9 +66,9 @@ class _Twins:
         self.full_lookups = 0
         full = self.step.prepare_state
 
-        def counted(args, kwargs):  # prepare_state runs only when the fast path does not
+        def counted(args, kwargs, *found):  # prepare_state runs only when the fast path does not
             self.full_lookups += 1
-            return full(args, kwargs)
+            return full(args, kwargs, *found)
 
         self.step.prepare_state = counted
         self.data = torch.Generator().manual_seed(0)

@@ -26,7 +26,15 @@ def _returns_a_parameter(model, optim, x):
     loss.backward()
     optim.step()
     optim.zero_grad()
-    return loss, next(model.parameters())
+    return loss, next(model.parameters())  # the live parameter: no graph output (spmd.trace.step_outputs)
+
+
+def _returns_a_parameter_view(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss, next(model.parameters()).detach()  # an output that views a written input
 
 
 def _gpt():
@@ -58,7 +66,8 @@ CASES = {
     "mlp-foreach-adamw-clipped": (_MLP, dict(cls=torch.optim.AdamW, foreach=True), _clipped, True),
     "convbn-buffers": (lambda: (ConvBN(), lambda: (torch.randn(2, 3, 8, 8),)), dict(fused=True), train_step, True),
     "inplace-activation": (_MLP, dict(fused=True), inplace_activation_step, True),
-    "returns-a-parameter": (_MLP, dict(fused=True), _returns_a_parameter, False),
+    "returns-a-parameter": (_MLP, dict(fused=True), _returns_a_parameter, True),
+    "returns-a-parameter-view": (_MLP, dict(fused=True), _returns_a_parameter_view, False),
 }
 
 

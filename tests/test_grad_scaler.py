@@ -251,13 +251,35 @@ def _holder_step(model, optim, holder, x, y):
     return amp_step(model, optim, holder.scaler, x, y)
 
 
-def test_scaler_reached_through_an_attribute_is_refused_and_left_as_it_was():
+def test_scaler_reached_through_an_attribute_is_traced():
+    scalers = _scalers(**SETTINGS)
+    step, holder = spmd.compile()(_holder_step), _Holder(scalers[0])
+    _train_side_by_side(lambda model, optim, _none, x, y: step(model, optim, holder, x, y), scalers,
+                        pass_scaler=False)
+    assert step.trace_count == 1
+
+
+_HIDDEN = {}
+
+
+def _hidden_scale(loss):
+    return _HIDDEN["scaler"].scale(loss)  # a helper's global: the step's own code never names it
+
+
+def _hidden_scaler_step(model, optim, x, y):
+    loss = F.mse_loss(model(x), y)
+    _hidden_scale(loss).backward()
+    optim.step()
+    return loss
+
+
+def test_scaler_the_step_does_not_reach_is_refused_and_left_as_it_was():
     model = _mlp(torch.float64)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = _HIDDEN["scaler"] = torch.amp.GradScaler("cpu")
     x, y = next(_batches(0, torch.float64))
     with pytest.raises(spmd.SpmdCompileError, match="Pass the scaler to train_step"):
-        spmd.compile()(_holder_step)(model, optim, _Holder(scaler), x, y)
+        spmd.compile()(_hidden_scaler_step)(model, optim, x, y)
     assert scaler._scale is None and not scaler._per_optimizer_states and not optim.state
     assert all(p.grad is None for p in model.parameters())
 

@@ -2,8 +2,9 @@
 
 A step written for DDP (``scaler.scale(loss).backward()``, ``scaler.step(optim)``,
 ``scaler.update()``, optionally ``scaler.unscale_(optim)`` before clipping) is traced as it
-is. The scalers it uses are found among its arguments or by name in its code
-(``step_scalers``); while it is traced (``traced_scalers``):
+is. The scalers it uses are those it reaches (``spmd.trace.step_reach``: among its arguments, on
+``self`` or another object, in its closure or globals; ``step_scalers``); while it is traced
+(``traced_scalers``):
 
 * each scaler's ``_scale`` and ``_growth_tracker`` are traced step-state inputs
   (``StepState`` lays them out after the optimizer state, so the graph updates them in
@@ -17,8 +18,8 @@ is. The scalers it uses are found among its arguments or by name in its code
   tensor it wrote where ``found_inf`` is set (``torch.where``): the same values, no host sync.
   A fused optimizer (``_step_supports_amp_scaling``) never gets there: its kernels take
   ``grad_scale`` and ``found_inf`` and skip by themselves, as in eager;
-* a scaler found neither way is refused by name before it changes (eager would create its
-  scale inside the trace).
+* a scaler the step uses but does not reach that way (one a helper function reads from its own
+  module's globals) is refused before it changes (eager would create its scale inside the trace).
 
 ``update()`` needs nothing: ``torch._amp_update_scale_`` is an ordinary in-place op on the
 traced scale. The growth and backoff settings are constants of the graph
@@ -33,7 +34,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.amp import GradScaler
 from torch.distributed import _functional_collectives as funcol
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
@@ -43,40 +43,18 @@ from ..errors import SpmdCompileError
 SCALER_TENSORS = ("_scale", "_growth_tracker")  # the step state of one scaler, in graph order
 
 
-def closure_scalers(fn) -> list[GradScaler]:
-    """The ``GradScaler``s ``fn`` reaches by name: in its closure, or globals its code names.
-
-    A cheap look (a few dict reads, done on every call so that a rebound name is seen); a
-    scaler reached any other way (an attribute, a helper function) is refused while tracing.
-    """
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return []
-    cells = []
-    for cell in fn.__closure__ or ():
-        try:
-            cells.append(cell.cell_contents)
-        except ValueError:  # a cell not yet bound
-            pass
-    found = [*cells, *map(fn.__globals__.get, code.co_names)]
-    return [v for v in found if isinstance(v, GradScaler)]
-
-
-def step_scalers(fn, args: tuple, kwargs: dict) -> list[GradScaler]:
-    """The distinct enabled ``GradScaler``s of a step: among its (flattened) arguments, then in
-    ``closure_scalers(fn)``. A disabled scaler is left out: its methods only call ``optimizer.step()``."""
-    found: list[GradScaler] = []
-    for leaf in [*pytree.tree_leaves((args, kwargs)), *closure_scalers(fn)]:
-        if isinstance(leaf, GradScaler) and leaf.is_enabled() and all(leaf is not s for s in found):
-            if type(leaf)._maybe_opt_step is not GradScaler._maybe_opt_step:
-                raise SpmdCompileError(
-                    f"spmd.compile: {type(leaf).__name__} overrides GradScaler._maybe_opt_step, the decision to "
-                    "skip a step, which spmd replaces with tensor ops to keep it in the graph. Use "
-                    "torch.amp.GradScaler itself, or keep the step's skipping logic in GradScaler's hands."
-                )
-            found.append(leaf)
-    return found
+def step_scalers(found: list) -> list[GradScaler]:
+    """The enabled ``GradScaler``s among ``found`` (the scalers a step reaches, ``spmd.trace.step_reach``). A
+    disabled scaler is left out: its methods only call ``optimizer.step()``."""
+    scalers = [s for s in found if s.is_enabled()]
+    for scaler in scalers:
+        if type(scaler)._maybe_opt_step is not GradScaler._maybe_opt_step:
+            raise SpmdCompileError(
+                f"spmd.compile: {type(scaler).__name__} overrides GradScaler._maybe_opt_step, the decision to "
+                "skip a step, which spmd replaces with tensor ops to keep it in the graph. Use "
+                "torch.amp.GradScaler itself, or keep the step's skipping logic in GradScaler's hands."
+            )
+    return scalers
 
 
 def scaler_signature(scaler: GradScaler) -> tuple:
@@ -150,9 +128,10 @@ def traced_scalers(scalers: list[GradScaler], traced: list[torch.Tensor],
         def checked(self, *args, **kwargs):
             if self.is_enabled() and id(self) not in known:
                 raise SpmdCompileError(
-                    "spmd.compile: train_step uses a torch.amp.GradScaler that is neither among its arguments nor "
-                    "named in its code (a global or a closure variable), so its scale cannot be a graph input "
-                    "updated in place. Pass the scaler to train_step, e.g. train_step(model, optim, scaler, batch)."
+                    "spmd.compile: train_step uses a torch.amp.GradScaler it does not reach through its arguments, "
+                    "self, closure or the globals its own code names (e.g. a helper function reads it from its "
+                    "module), so its scale cannot be a graph input updated in place. Pass the scaler to "
+                    "train_step, e.g. train_step(model, optim, scaler, batch), or keep it on an object the step has."
                 )
             return method(self, *args, **kwargs)
         return checked

@@ -36,7 +36,7 @@ from ..passes import (
     schedule_comm_wait, schedule_tensor_parallel_comms, split_optimizer_per_bucket,
 )
 from ..trace.accumulation import LEAVES_GRADS
-from ..trace.step_state import local_tensor
+from ..trace.step_state import BUFFER, local_tensor
 from .replicate_markers import SYNC_BUFFERS, TAG_GRAD, buffers_synced_before_forward, tag_gradients
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def before_first_run(dp, state, tensors: Sequence[torch.Tensor]) -> None:
     if not dp.sync_module_states or group is None or dist.get_world_size(group) == 1:
         return
     # DDP syncs parameters and buffers only, never a plain tensor attribute
-    buffers = {id(b): attribute for b, attribute in zip(state.buffers, state.buffer_is_attribute)}
+    buffers = {id(b): kind != BUFFER for b, kind in zip(state.buffers, state.buffer_kinds)}
     broadcast_from_rank0([t for t in tensors if id(t) not in buffers
                           or (dp.broadcast_buffers and not buffers[id(t)])], group)
 

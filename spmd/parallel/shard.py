@@ -139,7 +139,7 @@ def prepare(dp, state: StepState) -> Optional[StepState]:
         after = dict(mod.named_parameters())
         _swap_optimizer_params(state.optimizers, {id(p): after[name] for name, p in before.items()})
         log.info("spmd: sharded %s on its first step (%d units)", type(mod).__name__, len(shard_plan(mod).units))
-    return StepState(state.modules, state.optimizers, state.scalers)
+    return state.again()
 
 
 @dataclass

@@ -39,6 +39,7 @@ class CompiledStep:
     variants: dict[tuple, "CompiledStep"] = field(default_factory=dict)
     grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.trace.accumulation)
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.trace.step_outputs)
+    live: dict = field(default_factory=dict)  # output position -> the state's tensor it returns (step_outputs)
     cache_digest: Optional[str] = None  # its key in the compile cache (``spmd.step.cache_key``), where it has one
     replays: list = field(default_factory=list)  # Python side effects run after each call but the first (side_effects)
     lowered: bool = False  # ``lower`` ran: calls only run ``runner`` from then on
@@ -91,11 +92,13 @@ class CompiledStep:
 @dataclass
 class LastCall:
     """A call ``CompiledTrainStep._repeat_last_call`` can recognise again: the entry it ran, the
-    structure and leaf signatures of its arguments, and a ``StateCheck`` of its modules and optimizers."""
+    structure and leaf signatures of its arguments, what the step reached besides them (weak references,
+    compared by identity, ``spmd.trace.step_reach``), and a ``StateCheck`` of its modules and optimizers."""
 
     entry: CompiledStep
     spec: pytree.TreeSpec
     leaf_signatures: list
+    reached: list
     check: StateCheck
 
 

@@ -13,7 +13,6 @@ its layout (``mesh_facts``); a group its role. ``canonical_json`` is the one tex
 from __future__ import annotations
 
 import dataclasses
-import dis
 import enum
 import functools
 import hashlib
@@ -29,11 +28,11 @@ from torch.distributed.tensor import DTensor
 
 from ..optim.amp_scaler import GradScaler, scaler_signature
 from ..parallel.group_roles import group_role, root_mesh
+from ..trace.step_reach import global_names
 from ..trace.step_state import mesh_signature
 
 # Code of these packages is covered by the versions (and spmd's source digest): named, not described.
 _LIBRARIES = ("torch", "spmd", "triton", "numpy", "networkx", "functools", "builtins", "typing", "collections")
-_GLOBAL_LOADS = ("LOAD_GLOBAL", "LOAD_NAME")  # the instructions that read a global (not an attribute) by name
 _MAX_DEPTH = 6      # nesting followed into plain objects before an object is only its class
 _MAX_ITEMS = 256    # items of a collection described one by one; a longer one is described by its digest
 
@@ -193,8 +192,7 @@ def describe_function(fn: Any, depth: int = 0) -> Any:
     code = fn.__code__
     closure = {name: describe(cell.cell_contents, depth + 1) if _filled(cell) else "<empty>"
                for name, cell in zip(code.co_freevars, fn.__closure__ or ())}
-    named = {i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in _GLOBAL_LOADS}
-    fn_globals = {n: describe(fn.__globals__[n], depth + 1) for n in sorted(named) if n in fn.__globals__
+    fn_globals = {n: describe(fn.__globals__[n], depth + 1) for n in global_names(code) if n in fn.__globals__
                   and fn.__globals__[n] is not fn}
     return {"function": _qualname(fn), "code": _code(code), "defaults": describe(fn.__defaults__, depth + 1),
             "keyword defaults": describe(fn.__kwdefaults__, depth + 1), "closure": closure, "globals": fn_globals}
@@ -206,11 +204,6 @@ def _filled(cell) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _codes(code: types.CodeType) -> list[types.CodeType]:
-    """``code`` and the code objects nested in its constants (lambdas, comprehensions, inner functions)."""
-    return [code, *(c for const in code.co_consts if isinstance(const, types.CodeType) for c in _codes(const))]
 
 
 def _code(code: types.CodeType) -> dict:

@@ -121,7 +121,7 @@ class StateCheck:
                         for key, v in st.items() if not isinstance(v, torch.Tensor)]
         self.params = state.params
         self._grads = list(map(_grad_key, self.params))
-        tensors = [*state.params, *state.buffers, *state.state_tensors]
+        tensors = self.owned = state.owned_tensors()
         self.flat = state.flat_tensors()  # the graph's leading inputs, as ``StepState.flat_tensors``
         self._metadata = list(map(_METADATA, self.flat))
         # a DTensor's spec and its own requires_grad (its local tensor, the graph input, never requires one)

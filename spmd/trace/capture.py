@@ -53,6 +53,7 @@ from .direct_functionalize import functionalize_writes
 from .host_reads import checking_host_reads, user_frame_of, value_read_error
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
 from .step_outputs import graph_outputs
+from .step_reach import REAL_TENSOR_IN_TRACE, reach, refuse_rebound, swapped, unreached_tensor_error
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
 from .user_objects import reachable_objects, untouched
@@ -75,6 +76,7 @@ class TracedStep:
     grads: GradPlan = field(default_factory=GradPlan)  # the gradients it takes and leaves (``spmd.trace.accumulation``)
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.trace.step_outputs``)
     replays: list = field(default_factory=list)  # Python side effects to run after each later call (side_effects)
+    live: dict = field(default_factory=dict)  # output position -> the state's tensor returned (``step_outputs``)
 
 
 @contextlib.contextmanager
@@ -257,14 +259,15 @@ ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
 
 def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                        mode_context: ModeContext | None = None, found_inf_group: Optional[ProcessGroup] = None,
-                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan, dict, list]:
+                       ) -> tuple[torch.fx.GraphModule, pytree.TreeSpec, list[torch.Tensor], GradPlan,
+                                  tuple[dict, dict], list]:
     """Stage 1: ``fn(*args, **kwargs)`` as a graph of aten ops, some in place (see the module docstring).
 
     Returns the graph, the spec of ``fn``'s flattened return value, the graph's inputs
     (parameters, buffers, optimizer state, hyperparameters, user tensors, gradients held on
-    entry), the ``GradPlan`` (``spmd.trace.accumulation``) and the DTensor specs of the outputs
-    (``spmd.trace.step_outputs``) and the Python side effects to replay (``spmd.trace.side_effects``).
-    Running the graph
+    entry), the ``GradPlan`` (``spmd.trace.accumulation``), as a pair the DTensor specs of the outputs
+    and the outputs that are the state's own tensors (``spmd.trace.step_outputs``), and the Python side
+    effects to replay (``spmd.trace.side_effects``). Running the graph
     on the real tensors performs the step. ``mode_context(params)``, given the traced
     parameters (DTensors where the real ones are), is entered around ``fn``: the parallel
     mode's hooks (default: none). ``found_inf_group``: the group over which the step's GradScalers
@@ -275,6 +278,9 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     flat_user, user_spec = pytree.tree_flatten((args, kwargs))
     tensor_slots = [i for i, v in enumerate(flat_user) if isinstance(v, torch.Tensor)]
     user_tensors = [flat_user[i] for i in tensor_slots]
+    # a DTensor among them enters the graph as its local tensor and is wrapped again inside (as parameters are)
+    user_specs = [t._spec if isinstance(t, DTensor) else None for t in user_tensors]
+    user_grads = [t.requires_grad for t in user_tensors]
     n_params, n_buffers = len(state.params), len(state.buffers)
     n_state = len(state.state_tensors)
 
@@ -284,16 +290,18 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     stepped: list = []  # optimizers whose step() the trace called
 
     def whole_step(params, buffers, state_tensors, hypers, inputs, grads):
+        params_in, buffers_in, state_in = params, buffers, state_tensors
         params = state.as_dtensors(params, state.param_specs, state.param_trained)
         grads = state.as_dtensors(grads, [_grad_spec(state.params[i]) for i in grads_in])
         stepped.clear()
         entry = {i: mark_entry_grad(g) for i, g in zip(grads_in, grads)}
         for i, g in entry.items():
             params[i].grad = g
+        buffers = state.as_dtensors(buffers, state.buffer_specs)
         state_tensors = state.as_dtensors(state_tensors, state.state_specs)
         states = state.rebuild_optimizer_states(state_tensors, params)
         flat = list(flat_user)
-        for slot, t in zip(tensor_slots, inputs):
+        for slot, t in zip(tensor_slots, state.as_dtensors(inputs, user_specs, user_grads)):
             flat[slot] = t
         call_args, call_kwargs = pytree.tree_unflatten(flat, user_spec)
         with contextlib.ExitStack() as stack:
@@ -301,6 +309,9 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
                 mapping = {n: params[i] for n, i in names}
                 mapping.update({n: buffers[i] for n, i in state.module_buffer_names(mod)})
                 stack.enter_context(_reparametrize_module(mod, mapping))
+            traced = [*params, *buffers, *state_tensors]
+            stack.enter_context(swapped([places for places, _ in state.held_slots],
+                                        [traced[i] for _, i in state.held_slots]))
             traced_hypers = stack.enter_context(_rematerialize_optimizers(state, params, states, hypers))
             before = [dict(st) for st in states]
             numbers = [t for t, as_number in zip(state_tensors, state.state_read_as_number) if as_number]
@@ -309,29 +320,35 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             scaler_tensors = state_tensors[n_state - len(SCALER_TENSORS) * len(state.scalers):]  # they come last
             stack.enter_context(traced_scalers(state.scalers, scaler_tensors, found_inf_group))
             out = fn(*call_args, **call_kwargs)
+            refuse_rebound({name: traced[i] for (name, _, _), (_, i) in zip(state.held, state.held_slots)},
+                           reach(fn, args, kwargs))
             _check_state_updated_in_place(state, before, states)
             plan, left = plan_left_grads(state.param_names, entry, params, bool(stepped))
         flat_out, out_spec = pytree.tree_flatten(out)
         out_holder["spec"], out_holder["grads"] = out_spec, plan
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
             raise value_read_error()
-        values, out_holder["dtensors"] = graph_outputs(flat_out, getattr(fn, "__name__", "train_step"))
+        owned = {id(t): k for k, t in enumerate((*params_in, *buffers_in, *state_in))}
+        values, out_holder["dtensors"], out_holder["live"] = graph_outputs(flat_out, owned,
+                                                                           getattr(fn, "__name__", "train_step"))
         return values + [g.detach() for g in left]
 
     hyper_values = state.hyper_tensors()
     n_flat = n_params + n_buffers + n_state
     flat_state = state.flat_tensors()  # local tensors of DTensors
     inputs = (flat_state[:n_params], flat_state[n_params:n_params + n_buffers], flat_state[n_params + n_buffers:n_flat],
-              hyper_values, user_tensors, [local_tensor(state.params[i].grad) for i in grads_in])
+              hyper_values, list(map(local_tensor, user_tensors)),
+              [local_tensor(state.params[i].grad) for i in grads_in])
     known = {id(o) for o in state.optimizers}
 
     def refuse_unknown_optimizer(optim, args, kwargs):
         stepped.append(optim)
         if id(optim) not in known:
             raise SpmdCompileError(
-                f"spmd.compile: train_step calls .step() on a {type(optim).__name__} that is not among its "
-                "arguments, so its update cannot be captured. Pass the optimizer to train_step, e.g. "
-                "train_step(model, optim, batch)."
+                f"spmd.compile: train_step calls .step() on a {type(optim).__name__} it does not reach through "
+                "its arguments, self, closure or the globals its own code names (e.g. a helper function reads "
+                "it from its module), so its update cannot be captured. Pass the optimizer to train_step, e.g. "
+                "train_step(model, optim, batch), or keep it on an object the step has."
             )
 
     hook = register_optimizer_step_pre_hook(refuse_unknown_optimizer)
@@ -362,6 +379,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know
         better = translated(_translate_trace_error, err)
+        if REAL_TENSOR_IN_TRACE in str(err):
+            better = unreached_tensor_error(reach(fn, args, kwargs))
         if better is None:
             raise
         raise better from err
@@ -369,7 +388,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         hook.remove()
 
     return (impure, out_holder["spec"], [t.detach() for t in pytree.tree_leaves(inputs)], out_holder["grads"],
-            out_holder["dtensors"], replays)
+            (out_holder["dtensors"], out_holder["live"]), replays)
 
 
 @reporting  # torch's errors for untraceable steps in the user's terms (spmd.trace.trace_errors)
@@ -380,8 +399,8 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
 
     ``mode_context`` and ``found_inf_group``: see ``capture_train_step``.
     """
-    impure, out_spec, flat_inputs, grads, dtensors, replays = capture_train_step(fn, state, args, kwargs,
-                                                                                mode_context, found_inf_group)
+    impure, out_spec, flat_inputs, grads, (dtensors, live), replays = capture_train_step(
+        fn, state, args, kwargs, mode_context, found_inf_group)
 
     def replay(*flat):
         return _FunctionalFusedOptim(impure).run(*flat)
@@ -407,4 +426,4 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
     pure.meta[LEAVES_GRADS] = bool(grads.outputs)
-    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors, replays=replays)
+    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors, replays=replays, live=live)

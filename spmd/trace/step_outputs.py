@@ -6,6 +6,11 @@ tensor and is wrapped again, with the same mesh and placements, after the run: t
 gets what eager FSDP2 gives (a partial value included: ``.full_tensor()`` reduces it then,
 as in eager). Anything else (another tensor subclass, strings, objects) is refused
 while tracing, naming its type.
+
+A parameter, buffer, held tensor or optimizer state tensor the step returns itself
+(``return loss, model.fc.weight``) is not a graph output: the caller gets the live object,
+as from eager, which later steps update in place. A view of one (``p.detach()``, ``p[0]``)
+is a new tensor holding its value after the step.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ def _refused(v: Any) -> bool:
     return not isinstance(v, _NUMBERS)
 
 
-def graph_outputs(flat: list, fn_name: str = "train_step") -> tuple[list, dict[int, Any]]:
-    """(the graph's outputs for ``flat``, position -> DTensor spec of each DTensor among them).
+def graph_outputs(flat: list, owned: dict[int, int], fn_name: str = "train_step"
+                  ) -> tuple[list, dict[int, Any], dict[int, int]]:
+    """(the graph's outputs for ``flat``, position -> DTensor spec of each DTensor among them, position ->
+    index in ``StepState.owned_tensors`` of each tensor the state owns: its output is None).
 
+    ``owned``: id of each traced tensor the state owns (a DTensor's local one) -> its index.
     Raises ``SpmdCompileError`` naming each value the step cannot return.
     """
     bad = sorted({type(v).__name__ if not isinstance(v, torch.Tensor) or is_traceable_wrapper_subclass(v)
@@ -42,13 +50,18 @@ def graph_outputs(flat: list, fn_name: str = "train_step") -> tuple[list, dict[i
             "tensors (DTensors included), Python numbers or None, in any nesting of tuples, lists and dicts; "
             "compute anything else from them after the step."
         )
-    specs = {i: v._spec for i, v in enumerate(flat) if isinstance(v, DTensor)}
     values = [v._local_tensor if isinstance(v, DTensor) else v for v in flat]
-    return [v.detach() if isinstance(v, torch.Tensor) else v for v in values], specs
+    live = {i: owned[id(v)] for i, v in enumerate(values) if isinstance(v, torch.Tensor) and id(v) in owned}
+    specs = {i: v._spec for i, v in enumerate(flat) if isinstance(v, DTensor) and i not in live}
+    return [None if i in live else v.detach() if isinstance(v, torch.Tensor) else v
+            for i, v in enumerate(values)], specs, live
 
 
-def rewrap(outs: list, specs: dict[int, Any]) -> list:
-    """The step's outputs with each DTensor rebuilt from its local tensor (``graph_outputs``' specs)."""
+def rewrap(outs: list, specs: dict[int, Any], live: dict[int, int], owned: list[torch.Tensor]) -> list:
+    """The step's outputs with each DTensor rebuilt from its local tensor (``graph_outputs``' specs) and each
+    tensor the state owns put in (``live``: position -> index in ``owned``, ``StepState.owned_tensors``)."""
     for i, spec in specs.items():
         outs[i] = DTensor(outs[i], spec, requires_grad=False)
+    for i, k in live.items():
+        outs[i] = owned[k]
     return outs

@@ -5,7 +5,10 @@ arguments and lays their tensors out in one fixed order (parameters, buffers,
 optimizer state), which is the order of the compiled graph's leading inputs. The
 real tensors are passed to the graph on every call, so updates land in place and
 edits the user makes between steps are always seen. A module's plain tensor attribute
-(neither parameter nor buffer) counts as a buffer: a graph input, in the signature.
+(neither parameter nor buffer) counts as a buffer: a graph input, in the signature. So does a
+tensor the step reaches outside its arguments and its modules (``spmd.trace.step_reach``: an EMA
+kept on ``self`` or in a closure), a *held tensor*: tracing puts its traced stand-in where it lies
+(``held_slots``), and the graph updates it in place as it updates a buffer.
 
 A ``DTensor`` (a sharded parameter or its optimizer state) enters the graph as its
 local tensor; tracing wraps the traced local tensor back into a ``DTensor`` with the
@@ -20,12 +23,17 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from ..errors import SpmdCompileError
 from ..optim.amp_scaler import SCALER_TENSORS, scaler_signature
 from ..optim.hyperparams import group_signature, hyper_items, read
+from .step_reach import Place, Reach
+
+
+# what a buffer slot of the state is (``StepState.buffer_kinds``): a module's buffer, a module's plain tensor
+# attribute, or a tensor the step reaches outside its arguments and modules (``spmd.trace.step_reach``)
+BUFFER, ATTRIBUTE, HELD = "buffer", "tensor attribute", "held tensor"
 
 
 @dataclass(frozen=True)
@@ -82,35 +90,33 @@ def mesh_signature(mesh) -> tuple:
     return sig
 
 
-def find_modules_and_optimizers(args: tuple, kwargs: dict) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
-    """The distinct modules and optimizers among the (flattened) arguments, in order."""
-    modules, optimizers = [], []
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, nn.Module) and all(leaf is not m for m in modules):
-            modules.append(leaf)
-        elif isinstance(leaf, torch.optim.Optimizer) and all(leaf is not o for o in optimizers):
-            optimizers.append(leaf)
-    if not modules:
+def find_modules_and_optimizers(found: Reach) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """The distinct modules and optimizers a step reaches (``spmd.trace.step_reach``), in the order found."""
+    if not found.modules:
         raise SpmdCompileError(
-            "spmd.compile: train_step's arguments contain no nn.Module. Pass the model you train as an "
-            "argument, e.g. train_step(model, optim, batch)."
+            "spmd.compile: train_step reaches no nn.Module: none is among its arguments, held by an object among "
+            "them, by its self, its closure or the globals it names. Pass the model you train as an argument, "
+            "e.g. train_step(model, optim, batch)."
         )
-    return modules, optimizers
+    return found.modules, found.optimizers
 
 
 class StepState:
     """The parameters, buffers and optimizer state of one compiled train step, in graph order."""
 
-    def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], scalers: Sequence = ()):
+    def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], scalers: Sequence = (),
+                 held: Sequence[tuple[str, torch.Tensor, list[Place]]] = ()):
         self.modules = modules
         self.optimizers = optimizers
         self.scalers = list(scalers)  # enabled GradScalers: their tensors follow the optimizer state
+        self.held = list(held)  # (name, tensor, places) of each tensor the step reaches outside its arguments
         self.params: list[torch.Tensor] = []
         self.param_names: list[str] = []
         self.buffers: list[torch.Tensor] = []
         self.buffer_names: list[str] = []
-        # a plain tensor attribute of a module (``self.scale = torch.tensor(2.0)``) is read like a buffer
-        self.buffer_is_attribute: list[bool] = []
+        # per buffer: BUFFER, ATTRIBUTE (a module's plain tensor attribute, ``self.scale = torch.tensor(2.0)``)
+        # or HELD; all are read like buffers
+        self.buffer_kinds: list[str] = []
         self._param_index: dict[int, int] = {}
         self._buffer_index: dict[int, int] = {}
         self._module_params: list[tuple[nn.Module, list[tuple[str, int]]]] = []
@@ -129,12 +135,15 @@ class StepState:
             named = list(mod.named_buffers(remove_duplicate=False))
             for k, (name, b) in enumerate([*named, *tensor_attributes(mod)]):
                 if id(b) not in self._buffer_index:
-                    self._buffer_index[id(b)] = len(self.buffers)
-                    self.buffers.append(b)
-                    self.buffer_names.append(prefix + name)
-                    self.buffer_is_attribute.append(k >= len(named))
+                    self._add_buffer(prefix + name, b, BUFFER if k < len(named) else ATTRIBUTE)
                 bnames.append((name, self._buffer_index[id(b)]))
             self._module_buffers[id(mod)] = bnames
+        owned = {id(v) for o in optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)}
+        owned.update(id(getattr(s, key)) for s in scalers for key in SCALER_TENSORS)
+        for name, t, _ in self.held:
+            if id(t) not in self._param_index and id(t) not in self._buffer_index and id(t) not in owned:
+                self._add_buffer(name, t, HELD)
+        self.buffer_specs = [_spec(b) for b in self.buffers]
 
         self.group_param_indices: list[list[list[int]]] = []
         owner: dict[int, str] = {}
@@ -146,7 +155,8 @@ class StepState:
                     if id(p) not in self._param_index:
                         raise SpmdCompileError(
                             "spmd.compile: an optimizer updates a parameter that belongs to none of the "
-                            "modules passed to train_step. Pass every module whose parameters it trains."
+                            "modules train_step reaches (its arguments, self, closure, globals). Pass every "
+                            "module whose parameters it trains, or keep a loose parameter in an nn.Module."
                         )
                     if id(p) in owner:
                         raise SpmdCompileError(
@@ -193,6 +203,20 @@ class StepState:
         self._group_items = {(o, g): hyper_items(group) for o, optim in enumerate(optimizers)
                              for g, group in enumerate(optim.param_groups)}
         self.hyper_slots: list[HyperSlot] = self._hyper_slots()
+        flat = {id(t): i for i, t in enumerate((*self.params, *self.buffers, *self.state_tensors))}
+        # where each held tensor lies, and its position in ``flat_tensors``: tracing puts the traced one there
+        self.held_slots: list[tuple[list[Place], int]] = [(places, flat[id(t)]) for _, t, places in self.held]
+
+    def _add_buffer(self, name: str, tensor: torch.Tensor, kind: str) -> None:
+        self._buffer_index[id(tensor)] = len(self.buffers)
+        self.buffers.append(tensor)
+        self.buffer_names.append(name)
+        self.buffer_kinds.append(kind)
+
+    def again(self) -> "StepState":
+        """The state laid out anew from the same objects (after optimizer state was created, or
+        parameters replaced)."""
+        return StepState(self.modules, self.optimizers, self.scalers, self.held)
 
     # -- layout helpers used by tracing ----------------------------------------
     def module_param_names(self) -> Iterator[tuple[nn.Module, list[tuple[str, int]]]]:
@@ -241,9 +265,14 @@ class StepState:
         return slots
 
     # -- per call ----------------------------------------------------------------
+    def owned_tensors(self) -> list[torch.Tensor]:
+        """The parameters, buffers (held tensors included) and optimizer state tensors, DTensors as they are, in
+        graph order: what the step returns where it returns one of them (``spmd.trace.step_outputs``)."""
+        return [*self.params, *self.buffers, *self.state_tensors]
+
     def flat_tensors(self) -> list[torch.Tensor]:
         """The real tensors (local tensors of DTensors), in graph order, as the compiled graph's leading inputs."""
-        return [local_tensor(t) for t in (*self.params, *self.buffers, *self.state_tensors)]
+        return [local_tensor(t) for t in self.owned_tensors()]
 
     def hyper_values(self) -> list[float]:
         """The current value of each hyperparameter slot, in graph order."""
@@ -264,10 +293,9 @@ class StepState:
         DTensor adds its global shape, placements and mesh.
         """
         sig: dict[str, Any] = {}
-        buffer_kinds = ["tensor attribute" if a else "buffer" for a in self.buffer_is_attribute]
         for kinds, names, tensors, specs in (
                 (["parameter"] * len(self.params), self.param_names, self.params, self.param_specs),
-                (buffer_kinds, self.buffer_names, self.buffers, [None] * len(self.buffers)),
+                (self.buffer_kinds, self.buffer_names, self.buffers, self.buffer_specs),
                 (["optimizer state"] * len(self.state_tensors), self.state_names, self.state_tensors,
                  self.state_specs)):
             for kind, name, t, spec in zip(kinds, names, tensors, specs):

@@ -12,8 +12,6 @@ placeholder once and never again. ``reporting`` wraps the tracer so that:
   (``refuse_data_dependent_shapes``, on the traced graph);
 * a tensor turned into text by the user's code while tracing (``print(loss)``) warns, once
   per place, that it printed a placeholder and will print nothing on later calls;
-* a step that returns a parameter, buffer or optimizer state tensor warns that the caller
-  gets a copy of its value after the step, where eager would give the live tensor;
 * torch's own log of the failed fake kernel (a long traceback on stderr) stays quiet while
   the error is translated; the original error remains the ``__cause__``. A translator that fails
   itself leaves torch's error as it was (``translated``).
@@ -36,7 +34,6 @@ import torch.utils._pytree as pytree
 
 from .._torch_version import FAKE_DEVICE_MISMATCH_TEXTS
 from ..errors import SpmdCompileError
-from ..graph_utils.meta import NAME, ROLE, Role
 from .host_reads import warn_at
 
 log = logging.getLogger(__name__)
@@ -115,15 +112,6 @@ def _warn_at(frame, message: str) -> None:
                            registry=frame.f_globals.setdefault("__warningregistry__", {}))
 
 
-def _warn_at_user_code(message: str) -> None:
-    """Warn at the innermost frame outside torch and spmd: the user's call into spmd."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
-        frame = frame.f_back
-    if frame is not None:
-        _warn_at(frame, message)
-
-
 def _text_asked_by_user() -> Optional[object]:
     """The user's frame when the user's own code asked for a tensor's text (``print(t)``, ``str(t)``,
     ``f'{t}'``: only torch's repr and format plumbing in between), else None (torch asked)."""
@@ -172,38 +160,6 @@ def _quiet(logger_name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
-_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.detach_copy.default, torch.ops.aten.alias.default,
-            torch.ops.aten.alias_copy.default}
-
-
-def returned_state(gm: fx.GraphModule) -> list[str]:
-    """Names of the parameters, buffers and optimizer state tensors that ``gm`` (a traced step,
-    placeholders tagged with ``ROLE`` and ``NAME``) returns, as they are after the step."""
-    owned = {n: n.meta.get(NAME) for n in gm.graph.find_nodes(op="placeholder")
-             if n.meta.get(ROLE) in (Role.PARAM, Role.BUFFER, Role.STATE)}
-    for copy in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
-        if copy.args[0] in owned and isinstance(copy.args[1], fx.Node):
-            owned[copy.args[1]] = owned[copy.args[0]]
-    names = []
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    for value in output.args[0]:
-        while isinstance(value, fx.Node) and value.target in _ALIASES and value not in owned:
-            value = value.args[0]
-        if isinstance(value, fx.Node) and value in owned:
-            names.append(owned[value])
-    return names
-
-
-def _warn_returned_state(gm: fx.GraphModule, fn: Callable) -> None:
-    names = returned_state(gm)
-    if names:
-        shown = ", ".join(map(str, names[:3])) + ("..." if len(names) > 3 else "")
-        _warn_at_user_code(
-            f"spmd.compile: {getattr(fn, '__name__', 'train_step')} returns {shown}, which the model or optimizer "
-            "owns. Each call returns a new tensor holding its value after the step (eager would return the live "
-            "tensor itself): read the model or optimizer for the live one, e.g. model.fc.weight.")
-
-
 def reporting(trace: Callable) -> Callable:
     """Wrap ``trace(fn, state, args, kwargs, ...)`` (``spmd.trace.capture.trace_train_step``) as the module
     docstring says; the traced result is returned unchanged."""
@@ -220,7 +176,6 @@ def reporting(trace: Callable) -> Callable:
             if better is None:
                 raise
             raise better from err
-        _warn_returned_state(traced.gm, fn)
         return traced
 
     return traced_with_reports

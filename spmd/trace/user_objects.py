@@ -14,7 +14,6 @@ fake tensor, every tensor attribute it rebound and every attribute it deleted. O
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 from typing import Any, Callable, Iterator
 
@@ -23,10 +22,9 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
+from . import step_reach
+
 _DEPTH = 4               # how far below an attribute containers are recorded and searched for fake tensors
-_LARGEST = 10_000        # containers with more items are neither recorded nor searched (a data set, say)
-_NOT_USER_OBJECTS = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                     functools.partial, torch.Tensor)
 
 
 def _code_names(code: types.CodeType) -> Iterator[str]:
@@ -78,9 +76,9 @@ def reachable_objects(fn: Callable, args: tuple, kwargs: dict, modules: list[nn.
     (sub)module, its optimizers, and the objects, dicts and lists its closure and globals
     hold (e.g. a GradScaler, a list of losses)."""
     found: dict[int, Any] = {}
-    referenced = list(_referenced(fn))
+    referenced = [*step_reach.referenced(fn), *_referenced(fn)]  # _referenced follows helper functions too
     for obj in [*pytree.tree_leaves((args, kwargs)), *modules, *optimizers, *referenced]:
-        if not hasattr(obj, "__dict__") or isinstance(obj, _NOT_USER_OBJECTS):
+        if not hasattr(obj, "__dict__") or isinstance(obj, step_reach.NOT_USER_OBJECTS):
             continue
         for o in obj.modules() if isinstance(obj, nn.Module) else (obj,):
             found.setdefault(id(o), o)
@@ -96,7 +94,7 @@ def _holds_fake(value: Any, depth: int = _DEPTH) -> bool:
             return is_fake(value)
         except AssertionError:  # a subclass mixing fake and real tensors: a trace's
             return True
-    if depth == 0 or not isinstance(value, (dict, list, tuple)) or len(value) > _LARGEST:
+    if depth == 0 or not isinstance(value, (dict, list, tuple)) or len(value) > step_reach.LARGEST:
         return False
     items = value.values() if isinstance(value, dict) else value
     return any(_holds_fake(v, depth - 1) for v in items)
@@ -113,7 +111,8 @@ class _Snapshot:
                 self._record(value, _DEPTH)
 
     def _record(self, value: Any, depth: int) -> None:
-        if depth == 0 or not isinstance(value, (dict, list)) or id(value) in self.containers or len(value) > _LARGEST:
+        if (depth == 0 or not isinstance(value, (dict, list)) or id(value) in self.containers
+                or len(value) > step_reach.LARGEST):
             return
         copy = list(value.items()) if isinstance(value, dict) else list(value)
         self.containers[id(value)] = (value, copy)
