@@ -46,6 +46,7 @@ from ..optim.amp_scaler import scaler_signature
 from ..optim.hyperparams import flags
 from ..parallel.group_roles import root_mesh
 from ..trace.step_state import StepState, training_modes
+from ..trace.user_compiled import is_compiled_module
 from .describe import canonical_json, describe, device_name, tensor_facts
 
 
@@ -177,9 +178,10 @@ def module_structure(module: nn.Module) -> dict:
     parameter and buffer names, its plain attributes and hooks, and its training flag."""
     tree = {}
     for fqn, sub in module.named_modules(remove_duplicate=False):
-        attributes = {k: describe(v) for k, v in sorted(vars(sub).items())
-                      if k not in ("_parameters", "_buffers", "_modules", "training")
-                      and not isinstance(v, torch.Tensor) and not (k.startswith("_") and "hook" in k)}
+        attributes = {} if is_compiled_module(sub) else {  # a torch.compile wrapper's are Dynamo's, never traced
+            k: describe(v) for k, v in sorted(vars(sub).items())
+            if k not in ("_parameters", "_buffers", "_modules", "training")
+            and not isinstance(v, torch.Tensor) and not (k.startswith("_") and "hook" in k)}
         hooks = {k: [describe(h) for h in v.values()] for k, v in sorted(vars(sub).items())
                  if k.startswith("_") and "hook" in k and isinstance(v, dict) and v}
         tree[fqn] = {"class": describe(type(sub)), "parameters": list(sub._parameters),

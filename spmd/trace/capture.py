@@ -17,7 +17,8 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    Either way views stay views (``remove="mutations"``): each kernel reads its operands laid out as
    eager's does (a copying ``t_copy`` sent matmuls down another BLAS kernel, rounding differently).
 
-The trace leaves the user's objects as it found them (``spmd.trace.user_objects``).
+The trace leaves the user's objects as it found them (``spmd.trace.user_objects``), and runs what
+the user compiled with ``torch.compile`` as its original code (``spmd.trace.user_compiled``).
 
 Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input, grad; ``graph_utils.meta``) and
 ``meta[NAME]`` so passes never infer roles from positions.
@@ -53,6 +54,7 @@ from .direct_functionalize import functionalize_writes
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
+from .user_compiled import run_originals
 from .user_objects import reachable_objects, untouched
 
 log = logging.getLogger(__name__)
@@ -345,7 +347,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
         with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)):
             for traces in range(1, len(hyper_values) + 2):
-                with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules():
+                with _compiling_flag(), run_originals(), phase("trace/autograd"), lazy_graph_modules():
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:

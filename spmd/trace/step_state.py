@@ -6,6 +6,8 @@ optimizer state), which is the order of the compiled graph's leading inputs. The
 real tensors are passed to the graph on every call, so updates land in place and
 edits the user makes between steps are always seen. A module's plain tensor attribute
 (neither parameter nor buffer) counts as a buffer: a graph input, in the signature.
+Tensors are named as the user's model names them: a ``torch.compile``d block's wrapper adds no
+``_orig_mod`` step (``spmd.trace.user_compiled``).
 
 A ``DTensor`` (a sharded parameter or its optimizer state) enters the graph as its
 local tensor; tracing wraps the traced local tensor back into a ``DTensor`` with the
@@ -26,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import SpmdCompileError
 from ..optim.amp_scaler import SCALER_TENSORS, scaler_signature
 from ..optim.hyperparams import group_signature, hyper_items, read
+from .user_compiled import plain_name
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,7 @@ class StepState:
                 if id(p) not in self._param_index:
                     self._param_index[id(p)] = len(self.params)
                     self.params.append(p)
-                    self.param_names.append(prefix + name)
+                    self.param_names.append(prefix + plain_name(name))
                 names.append((name, self._param_index[id(p)]))
             self._module_params.append((mod, names))
             bnames = []
@@ -131,7 +134,7 @@ class StepState:
                 if id(b) not in self._buffer_index:
                     self._buffer_index[id(b)] = len(self.buffers)
                     self.buffers.append(b)
-                    self.buffer_names.append(prefix + name)
+                    self.buffer_names.append(prefix + plain_name(name))
                     self.buffer_is_attribute.append(k >= len(named))
                 bnames.append((name, self._buffer_index[id(b)]))
             self._module_buffers[id(mod)] = bnames

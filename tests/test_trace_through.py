@@ -1,0 +1,141 @@
+"""A step traces through what users already have: ``torch.compile``d blocks and functions.
+
+Written as users write them: a block wrapped by ``torch.compile(block)`` and assigned back into
+the model, a block whose ``compile()`` was called, a ``torch.compile``d loss function the step
+calls. Each is traced as its original code and trains as the uncompiled model does under DDP
+or FSDP2 (float64, several steps); the wrapper's ``_orig_mod`` adds nothing to the names the
+step gives its tensors, and the cache key holds no Dynamo state.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import spmd
+from tests.dist import run_distributed
+from tests.shard_helpers import batches, block_policy, fsdp2_twin, full_params, gpt, optimizer, plain_step
+
+F64 = torch.float64
+TOL = 1e-10
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.head(self.block(self.inp(x))))
+
+
+def _square_error(y, target):
+    return (y - target).square().mean()
+
+
+square_error = torch.compile(_square_error)  # compiled once, at import, as a user's module does
+
+
+def compiled_loss_step(model, optim, x, target):
+    loss = square_error(model(x), target)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def eager_loss_step(model, optim, x, target):
+    loss = _square_error(model(x), target)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _compiled_net(seed: int = 0) -> tuple[Net, Net]:
+    """A Net with a compiled block, a block whose compile() was called, and its uncompiled twin."""
+    torch.manual_seed(seed)
+    model = Net().to(F64)
+    twin = copy.deepcopy(model)
+    model.block = torch.compile(model.block)
+    model.head.compile()
+    return model, twin
+
+
+def _replicate_against_ddp(rank, world_size):
+    model, twin = _compiled_net()
+    ddp = DDP(twin)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"))(compiled_loss_step)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(4):
+        x, target = torch.randn(3, 4, generator=gen, dtype=F64), torch.randn(3, 2, generator=gen, dtype=F64)
+        loss = step(model, optim, x, target)
+        worst = max(worst, (loss - eager_loss_step(ddp, ref_optim, x, target).detach()).abs().item())
+    params = max((p - q).abs().max().item() for p, q in zip(model.parameters(), twin.parameters()))
+    assert worst <= TOL and params <= TOL, f"loss diff {worst}, param diff {params}"
+    assert step.trace_count == 1
+    assert isinstance(model.block, torch._dynamo.eval_frame.OptimizedModule)  # left as the user made it
+    assert model.head._compiled_call_impl is not None
+
+
+def test_compiled_blocks_and_loss_train_as_ddp_on_two_ranks():
+    run_distributed(_replicate_against_ddp)
+
+
+def _fully_shard_against_fsdp2(rank, world_size):
+    model = gpt(F64)
+    ref = fsdp2_twin(model)
+    model.blocks[0] = torch.compile(model.blocks[0])
+    model.blocks[1].compile()
+    mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
+    spmd.shard(model, mode)
+    optim, ref_optim = optimizer(model, "adamw"), optimizer(ref, "adamw")
+    step = spmd.compile(parallel_mode=mode)(plain_step)
+    worst = 0.0
+    for idx, targets in batches(rank, 3):
+        worst = max(worst, (step(model, optim, idx, targets) - plain_step(ref, ref_optim, idx, targets)).abs().item())
+    ours, theirs = full_params(model), full_params(ref)
+    params = max((p - q).abs().max().item() for p, q in zip(ours.values(), theirs.values()))
+    assert worst <= TOL and params <= TOL, f"loss diff {worst}, param diff {params}"
+    units = model._spmd_shard_plan.units  # the compiled block is a unit as FSDP2's twin's block is
+    assert [u.fqn for u in units] == ["blocks.0._orig_mod", "blocks.1", ""], [u.fqn for u in units]
+
+
+def test_compiled_blocks_train_as_fsdp2_under_fully_shard():
+    run_distributed(_fully_shard_against_fsdp2)
+
+
+def test_a_compiled_block_adds_nothing_to_names_or_the_cache_key():
+    model, twin = _compiled_net()
+    again, _ = _compiled_net()  # compiled apart: Dynamo gives each wrapper its own id
+    data = (torch.randn(3, 4, dtype=F64), torch.randn(3, 2, dtype=F64))
+    step = spmd.compile()(compiled_loss_step)
+    key = step.cache_key(model, torch.optim.SGD(model.parameters(), lr=0.1), *data)
+    assert key.digest == step.cache_key(again, torch.optim.SGD(again.parameters(), lr=0.1), *data).digest
+    names = [k.split(" ", 1)[1] for k in key.description["tensors"] if k.startswith("parameter ")]
+    assert names == [n for n, _ in twin.named_parameters()]
+
+
+def test_the_key_follows_the_code_a_compiled_function_compiled():
+    def make(expression):
+        namespace = {"__name__": "user_steps", "torch": torch}
+        exec(f"def loss_fn(y):\n    return {expression}\n", namespace)
+        namespace["compiled"] = torch.compile(namespace["loss_fn"])
+        exec("def step(model, optim, x):\n    loss = compiled(model(x))\n    loss.backward()\n"
+             "    optim.step()\n    return loss\n", namespace)
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).to(F64)
+        return spmd.compile()(namespace["step"]).cache_key(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                          torch.randn(3, 4, dtype=F64)).digest
+
+    assert make("y.square().mean()") == make("y.square().mean()")
+    assert make("y.square().mean()") != make("y.abs().mean()")
