@@ -10,9 +10,12 @@ step gives its tensors, and the cache key holds no Dynamo state.
 from __future__ import annotations
 
 import copy
+import re
 
+import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
@@ -139,3 +142,78 @@ def test_the_key_follows_the_code_a_compiled_function_compiled():
 
     assert make("y.square().mean()") == make("y.square().mean()")
     assert make("y.square().mean()") != make("y.abs().mean()")
+
+
+# --- a refusal names the op and the user's line -------------------------------------------------------
+
+
+def ctc_step(model, optim, x, targets):
+    loss = F.ctc_loss(model(x).log_softmax(-1), targets, [6, 6], [3, 2])  # lengths as Python ints
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_data_dependent_op_is_refused_by_name_at_the_users_line():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5).to(F64)
+    before = copy.deepcopy(model.state_dict())
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    line = ctc_step.__code__.co_firstlineno + 1
+    with pytest.raises(spmd.SpmdCompileError, match=rf"calls aten\._ctc_loss at {re.escape(__file__)}:{line} "
+                       r"\(`loss = F\.ctc_loss\(.*torch\.library\.custom_op"):
+        spmd.compile()(ctc_step)(model, optim, torch.randn(6, 2, 4, dtype=F64), torch.randint(1, 5, (2, 3)))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not optim.state
+
+
+@torch.library.custom_op("spmd_tests::ctc_loss", mutates_args=())
+def opaque_ctc(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: list[int],
+               target_lengths: list[int]) -> torch.Tensor:
+    return F.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+
+
+@opaque_ctc.register_fake
+def _(log_probs, targets, input_lengths, target_lengths):
+    return log_probs.new_empty(())
+
+
+@torch.library.custom_op("spmd_tests::ctc_loss_backward", mutates_args=())
+def opaque_ctc_backward(grad: torch.Tensor, log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: list[int],
+                        target_lengths: list[int]) -> torch.Tensor:
+    with torch.inference_mode(False), torch.enable_grad():
+        leaf = log_probs.detach().clone().requires_grad_()
+        return torch.autograd.grad(F.ctc_loss(leaf, targets, input_lengths, target_lengths), leaf, grad)[0]
+
+
+@opaque_ctc_backward.register_fake
+def _(grad, log_probs, targets, input_lengths, target_lengths):
+    return torch.empty_like(log_probs)
+
+
+def _save_ctc(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:2])
+    ctx.lengths = inputs[2:]
+
+
+opaque_ctc.register_autograd(lambda ctx, grad: (opaque_ctc_backward(grad, *ctx.saved_tensors, *ctx.lengths),
+                                                None, None, None), setup_context=_save_ctc)
+
+
+def test_the_fix_the_refusal_names_trains_as_eager():
+    def step(model, optim, x, targets, ctc):
+        loss = ctc(model(x).log_softmax(-1), targets, [6, 6], [3, 2])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5).to(F64)
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, ref))
+    compiled = spmd.compile()(step)
+    for _ in range(3):
+        x, targets = torch.randn(6, 2, 4, dtype=F64), torch.randint(1, 5, (2, 3))
+        assert (compiled(model, optim, x, targets, opaque_ctc) - step(ref, ref_optim, x, targets, F.ctc_loss)).abs() <= TOL
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) <= TOL

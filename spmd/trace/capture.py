@@ -53,7 +53,7 @@ from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_gra
 from .direct_functionalize import functionalize_writes
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
-from .trace_errors import refuse_data_dependent_shapes, reporting, translated
+from .trace_errors import op_name, refuse_data_dependent_shapes, reporting, translated, user_line
 from .user_compiled import run_originals
 from .user_objects import reachable_objects, untouched
 
@@ -152,10 +152,12 @@ def _grad_spec(param: torch.Tensor):
     return param.grad._spec if isinstance(param.grad, DTensor) else None
 
 
-def _data_dependent_error() -> SpmdCompileError:
-    """A fresh error each time: a shared instance would collect every raise's traceback."""
+def _data_dependent_error(op=None, where: str = "") -> SpmdCompileError:
+    """A fresh error each time (a shared instance would collect every raise's traceback), naming the op that
+    read the value and the user's line (``trace_errors.user_line``) where known."""
+    read = f" ({op_name(op)}{where})" if op is not None else where
     return SpmdCompileError(
-        "spmd.compile: train_step branches on or reads the value of a tensor (e.g. `if loss > 0`, "
+        f"spmd.compile: train_step branches on or reads the value of a tensor{read} (e.g. `if loss > 0`, "
         "`loss.item()`, `float(t)`), which a whole-step graph cannot capture. Compute the decision "
         "with tensor ops (torch.where), return the tensor itself, or move it outside train_step."
     )
@@ -167,7 +169,7 @@ def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
 
     text = str(err)
     if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
-        return _data_dependent_error()
+        return _data_dependent_error(getattr(err, "func", None), user_line(err.__traceback__))
     no_kernel = ("no fake impl or Meta kernel", "attempted to run this operator with Meta", "no fake impl registered")
     if isinstance(err, UnsupportedOperatorException) or any(t in text for t in no_kernel):
         op = getattr(err, "func", None) or (text.split("for <CustomOpDef(", 1)[1].split(")", 1)[0]
