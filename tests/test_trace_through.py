@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
@@ -217,3 +219,70 @@ def test_the_fix_the_refusal_names_trains_as_eager():
         x, targets = torch.randn(6, 2, 4, dtype=F64), torch.randint(1, 5, (2, 3))
         assert (compiled(model, optim, x, targets, opaque_ctc) - step(ref, ref_optim, x, targets, F.ctc_loss)).abs() <= TOL
     assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) <= TOL
+
+
+# --- a 0-dim parameter under the sharded modes --------------------------------------------------------
+
+
+class Scale(nn.Module):
+    def __init__(self, value: float):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(value))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class TwoTowers(nn.Module):
+    """CLIP in miniature: two towers and a 0-dim ``logit_scale`` at the root; one tower holds a 0-dim scale too."""
+
+    def __init__(self):
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(4, 8), Scale(0.5), nn.Tanh(), nn.Linear(8, 6))
+        self.text = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 6))
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x, y):
+        a, b = F.normalize(self.image(x), dim=-1), F.normalize(self.text(y), dim=-1)
+        logits = self.logit_scale.exp() * a @ b.t()
+        labels = torch.arange(len(x))
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def clipped_towers_step(model, optim, x, y):
+    loss = model(x, y)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optim.step()
+    optim.zero_grad()
+    return loss, norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _zero_dim_parameters_against_ddp(rank, world_size, style):
+    torch.manual_seed(0)
+    model = TwoTowers().to(F64)
+    ddp = DDP(copy.deepcopy(model))
+    mesh = init_device_mesh("cpu", (1, world_size)) if style == "hybrid_shard" else None
+    mode = spmd.DataParallel(style, wrap_policy={nn.Sequential}, mesh=mesh)
+    spmd.shard(model, mode)
+    assert set(model.state_dict()["logit_scale"].placements) == {Replicate()}
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.05) for m in (model, ddp))
+    step = spmd.compile(parallel_mode=mode)(clipped_towers_step)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(4):
+        x, y = torch.randn(3, 4, generator=gen, dtype=F64), torch.randn(3, 5, generator=gen, dtype=F64)
+        ours, theirs = step(model, optim, x, y), clipped_towers_step(ddp, ref_optim, x, y)
+        worst = max(worst, *[(a - b.detach()).abs().item() for a, b in zip(ours, theirs)])
+    params = max((full_params(model)[n] - p).abs().max().item() for n, p in ddp.module.named_parameters())
+    assert worst <= TOL and params <= TOL, f"{style}: loss/norm diff {worst}, param diff {params}"
+    with torch.no_grad():  # eager use outside the step (spmd.parallel.eager_hooks) replicates it too
+        assert (model(x, y) - ddp.module(x, y)).abs().item() <= TOL
+    model(x, y).backward()  # an eager backward all-reduces its gradient as the step does
+    ddp(x, y).backward()
+    assert (model.logit_scale.grad.full_tensor() - ddp.module.logit_scale.grad).abs().item() <= TOL
+
+
+@pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op", "hybrid_shard"])
+def test_a_zero_dim_parameter_is_replicated_under_the_sharded_modes_and_trains_as_ddp(style):
+    run_distributed(_zero_dim_parameters_against_ddp, style)
