@@ -15,13 +15,15 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+import torch.distributed.nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.nn.functional import all_gather as imported_all_gather
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
-from tests.dist import run_distributed
+from tests.dist import run_distributed, single_process_group
 from tests.shard_helpers import batches, block_policy, fsdp2_twin, full_params, gpt, optimizer, plain_step
 
 F64 = torch.float64
@@ -286,3 +288,83 @@ def _zero_dim_parameters_against_ddp(rank, world_size, style):
 @pytest.mark.parametrize("style", ["fully_shard", "shard_grad_op", "hybrid_shard"])
 def test_a_zero_dim_parameter_is_replicated_under_the_sharded_modes_and_trains_as_ddp(style):
     run_distributed(_zero_dim_parameters_against_ddp, style)
+
+
+# --- torch.distributed.nn's collectives -----------------------------------------------------------------
+
+
+def gathered_contrastive_step(model, optim, x, y):
+    """OpenCLIP's loss with gather_with_grad and local_loss: this rank's features against every rank's,
+    differentiable through torch.distributed.nn (each rank's loss differs, so the gradients that reach a rank
+    from the others count)."""
+    a, b = model(x, y)
+    all_a = torch.cat(torch.distributed.nn.all_gather(a))
+    all_b = torch.cat(torch.distributed.nn.all_gather(b))
+    scale = model.logit_scale.exp()
+    labels = torch.arange(len(a)) + len(a) * torch.distributed.get_rank()
+    loss = (F.cross_entropy(scale * a @ all_b.t(), labels) + F.cross_entropy(scale * b @ all_a.t(), labels)) / 2
+    total = torch.distributed.nn.functional.all_reduce(loss.detach() * 1.0)  # a summed loss, for logging
+    pieces = torch.distributed.nn.functional.reduce_scatter(torch.empty_like(a), [a * k for k in range(2)])
+    loss = loss + pieces.square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss, total
+
+
+class Towers(TwoTowers):
+    def forward(self, x, y):
+        return F.normalize(self.image(x), dim=-1), F.normalize(self.text(y), dim=-1)
+
+
+def _dist_nn_against_eager(rank, world_size):
+    torch.manual_seed(0)
+    model = Towers().to(F64)
+    ddp = DDP(copy.deepcopy(model))
+    ddp.logit_scale = ddp.module.logit_scale
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.05) for m in (model, ddp))
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"))(gathered_contrastive_step)
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(3):
+        x, y = torch.randn(3, 4, generator=gen, dtype=F64), torch.randn(3, 5, generator=gen, dtype=F64)
+        ours, theirs = step(model, optim, x, y), gathered_contrastive_step(ddp, ref_optim, x, y)
+        worst = max(worst, *[(a - b.detach()).abs().item() for a, b in zip(ours, theirs)])
+    params = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp.module.parameters()))
+    assert worst <= TOL and params <= TOL, f"loss diff {worst}, param diff {params}"
+    assert step.trace_count == 1
+
+
+def test_torch_distributed_nn_collectives_trace_with_their_autograd_on_two_ranks():
+    run_distributed(_dist_nn_against_eager)
+
+
+def broadcast_step(model, optim, x):
+    loss = torch.distributed.nn.broadcast(model(x), 0).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def imported_all_gather_step(model, optim, x):
+    loss = torch.cat(imported_all_gather(model(x))).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("body, expected", [
+    (broadcast_step, r"calls torch\.distributed\.nn\.functional\.broadcast at .*test_trace_through\.py:\d+ .*"
+                     r"Use torch\.distributed\._functional_collectives\.broadcast instead"),
+    (imported_all_gather_step, r"all_gather at .* through a name imported before the trace.* as "
+                               r"torch\.distributed\.nn\.all_gather\(\.\.\.\)"),
+])
+def test_a_torch_distributed_nn_collective_spmd_cannot_trace_is_refused_with_the_fix(body, expected):
+    with single_process_group():
+        model = nn.Linear(4, 2).to(F64)
+        before = copy.deepcopy(model.state_dict())
+        with pytest.raises(spmd.SpmdCompileError, match=expected):
+            spmd.compile()(body)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(3, 4, dtype=F64))
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

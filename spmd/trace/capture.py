@@ -18,7 +18,8 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    eager's does (a copying ``t_copy`` sent matmuls down another BLAS kernel, rounding differently).
 
 The trace leaves the user's objects as it found them (``spmd.trace.user_objects``), and runs what
-the user compiled with ``torch.compile`` as its original code (``spmd.trace.user_compiled``).
+the user compiled with ``torch.compile`` as its original code (``spmd.trace.user_compiled``) and
+``torch.distributed.nn``'s differentiable collectives as functional ones (``spmd.trace.dist_nn``).
 
 Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input, grad; ``graph_utils.meta``) and
 ``meta[NAME]`` so passes never infer roles from positions.
@@ -51,6 +52,7 @@ from ..optim.hyperparams import HyperMode, TracedHyper, hyper_items, learned, tr
 from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
+from .dist_nn import traceable_collectives
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
 from .trace_errors import op_name, refuse_data_dependent_shapes, reporting, translated, user_line
@@ -349,7 +351,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
         with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)):
             for traces in range(1, len(hyper_values) + 2):
-                with _compiling_flag(), run_originals(), phase("trace/autograd"), lazy_graph_modules():
+                with (_compiling_flag(), run_originals(), traceable_collectives(), phase("trace/autograd"),
+                      lazy_graph_modules()):
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:

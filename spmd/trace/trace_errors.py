@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from .._torch_version import FAKE_DEVICE_MISMATCH_TEXTS
 from ..errors import SpmdCompileError
 from ..graph_utils.meta import NAME, ROLE, Role
+from .dist_nn import TRACEABLE_DIST_NN
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,20 @@ def translate(err: BaseException) -> Optional[SpmdCompileError]:
     text = str(err)
     if isinstance(err, DynamicOutputShapeException) or any(m in text for m in _DATA_DEPENDENT_SHAPE):
         return data_dependent_shape_error(getattr(err, "func", None), user_line(err.__traceback__))
+    refused = re.search(r"torch\.distributed\.nn\.functional\.(\w+) is not supported under torch\.compile"
+                        r"(?:\. Use ([\w.]+) instead)?", text)
+    if refused:
+        name, where = refused.group(1), user_line(err.__traceback__)
+        if name in TRACEABLE_DIST_NN:
+            return SpmdCompileError(
+                f"spmd.compile: train_step calls torch.distributed.nn.functional.{name}{where} through a name "
+                "imported before the trace, which stays torch's untraceable version. Call it through its module, "
+                f"as torch.distributed.nn.{name}(...) or torch.distributed.nn.functional.{name}(...), which spmd "
+                "traces with its autograd.")
+        return SpmdCompileError(
+            f"spmd.compile: train_step calls torch.distributed.nn.functional.{name}{where}, whose in-place "
+            f"collective a traced step cannot hold (spmd traces torch.distributed.nn's {', '.join(TRACEABLE_DIST_NN)}). "
+            f"Use {refused.group(2) or 'a collective of torch.distributed._functional_collectives'} instead.")
     if isinstance(err, TypeError) and "FakeTensor.__format__" in text:
         return SpmdCompileError(
             "spmd.compile: train_step formats a tensor as text (e.g. f'{loss:.3f}') while it is traced, when the "
