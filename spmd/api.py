@@ -40,6 +40,7 @@ from .step.iter_graph_module import IterGraphModule
 from .step.state_check import StateCheck
 from .step.transformation import GraphModuleTransformation
 from .trace.accumulation import grads_on_entry, grads_signature
+from .trace.block_masks import is_block_mask, lift
 from .trace.capture import trace_train_step
 from .trace.step_outputs import rewrap
 from .trace.step_state import StepState, describe_changes, find_modules_and_optimizers, tensor_signature
@@ -347,6 +348,7 @@ class CompiledTrainStep:
         """The key of the step compiled for these arguments, a value equal across processes and ranks
         (``spmd.step.cache_key``): ``.digest`` (hex) and ``.description`` (JSON-able, by component).
         Finds the step's state as a call does (applying ``module_override``), compiles nothing."""
+        args, kwargs = lift(args, kwargs)
         state = self.prepare_state(args, kwargs)
         return step_key(self.fn, state, args, kwargs, self.parallel_mode, self.transformation_for(state),
                         self.module_override)
@@ -446,6 +448,9 @@ class CompiledTrainStep:
         """(entry, its graph inputs, the parameters) for a call with these arguments: the entry found
         (a repeated call), or looked up and compiled; lowered before it is returned."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        if any(map(is_block_mask, leaves)):  # a flex_attention mask: its tensors are inputs (spmd.trace.block_masks)
+            args, kwargs = lift(args, kwargs)
+            leaves, spec = pytree.tree_flatten((args, kwargs))
         signed = [*leaves, *closure_scalers(self.fn)]  # what the step depends on besides its state
         group = self._agreement_group(args, kwargs)
         found = self._repeat_last_call(signed, spec)

@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import torch.nn as nn
 import torch.distributed.nn
 import torch.nn.functional as F
@@ -368,3 +369,71 @@ def test_a_torch_distributed_nn_collective_spmd_cannot_trace_is_refused_with_the
         with pytest.raises(spmd.SpmdCompileError, match=expected):
             spmd.compile()(body)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(3, 4, dtype=F64))
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# --- flex_attention with a BlockMask built outside the step -------------------------------------------
+
+
+def document_mask(documents: list[int]):
+    """A mask that lets each position attend within its document (ids in the mask_mod's closure)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ids = torch.tensor(documents)
+
+    def same_document(b, h, q, kv):
+        return ids[q] == ids[kv]
+
+    return create_block_mask(same_document, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+
+
+class FlexAttention(nn.Module):
+    """Attention over the input's heads (no gradient into q, k, v: CPU flex_attention has no backward),
+    projected by a trained Linear; the mask is the module's unless the step passes one."""
+
+    def __init__(self, mask=None):
+        super().__init__()
+        self.out = nn.Linear(8, 8)
+        self.mask = mask
+
+    def forward(self, x, mask=None):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q, k, v = x.view(1, 8, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        y = flex_attention(q, k, v, block_mask=self.mask if mask is None else mask)
+        return self.out(y.transpose(1, 2).reshape(1, 8, 8))
+
+
+def flex_step(model, optim, x, mask=None):
+    loss = model(x, mask).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held by the model", "passed in"])
+def test_a_block_mask_built_outside_the_step_is_an_input_and_trains_as_eager(held):
+    masks = [document_mask(ids) for ids in ([0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1], [0] * 8)]
+    torch.manual_seed(0)
+    model = FlexAttention(masks[0] if held else None).to(F64)
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.05) for m in (model, ref))
+    step = spmd.compile()(flex_step)
+    gen = torch.Generator().manual_seed(0)
+    for mask in (*masks, masks[0]):  # a new mask each call, of one layout and mask_mod code: the same graph
+        if held:
+            model.mask = ref.mask = mask
+        x = torch.randn(1, 8, 24, generator=gen, dtype=F64)
+        extra = () if held else (mask,)
+        loss, expected = step(model, optim, x, *extra), flex_step(ref, ref_optim, x, *extra)
+        assert (loss - expected).abs().item() <= TOL
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) <= TOL
+    assert step.trace_count == 1
+    assert model.mask is (masks[0] if held else None)  # the user's mask, as it was
+    assert not is_fake(masks[0].kv_num_blocks)
+
+
+def test_documents_change_the_result():  # what the test above relies on: the masks differ in what they compute
+    x = torch.randn(1, 8, 24, dtype=F64)
+    model = FlexAttention().to(F64)
+    assert (model(x, document_mask([0, 0, 0, 1, 1, 1, 1, 1])) - model(x, document_mask([0] * 8))).abs().max() > 1e-3

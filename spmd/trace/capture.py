@@ -52,6 +52,7 @@ from ..optim.hyperparams import HyperMode, TracedHyper, hyper_items, learned, tr
 from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
+from .block_masks import as_block_masks, holding_traced
 from .dist_nn import traceable_collectives
 from .step_outputs import graph_outputs
 from .step_state import StepState, local_tensor
@@ -306,12 +307,13 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         flat = list(flat_user)
         for slot, t in zip(tensor_slots, inputs):
             flat[slot] = t
-        call_args, call_kwargs = pytree.tree_unflatten(flat, user_spec)
+        call_args, call_kwargs = as_block_masks(pytree.tree_unflatten(flat, user_spec))
         with contextlib.ExitStack() as stack:
             for mod, names in state.module_param_names():
                 mapping = {n: params[i] for n, i in names}
                 mapping.update({n: buffers[i] for n, i in state.module_buffer_names(mod)})
                 stack.enter_context(_reparametrize_module(mod, mapping))
+            stack.enter_context(holding_traced(state.block_masks, buffers))
             traced_hypers = stack.enter_context(_rematerialize_optimizers(state, params, states, hypers))
             before = [dict(st) for st in states]
             numbers = [t for t, as_number in zip(state_tensors, state.state_read_as_number) if as_number]
@@ -351,7 +353,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back
         with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)):
             for traces in range(1, len(hyper_values) + 2):
-                with (_compiling_flag(), run_originals(), traceable_collectives(), phase("trace/autograd"),
+                with (_compiling_flag(), run_originals(fn, state.modules), traceable_collectives(), phase("trace/autograd"),
                       lazy_graph_modules()):
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))

@@ -6,6 +6,7 @@ optimizer state), which is the order of the compiled graph's leading inputs. The
 real tensors are passed to the graph on every call, so updates land in place and
 edits the user makes between steps are always seen. A module's plain tensor attribute
 (neither parameter nor buffer) counts as a buffer: a graph input, in the signature.
+A module's flex_attention ``BlockMask`` attribute counts its tensors so too (``spmd.trace.block_masks``).
 Tensors are named as the user's model names them: a ``torch.compile``d block's wrapper adds no
 ``_orig_mod`` step (``spmd.trace.user_compiled``).
 
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import SpmdCompileError
 from ..optim.amp_scaler import SCALER_TENSORS, scaler_signature
 from ..optim.hyperparams import group_signature, hyper_items, read
+from .block_masks import mask_signature, mask_tensors, module_block_masks
 from .user_compiled import plain_name
 
 
@@ -118,6 +120,10 @@ class StepState:
         self._buffer_index: dict[int, int] = {}
         self._module_params: list[tuple[nn.Module, list[tuple[str, int]]]] = []
         self._module_buffers: dict[int, list[tuple[str, int]]] = {}
+        # a module's flex_attention BlockMask attribute: (module, attribute, [(mask attribute, buffer index)]);
+        # its tensors are read like tensor attributes (``spmd.trace.block_masks``)
+        self.block_masks: list[tuple[nn.Module, str, list[tuple[str, int]]]] = []
+        self.block_mask_names: list[str] = []
         for m_idx, mod in enumerate(modules):
             prefix = f"m{m_idx}." if len(modules) > 1 else ""
             names = []
@@ -138,6 +144,17 @@ class StepState:
                     self.buffer_is_attribute.append(k >= len(named))
                 bnames.append((name, self._buffer_index[id(b)]))
             self._module_buffers[id(mod)] = bnames
+            for name, sub, key, mask in module_block_masks(mod):
+                held = []
+                for attr, t in mask_tensors(mask):
+                    if id(t) not in self._buffer_index:
+                        self._buffer_index[id(t)] = len(self.buffers)
+                        self.buffers.append(t)
+                        self.buffer_names.append(f"{prefix}{plain_name(name)}.{attr}")
+                        self.buffer_is_attribute.append(True)
+                    held.append((attr, self._buffer_index[id(t)]))
+                self.block_masks.append((sub, key, held))
+                self.block_mask_names.append(prefix + plain_name(name))
 
         self.group_param_indices: list[list[list[int]]] = []
         owner: dict[int, str] = {}
@@ -284,6 +301,8 @@ class StepState:
                 sig[f"{prefix}param group {g_idx} {what}"] = value
         for k, scaler in enumerate(self.scalers):
             sig[f"grad scaler {k} settings"] = scaler_signature(scaler)
+        for name, (mod, key, _) in zip(self.block_mask_names, self.block_masks):
+            sig[f"block mask {name}"] = mask_signature(vars(mod)[key])
         sig["modules in training mode"] = training_modes(self.modules)
         sig["hyperparameter inputs"] = tuple((s.key, s.index, s.dtype, s.device) for s in self.hyper_slots)
         for name, layout in zip(self.param_names, self._state_layout):
