@@ -122,6 +122,37 @@ def test_compiled_blocks_train_as_fsdp2_under_fully_shard():
     run_distributed(_fully_shard_against_fsdp2)
 
 
+class CompiledInside(nn.Module):
+    """A method decorated with @torch.compile and a compiled function held as an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.squash = torch.compile(torch.tanh)
+
+    @torch.compile
+    def mix(self, x):
+        return self.fc(x) * 2 + x
+
+    def forward(self, x):
+        return self.squash(self.mix(x))
+
+
+def test_a_compiled_method_and_attribute_are_traced_as_their_originals_and_put_back():
+    torch.manual_seed(0)
+    model = CompiledInside().to(F64)
+    twin = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    compiled_mix, compiled_squash = vars(CompiledInside)["mix"], model.squash
+    step = spmd.compile()(eager_loss_step)
+    for _ in range(3):
+        x, target = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+        loss = step(model, optim, x, target)
+        with torch.compiler.set_stance("force_eager"):  # the reference runs the same code eagerly
+            assert (loss - eager_loss_step(twin, ref_optim, x, target)).abs() <= TOL
+    assert vars(CompiledInside)["mix"] is compiled_mix and model.squash is compiled_squash
+
+
 def test_a_compiled_block_adds_nothing_to_names_or_the_cache_key():
     model, twin = _compiled_net()
     again, _ = _compiled_net()  # compiled apart: Dynamo gives each wrapper its own id
