@@ -19,13 +19,13 @@ import torch.nn as nn
 import torch.distributed.nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.nn.functional import all_gather as imported_all_gather
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
 from tests.dist import run_distributed, single_process_group
-from tests.shard_helpers import batches, block_policy, fsdp2_twin, full_params, gpt, optimizer, plain_step
+from tests.shard_helpers import batches, block_policy, clipped_step, fsdp2_twin, full_params, gpt, optimizer, plain_step
 
 F64 = torch.float64
 TOL = 1e-10
@@ -43,6 +43,14 @@ class Net(nn.Module):
         return self.out(self.head(self.block(self.inp(x))))
 
 
+def updated(optim, loss):
+    """The end of each step here: backward, the optimizer's step, zero_grad; returns ``loss``."""
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
 def _square_error(y, target):
     return (y - target).square().mean()
 
@@ -51,19 +59,11 @@ square_error = torch.compile(_square_error)  # compiled once, at import, as a us
 
 
 def compiled_loss_step(model, optim, x, target):
-    loss = square_error(model(x), target)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+    return updated(optim, square_error(model(x), target))
 
 
 def eager_loss_step(model, optim, x, target):
-    loss = _square_error(model(x), target)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+    return updated(optim, _square_error(model(x), target))
 
 
 def _compiled_net(seed: int = 0) -> tuple[Net, Net]:
@@ -184,11 +184,7 @@ def test_the_key_follows_the_code_a_compiled_function_compiled():
 
 
 def ctc_step(model, optim, x, targets):
-    loss = F.ctc_loss(model(x).log_softmax(-1), targets, [6, 6], [3, 2])  # lengths as Python ints
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+    return updated(optim, F.ctc_loss(model(x).log_softmax(-1), targets, [6, 6], [3, 2]))  # lengths as Python ints
 
 
 def test_a_data_dependent_op_is_refused_by_name_at_the_users_line():
@@ -198,7 +194,7 @@ def test_a_data_dependent_op_is_refused_by_name_at_the_users_line():
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     line = ctc_step.__code__.co_firstlineno + 1
     with pytest.raises(spmd.SpmdCompileError, match=rf"calls aten\._ctc_loss at {re.escape(__file__)}:{line} "
-                       r"\(`loss = F\.ctc_loss\(.*torch\.library\.custom_op"):
+                       r"\(`return updated\(optim, F\.ctc_loss\(.*torch\.library\.custom_op"):
         spmd.compile()(ctc_step)(model, optim, torch.randn(6, 2, 4, dtype=F64), torch.randint(1, 5, (2, 3)))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not optim.state
 
@@ -283,13 +279,16 @@ class TwoTowers(nn.Module):
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
 
 
-def clipped_towers_step(model, optim, x, y):
-    loss = model(x, y)
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    optim.step()
-    optim.zero_grad()
-    return loss, norm.full_tensor() if isinstance(norm, DTensor) else norm
+def towers_side_by_side(step, body, ours: tuple, theirs: tuple, rank: int, steps: int):
+    """``step(*ours, x, y)`` (compiled) beside ``body(*theirs, x, y)`` (eager) on this rank's batches for the
+    towers: the largest difference of their outputs, and the last batch."""
+    gen = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(steps):
+        x, y = torch.randn(3, 4, generator=gen, dtype=F64), torch.randn(3, 5, generator=gen, dtype=F64)
+        pairs = zip(step(*ours, x, y), body(*theirs, x, y))
+        worst = max(worst, *[(a - b.detach()).abs().item() for a, b in pairs])
+    return worst, (x, y)
 
 
 def _zero_dim_parameters_against_ddp(rank, world_size, style):
@@ -301,13 +300,8 @@ def _zero_dim_parameters_against_ddp(rank, world_size, style):
     spmd.shard(model, mode)
     assert set(model.state_dict()["logit_scale"].placements) == {Replicate()}
     optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.05) for m in (model, ddp))
-    step = spmd.compile(parallel_mode=mode)(clipped_towers_step)
-    gen = torch.Generator().manual_seed(rank)
-    worst = 0.0
-    for _ in range(4):
-        x, y = torch.randn(3, 4, generator=gen, dtype=F64), torch.randn(3, 5, generator=gen, dtype=F64)
-        ours, theirs = step(model, optim, x, y), clipped_towers_step(ddp, ref_optim, x, y)
-        worst = max(worst, *[(a - b.detach()).abs().item() for a, b in zip(ours, theirs)])
+    step = spmd.compile(parallel_mode=mode)(clipped_step)
+    worst, (x, y) = towers_side_by_side(step, clipped_step, (model, optim), (ddp, ref_optim), rank, 4)
     params = max((full_params(model)[n] - p).abs().max().item() for n, p in ddp.module.named_parameters())
     assert worst <= TOL and params <= TOL, f"{style}: loss/norm diff {worst}, param diff {params}"
     with torch.no_grad():  # eager use outside the step (spmd.parallel.eager_hooks) replicates it too
@@ -356,12 +350,7 @@ def _dist_nn_against_eager(rank, world_size):
     ddp.logit_scale = ddp.module.logit_scale
     optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.05) for m in (model, ddp))
     step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"))(gathered_contrastive_step)
-    gen = torch.Generator().manual_seed(rank)
-    worst = 0.0
-    for _ in range(3):
-        x, y = torch.randn(3, 4, generator=gen, dtype=F64), torch.randn(3, 5, generator=gen, dtype=F64)
-        ours, theirs = step(model, optim, x, y), gathered_contrastive_step(ddp, ref_optim, x, y)
-        worst = max(worst, *[(a - b.detach()).abs().item() for a, b in zip(ours, theirs)])
+    worst, _ = towers_side_by_side(step, gathered_contrastive_step, (model, optim), (ddp, ref_optim), rank, 3)
     params = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp.module.parameters()))
     assert worst <= TOL and params <= TOL, f"loss diff {worst}, param diff {params}"
     assert step.trace_count == 1
@@ -372,19 +361,11 @@ def test_torch_distributed_nn_collectives_trace_with_their_autograd_on_two_ranks
 
 
 def broadcast_step(model, optim, x):
-    loss = torch.distributed.nn.broadcast(model(x), 0).sum()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+    return updated(optim, torch.distributed.nn.broadcast(model(x), 0).sum())
 
 
 def imported_all_gather_step(model, optim, x):
-    loss = torch.cat(imported_all_gather(model(x))).sum()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+    return updated(optim, torch.cat(imported_all_gather(model(x))).sum())
 
 
 @pytest.mark.parametrize("body, expected", [
@@ -435,11 +416,7 @@ class FlexAttention(nn.Module):
 
 
 def flex_step(model, optim, x, mask=None):
-    loss = model(x, mask).square().mean()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
+    return updated(optim, model(x, mask).square().mean())
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["held by the model", "passed in"])
