@@ -31,10 +31,10 @@ from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
 from .parallel.grad_check import refuse_untrained_parameters
-from .step.cache_key import StepKey, function_digest, step_key
-from .step.cache_store import CacheStore, resolve_cache_dir
+from .step.cache_key import function_digest
+from .step.cache_store import CacheStore, named_by_user, resolve_cache_dir
 from .step.job_compile import job_store
-from .step.step_cache import StepCache, uncacheable
+from .step.step_cache import StepCache, cacheable
 from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .step.iter_graph_module import IterGraphModule
 from .step.state_check import StateCheck
@@ -90,9 +90,9 @@ def _write_dump(stages: dict[str, fx.GraphModule], runner: Any, folder: str) -> 
 class CompiledTrainStep:
     """The callable that ``spmd.compile`` returns; see ``compile``.
 
-    ``trace_count``: how many times the step has been traced (once per input signature,
-    plus again for a signature evicted from ``cache``; a step loaded from the compile cache
-    is not traced). ``cache``: the compiled signatures,
+    ``trace_count``: how many times the step has been traced in this process (once per input
+    signature, plus again for a signature evicted from ``cache``; a step whose lowering the compile
+    cache keeps is traced too, so a restarted job counts as a fresh one). ``cache``: the compiled signatures,
     the ``cache_size`` most recently used ones.
     """
 
@@ -132,7 +132,8 @@ class CompiledTrainStep:
         self._side_group: Optional[rank_agreement.Agreement] = None  # see _agreement_group
         self._side_resolved = False
         root = resolve_cache_dir(cache_dir)  # the persistent compile cache (spmd.step.cache_store), or None
-        self.compile_cache: Optional[CacheStore] = CacheStore(root) if root is not None else None
+        self.compile_cache: Optional[CacheStore] = (CacheStore(root, shared=named_by_user(cache_dir))
+                                                    if root is not None else None)
 
     def _apply_overrides(self, modules: list[nn.Module]) -> None:
         for mod in modules:
@@ -221,25 +222,24 @@ class CompiledTrainStep:
         return entry, state, created
 
     def _load_or_compile(self, state: StepState, args: tuple, kwargs: dict) -> tuple[CompiledStep, StepState, list]:
-        """``_compile``'s result, from the persistent compile cache where it holds this step, or made by the
-        rank that compiles it for the job (``spmd.step.step_cache``: a hit skips the optimizer probe,
-        tracing, expansion, passes and Inductor), else compiled, lowered and stored there. A step whose
-        ``module_override`` transforms the graph is not cached (``step_cache.uncacheable``)."""
+        """``_compile``'s result, lowered with the code the persistent compile cache keeps for its graphs, or by
+        the rank that lowers it for the job (``spmd.step.step_cache``), else lowered here and stored. The step
+        is always traced and transformed here: the cache is keyed by the graphs that made, never by the code."""
+        entry, state, created = self._compile(state, args, kwargs)
         store = self.compile_cache
-        if store is None:
-            return self._compile(state, args, kwargs)
-        reason = uncacheable(self.module_override)
+        reason = "the compile cache is off" if store is None else cacheable(entry)
         if reason:
-            log.info("spmd: %s is not kept in the compile cache: %s", self.__name__, reason)
-            return self._compile(state, args, kwargs)
-        transformation = self.transformation_for(state)
-        key = step_key(self.fn, state, args, kwargs, self.parallel_mode, transformation, self.module_override)
+            log.debug("spmd: %s is not kept in the compile cache: %s", self.__name__, reason)
+            return entry, state, created
         job = job_store(self.parallel_mode.process_group()) if self.one_compile_per_job else None
-        cache = StepCache(store, self.__name__, self.parallel_mode, job, self.compile_wait_s)
-        compiled = cache.load_or_compile(key, state, args, kwargs, lambda s: self._compile(s, args, kwargs),
-                                         lambda entry, s: self._graph_inputs(entry, s, args, kwargs))
+        try:
+            StepCache(store, self.__name__, job, self.compile_wait_s).lower(
+                entry, self._graph_inputs(entry, state, args, kwargs))
+        except BaseException:
+            undo_created(created)
+            raise
         store.mark_function(function_digest(self.fn))  # its next wrap expects to load (start_compile_workers_at_wrap)
-        return compiled
+        return entry, state, created
 
     @staticmethod
     def _graph_inputs(entry: CompiledStep, state: StepState, args: tuple, kwargs: dict) -> list:
@@ -296,9 +296,9 @@ class CompiledTrainStep:
         return self._side_group
 
     def _remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any]) -> None:
-        """Cache ``entry``, count the trace (a step loaded from the compile cache was not traced), and say why
+        """Cache ``entry``, count the trace, and say why
         the step retraced (warning once when it keeps doing so)."""
-        self.trace_count += "cache_load" not in entry.compile_times
+        self.trace_count += 1
         if self._last_signature is not None:
             changes = describe_changes(self._last_signature, signature) or ["nothing in its signature"]
             # gradients held on entry or not: an accumulation loop's expected second graph (spmd.trace.accumulation)
@@ -343,15 +343,6 @@ class CompiledTrainStep:
         if leaf is None or type(leaf) in (int, float, bool, str):
             return repr(leaf)
         return f"{type(leaf).__name__}: {leaf!r}"
-
-    def cache_key(self, *args, **kwargs) -> StepKey:
-        """The key of the step compiled for these arguments, a value equal across processes and ranks
-        (``spmd.step.cache_key``): ``.digest`` (hex) and ``.description`` (JSON-able, by component).
-        Finds the step's state as a call does (applying ``module_override``), compiles nothing."""
-        args, kwargs = lift(args, kwargs)
-        state = self.prepare_state(args, kwargs)
-        return step_key(self.fn, state, args, kwargs, self.parallel_mode, self.transformation_for(state),
-                        self.module_override)
 
     def start_compile_workers_at_wrap(self) -> bool:
         """Start the processes that compile a step's pieces (and Inductor's kernel compilers) now, at the wrap,
@@ -629,10 +620,12 @@ def compile(module_override: Optional[Sequence] = None, gm_transformation: Optio
     does); without one the step sums them (the seed's semantics: gradients x world size).
     ``gm_transformation``: a callable
     from the expanded ``fx.GraphModule`` to what runs it (default: ``default_transformation``).
-    ``cache_dir``: where compiled steps are kept between processes (``spmd.step.step_cache``), Inductor's
-    code included: a restarted job loads its step instead of tracing and compiling it again, and on
-    several ranks one rank compiles each step for the others. Default: ``$SPMD_CACHE_DIR``, else
-    ``spmd`` beside Inductor's cache; ``False`` (or ``SPMD_CACHE_DIR=""``) turns it off.
+    ``cache_dir``: where the code Inductor compiles for a step's graphs is kept between processes
+    (``spmd.step.step_cache``): a restarted job traces and transforms its step as the code says now, and
+    runs the kept code where its graphs are the ones stored instead of compiling them again; on several
+    ranks one rank compiles each distinct step for the others. Default: ``$SPMD_CACHE_DIR``, else
+    ``spmd`` beside Inductor's cache (used only while it is this user's and writable by no one else);
+    ``False`` (or ``SPMD_CACHE_DIR=""``) turns it off.
     ``@spmd.compile`` without parentheses compiles with the defaults. A wrong argument raises
     ``spmd.SpmdConfigError`` here, where it is written.
     """

@@ -1,8 +1,8 @@
 """New Python processes for tests, forked from servers that have imported torch and spmd and done nothing else.
 
 Tests that restart a job (one process compiles and stores, a new one loads) or run code as a user
-would (the README's blocks) run ``python ARGS`` in a new process; each such process spends seconds of
-CPU importing torch, spmd, Dynamo and Inductor before its first line. ``run_python(args, env=, cwd=,
+would (the python blocks of README.md and docs/) run ``python ARGS`` in a new process; each such process
+spends seconds of CPU importing torch, spmd, Dynamo and Inductor before its first line. ``run_python(args, env=, cwd=,
 timeout=)`` runs the same command line, with the same environment, working folder, ``sys.argv`` and
 ``__main__``, in a fork of a server process that has made those imports once, and returns what
 ``subprocess.run(..., capture_output=True, text=True)`` would; ``start_python`` starts one without waiting

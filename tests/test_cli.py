@@ -131,7 +131,8 @@ REMOVED = ("step_overhead.py", "compile_time.py", "profile_overlap", "inspect_gr
 
 
 def test_docs_and_code_name_no_removed_script():
-    files = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "pyproject.toml", ROOT / ".ci" / "run"]
+    files = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "pyproject.toml", ROOT / ".ci" / "run",
+             *sorted((ROOT / "docs").glob("*.md"))]
     for folder in ("spmd", "passes", "graph_utils", "tools", "tests"):
         files += [p for p in (ROOT / folder).rglob("*.py") if p.name != "test_cli.py"]
     for path in files:

@@ -1,6 +1,8 @@
-"""The persistent compile cache (``spmd.step.cache_store``, ``spmd.step.artifact``): a step compiled in one
-process is loaded, not traced, in the next, and trains exactly as a compiled one; a damaged entry, a
-changed step and concurrent writers never give a wrong step."""
+"""The persistent compile cache (``spmd.step.step_cache``, ``spmd.step.cache_key``, ``spmd.step.cache_store``):
+every process traces its step and runs the passes, the user's included, and takes from the cache only the
+Inductor code kept for the graphs that made. Written as a user meets it: fresh processes sharing one cache
+directory, the code or a value changed between them, each compared with the cache off (float64, 1e-12).
+"""
 
 from __future__ import annotations
 
@@ -16,61 +18,145 @@ import torch
 import torch.distributed as dist
 
 import spmd
-from spmd.parallel.group_roles import ROLE_PREFIX, role_name
 from spmd.step.cache_store import CacheStore, resolve_cache_dir
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
-from tests.fresh_process import run_python, start_python
+from tests.fresh_process import run_python
 from tests.parity import ddp_copy, eager_step, train_step
+from tests.test_inductor_cache import fresh_inductor_env, needs_cpp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def _sgd_training(cache_dir) -> dict:
-    """One process's training: 3 float64 steps of SGD with dampening (a first step of its own) from seed 0,
-    the compile cache in ``cache_dir`` ("off": none); the compile phases, the losses and the parameters."""
-    torch.manual_seed(0)
-    model = MLP(layers=3, dim=8).double()
-    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.5, weight_decay=0.01)
-    step = spmd.compile(cache_dir=str(cache_dir) if cache_dir != "off" else False)(train_step)
-    gen = torch.Generator().manual_seed(1)
-    losses = [step(model, optim, torch.randn(4, 8, dtype=torch.float64, generator=gen)).item() for _ in range(3)]
-    return {"phases": sorted(step.compile_times), "losses": losses, "params": [p.tolist() for p in model.parameters()]}
+# The user's own files, written into a folder of theirs: a loss helper in another module, a graph pass in
+# its own module, and the training script, whose config value comes from its command line.
+_HELPERS = """
+def loss(out, y):
+    return ((out - y) ** 2).mean()
+"""
+
+_PASSES = """
+import torch
+from spmd.graph_utils import get_output, set_fake_val
+from spmd.passes import graph_optimization_pass
+
+CALLS = []
+OFFSET = 0.0
 
 
-def _fresh_process(cache_dir) -> dict:
-    """``_sgd_training`` in a fresh Python process (forked from a server that has only imported torch and spmd:
-    ``tests.fresh_process``), started in the checkout."""
-    script = f"import json; from tests.test_compile_cache import _sgd_training; print(json.dumps(_sgd_training({str(cache_dir)!r})))"
-    out = run_python(["-c", script], cwd=ROOT, timeout=300)
+@graph_optimization_pass()
+def offset_the_loss(gm):
+    \"\"\"Return the loss plus OFFSET (a constant the pass inserts).\"\"\"
+    CALLS.append(len(gm.graph.nodes))
+    output = get_output(gm.graph)
+    loss = output.args[0][0]
+    with gm.graph.inserting_before(output):
+        shifted = gm.graph.call_function(torch.ops.aten.add.Tensor, (loss, OFFSET))
+    set_fake_val(shifted)
+    output.args = ((shifted, *output.args[0][1:]),)
+"""
+
+_TRAIN = """
+import json, sys, types
+sys.path.insert(0, sys.argv[1])
+import torch, spmd
+import helpers, user_passes
+
+config = types.SimpleNamespace(scale=float(sys.argv[2]))  # as argparse would make it
+cache = False if sys.argv[3] == "off" else sys.argv[3]
+
+
+def weighted(out, y):
+    return helpers.loss(out, y) * config.scale
+
+
+transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
+                                                passes=[user_passes.offset_the_loss])
+
+
+@spmd.compile(gm_transformation=transformation, cache_dir=cache)
+def train_step(model, optim, x, y):
+    loss = weighted(model(x), y)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+gen = torch.Generator().manual_seed(1)
+losses = []
+for _ in range(3):
+    x, y = torch.randn(4, 8, dtype=torch.float64, generator=gen), torch.randn(4, 1, dtype=torch.float64, generator=gen)
+    losses.append(train_step(model, optim, x, y).item())
+print(json.dumps({"losses": losses, "params": [p.tolist() for p in model.parameters()],
+                  "phases": sorted(train_step.compile_times), "trace_count": train_step.trace_count,
+                  "pass_calls": len(user_passes.CALLS)}))
+"""
+
+
+def _write_user_files(folder: Path, helper: str = _HELPERS, offset: float = 0.0) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / "helpers.py").write_text(helper)
+    (folder / "user_passes.py").write_text(_PASSES.replace("OFFSET = 0.0", f"OFFSET = {offset!r}"))
+    (folder / "train.py").write_text(_TRAIN)
+
+
+def _run_user_job(folder: Path, cache, scale: float = 1.0, env: dict | None = None) -> dict:
+    """The user's training script in a fresh process (``tests.fresh_process``): its JSON report."""
+    args = [str(folder / "train.py"), str(folder), repr(scale), "off" if cache == "off" else str(cache)]
+    out = run_python(args, env=env or fresh_inductor_env(folder.parent / "inductor"), cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_restarted_process_loads_the_step_and_trains_bit_identically(tmp_path):
-    uncached = json.loads(json.dumps(_sgd_training("off")))  # here: what matters is that it is not cached
-    first = _fresh_process(tmp_path)
-    second = _fresh_process(tmp_path)
-    assert "trace" in first["phases"] and "cache_load" not in first["phases"]
-    assert "cache_load" in second["phases"]
-    assert not {"trace", "optimizer_check", "expand", "transform"} & set(second["phases"]), second["phases"]
-    assert first["losses"] == second["losses"] == uncached["losses"]
-    assert first["params"] == second["params"] == uncached["params"]
-    assert len(list(tmp_path.glob("*.spmd"))) == 1
+def _same_training(a: dict, b: dict) -> None:
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=0, atol=1e-12)
+    for p, q in zip(a["params"], b["params"]):
+        torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=0, atol=1e-12)
 
 
-def test_a_loaded_step_rebuilds_its_expanded_graph_only_when_it_is_read(tmp_path):
-    from spmd.parallel.data_parallel import PARALLEL_MODE
+@needs_cpp
+def test_what_the_code_says_now_runs_after_each_edit_between_restarts(tmp_path):
+    """A helper edited in another module, a config value changed, a user's pass edited: each restarted job
+    trains what its code says now (as with the cache off), runs the user's pass, and reuses the kept code
+    only where nothing the graphs depend on changed."""
+    user, cache = tmp_path / "user", tmp_path / "cache"
+    _write_user_files(user)
+    first = _run_user_job(user, cache)
+    again = _run_user_job(user, cache)  # nothing changed: the kept code runs
+    assert "lower/step/inductor_compile_fx" in first["phases"]
+    assert "lower/step/inductor_code_load" in again["phases"] and "lower/step/inductor_compile_fx" not in again["phases"]
+    assert again["trace_count"] == 1 and again["pass_calls"] == 1  # traced, and the user's pass ran, on a hit too
+    _same_training(first, again)
 
-    x = torch.randn(4, 8, dtype=torch.float64)
-    compiled, loaded = (spmd.compile(cache_dir=str(tmp_path))(train_step) for _ in range(2))
-    for step in (compiled, loaded):  # each on a fresh model and optimizer: the same key
-        model, _, opt, _ = _model_and_optim()
-        step(model, opt, x)
-    (made,), (entry,) = compiled.cache.values(), loaded.cache.values()
-    assert "cache_load" in loaded.compile_times and not isinstance(entry.graph_source, torch.fx.GraphModule)
-    graph = entry.graph  # read (spmd.explain, the ranks' agreement): rebuilt from the entry, once
-    assert isinstance(graph, torch.fx.GraphModule) and entry.graph is graph and PARALLEL_MODE in graph.meta
-    assert [n.target for n in graph.graph.nodes] == [n.target for n in made.graph.graph.nodes]
+    _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"))  # the loss helper edited
+    edited = _run_user_job(user, cache)
+    _same_training(edited, _run_user_job(user, "off"))
+    assert edited["losses"] != first["losses"]
+
+    scaled = _run_user_job(user, cache, scale=0.5)  # a config value read inside the step
+    _same_training(scaled, _run_user_job(user, "off", scale=0.5))
+    assert scaled["losses"] != edited["losses"]
+
+    _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"), offset=3.0)  # the pass edited
+    offset = _run_user_job(user, cache, scale=0.5)
+    _same_training(offset, _run_user_job(user, "off", scale=0.5))
+    assert offset["losses"][0] == pytest.approx(scaled["losses"][0] + 3.0, abs=1e-12)
+    assert len(CacheStore(cache).entries()) == 4  # one entry per distinct set of graphs
+
+
+@needs_cpp
+def test_dumps_are_written_when_the_step_runs_kept_code(tmp_path):
+    user, cache = tmp_path / "user", tmp_path / "cache"
+    _write_user_files(user)
+    _run_user_job(user, cache)
+    env = {**fresh_inductor_env(tmp_path / "inductor"), "SPMD_DUMP_DIR": str(tmp_path / "dump")}
+    loaded = _run_user_job(user, cache, env=env)
+    assert "lower/step/inductor_code_load" in loaded["phases"]
+    dumped = sorted(p.name for p in (tmp_path / "dump").rglob("*") if p.is_file())
+    assert any("traced" in name for name in dumped) and any("offset_the_loss" in name for name in dumped), dumped
 
 
 def _model_and_optim(momentum=0.9):
@@ -90,32 +176,61 @@ def _train_and_compare(step, model, ref, opt, ref_opt, shape=(4, 8), steps=3):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
 
 
-def test_a_changed_step_misses_and_a_guarded_value_is_never_taken_from_another_entry(tmp_path):
-    model, ref, opt, ref_opt = _model_and_optim()
-    _train_and_compare(spmd.compile(cache_dir=tmp_path)(train_step), model, ref, opt, ref_opt)
-    # another batch shape: a miss, compiled and stored beside the first
-    step = spmd.compile(cache_dir=tmp_path)(train_step)
-    _train_and_compare(step, model, ref, opt, ref_opt, shape=(2, 8))
-    assert "trace" in step.compile_times and len(list(tmp_path.glob("*.spmd"))) == 2
-    # momentum 0 where the stored step was traced with momentum != 0: the same key, but the trace's guard
-    # on momentum fails, so it is compiled again, not loaded
-    model, ref, opt, ref_opt = _model_and_optim(momentum=0.0)
-    step = spmd.compile(cache_dir=tmp_path)(train_step)
-    _train_and_compare(step, model, ref, opt, ref_opt)
-    assert "trace" in step.compile_times and "cache_load" not in step.compile_times
+def _inductor_step(cache_dir):
+    transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True)
+    return spmd.compile(gm_transformation=transformation, cache_dir=cache_dir)(train_step)
 
 
+@needs_cpp
 def test_a_damaged_entry_is_reported_once_removed_and_compiled_again(tmp_path):
     model, ref, opt, ref_opt = _model_and_optim()
-    _train_and_compare(spmd.compile(cache_dir=tmp_path)(train_step), model, ref, opt, ref_opt, steps=1)
+    _train_and_compare(_inductor_step(tmp_path), model, ref, opt, ref_opt, steps=1)
     (entry,) = tmp_path.glob("*.spmd")
     entry.write_bytes(entry.read_bytes()[:-100])  # truncated, as by a writer killed mid-write without rename
-    model, ref, opt, ref_opt = _model_and_optim()  # as the first time: the same key
-    step = spmd.compile(cache_dir=tmp_path)(train_step)
+    model, ref, opt, ref_opt = _model_and_optim()  # as the first time: the same graphs
+    step = _inductor_step(tmp_path)
     with pytest.warns(RuntimeWarning, match="is damaged .*truncated.* compiled again"):
         _train_and_compare(step, model, ref, opt, ref_opt, steps=2)
-    assert "trace" in step.compile_times
+    assert "lower/step/inductor_compile_fx" in step.compile_times
     assert CacheStore(tmp_path).entries()[0].ok, "the compiled step was stored again, whole"
+
+
+@needs_cpp
+def test_lowering_ahead_of_time_stores_the_step_for_the_next_job(tmp_path):
+    model, ref, opt, ref_opt = _model_and_optim()
+    ahead = _inductor_step(tmp_path)
+    ahead.lower(model, opt, torch.randn(4, 8, dtype=torch.float64))  # e.g. a launcher warming the cache
+    assert len(CacheStore(tmp_path).entries()) == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))  # nothing ran
+    step = _inductor_step(tmp_path)  # the job's first call, with a fresh model and optimizer, loads the code
+    _train_and_compare(step, model, ref, opt, ref_opt, steps=2)
+    assert "lower/step/inductor_code_load" in step.compile_times and step.trace_count == 1
+
+
+def test_a_step_lowered_without_inductor_keeps_nothing(tmp_path):
+    """The CPU default runs the graph as FX: nothing slow to keep, so nothing is stored (and nothing stale
+    can be loaded)."""
+    model, ref, opt, ref_opt = _model_and_optim()
+    step = spmd.compile(cache_dir=tmp_path)(train_step)
+    _train_and_compare(step, model, ref, opt, ref_opt, steps=2)
+    assert not list(tmp_path.glob("*.spmd")) and step.trace_count == 1
+
+
+def test_a_default_directory_others_may_write_is_not_used(tmp_path):
+    """Entries are code this process runs: a default directory others may write is not read or written
+    (said once, with the fix); one the user named is the user's choice."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    CacheStore(root).save("entry", {"code": {}})
+    root.chmod(0o777)
+    store = CacheStore(root, shared=False)
+    with pytest.warns(RuntimeWarning, match="is not used: others may write it .*chmod go-w"):
+        assert store.load("entry") is None
+    store.save("other", {"code": {}})
+    assert not (root / "other.spmd").exists()
+    assert CacheStore(root, shared=True).load("entry") == {"code": {}}
+    root.chmod(0o700)
+    assert CacheStore(root, shared=False).load("entry") == {"code": {}}
 
 
 # A writer process: saves 20 entries under one key. It loads spmd/step/cache_store.py by its path, which
@@ -131,6 +246,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@needs_cpp
 def test_a_compiled_step_marks_its_function_in_the_cache_and_clearing_the_cache_unmarks_it(tmp_path):
     """What the next wrap reads to tell a restart (which loads) from a first compile (``function_digest``)."""
     from spmd.step.cache_key import function_digest
@@ -139,7 +255,7 @@ def test_a_compiled_step_marks_its_function_in_the_cache_and_clearing_the_cache_
     torch.manual_seed(0)
     model = MLP(layers=2, dim=8).double()
     optim = torch.optim.SGD(model.parameters(), lr=0.05)
-    spmd.compile(cache_dir=str(tmp_path))(train_step)(model, optim, torch.randn(4, 8, dtype=torch.float64))
+    _inductor_step(str(tmp_path))(model, optim, torch.randn(4, 8, dtype=torch.float64))
     store = CacheStore(tmp_path)
     assert store.has_function(function_digest(train_step)) and not store.has_function(function_digest(eager_step))
     assert store.clear() == 1 and not store.has_function(function_digest(train_step))
@@ -174,176 +290,41 @@ def test_the_cache_is_turned_off_by_false_or_an_empty_environment_variable(tmp_p
         spmd.compile(cache_dir=3)
 
 
-def _loaded_on_each_rank(step) -> list[bool]:
-    """Whether each rank's step was loaded (not traced), gathered on every rank."""
-    loaded = [None] * dist.get_world_size()
-    dist.all_gather_object(loaded, "cache_load" in step.compile_times)
-    assert step.trace_count == (0 if loaded[dist.get_rank()] else 1)
-    return loaded
+
+def _rank_weighted_step(model, optim, x):
+    """A step that reads its rank: each rank's loss weighs 1 + rank (a per-rank loss weight)."""
+    loss = model(x).pow(2).mean() * (1 + dist.get_rank())
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
 
 
-def _two_ranks_load(rank, world_size, cache_dir):
-    # as a job and its restart: in the job one rank compiles and the other loads what it made (one compile
-    # per job), in the restart both load what the job stored
-    for attempt in range(2):
+def _rank_dependent_job(rank, world_size, cache_dir):
+    for attempt in range(2):  # a job and its restart, sharing one cache directory
         torch.manual_seed(0)
-        model = MLP(layers=3, dim=8).double()
+        model = MLP(layers=2, dim=8).double()
         ddp = ddp_copy(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+        opt, ddp_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ddp))
+        transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True)
+        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=transformation,
+                            cache_dir=cache_dir)(_rank_weighted_step)
         gen = torch.Generator().manual_seed(rank)
-        step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=cache_dir)(train_step)
-        for _ in range(2):
+        for _ in range(3):
             x = torch.randn(4, 8, dtype=torch.float64, generator=gen)
-            torch.testing.assert_close(step(model, opt, x), eager_step(ddp, ddp_opt, x), rtol=0, atol=1e-10)
-        assert sorted(_loaded_on_each_rank(step)) == ([False, True] if attempt == 0 else [True, True])
+            torch.testing.assert_close(step(model, opt, x), _rank_weighted_step(ddp, ddp_opt, x), rtol=0, atol=1e-12)
         for p, q in zip(model.parameters(), ddp.module.parameters()):
-            torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+        loaded = [None] * world_size
+        dist.all_gather_object(loaded, "lower/step/inductor_code_load" in step.compile_times)
+        assert loaded == [attempt == 1] * world_size, loaded  # each rank's own graph: never the other's code
+    digests = [None] * world_size
+    dist.all_gather_object(digests, step.cache[next(iter(step.cache))].cache_digest)
+    assert len(set(digests)) == world_size
 
 
-def test_two_ranks_load_the_stored_step_and_train_as_ddp(tmp_path):
-    run_distributed(_two_ranks_load, str(tmp_path))
-
-
-def _second_group_over_the_same_ranks(rank, world_size, cache_dir):
-    first, second = (dist.new_group(list(range(world_size))) for _ in range(2))
-    assert role_name(first.group_name).startswith(ROLE_PREFIX)  # the first holds the role of both
-    torch.manual_seed(0)
-    model = MLP(layers=2, dim=8).double()
-    ddp = ddp_copy(model)
-    opt, ddp_opt = (torch.optim.AdamW(m.parameters(), lr=0.01) for m in (model, ddp))
-    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", group=second), cache_dir=cache_dir)(train_step)
-    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
-    torch.testing.assert_close(step(model, opt, x), eager_step(ddp, ddp_opt, x), rtol=0, atol=1e-10)
-    assert _loaded_on_each_rank(step) == [False, False]
-    assert not list(Path(cache_dir).glob("*.spmd"))
-
-
-def test_a_step_whose_group_keeps_this_process_name_is_neither_kept_nor_shared(tmp_path):
-    """A second live group over the same ranks cannot take the first's role name: its collectives carry this
-    process's name for it, which another process may give another group. Such a step is not stored, nor handed
-    to the other rank (which compiles its own), and trains as DDP."""
-    run_distributed(_second_group_over_the_same_ranks, str(tmp_path))
-
-
-def _sharded_restart(rank, world_size, cache_dir):
-    from tests.shard_helpers import batches, block_policy, clipped_step, gpt, optimizer
-
-    runs = []
-    for attempt in range(2):  # as a job and its restart
-        model = gpt(n_layer=1)
-        spmd.shard(model, spmd.DataParallel("fully_shard", wrap_policy=block_policy()))
-        optim = optimizer(model, "adamw")
-        step = spmd.compile(parallel_mode=spmd.DataParallel("fully_shard", wrap_policy=block_policy()),
-                            cache_dir=cache_dir)(clipped_step)
-        losses = [step(model, optim, *b) for b in batches(rank, 3)]
-        # the embedding's 37 rows shard unevenly (19 and 18): each rank's graph is its own, compiled by it
-        assert _loaded_on_each_rank(step) == [attempt == 1] * 2
-        runs.append(([(float(l), float(n)) for l, n in losses], [p.full_tensor() for p in model.parameters()]))
-    assert runs[0][0] == runs[1][0]
-    for a, b in zip(runs[0][1], runs[1][1]):
-        assert torch.equal(a, b)
-
-
-def test_a_fully_sharded_step_with_clipping_loads_and_trains_bit_identically(tmp_path):
-    run_distributed(_sharded_restart, str(tmp_path))
-
-
-# One rank of two gloo ranks (`python -c _RANK_SCRIPT RANK CACHE_DIR STORE`, in the checkout): replicate, 3 float64 AdamW steps; rank 0
-# prints both ranks' compile phases, its losses and parameters as JSON.
-_RANK_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import torch, torch.distributed as dist, spmd
-    from spmd.tools.models import MLP
-    from tests.parity import train_step
-
-    rank, cache_dir, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-    torch.manual_seed(0)
-    model = MLP(layers=3, dim=8).double()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
-    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), cache_dir=cache_dir)(train_step)
-    gen = torch.Generator().manual_seed(rank)
-    losses = [step(model, optim, torch.randn(4, 8, dtype=torch.float64, generator=gen)).item() for _ in range(3)]
-    phases = [None, None]
-    dist.all_gather_object(phases, sorted(step.compile_times))
-    if rank == 0:
-        print(json.dumps({"phases": phases, "losses": losses, "params": [p.tolist() for p in model.parameters()]}))
-    dist.destroy_process_group()
-""")
-
-
-def test_two_ranks_restarted_in_fresh_processes_load_the_step(tmp_path):
-    """A job of two ranks, then its restart: each rank a new process (forked from a server that has only imported
-    torch and spmd, the two ranks of a job from two servers: ``tests.fresh_process``)."""
-    runs = []
-    for attempt in range(2):
-        ranks = [start_python(["-c", _RANK_SCRIPT, rank, tmp_path / "cache", tmp_path / f"store{attempt}"], cwd=ROOT)
-                 for rank in range(2)]
-        outs = [rank.wait(300) for rank in ranks]
-        assert [out.returncode for out in outs] == [0, 0], "\n".join(out.stderr[-3000:] for out in outs)
-        runs.append(json.loads(outs[0].stdout.strip().splitlines()[-1]))
-    job, restart = (["trace" in phases for phases in run["phases"]] for run in runs)
-    assert sorted(job) == [False, True] and restart == [False, False]  # one compile per job, none at the restart
-    assert all("cache_load" in phases for phases in runs[1]["phases"])
-    assert runs[0]["losses"] == runs[1]["losses"] and runs[0]["params"] == runs[1]["params"]
-
-
-class _ToTanh:
-    """An override that only swaps modules: covered by the key (the swapped-in modules, this class's code)."""
-
-    def replacement(self, fqn, submodule):
-        return torch.nn.Tanh() if isinstance(submodule, torch.nn.ReLU) else submodule
-
-
-class _ToSigmoid(_ToTanh):
-    def replacement(self, fqn, submodule):
-        return torch.nn.Sigmoid() if isinstance(submodule, torch.nn.ReLU) else submodule
-
-
-class _Transforms(_ToTanh):
-    def transform(self, gm, flat_state):  # given the live tensors: their values are in no key
-        return gm
-
-
-def _passes_only(gm):
-    return spmd.GraphModuleTransformation(enable_graph_optimization=True)(gm)
-
-
-def _passes_then_nothing(gm):
-    return spmd.GraphModuleTransformation(enable_graph_optimization=True, bucket_size_mb=1.0)(gm)
-
-
-def _loads(cache_dir, **options) -> bool:
-    """A fresh model, optimizer and compiled step trained 2 steps against eager; whether it was loaded."""
-    model, ref, opt, ref_opt = _model_and_optim()
-    step = spmd.compile(cache_dir=cache_dir, **options)(train_step)
-    overrides = options.get("module_override") or []
-    for override in overrides:
-        ref.apply(lambda m: [setattr(m, name, override.replacement(name, sub)) for name, sub in m.named_children()])
-    _train_and_compare(step, model, ref, opt, ref_opt, steps=2)
-    return "cache_load" in step.compile_times
-
-
-def test_a_step_with_module_swaps_or_its_own_transformation_is_cached_under_a_key_covering_their_code(
-        tmp_path, caplog):
-    assert (_loads(tmp_path, module_override=[_ToTanh()]), _loads(tmp_path, module_override=[_ToTanh()])) == \
-        (False, True)
-    assert not _loads(tmp_path, module_override=[_ToSigmoid()])  # other override code: another step
-    assert (_loads(tmp_path, gm_transformation=_passes_only), _loads(tmp_path, gm_transformation=_passes_only)) == \
-        (False, True)
-    assert not _loads(tmp_path, gm_transformation=_passes_then_nothing)
-    entries = len(CacheStore(tmp_path).entries())
-    with caplog.at_level("INFO", logger="spmd.api"):
-        assert not _loads(tmp_path, module_override=[_Transforms()]) and not _loads(tmp_path, module_override=[_Transforms()])
-    assert "not kept in the compile cache: module_override _Transforms transforms the graph" in caplog.text
-    assert len(CacheStore(tmp_path).entries()) == entries
-
-
-def test_lowering_ahead_of_time_stores_the_step_for_the_next_job(tmp_path):
-    model, ref, opt, ref_opt = _model_and_optim()
-    ahead = spmd.compile(cache_dir=tmp_path)(train_step)
-    ahead.lower(model, opt, torch.randn(4, 8, dtype=torch.float64))  # e.g. a launcher warming the cache
-    assert len(CacheStore(tmp_path).entries()) == 1
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))  # nothing ran
-    assert _loads(tmp_path)  # the job's first call, with a fresh model and optimizer, loads it
+@needs_cpp
+def test_ranks_whose_steps_read_their_rank_never_share_a_trace(tmp_path):
+    """One compile per job shares code only between ranks whose graphs are the same: a step that reads its
+    rank gets its own on each rank, and trains as DDP, in the job and in its restart."""
+    run_distributed(_rank_dependent_job, str(tmp_path))

@@ -128,9 +128,13 @@ def _run(args, mode: str, name: str, caches: str, out: str) -> dict:
 
 def merge(ranks: list[dict], wall_s: float) -> dict:
     """One run's record from its ranks': the slowest rank's first call, rank 0's last call and loss, and per
-    rank whether it compiled (traced), loaded, and its phases."""
-    compiled = [r for r, rec in enumerate(ranks) if "trace" in rec["compile_times"]]
-    loaded = [r for r, rec in enumerate(ranks) if "cache_load" in rec["compile_times"]]
+    rank whether it compiled (Inductor compiled some graph), loaded (it ran only kept code), and its phases.
+    Every rank traces: the compile cache keeps only what Inductor made."""
+    def ran(rec: dict, phase: str) -> bool:
+        return any(phase in name for name in rec["compile_times"])
+
+    compiled = [r for r, rec in enumerate(ranks) if ran(rec, "inductor_compile_fx")]
+    loaded = [r for r, rec in enumerate(ranks) if r not in compiled and ran(rec, "inductor_code_load")]
     return dict(status="ok", first_call_s=max(r["first_call_s"] for r in ranks),
                 wrap_s=max(r.get("wrap_s", 0.0) for r in ranks), ready_s=max(r.get("ready_s", r["first_call_s"]) for r in ranks),
                 last_call_ms=ranks[0]["last_call_ms"],

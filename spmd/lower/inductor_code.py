@@ -4,7 +4,7 @@ What ``compile_fx_inner`` makes for a graph is a Python module (``CompiledFxGrap
 ``call(args)`` runs the graph: its kernels are written into it as source and compiled when it is loaded,
 through Triton's cache on a GPU and Inductor's C++ cache on the CPU, so a machine whose caches are warm
 loads them in a moment and one whose caches are cold compiles them again, correctly. Keeping that module
-beside the step's artifact spares a restart everything before it: preparing the graph for Inductor,
+in the compile cache, keyed by the graph, spares a restart everything after its trace: preparing the graph for Inductor,
 propagating fake values, the joint-graph passes, Inductor's lowering, scheduling and code generation.
 
 A graph whose compiled form needs more than its module (constants held on the side, script objects) is

@@ -144,11 +144,6 @@ def group_signature(optim: torch.optim.Optimizer, group: dict, items: Optional[l
     return sig
 
 
-def learned_facts(optim: torch.optim.Optimizer, group: dict) -> Optional[Learned]:
-    """What traces in this process learned about ``group``'s optimizer class and flags, or None."""
-    return _LEARNED.get((type(optim), flags(group)))
-
-
 def assumptions(group: dict, facts: Learned) -> dict[str, Any]:
     """What ``facts`` assume of ``group``'s values now, by name: each guard's outcome (``momentum ne 0.0``)
     and each specialised value (``betas[0]``)."""

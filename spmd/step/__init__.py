@@ -3,9 +3,10 @@ the mode's passes on an expanded graph, and the ``spmd.lower.Lowering`` its grap
 ``compiled_step`` (the lower stage: every graph compiled before the first run, and what a repeated
 call reuses), ``iter_graph_module`` (one graph run as setup, main and cleanup iterations),
 ``state_check`` (the fast path that tells a repeated call from a changed one), ``cache_key`` (a
-compiled step's key as a value, equal across processes and ranks; ``describe`` makes any value such a
-value, ``hyper_guards`` what the traces assumed about hyperparameters), ``artifact`` and ``cache_store``
-(a compiled step as data, and the directory that keeps it between processes).
+lowered step's key: its traced graphs and what their code depends on, as a value equal across processes
+and ranks; ``describe`` makes any value such a value), ``step_cache`` and ``cache_store`` (the Inductor
+code of a step's graphs kept between processes, and the directory that keeps it), ``job_compile`` (one
+rank lowers each distinct step for the job).
 Hands the runnable step back to ``spmd.api``, which runs it for the user.
 """
 

@@ -10,6 +10,11 @@ corrupted, another format) says so once, removes it and treats it as a miss.
 Where: ``cache_dir=`` of ``spmd.compile``, else ``$SPMD_CACHE_DIR``, else ``spmd`` beside Inductor's
 cache (``torch._inductor`` cache dir); ``False`` or an empty ``SPMD_CACHE_DIR`` turns it off.
 
+Entries are code this process runs, so they are read only from a directory the user trusts: the default
+directory must be this user's own and writable by no one else (it is made so, ``0o700``); one the user
+named (``cache_dir=`` or ``SPMD_CACHE_DIR``) is taken as the user's choice, shared or not. A default
+directory that fails the check is not used, said once with the fix.
+
 Beside the entries, ``functions/`` holds an empty marker per step function a step was compiled or
 loaded for: at the wrap, before any key can be computed, it says whether a first call will likely
 load (``spmd.api``: compile workers start at the wrap only where it will not).
@@ -81,12 +86,49 @@ class EntryInfo:
     compiled_for: Any  # the caller's description of what it was compiled for (None where unreadable)
 
 
-class CacheStore:
-    """The entries under one directory (see the module docstring)."""
+def named_by_user(cache_dir: Union[str, os.PathLike, bool, None] = None) -> bool:
+    """Whether the user named the cache directory (``cache_dir=`` or ``SPMD_CACHE_DIR``) rather than taking the
+    default: a named directory may be shared knowingly (see the module docstring)."""
+    return cache_dir not in (None, True, False) or bool(os.environ.get("SPMD_CACHE_DIR"))
 
-    def __init__(self, root: Union[str, os.PathLike]):
+
+def untrusted_because(root: Path) -> Optional[str]:
+    """Why entries under ``root`` may not be run (another user owns it, or others may write it), or None."""
+    try:
+        st = root.stat()
+    except FileNotFoundError:
+        return None  # made by this process, 0o700
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"it is owned by another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"others may write it (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+class CacheStore:
+    """The entries under one directory (see the module docstring). ``shared``: the user named the directory,
+    so it is used whoever else may write it; else it is used only where ``untrusted_because`` finds nothing."""
+
+    def __init__(self, root: Union[str, os.PathLike], shared: bool = True):
         self.root = Path(root)
+        self.shared = shared
         self._reported: set[str] = set()
+        self._distrust: Optional[str] = None  # why the directory is not used, once found
+
+    def usable(self) -> bool:
+        """Whether entries may be read and written here; a default directory others may write is not used,
+        said once with the fix."""
+        if self.shared or self._distrust == "":
+            return True
+        if self._distrust is None:
+            reason = untrusted_because(self.root)
+            self._distrust = reason or ""
+            if reason:
+                warnings.warn(f"spmd compile cache: {self.root} is not used: {reason}, and its entries are code this "
+                              f"process would run. Make it your own and private (chmod go-w {self.root}), or name a "
+                              "directory you mean to share with spmd.compile(cache_dir=...) or SPMD_CACHE_DIR.",
+                              RuntimeWarning, stacklevel=3)
+        return self._distrust == ""
 
     def path(self, digest: str) -> Path:
         return self.root / f"{digest}{SUFFIX}"
@@ -97,7 +139,9 @@ class CacheStore:
 
     def save_entry(self, digest: str, entry: bytes) -> Path:
         """Write ``entry`` (``encode``'s bytes) as the entry of ``digest``: a temporary file, then a rename."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.usable():
+            return self.path(digest)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{digest}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -113,6 +157,8 @@ class CacheStore:
 
     def entry_bytes(self, digest: str) -> Optional[bytes]:
         """The stored bytes of ``digest``'s entry as they are (unchecked), or None where there is none."""
+        if not self.usable():
+            return None
         try:
             return self.path(digest).read_bytes()
         except FileNotFoundError:
@@ -121,7 +167,7 @@ class CacheStore:
     def load(self, digest: str) -> Optional[Any]:
         """The payload stored for ``digest``, or None (no entry; a damaged one is reported once, removed)."""
         path = self.path(digest)
-        if not path.exists():
+        if not self.usable() or not path.exists():
             return None
         try:
             return decode(path.read_bytes())

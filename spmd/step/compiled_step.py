@@ -27,8 +27,7 @@ class CompiledStep:
 
     runner: Callable
     out_spec: pytree.TreeSpec
-    # the expanded graph, before the user transformation, or what rebuilds it when first read (``graph``):
-    # a step loaded from the compile cache runs without it, and on one rank never reads it
+    # the expanded graph, before the user transformation, or what rebuilds it when first read (``graph``)
     graph_source: Union[fx.GraphModule, Callable[[], fx.GraphModule]]
     hyper_tensors: list[torch.Tensor] = field(default_factory=list)  # kept across calls: CUDA graphs read them in place
     hyper_values: list[float] = field(default_factory=list)
@@ -40,12 +39,13 @@ class CompiledStep:
     variants: dict[tuple, "CompiledStep"] = field(default_factory=dict)
     grads: GradPlan = field(default_factory=GradPlan)  # gradients taken and left (spmd.trace.accumulation)
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.trace.step_outputs)
+    cache_digest: Optional[str] = None  # its key in the compile cache (``spmd.step.cache_key``), where it has one
     lowered: bool = False  # ``lower`` ran: calls only run ``runner`` from then on
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
 
     @property
     def graph(self) -> fx.GraphModule:
-        """The expanded graph (rebuilt on first read for a step loaded from the compile cache)."""
+        """The expanded graph (built on first read where ``graph_source`` builds it)."""
         if not isinstance(self.graph_source, fx.GraphModule):
             self.graph_source = self.graph_source()
         return self.graph_source

@@ -294,9 +294,10 @@ class IterGraphModule(nn.Module):
     def graphs_to_run(self) -> list[tuple[str, fx.Graph]]:
         """Every graph a run of this module may execute, by label (``step``; or ``setup``,
         ``main``, ``cleanup``, ``flush`` when nodes move across iterations)."""
-        return [(label, gm.graph) for label, gm in self._modules_to_run()]
+        return [(label, gm.graph) for label, gm in self.modules_to_run()]
 
-    def _modules_to_run(self) -> list[tuple[str, fx.GraphModule]]:
+    def modules_to_run(self) -> list[tuple[str, fx.GraphModule]]:
+        """``graphs_to_run`` as graph modules (what ``lower`` compiles, and the compile cache keys)."""
         if not self._finalized:
             self.finalize_setup()
         if not self.graph.moves:
@@ -321,7 +322,7 @@ class IterGraphModule(nn.Module):
             return
         inputs = tuple(inputs)
         kept = kept or {}
-        modules = self._modules_to_run()
+        modules = self.modules_to_run()
         carried = tuple(example_like(n) for _, gm in modules[1:2]
                         for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(ROLE) == Role.CARRIED)
         flush_positions = self._flush_graph()[1] if self.graph.moves else []
