@@ -3,7 +3,9 @@
 ``capture`` runs the step once on fake tensors and functionalizes it (``direct_functionalize`` when
 the optimizer's writes are its only mutations); ``step_state`` lays out what the step owns (modules,
 optimizers, their tensors) as the graph's inputs; ``user_objects`` leaves the user's objects as tracing
-found them. Hyperparameters enter as inputs through ``spmd.optim``, which the tracer calls.
+found them. What users already have is traced through: ``torch.compile``d blocks and functions as their
+originals (``user_compiled``), ``torch.distributed.nn``'s collectives as functional ones (``dist_nn``), a
+flex_attention ``BlockMask``'s tensors as inputs (``block_masks``). Hyperparameters enter as inputs through ``spmd.optim``, which the tracer calls.
 Hands the traced graph to ``spmd.parallel`` for expansion (``spmd.checks``' optimizer probe traces
 each optimizer alone through it first).
 """
