@@ -438,3 +438,40 @@ def test_documents_change_the_result():  # what the test above relies on: the ma
     x = torch.randn(1, 8, 24, dtype=F64)
     model = FlexAttention().to(F64)
     assert (model(x, document_mask([0, 0, 0, 1, 1, 1, 1, 1])) - model(x, document_mask([0] * 8))).abs().max() > 1e-3
+
+
+class FlexAttentionTrained(nn.Module):
+    """Attention whose q, k, v are trained (flex_attention's backward: CUDA only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q, k, v = self.qkv(x).view(1, 128, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return self.out(flex_attention(q, k, v, block_mask=mask).transpose(1, 2).reshape(1, 128, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flex_attention's backward)")
+def test_flex_attention_with_document_masks_trains_as_eager_through_inductor_on_cuda():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def document_mask_cuda(documents):
+        ids = torch.tensor(documents, device="cuda")
+        return create_block_mask(lambda b, h, q, kv: ids[q] == ids[kv], None, None, 128, 128, device="cuda")
+
+    torch.manual_seed(0)
+    model = FlexAttentionTrained().cuda()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(flex_step)
+    for split in (40, 90, 40):  # a new document mask each call: one graph
+        mask = document_mask_cuda([0] * split + [1] * (128 - split))
+        x = torch.randn(1, 128, 8, device="cuda")
+        torch.testing.assert_close(step(model, optim, x, mask), flex_step(ref, ref_optim, x, mask), atol=1e-4, rtol=1e-4)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
+    assert step.trace_count == 1
