@@ -475,3 +475,19 @@ def test_flex_attention_with_document_masks_trains_as_eager_through_inductor_on_
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
     assert step.trace_count == 1
+
+
+OFFSETS = torch.tensor([0.5, -0.5], dtype=F64)  # a global the step reads: no input of the graph
+
+
+def global_tensor_step(model, optim, x):
+    return updated(optim, (model(x) * OFFSETS).sum())
+
+
+def test_a_tensor_the_step_finds_in_a_global_is_refused_at_its_line_with_the_fix():
+    model = nn.Linear(4, 2).to(F64)
+    line = global_tensor_step.__code__.co_firstlineno + 1
+    with pytest.raises(spmd.SpmdCompileError, match=rf"none of its inputs \(aten\.mul\.Tensor at .*:{line} .*"
+                       r"Pass it to train_step as an argument, or keep it on the model"):
+        spmd.compile()(global_tensor_step)(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                           torch.randn(3, 4, dtype=F64))

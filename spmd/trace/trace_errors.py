@@ -8,7 +8,8 @@ placeholder once and never again. ``reporting`` wraps the tracer so that:
 * the errors torch raises for steps that cannot be one graph become ``SpmdCompileError``s
   naming the cause and the fix (``translate``): shapes that depend on tensor values
   (``nonzero``, ``x[mask]``, ``ctc_loss``: the aten op and the user's line that called it, where
-  torch's traceback holds them), a tensor formatted as text, tensors on two devices; a shape that
+  torch's traceback holds them), a tensor that is none of the step's inputs (a global), a
+  ``torch.distributed.nn`` collective spmd does not trace, a tensor formatted as text, tensors on two devices; a shape that
   depends on tensor values which fake tensors let through as a size symbol is refused alike, naming
   the op (``refuse_data_dependent_shapes``, on the traced graph);
 * a tensor turned into text by the user's code while tracing (``print(loss)``) warns, once
@@ -121,6 +122,14 @@ def translate(err: BaseException) -> Optional[SpmdCompileError]:
             f"spmd.compile: train_step calls torch.distributed.nn.functional.{name}{where}, whose in-place "
             f"collective a traced step cannot hold (spmd traces torch.distributed.nn's {', '.join(TRACEABLE_DIST_NN)}). "
             f"Use {refused.group(2) or 'a collective of torch.distributed._functional_collectives'} instead.")
+    outside = re.search(r"Please convert all Tensors to FakeTensors first.*?Found in ([\w.]+)\(", text, re.S)
+    if outside:
+        return SpmdCompileError(
+            f"spmd.compile: train_step computes with a tensor that is none of its inputs ({outside.group(1)}"
+            f"{user_line(err.__traceback__)}): one held in a global, a closure or a container, which the compiled "
+            "step would not read again. Pass it to train_step as an argument, or keep it on the model (a buffer, "
+            "or a plain tensor attribute of a module; a flex_attention BlockMask as an argument or a module "
+            "attribute), so that it enters the graph as an input.")
     if isinstance(err, TypeError) and "FakeTensor.__format__" in text:
         return SpmdCompileError(
             "spmd.compile: train_step formats a tensor as text (e.g. f'{loss:.3f}') while it is traced, when the "
