@@ -379,16 +379,21 @@ def test_a_torch_distributed_nn_collective_spmd_cannot_trace_is_refused_with_the
 # --- flex_attention with a BlockMask built outside the step -------------------------------------------
 
 
-def document_mask(documents: list[int]):
-    """A mask that lets each position attend within its document (ids in the mask_mod's closure)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def document_mask(documents: list[int], causal: bool = False):
+    """A mask that lets each position attend within its document (ids in the mask_mod's closure), and with
+    ``causal`` only to earlier positions (``and_masks``: the ids one closure deeper)."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
     ids = torch.tensor(documents)
 
     def same_document(b, h, q, kv):
         return ids[q] == ids[kv]
 
-    return create_block_mask(same_document, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+    def earlier(b, h, q, kv):
+        return q >= kv
+
+    mask_mod = and_masks(earlier, same_document) if causal else same_document
+    return create_block_mask(mask_mod, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
 
 
 class FlexAttention(nn.Module):
@@ -412,9 +417,10 @@ def flex_step(model, optim, x, mask=None):
     return updated(optim, model(x, mask).square().mean())
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["documents", "causal documents"])
 @pytest.mark.parametrize("held", [True, False], ids=["held by the model", "passed in"])
-def test_a_block_mask_built_outside_the_step_is_an_input_and_trains_as_eager(held):
-    masks = [document_mask(ids) for ids in ([0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1], [0] * 8)]
+def test_a_block_mask_built_outside_the_step_is_an_input_and_trains_as_eager(held, causal):
+    masks = [document_mask(ids, causal) for ids in ([0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1], [0] * 8)]
     torch.manual_seed(0)
     model = FlexAttention(masks[0] if held else None).to(F64)
     ref = copy.deepcopy(model)

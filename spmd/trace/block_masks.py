@@ -9,7 +9,7 @@ it is given on each call (a new mask of the same layout runs the same graph), an
 * passed in (``train_step(model, optim, x, mask)``): ``lift`` turns it into a ``MaskArgument``, a
   named tuple of its attributes, so flattening the arguments yields its tensors as the user's
   tensors and its sizes and ``mask_mod`` as values the step specialises on (the tensors ``mask_mod``'s closure
-  holds, a document mask's ids, are inputs too); ``as_block_masks``
+  holds, a document mask's ids, also through the masks ``and_masks`` combines, are inputs too); ``as_block_masks``
   turns the traced ones back into masks for the step;
 * held by a module (``self.block_mask = create_block_mask(...)``): its tensors are read like a
   module's plain tensor attributes (``StepState``'s buffers; ``module_block_masks``; its ``mask_signature``
@@ -35,6 +35,73 @@ except ImportError:  # a torch without flex_attention has no masks to find
     BlockMask = None
 
 
+_DEPTH = 4  # how deep closures are followed into the functions they hold (and_masks(causal, document))
+
+
+def _cells(fn) -> tuple:
+    return getattr(fn, "__closure__", None) or () if isinstance(fn, types.FunctionType) else ()
+
+
+def _contents(cell) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def closure_tensors(fn, depth: int = _DEPTH) -> list[torch.Tensor]:
+    """The tensors ``fn``'s closure holds, in order: directly, in tuples and lists, and in the closures of
+    the functions it holds (``and_masks`` closes over the masks it combines)."""
+    found = []
+
+    def visit(value, depth):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                visit(v, depth)
+        elif isinstance(value, types.FunctionType) and depth > 0:
+            for cell in _cells(value):
+                visit(_contents(cell), depth - 1)
+
+    visit(fn, depth + 1)
+    return found
+
+
+def with_closure_tensors(fn, tensors: list[torch.Tensor], depth: int = _DEPTH):
+    """``fn`` (rebuilt where needed) with ``tensors``, in ``closure_tensors``' order, in place of the ones its
+    closure holds; its code and everything else kept."""
+    supply = iter(tensors)
+
+    def rebuilt(value, depth):
+        if isinstance(value, torch.Tensor):
+            return next(supply)
+        if isinstance(value, (tuple, list)):
+            return type(value)(rebuilt(v, depth) for v in value)
+        if not (isinstance(value, types.FunctionType) and depth > 0 and closure_tensors(value, depth - 1)):
+            return value
+        cells = tuple(types.CellType(rebuilt(_contents(c), depth - 1)) for c in _cells(value))
+        new = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+        new.__kwdefaults__, new.__qualname__ = value.__kwdefaults__, value.__qualname__
+        vars(new).update(vars(value))
+        return new
+
+    return rebuilt(fn, depth + 1) if tensors else fn
+
+
+def _code_key(value, depth: int = _DEPTH) -> Any:
+    """``value`` as ``MaskMod`` compares it: a function by its code and closure, a tensor as a placeholder."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, (tuple, list)):
+        return tuple(_code_key(v, depth) for v in value)
+    if isinstance(value, types.FunctionType) and depth > 0:
+        code = value.__code__
+        return (value.__qualname__, code.co_code, code.co_consts, code.co_names,
+                tuple(_code_key(_contents(c), depth - 1) for c in _cells(value)))
+    return repr(value)
+
+
 class MaskMod:
     """A mask's ``mask_mod`` as a value of the step's arguments: equal (and printed alike) for functions of one
     code whose closures hold equal values besides tensors, so a new closure over other document ids each
@@ -42,13 +109,8 @@ class MaskMod:
 
     def __init__(self, fn):
         self.fn = fn
-        code = getattr(fn, "__code__", None)
-        if code is None:  # a partial or a callable object: by identity
-            self.key = repr(fn)
-            return
-        others = [repr(c.cell_contents) for c in fn.__closure__ or () if not _holds_tensor(c)]
-        digest = hashlib.sha256(repr((code.co_code, code.co_consts, code.co_names, others)).encode()).hexdigest()
-        self.key = f"{fn.__qualname__} {digest[:16]}"
+        digest = hashlib.sha256(repr(_code_key(fn)).encode()).hexdigest()
+        self.key = f"{getattr(fn, '__qualname__', type(fn).__name__)} {digest[:16]}"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, MaskMod) and other.key == self.key
@@ -62,71 +124,39 @@ class MaskMod:
 
 class MaskArgument(NamedTuple):
     """A ``BlockMask`` argument as its attributes (flattened: its tensors, sizes and ``mask_mod`` as a
-    ``MaskMod``) and the tensors ``mask_mod``'s closure holds (a document mask's ids), by variable name."""
+    ``MaskMod``) and the tensors ``mask_mod``'s closure holds (a document mask's ids, ``closure_tensors``)."""
 
     attributes: dict
-    closure: dict
+    closure: list
 
 
 def is_block_mask(value: Any) -> bool:
     return BlockMask is not None and type(value) is BlockMask
 
 
-def _holds_tensor(cell) -> bool:
-    try:
-        return isinstance(cell.cell_contents, torch.Tensor)
-    except ValueError:  # an empty cell
-        return False
-
-
-def _closure_tensors(fn) -> dict[str, torch.Tensor]:
-    """The tensors ``fn``'s closure cells hold, by variable name."""
-    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
-    if code is None:
-        return {}
-    held = {}
-    for name, cell in zip(code.co_freevars, cells):
-        with contextlib.suppress(ValueError):  # an empty cell
-            if isinstance(cell.cell_contents, torch.Tensor):
-                held[name] = cell.cell_contents
-    return held
-
-
-def _with_closure(fn, tensors: dict[str, torch.Tensor]):
-    """``fn`` with the closure variables named in ``tensors`` holding those tensors (its code and the rest kept)."""
-    if not tensors:
-        return fn
-    cells = tuple(types.CellType(tensors[name]) if name in tensors else cell
-                  for name, cell in zip(fn.__code__.co_freevars, fn.__closure__))
-    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
-    vars(new).update(vars(fn))
-    return new
-
-
-_CLOSURE = "mask_mod."  # how a tensor in mask_mod's closure is named among a mask's tensors
+_CLOSURE = "mask_mod."  # how the tensors mask_mod's closure holds are named among a mask's: mask_mod.0, ...
 
 
 def mask_tensors(mask) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of each tensor ``mask`` holds: its tensor attributes, then ``mask_mod.<variable>`` for
-    each tensor ``mask_mod``'s closure holds."""
+    """(name, tensor) of each tensor ``mask`` holds: its tensor attributes, then ``mask_mod.<k>`` for the k-th
+    tensor ``mask_mod``'s closure holds."""
     return ([(key, value) for key, value in vars(mask).items() if isinstance(value, torch.Tensor)]
-            + [(_CLOSURE + name, t) for name, t in _closure_tensors(mask.mask_mod).items()])
+            + [(f"{_CLOSURE}{k}", t) for k, t in enumerate(closure_tensors(mask.mask_mod))])
 
 
 def with_tensors(mask, tensors: dict[str, torch.Tensor]):
     """A copy of ``mask`` holding ``tensors`` (named as ``mask_tensors`` names them) instead of its own."""
     new = copy.copy(mask)
     vars(new).update({k: t for k, t in tensors.items() if not k.startswith(_CLOSURE)})
-    new.mask_mod = _with_closure(mask.mask_mod, {k[len(_CLOSURE):]: t for k, t in tensors.items()
-                                                 if k.startswith(_CLOSURE)})
+    closure = [t for k, t in tensors.items() if k.startswith(_CLOSURE)]
+    new.mask_mod = with_closure_tensors(mask.mask_mod, closure)
     return new
 
 
 def lift(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with each ``BlockMask`` as a ``MaskArgument`` (unchanged when there is none)."""
     def lifted(mask):
-        return MaskArgument({**vars(mask), "mask_mod": MaskMod(mask.mask_mod)}, _closure_tensors(mask.mask_mod))
+        return MaskArgument({**vars(mask), "mask_mod": MaskMod(mask.mask_mod)}, closure_tensors(mask.mask_mod))
 
     return pytree.tree_map(lambda v: lifted(v) if is_block_mask(v) else v, (args, kwargs))
 
@@ -138,7 +168,7 @@ def as_block_masks(tree: Any) -> Any:
             return value
         mask = BlockMask.__new__(BlockMask)
         vars(mask).update(value.attributes)
-        mask.mask_mod = _with_closure(mask.mask_mod.fn, value.closure)
+        mask.mask_mod = with_closure_tensors(mask.mask_mod.fn, value.closure)
         return mask
 
     return pytree.tree_map(rebuild, tree, is_leaf=lambda v: isinstance(v, MaskArgument))
