@@ -44,6 +44,7 @@ from .step.iter_graph_module import IterGraphModule
 from .step.state_check import StateCheck
 from .step.transformation import GraphModuleTransformation
 from .trace.accumulation import grads_on_entry, grads_signature
+from .trace.block_masks import is_block_mask, lift
 from .trace.capture import trace_train_step
 from .trace.step_outputs import rewrap
 from .trace.step_reach import Reach, reach
@@ -472,6 +473,9 @@ class CompiledTrainStep:
         for a call with these arguments: the entry found (a repeated call), or looked up and compiled; lowered
         before it is returned."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        if any(map(is_block_mask, leaves)):  # a flex_attention mask: its tensors are inputs (spmd.trace.block_masks)
+            args, kwargs = lift(args, kwargs)
+            leaves, spec = pytree.tree_flatten((args, kwargs))
         reached = reach(self.fn, args, kwargs, leaves)  # what the step depends on besides its arguments
         group = self._agreement_group(args, kwargs)
         found = self._repeat_last_call(leaves, spec, reached)

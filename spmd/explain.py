@@ -22,6 +22,7 @@ from .parallel.data_parallel import expanded_by
 from .parallel.units import shard_plan
 from .step.iter_graph_module import IterGraphModule
 from .step.transformation import GraphModuleTransformation
+from .trace.block_masks import lift
 
 TINY_ALL_REDUCE_BYTES = 1 << 20  # an all_reduce under 1 MiB is dominated by latency
 
@@ -215,6 +216,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
     if not isinstance(train_step, CompiledTrainStep):
         raise TypeError("spmd.explain: pass the function returned by @spmd.compile(...)")
     kwargs.pop("last_train_step", None)
+    args, kwargs = lift(args, kwargs)  # a flex_attention mask's tensors are inputs, as in a call
     state = train_step.prepare_state(args, kwargs)
     gm, _, state, created = train_step.trace_and_expand(state, args, kwargs)
     try:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.tensor import Replicate
 from torch.distributed.fsdp.wrap import (
     CustomPolicy, ModuleWrapPolicy, _or_policy, always_wrap_policy, lambda_auto_wrap_policy, size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
@@ -131,7 +132,7 @@ def test_options_that_do_not_apply_to_the_style_raise():
     assert spmd.DataParallel("hybrid_shard").resolved_reshard_after_forward is True
 
 
-def test_shard_refuses_without_process_group_twice_and_scalars():
+def test_shard_refuses_without_process_group_and_twice():
     mode = spmd.DataParallel("fully_shard")
     with pytest.raises(SpmdCompileError, match="init_process_group"):
         spmd.shard(GPT(CFG), mode)
@@ -139,9 +140,8 @@ def test_shard_refuses_without_process_group_twice_and_scalars():
         model = spmd.shard(GPT(CFG), mode)
         with pytest.raises(SpmdCompileError, match="already sharded"):
             spmd.shard(model, mode)
-        scalar = nn.Module()
+        scalar = nn.Module()  # a 0-dim parameter, which FSDP2 refuses, is replicated (tests/test_trace_through.py)
         scalar.p = nn.Parameter(torch.tensor(1.0))
-        with pytest.raises(SpmdCompileError, match="0-dim"):
-            spmd.shard(scalar, mode)
+        assert spmd.shard(scalar, mode).p.placements == (Replicate(),)
         with pytest.raises(SpmdCompileError, match="2-D mesh"):
             spmd.shard(GPT(CFG), spmd.DataParallel("hybrid_shard"))

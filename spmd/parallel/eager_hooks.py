@@ -27,9 +27,9 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from .shard import _cast_floats
-from .shard_comm import GatherUnit, layout_of, unit_groups
+from .shard_comm import GatherUnit, ReplicateUnit, layout_of, unit_groups
 from .tensor_parallel import as_module_param
-from .units import ShardPlan, Unit
+from .units import ShardPlan, Unit, is_replicated
 
 
 def _eager_sharded(params: list[torch.Tensor]) -> bool:
@@ -46,11 +46,17 @@ def _point(unit: Unit, tensors: list[torch.Tensor]) -> None:
 def _gather(plan: ShardPlan, unit: Unit, params: list[DTensor]) -> list[torch.Tensor]:
     """The unit's full parameters, one ``GatherUnit`` per gather dtype (differentiable into the shards)."""
     groups = unit_groups(plan.mesh)
-    layouts = [layout_of(p, plan.dp.mp_policy, tp=tp) for p, tp in zip(params, unit.tp)]
+    layouts = [None if is_replicated(p) else layout_of(p, plan.dp.mp_policy, tp=tp) for p, tp in zip(params, unit.tp)]
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, lay in enumerate(layouts):
-        by_dtype.setdefault(lay.gather_dtype, []).append(i)
+        if lay is not None:
+            by_dtype.setdefault(lay.gather_dtype, []).append(i)
     fulls: list[Any] = [None] * len(params)
+    replicated = [i for i, lay in enumerate(layouts) if lay is None]
+    if replicated:  # 0-dim parameters: their local tensors, gradients all-reduced
+        for i, t in zip(replicated, ReplicateUnit.apply(groups, unit.index, [-1] * len(replicated),
+                                                        *[params[i] for i in replicated])):
+            fulls[i] = t
     for indices in by_dtype.values():
         out = GatherUnit.apply([layouts[i] for i in indices], groups, unit.index, False, False, None,
                                *[params[i] for i in indices])

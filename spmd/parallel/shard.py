@@ -9,7 +9,9 @@ FSDP2 makes it behave, so the traced graph holds every collective at its place:
   modules at the full tensors; the forward hook points them back at the DTensors. So
   code after backward (``clip_grad_norm_``, the optimizer) sees DTensor parameters and
   gradients, as in eager FSDP2;
-* gradients are reduce-scattered in the unit's backward (``GatherUnit.backward``);
+* gradients are reduce-scattered in the unit's backward (``GatherUnit.backward``); a 0-dim
+  parameter, replicated (``units.is_replicated``), is not gathered and its gradient is
+  all-reduced there instead (``ReplicateUnit``);
 * for a unit that reshards after forward, a saved-tensor hook stores, instead of a
   tensor autograd saves that lives in the unit's gathered storage, where it lies in
   that storage; backward gathers the unit again (once per backward pass) and reads it
@@ -53,10 +55,10 @@ from ..passes import (
 from ..trace.step_state import StepState
 from .policies import as_policy
 from .shard_comm import (
-    UNIT_TAG, GatherUnit, ParamLayout, UnitGroups, gather_unit, in_backward, layout_of, unit_groups,
+    UNIT_TAG, GatherUnit, ParamLayout, ReplicateUnit, UnitGroups, gather_unit, in_backward, layout_of, unit_groups,
 )
 from .tensor_parallel import as_module_param
-from .units import ShardPlan, Unit, replaced_submodules, shard, shard_plan
+from .units import ShardPlan, Unit, is_replicated, replaced_submodules, shard, shard_plan
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,16 @@ class _GatherGroup:
     layouts: list[ParamLayout]
     groups: UnitGroups
     kept: list[torch.Tensor] = field(default_factory=list)  # the last forward's gathered parameters
+    # a group of replicated 0-dim parameters (``units.is_replicated``): their positions among the step's
+    # parameters; never gathered, their gradients all-reduced (``shard_comm.ReplicateUnit``)
+    replicated: Optional[list[int]] = None
+
+    def gather(self, keep: bool, copy: bool, gathered=None) -> tuple:
+        """The group's full parameters (``GatherUnit``; see there for the arguments), or a replicated
+        group's local tensors (``ReplicateUnit``)."""
+        if self.replicated is not None:
+            return ReplicateUnit.apply(self.groups, self.unit.index, self.replicated, *self.leaves)
+        return GatherUnit.apply(self.layouts, self.groups, self.unit.index, keep, copy, gathered, *self.leaves)
 
     def point_modules_at(self, tensors: list[torch.Tensor]) -> None:
         for holders, t in zip(self.holders, tensors):
@@ -160,6 +172,8 @@ class _GatherGroup:
 
     def as_module_params(self, fulls) -> list[torch.Tensor]:
         """The gathered ``fulls`` as the modules compute with them (tensor-parallel ones as DTensors on their tp mesh)."""
+        if self.replicated is not None:
+            return list(fulls)
         return [as_module_param(f, lay.tp) for f, lay in zip(fulls, self.layouts)]
 
 
@@ -244,9 +258,8 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
 
     def pre_forward(module, args, kwargs):
         for group in groups:
-            fulls = GatherUnit.apply(group.layouts, group.groups, unit.index, not unit.reshard_after_forward,
-                                     copy_out, None, *group.leaves)
-            if unit.reshard_after_forward:
+            fulls = group.gather(not unit.reshard_after_forward, copy_out)
+            if unit.reshard_after_forward and group.replicated is None:
                 resharding.register(group, fulls)
             group.kept = group.as_module_params(fulls)
             group.point_modules_at(group.kept)
@@ -262,13 +275,12 @@ def _unit_hooks(unit: Unit, groups: list[_GatherGroup], mp_policy, resharding: _
             return None
         in_backward_of.add(task)
         for group in groups:
-            if unit.reshard_after_forward:
+            if unit.reshard_after_forward and group.replicated is None:
                 # tied to the parameters through a GatherUnit: a reentrant checkpoint recomputes the forward
                 # and runs its own backward from these tensors, whose gradients must reach the reduce-scatter
                 # (a non-reentrant one only keeps the tensors its recompute saves, which match the forward's)
                 with torch.enable_grad():
-                    fulls = group.as_module_params(GatherUnit.apply(group.layouts, group.groups, unit.index, False,
-                                                                    False, resharding.regather(group), *group.leaves))
+                    fulls = group.as_module_params(group.gather(False, False, resharding.regather(group)))
             else:
                 fulls = group.kept
             group.point_modules_at(fulls)
@@ -295,6 +307,7 @@ def _gather_groups(plan: ShardPlan, unit: Unit, traced: dict[int, int]) -> list[
     """
     groups = unit_groups(plan.mesh)
     by_dtype: dict[torch.dtype, _GatherGroup] = {}
+    replicated = _GatherGroup(unit, [], [], [], groups, replicated=[])
     for holders, name, tp, p in zip(unit.params, unit.names, unit.tp, unit.current_params()):
         if id(p) not in traced:
             raise SpmdCompileError(
@@ -307,12 +320,17 @@ def _gather_groups(plan: ShardPlan, unit: Unit, traced: dict[int, int]) -> list[
                 "replaced by a plain tensor after spmd.shard?). Load state into the sharded parameters "
                 "(set_state_dict, load_state_dict) instead of replacing them."
             )
+        if is_replicated(p):
+            replicated.holders.append(holders)
+            replicated.leaves.append(p)
+            replicated.replicated.append(traced[id(p)])
+            continue
         lay = layout_of(p, plan.dp.mp_policy, traced[id(p)], tp)
         group = by_dtype.setdefault(lay.gather_dtype, _GatherGroup(unit, [], [], [], groups))
         group.holders.append(holders)
         group.leaves.append(p)
         group.layouts.append(lay)
-    return list(by_dtype.values())
+    return [*by_dtype.values(), *([replicated] if replicated.leaves else [])]
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ Run while the step is traced (``make_fx``), these emit functional collectives
   returned as DTensor gradients with the parameter's spec.
 
 ``GatherUnit`` is the autograd function that ties both together: forward gathers,
-backward reduce-scatters. Each collective's input passes through ``spmd::unit_tag``
+backward reduce-scatters. A unit's replicated 0-dim parameters (``units.is_replicated``) are not
+gathered: ``ReplicateUnit`` hands their local tensors to the forward and all-reduces their gradients. Each collective's input passes through ``spmd::unit_tag``
 (an identity the expansion removes) so the graph knows its unit and phase.
 """
 
@@ -190,6 +191,19 @@ def reduce_scatter_unit(grads: list[torch.Tensor], layouts: list[ParamLayout], g
     return result
 
 
+def all_reduce_unit(grad: torch.Tensor, groups: UnitGroups, unit: int, index: int) -> torch.Tensor:
+    """A replicated parameter's gradient (``units.is_replicated``; ``index``: its position among the step's
+    parameters) averaged over every rank of the mode: all_reduce over the shard group (then the replicate
+    group for hybrid_shard), divided as ``reduce_scatter_unit`` divides."""
+    pre, post, op = divide_factors(grad.dtype, groups.shard_size * groups.replicate_size)
+    out = c10d.wait_tensor(c10d.all_reduce(unit_tag(_div(grad, pre), unit, "backward", False, [index]), op,
+                                           groups.shard_group))
+    if groups.replicate_group is not None:
+        out = c10d.wait_tensor(c10d.all_reduce(unit_tag(out, unit, "backward", False, [index]), op,
+                                               groups.replicate_group))
+    return _div(out, post)
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass (e.g. a checkpoint's recompute)."""
     return torch._C._current_graph_task_id() != -1
@@ -233,6 +247,31 @@ class GatherUnit(torch.autograd.Function):
             for i, r in zip(indices, reduced):
                 out[i] = r
         return (None, None, None, None, None, None, *out)
+
+
+class ReplicateUnit(torch.autograd.Function):
+    """A unit's replicated (0-dim) parameters: forward, their local tensors (nothing to gather); backward,
+    each gradient averaged over the ranks (``all_reduce_unit``) as a DTensor gradient with its parameter's spec.
+
+    ``indices``: the parameters' positions among the step's parameters (-1 outside a trace).
+    """
+
+    @staticmethod
+    def forward(ctx, groups, unit, indices, *params):
+        ctx.groups, ctx.unit, ctx.indices = groups, unit, indices
+        ctx.specs = [p._spec for p in params]
+        ctx.trained = [p.requires_grad for p in params]
+        ctx.set_materialize_grads(False)
+        locals_ = [p._local_tensor.view_as(p._local_tensor) for p in params]
+        ctx.mark_non_differentiable(*[t for t, p in zip(locals_, params) if not p.requires_grad])
+        return tuple(locals_)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = [None if g is None or not trained else
+               DTensor(all_reduce_unit(g, ctx.groups, ctx.unit, index), spec, requires_grad=False)
+               for g, trained, index, spec in zip(grads, ctx.trained, ctx.indices, ctx.specs)]
+        return (None, None, None, *out)
 
 
 def unit_groups(mesh) -> UnitGroups:

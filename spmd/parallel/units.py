@@ -5,7 +5,8 @@ Every parameter becomes ``nn.Parameter(DTensor)`` placed ``(Shard(0),)`` on a 1-
 ``torch.chunk`` gives this rank (uneven sizes allowed; a rank may hold none), a view
 of the first rows of a buffer padded to ``ceil(rows / shards)`` rows, exactly as
 ``fully_shard`` lays it out. So ``state_dict``, optimizer state and DCP checkpoints
-interoperate with FSDP2.
+interoperate with FSDP2. A 0-dim parameter, which FSDP2 refuses, is placed ``Replicate()`` on
+every mesh dim instead (``is_replicated``).
 
 The units and settings are recorded on the model (``ShardPlan`` under ``PLAN_ATTR``);
 a unit names its parameters by (module, attribute), never by tensor object, so
@@ -73,6 +74,13 @@ class ShardPlan:
     @property
     def shard_size(self) -> int:
         return self.mesh.size(self.mesh.ndim - 1)
+
+
+def is_replicated(param: torch.Tensor) -> bool:
+    """True for a 0-dim parameter of a sharded model: it has no dim 0 to shard, so ``spmd.shard`` replicates
+    it on every rank of the mesh (FSDP2 refuses it) and the sharded modes average its gradient over them
+    with an all_reduce, as replicate (DDP) does."""
+    return isinstance(param, DTensor) and param.ndim == 0 and all(p.is_replicate() for p in param.placements)
 
 
 def shard_plan(model: nn.Module):
@@ -160,7 +168,9 @@ def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
 
     Call it on every rank after ``dist.init_process_group`` and before building the
     optimizer. Units come from ``mode.wrap_policy`` (FSDP's semantics); each parameter
-    becomes a ``DTensor`` sharded on dim 0 over ``mode.mesh`` (default: the whole world).
+    becomes a ``DTensor`` sharded on dim 0 over ``mode.mesh`` (default: the whole world),
+    except a 0-dim one (CLIP's ``logit_scale``), which FSDP2 refuses: it is replicated on every
+    rank, its gradient averaged with an all_reduce (``is_replicated``).
     A tensor-parallel parameter (a DTensor on ``mesh["tp"]`` from ``parallelize_module``, with
     ``mode.mesh`` = ``mesh["dp"]``) has its tp piece sharded the same way, placed as FSDP2 + TP
     places it (``spmd.parallel.tensor_parallel``).
@@ -183,10 +193,6 @@ def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
         raise SpmdCompileError("spmd.shard: no process group is initialized. Call dist.init_process_group first.")
     if shard_plan(model) is not None:
         raise SpmdCompileError("spmd.shard: this model is already sharded; shard a model once.")
-    scalars = [n for n, p in model.named_parameters() if p.dim() == 0 and not isinstance(p, DTensor)]
-    if scalars:
-        raise SpmdCompileError(f"spmd.shard: parameters {scalars[:3]} are 0-dim and cannot be sharded on dim 0; "
-                               "give them shape (1,).")
     mesh = default_mesh(mode)
     expected = 2 if mode.parallel_style == "hybrid_shard" else 1
     if mesh.ndim != expected:
@@ -210,7 +216,12 @@ def shard(model: nn.Module, mode: "DataParallel") -> nn.Module:
                 mod, attr = holders[0]
                 p = mod._parameters[attr]
                 target = p.device if p.device.type in ("meta", device.type) else device
-                if tp is None:
+                if tp is None and p.dim() == 0:  # nothing to shard: every rank holds it (see is_replicated)
+                    local = torch.empty((), dtype=p.dtype, device=target)
+                    if not local.is_meta:
+                        local.copy_(p.detach())
+                    sharded = DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                elif tp is None:
                     local = _local_shard(p, plan.shard_size, shard_rank, target)
                     sharded = DTensor.from_local(local, mesh, plan.placements, run_check=False,
                                                  shape=p.shape, stride=p.stride())

@@ -3,7 +3,8 @@
 ``describe`` turns numbers, strings, containers, tensors, classes, functions, meshes, process groups and
 plain objects into JSON values with no ids, addresses or process state: a tensor is its facts
 (``tensor_facts``: shape, stride, dtype, device, sharding) and, where it is a constant, a digest of its
-contents; a class or function is its module and qualified name, plus the code of user code (bytecode,
+contents; a class or function is its module and qualified name (a ``torch.compile``d function: what it
+compiled), plus the code of user code (bytecode,
 constants, names, the globals and closure values it reads, in turn), not its file or line numbers; a
 device is its type (``device_name``: plus its index only where it is not the current device); a mesh is
 its layout (``mesh_facts``); a group its role. ``canonical_json`` is the one text of such a value.
@@ -30,6 +31,7 @@ from ..optim.amp_scaler import GradScaler, scaler_signature
 from ..parallel.group_roles import group_role, root_mesh
 from ..trace.step_reach import global_names
 from ..trace.step_state import mesh_signature
+from ..trace.user_compiled import original_callable
 
 # Code of these packages is covered by the versions (and spmd's source digest): named, not described.
 _LIBRARIES = ("torch", "spmd", "triton", "numpy", "networkx", "functools", "builtins", "typing", "collections")
@@ -104,6 +106,8 @@ def describe(value: Any, depth: int = 0) -> Any:
     if isinstance(value, functools.partial):
         return {"partial": describe(value.func, depth + 1), "args": describe(value.args, depth + 1),
                 "keywords": describe(value.keywords, depth + 1)}
+    if original_callable(value) is not value:  # torch.compile(fn): a step traces fn (spmd.trace.user_compiled)
+        return {"compiled": describe(original_callable(value), depth + 1)}
     if isinstance(value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.CodeType)):
         return describe_function(value, depth)
     if isinstance(value, (nn.Module, torch.optim.Optimizer)):

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..optim.hyperparams import group_signature, hyper_items
+from ..trace.block_masks import is_block_mask
 from ..trace.step_state import TENSOR_FIELDS, StepState, sharding_signature
 
 _METADATA = operator.attrgetter(*TENSOR_FIELDS)  # tensor_signature's fields, compared without building tuples
@@ -28,7 +29,8 @@ def _lists_its_tables(cls: type) -> bool:
 
 
 def _tensor_attribute_names(module: nn.Module) -> list[str]:
-    return [key for key, value in vars(module).items() if isinstance(value, torch.Tensor)]
+    """Attributes read as buffers: tensors, and flex_attention masks (whose tensors are; ``spmd.trace.block_masks``)."""
+    return [key for key, value in vars(module).items() if isinstance(value, torch.Tensor) or is_block_mask(value)]
 
 
 def _contents(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer],

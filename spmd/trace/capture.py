@@ -17,7 +17,9 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
    Either way views stay views (``remove="mutations"``): each kernel reads its operands laid out as
    eager's does (a copying ``t_copy`` sent matmuls down another BLAS kernel, rounding differently).
 
-The trace leaves the user's objects as it found them (``spmd.trace.user_objects``).
+The trace leaves the user's objects as it found them (``spmd.trace.user_objects``), and runs what
+the user compiled with ``torch.compile`` as its original code (``spmd.trace.user_compiled``) and
+``torch.distributed.nn``'s differentiable collectives as functional ones (``spmd.trace.dist_nn``).
 
 Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input, grad; ``graph_utils.meta``) and
 ``meta[NAME]`` so passes never infer roles from positions.
@@ -52,10 +54,13 @@ from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_gra
 from .direct_functionalize import functionalize_writes
 from .host_reads import checking_host_reads, user_frame_of, value_read_error
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
+from .block_masks import as_block_masks, holding_traced
+from .dist_nn import traceable_collectives
 from .step_outputs import graph_outputs
 from .step_reach import REAL_TENSOR_IN_TRACE, reach, refuse_rebound, swapped, unreached_tensor_error
 from .step_state import StepState, local_tensor
 from .trace_errors import refuse_data_dependent_shapes, reporting, translated
+from .user_compiled import run_originals
 from .user_objects import reachable_objects, untouched
 
 log = logging.getLogger(__name__)
@@ -161,7 +166,7 @@ def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
 
     text = str(err)
     if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
-        return value_read_error(user_frame_of(err.__traceback__))
+        return value_read_error(user_frame_of(err.__traceback__), getattr(err, "func", None))
     no_kernel = ("no fake impl or Meta kernel", "attempted to run this operator with Meta", "no fake impl registered")
     if isinstance(err, UnsupportedOperatorException) or any(t in text for t in no_kernel):
         op = getattr(err, "func", None) or (text.split("for <CustomOpDef(", 1)[1].split(")", 1)[0]
@@ -303,7 +308,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         flat = list(flat_user)
         for slot, t in zip(tensor_slots, state.as_dtensors(inputs, user_specs, user_grads)):
             flat[slot] = t
-        call_args, call_kwargs = pytree.tree_unflatten(flat, user_spec)
+        call_args, call_kwargs = as_block_masks(pytree.tree_unflatten(flat, user_spec))
         with contextlib.ExitStack() as stack:
             for mod, names in state.module_param_names():
                 mapping = {n: params[i] for n, i in names}
@@ -312,6 +317,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             traced = [*params, *buffers, *state_tensors]
             stack.enter_context(swapped([places for places, _ in state.held_slots],
                                         [traced[i] for _, i in state.held_slots]))
+            stack.enter_context(holding_traced(state.block_masks, buffers))
             traced_hypers = stack.enter_context(_rematerialize_optimizers(state, params, states, hypers))
             before = [dict(st) for st in states]
             numbers = [t for t, as_number in zip(state_tensors, state.state_read_as_number) if as_number]
@@ -360,8 +366,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
                 watching_containers(fn, state.modules), checking_host_reads(fn, state.modules) as value_reads:
             for traces in range(1, len(hyper_values) + 2):
                 value_reads.clear()
-                with _compiling_flag(), phase("trace/autograd"), lazy_graph_modules(), \
-                        recording_side_effects(state.modules) as replays:
+                with _compiling_flag(), run_originals(fn, state.modules), traceable_collectives(), \
+                        phase("trace/autograd"), lazy_graph_modules(), recording_side_effects(state.modules) as replays:
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:

@@ -123,10 +123,12 @@ def _frozen_clock(name: str, frame) -> SpmdCompileError:
         "tensor, which does not retrace when it changes).")
 
 
-def value_read_error(frame=None) -> SpmdCompileError:
-    """The step reads a tensor's value as a Python value (``frame``: where, if known). A fresh error each
-    time: a shared instance would collect every raise's traceback."""
+def value_read_error(frame=None, op=None) -> SpmdCompileError:
+    """The step reads a tensor's value as a Python value (``frame``: where, ``op``: the aten op that read it,
+    if known). A fresh error each time: a shared instance would collect every raise's traceback."""
     at = f" at {where(frame)}" if frame is not None else ""
+    if op is not None:
+        at = f" ({getattr(op, 'overloadpacket', op)}{at})"
     return SpmdCompileError(
         f"spmd.compile: train_step branches on or reads the value of a tensor{at} (e.g. `if loss > 0`, "
         "`loss.item()`, `float(t)`), a value only the running step knows, which a whole-step graph cannot capture. "

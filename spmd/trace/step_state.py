@@ -9,6 +9,9 @@ edits the user makes between steps are always seen. A module's plain tensor attr
 tensor the step reaches outside its arguments and its modules (``spmd.trace.step_reach``: an EMA
 kept on ``self`` or in a closure), a *held tensor*: tracing puts its traced stand-in where it lies
 (``held_slots``), and the graph updates it in place as it updates a buffer.
+A module's flex_attention ``BlockMask`` attribute counts its tensors so too (``spmd.trace.block_masks``).
+Tensors are named as the user's model names them: a ``torch.compile``d block's wrapper adds no
+``_orig_mod`` step (``spmd.trace.user_compiled``).
 
 A ``DTensor`` (a sharded parameter or its optimizer state) enters the graph as its
 local tensor; tracing wraps the traced local tensor back into a ``DTensor`` with the
@@ -29,6 +32,8 @@ from ..errors import SpmdCompileError
 from ..optim.amp_scaler import SCALER_TENSORS, scaler_signature
 from ..optim.hyperparams import group_signature, hyper_items, read
 from .step_reach import Place, Reach
+from .block_masks import mask_signature, mask_tensors, module_block_masks
+from .user_compiled import plain_name
 
 
 # what a buffer slot of the state is (``StepState.buffer_kinds``): a module's buffer, a module's plain tensor
@@ -121,6 +126,10 @@ class StepState:
         self._buffer_index: dict[int, int] = {}
         self._module_params: list[tuple[nn.Module, list[tuple[str, int]]]] = []
         self._module_buffers: dict[int, list[tuple[str, int]]] = {}
+        # a module's flex_attention BlockMask attribute: (module, attribute, [(mask attribute, buffer index)]);
+        # its tensors are read like tensor attributes (``spmd.trace.block_masks``)
+        self.block_masks: list[tuple[nn.Module, str, list[tuple[str, int]]]] = []
+        self.block_mask_names: list[str] = []
         for m_idx, mod in enumerate(modules):
             prefix = f"m{m_idx}." if len(modules) > 1 else ""
             names = []
@@ -128,16 +137,24 @@ class StepState:
                 if id(p) not in self._param_index:
                     self._param_index[id(p)] = len(self.params)
                     self.params.append(p)
-                    self.param_names.append(prefix + name)
+                    self.param_names.append(prefix + plain_name(name))
                 names.append((name, self._param_index[id(p)]))
             self._module_params.append((mod, names))
             bnames = []
             named = list(mod.named_buffers(remove_duplicate=False))
             for k, (name, b) in enumerate([*named, *tensor_attributes(mod)]):
                 if id(b) not in self._buffer_index:
-                    self._add_buffer(prefix + name, b, BUFFER if k < len(named) else ATTRIBUTE)
+                    self._add_buffer(prefix + plain_name(name), b, BUFFER if k < len(named) else ATTRIBUTE)
                 bnames.append((name, self._buffer_index[id(b)]))
             self._module_buffers[id(mod)] = bnames
+            for name, sub, key, mask in module_block_masks(mod):
+                held = []
+                for attr, t in mask_tensors(mask):
+                    if id(t) not in self._buffer_index:
+                        self._add_buffer(f"{prefix}{plain_name(name)}.{attr}", t, ATTRIBUTE)
+                    held.append((attr, self._buffer_index[id(t)]))
+                self.block_masks.append((sub, key, held))
+                self.block_mask_names.append(prefix + plain_name(name))
         owned = {id(v) for o in optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)}
         owned.update(id(getattr(s, key)) for s in scalers for key in SCALER_TENSORS)
         for name, t, _ in self.held:
@@ -309,6 +326,8 @@ class StepState:
                 sig[f"{prefix}param group {g_idx} {what}"] = value
         for k, scaler in enumerate(self.scalers):
             sig[f"grad scaler {k} settings"] = scaler_signature(scaler)
+        for name, (mod, key, _) in zip(self.block_mask_names, self.block_masks):
+            sig[f"block mask {name}"] = mask_signature(vars(mod)[key])
         sig["modules in training mode"] = training_modes(self.modules)
         sig["hyperparameter inputs"] = tuple((s.key, s.index, s.dtype, s.device) for s in self.hyper_slots)
         for name, layout in zip(self.param_names, self._state_layout):

@@ -7,9 +7,11 @@ placeholder once and never again. ``reporting`` wraps the tracer so that:
 
 * the errors torch raises for steps that cannot be one graph become ``SpmdCompileError``s
   naming the cause and the fix (``translate``): shapes that depend on tensor values
-  (``nonzero``, ``x[mask]``), a tensor formatted as text, tensors on two devices; a shape that
-  depends on tensor values which fake tensors let through as a size symbol is refused alike
-  (``refuse_data_dependent_shapes``, on the traced graph);
+  (``nonzero``, ``x[mask]``, ``ctc_loss``: the aten op and the user's line that called it, where
+  torch's traceback holds them), a tensor that is none of the step's inputs (a global), a
+  ``torch.distributed.nn`` collective spmd does not trace, a tensor formatted as text, tensors on two devices; a shape that
+  depends on tensor values which fake tensors let through as a size symbol is refused alike, naming
+  the op (``refuse_data_dependent_shapes``, on the traced graph);
 * a tensor turned into text by the user's code while tracing (``print(loss)``) warns, once
   per place, that it printed a placeholder and will print nothing on later calls;
 * torch's own log of the failed fake kernel (a long traceback on stderr) stays quiet while
@@ -25,6 +27,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 import warnings
 from typing import Callable, Iterator, Optional
 
@@ -35,6 +38,7 @@ import torch.utils._pytree as pytree
 from .._torch_version import FAKE_DEVICE_MISMATCH_TEXTS
 from ..errors import SpmdCompileError
 from .host_reads import warn_at
+from .dist_nn import TRACEABLE_DIST_NN
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +47,44 @@ _DATA_DEPENDENT_SHAPE = ("SymIntArrayRef expected to contain only concrete integ
                          "aten.nonzero", "aten.masked_select", "aten._unique")
 
 
-def data_dependent_shape_error() -> SpmdCompileError:
-    return SpmdCompileError(
-        "spmd.compile: train_step makes a tensor whose shape depends on tensor values (nonzero, boolean-mask "
-        "indexing x[mask], masked_select, unique, ...); a compiled step is one graph in which every shape is fixed "
-        "when it is traced. Keep shapes fixed: compute on every element and mask the result, e.g. "
-        "torch.where(mask, x, 0).sum() or (x * mask).sum() / mask.sum() instead of x[mask].sum()."
-    )
+# where torch's and spmd's code lives: a frame elsewhere is the user's
+_LIBRARIES = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep for name in ("torch", __package__.split(".")[0]))
+# ops whose output has as many elements as some tensor values select: masking keeps the shape fixed
+_SELECTING_OPS = ("aten.nonzero", "aten.argwhere", "aten.masked_select", "aten.index", "aten._unique", "aten._unique2",
+                  "aten.unique_dim", "aten.unique_consecutive", "aten.repeat_interleave")
+
+
+def op_name(op) -> str:
+    """An aten op as users find it in torch's docs and traces: ``aten._ctc_loss`` (its overload packet)."""
+    return str(getattr(op, "overloadpacket", op))
+
+
+def user_line(tb) -> str:
+    """`` at FILE:LINE (`code`)``: the innermost frame of traceback ``tb`` outside torch and spmd (the user's
+    call into torch), or "" when there is none."""
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(_LIBRARIES)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" at {frame.filename}:{frame.lineno}" + (f" (`{frame.line}`)" if frame.line else "")
+
+
+def data_dependent_shape_error(op=None, where: str = "") -> SpmdCompileError:
+    """The refusal of a tensor whose shape depends on tensor values, naming ``op`` (the aten op that made it)
+    and ``where`` (``user_line``) where known, and the fix for that kind of op."""
+    selecting = op is None or op_name(op) in _SELECTING_OPS
+    examples = " (like those of nonzero, boolean-mask indexing x[mask], masked_select, unique)" if selecting else ""
+    made = "makes a tensor" if op is None else f"calls {op_name(op)}{where}, which makes a tensor"
+    what = f"{made} whose shape depends on tensor values{examples}{where if op is None else ''}"
+    if selecting:
+        fix = ("Keep shapes fixed: compute on every element and mask the result, e.g. torch.where(mask, x, 0).sum() "
+               "or (x * mask).sum() / mask.sum() instead of x[mask].sum().")
+    else:
+        fix = (f"To keep {op_name(op)}, make the call one opaque op: wrap the code that calls it in a "
+               "torch.library.custom_op, with register_fake returning its output's shape (and register_autograd "
+               "for its gradient).")
+    return SpmdCompileError(f"spmd.compile: train_step {what}; a compiled step is one graph in which every shape "
+                            f"is fixed when it is traced. {fix}")
 
 
 def refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
@@ -60,7 +95,7 @@ def refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
     shaped = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
     for node in gm.graph.nodes:
         if any(isinstance(v, shaped) and free_unbacked_symbols(v) for v in pytree.tree_leaves(node.meta.get("val"))):
-            raise data_dependent_shape_error()
+            raise data_dependent_shape_error(node.target if node.op == "call_function" else None)
 
 
 def translate(err: BaseException) -> Optional[SpmdCompileError]:
@@ -70,7 +105,29 @@ def translate(err: BaseException) -> Optional[SpmdCompileError]:
 
     text = str(err)
     if isinstance(err, DynamicOutputShapeException) or any(m in text for m in _DATA_DEPENDENT_SHAPE):
-        return data_dependent_shape_error()
+        return data_dependent_shape_error(getattr(err, "func", None), user_line(err.__traceback__))
+    refused = re.search(r"torch\.distributed\.nn\.functional\.(\w+) is not supported under torch\.compile"
+                        r"(?:\. Use ([\w.]+) instead)?", text)
+    if refused:
+        name, where = refused.group(1), user_line(err.__traceback__)
+        if name in TRACEABLE_DIST_NN:
+            return SpmdCompileError(
+                f"spmd.compile: train_step calls torch.distributed.nn.functional.{name}{where} through a name "
+                "imported before the trace, which stays torch's untraceable version. Call it through its module, "
+                f"as torch.distributed.nn.{name}(...) or torch.distributed.nn.functional.{name}(...), which spmd "
+                "traces with its autograd.")
+        return SpmdCompileError(
+            f"spmd.compile: train_step calls torch.distributed.nn.functional.{name}{where}, whose in-place "
+            f"collective a traced step cannot hold (spmd traces torch.distributed.nn's {', '.join(TRACEABLE_DIST_NN)}). "
+            f"Use {refused.group(2) or 'a collective of torch.distributed._functional_collectives'} instead.")
+    outside = re.search(r"Please convert all Tensors to FakeTensors first.*?Found in ([\w.]+)\(", text, re.S)
+    if outside:
+        return SpmdCompileError(
+            f"spmd.compile: train_step computes with a tensor that is none of its inputs ({outside.group(1)}"
+            f"{user_line(err.__traceback__)}): one held in a global, a closure or a container, which the compiled "
+            "step would not read again. Pass it to train_step as an argument, or keep it on the model (a buffer, "
+            "or a plain tensor attribute of a module; a flex_attention BlockMask as an argument or a module "
+            "attribute), so that it enters the graph as an input.")
     if isinstance(err, TypeError) and "FakeTensor.__format__" in text:
         return SpmdCompileError(
             "spmd.compile: train_step formats a tensor as text (e.g. f'{loss:.3f}') while it is traced, when the "
@@ -99,7 +156,6 @@ def translated(translator: Callable[[BaseException], Optional[SpmdCompileError]]
         return None
 
 
-_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
 _TEXT_PLUMBING = tuple(os.path.join(os.path.dirname(torch.__file__), f) for f in ("_tensor.py", "_tensor_str.py",
                                                                                     "overrides.py")) + (
     os.path.join(os.path.dirname(__file__), "side_effects.py"),)  # its print, which calls the builtin
