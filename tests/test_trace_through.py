@@ -483,17 +483,25 @@ def test_flex_attention_with_document_masks_trains_as_eager_through_inductor_on_
     assert step.trace_count == 1
 
 
-OFFSETS = torch.tensor([0.5, -0.5], dtype=F64)  # a global the step reads: no input of the graph
+OFFSETS = torch.tensor([0.5, -0.5], dtype=F64)  # a global the step reads: a graph input (spmd.trace.step_reach)
 
 
 def global_tensor_step(model, optim, x):
     return updated(optim, (model(x) * OFFSETS).sum())
 
 
-def test_a_tensor_the_step_finds_in_a_global_is_refused_at_its_line_with_the_fix():
+def test_a_tensor_the_step_finds_in_a_global_is_an_input_and_trains_as_eager():
+    torch.manual_seed(0)
     model = nn.Linear(4, 2).to(F64)
-    line = global_tensor_step.__code__.co_firstlineno + 1
-    with pytest.raises(spmd.SpmdCompileError, match=rf"none of its inputs \(aten\.mul\.Tensor at .*:{line} .*"
-                       r"Pass it to train_step as an argument, or keep it on the model"):
-        spmd.compile()(global_tensor_step)(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                           torch.randn(3, 4, dtype=F64))
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = spmd.compile()(global_tensor_step)
+    for k in range(3):
+        OFFSETS.fill_(0.5 * (k + 1))  # read anew on every call
+        x = torch.randn(3, 4, dtype=F64)
+        torch.testing.assert_close(step(model, optim, x), global_tensor_step(ref, ref_optim, x), rtol=0, atol=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    assert step.trace_count == 1
+
+
