@@ -92,8 +92,22 @@ def _run_rank(rank: int, world: int, local_rank: int, fn: RankFn, args: tuple, i
     return rc
 
 
+def _thread_lock_for_tqdm() -> None:
+    """Where tqdm is installed, torch.fx.Interpreter makes a (disabled) tqdm bar on every run, and tqdm's first bar
+    makes a multiprocessing lock: a spawned rank that skips finalization leaves it behind, and the parent's
+    resource tracker warns of a "leaked semaphore". A rank's bars are its own: a thread lock serves them."""
+    import importlib.util
+    import threading
+
+    if importlib.util.find_spec("tqdm") is not None:
+        import tqdm
+
+        tqdm.tqdm.set_lock(threading.RLock())
+
+
 def _spawned(rank: int, world: int, fn: RankFn, args: tuple, init_method: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    _thread_lock_for_tqdm()
     rc = _run_rank(rank, world, rank, fn, args, init_method)
     # This rank is done. Skip interpreter finalization: C++ static destructors at exit sometimes
     # abort ("terminate called without an active exception") after a successful run.
