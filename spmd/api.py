@@ -170,7 +170,7 @@ class CompiledTrainStep:
         ``zero_grads_for`` and ``grad_order``: see ``rank_check.zero_gradient_plan``.
         """
         with phase("optimizer_check"):
-            check_optimizers(state.optimizers)
+            check_optimizers(state.optimizers, self._kept_checks(state))
         created = []
         try:
             with phase("optimizer_state"):
@@ -403,6 +403,13 @@ class CompiledTrainStep:
         if device not in self._defaults:
             self._defaults[device] = default_transformation(device)
         return self._defaults[device]
+
+    def _kept_checks(self, state: StepState) -> Optional[CacheStore]:
+        """Where the optimizer checks' verdicts are kept between processes (``spmd.checks.optimizer_probe``):
+        the compile cache, for a step it keeps (lowered through Inductor); else None."""
+        lowering = getattr(self.transformation_for(state), "lowering", None)
+        keeps = self.compile_cache is not None and lowering is not None and lowering.inductor
+        return self.compile_cache.checks() if keeps else None
 
     def dump_options(self) -> DumpOptions:
         """The transformation's dump settings, or (for a custom transformation) the environment's."""
