@@ -35,7 +35,8 @@ from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
 from .parallel.grad_check import refuse_untrained_parameters
-from .step.cache_key import function_digest
+from .step.cache_key import function_digest, versions
+from .step.describe import canonical_json
 from .step.cache_store import CacheStore, named_by_user, resolve_cache_dir
 from .step.job_compile import job_store
 from .step.step_cache import StepCache, cacheable
@@ -170,7 +171,8 @@ class CompiledTrainStep:
         ``zero_grads_for`` and ``grad_order``: see ``rank_check.zero_gradient_plan``.
         """
         with phase("optimizer_check"):
-            check_optimizers(state.optimizers, self._kept_checks(state))
+            kept = self._kept_checks(state)
+            check_optimizers(state.optimizers, kept, canonical_json(versions()) if kept is not None else "")
         created = []
         try:
             with phase("optimizer_state"):

@@ -371,8 +371,8 @@ def test_state_an_optimizer_makes_in_its_constructor_is_there_for_the_check():
 
 def test_a_restarted_job_takes_the_kept_verdict_and_what_the_probe_learned(tmp_path, monkeypatch):
     """With the compile cache on, a torch.optim optimizer's verdict (exact or refused) is kept; a fresh process
-    (fresh process-wide tables) takes it, and what the probe's traces learned (fused AdamW's betas are
-    constants), instead of probing. A class outside torch.optim is probed in every process."""
+    (fresh process-wide tables) of the same code takes it, and what the probe's traces learned (fused AdamW's
+    betas are constants), instead of probing. A class outside torch.optim, or other code, is probed again."""
     from spmd.checks import optimizer_probe as probe
     from spmd.optim import hyperparams
     from spmd.step.cache_store import CacheStore
@@ -386,9 +386,9 @@ def test_a_restarted_job_takes_the_kept_verdict_and_what_the_probe_learned(tmp_p
         monkeypatch.setattr(probe, "_VERDICTS", {})
         monkeypatch.setattr(hyperparams, "_LEARNED", {})
 
-    def check(optim):
+    def check(optim, code="torch x, spmd y"):
         try:
-            probe.check_optimizers([optim], store)
+            probe.check_optimizers([optim], store, code)
         except spmd.SpmdCompileError as err:
             return str(err)
         return None
@@ -407,3 +407,7 @@ def test_a_restarted_job_takes_the_kept_verdict_and_what_the_probe_learned(tmp_p
     assert [check(o) for o in optims] == first
     assert probes[3:] == ["_PlainSGD"]
     assert {k: (set(v.guards), set(v.specialised)) for k, v in hyperparams._LEARNED.items()} == learned
+
+    fresh_process()  # other code (a new torch or spmd): probed again
+    assert [check(o, code="torch x, spmd z") for o in optims] == first
+    assert probes[4:] == ["AdamW", "LBFGS", "_PlainSGD"]

@@ -16,8 +16,8 @@ changes. Verdicts are cached per process, keyed on everything the probe's outcom
 float32 tensor lr is checked apart from a float lr).
 
 A restarted job need not probe again: where the step's compile cache is on, the verdict of one of
-torch.optim's own optimizers is kept beside it (``CacheStore.checks``; ``kept_name``: the torch version, which fixes the class's
-code, the device's name and ``_config``), with what the probe's traces taught ``spmd.optim.hyperparams``
+torch.optim's own optimizers is kept beside it (``CacheStore.checks``; ``kept_name``: the versions of the code
+the verdict follows from, torch's (which fixes the class's) and spmd's, the device's name and ``_config``), with what the probe's traces taught ``spmd.optim.hyperparams``
 about that optimizer's hyperparameters, so the process that loads it continues as one that probed.
 An optimizer of another class is probed in every process: its code may have changed since.
 """
@@ -210,15 +210,16 @@ def _difference(optim: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def kept_name(optim: torch.optim.Optimizer, config: tuple) -> Optional[str]:
+def kept_name(optim: torch.optim.Optimizer, config: tuple, code: str) -> Optional[str]:
     """The name ``optim``'s verdict is kept under between processes (equal across ranks and jobs), or None
-    where it is not kept: a class outside torch.optim, whose code the torch version does not fix."""
+    where it is not kept: a class outside torch.optim, whose code the torch version does not fix. ``code``:
+    the versions of the code the verdict follows from (torch's and spmd's, as ``cache_key.versions``)."""
     cls = type(optim)
     if not cls.__module__.startswith("torch.optim."):
         return None
     device = config[2]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    text = repr((torch.__version__, cls.__module__, cls.__qualname__, config[1], where, config[3]))
+    text = repr((code, cls.__module__, cls.__qualname__, config[1], where, config[3]))
     return "optimizer-check-" + hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
@@ -228,11 +229,11 @@ def _taught(optim: torch.optim.Optimizer, before: list[Learned]) -> list[Learned
             for g, old in zip(optim.param_groups, before)]
 
 
-def _probe(optim: torch.optim.Optimizer, kept: Any) -> Optional[str]:
+def _probe(optim: torch.optim.Optimizer, kept: Any, code: str) -> Optional[str]:
     """Why ``optim`` is refused (None: exact), from its verdict in ``kept`` (a ``CacheStore``) where one is kept
     there, else from a probe, whose verdict is then kept."""
     config = _config(optim)
-    name = kept_name(optim, config) if kept is not None else None
+    name = kept_name(optim, config, code) if kept is not None else None
     found = kept.load(name) if name is not None else None
     if isinstance(found, dict) and "verdict" in found:
         for group, taught in zip(optim.param_groups, found["taught"]):
@@ -257,16 +258,17 @@ def _probe(optim: torch.optim.Optimizer, kept: Any) -> Optional[str]:
     return why
 
 
-def check_optimizers(optimizers: list[torch.optim.Optimizer], kept: Any = None) -> None:
+def check_optimizers(optimizers: list[torch.optim.Optimizer], kept: Any = None, code: str = "") -> None:
     """Raise ``SpmdCompileError`` (nothing changed) if an optimizer's traced update would differ from eager's.
 
     ``kept``: the compile cache's store of verdicts (``spmd.step.cache_store.CacheStore.checks``), where they
-    are kept between processes (see the module docstring); None: probe in each process.
+    are kept between processes (see the module docstring), for ``code`` (``kept_name``); None: probe in each
+    process.
     """
     for optim in optimizers:
         key = _config(optim)
         if key not in _VERDICTS:
-            _VERDICTS[key] = _probe(optim, kept)
+            _VERDICTS[key] = _probe(optim, kept, code)
         why = _VERDICTS[key]
         if why is not None:
             settings = {k: v for k, v in optim.defaults.items() if k != "params"}
