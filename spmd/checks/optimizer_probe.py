@@ -16,10 +16,11 @@ changes. Verdicts are cached per process, keyed on everything the probe's outcom
 float32 tensor lr is checked apart from a float lr).
 
 A restarted job need not probe again: where the step's compile cache is on, the verdict of one of
-torch.optim's own optimizers is kept beside it (``CacheStore.checks``; ``kept_name``: the versions of the code
-the verdict follows from, torch's (which fixes the class's) and spmd's, the device's name and ``_config``), with what the probe's traces taught ``spmd.optim.hyperparams``
-about that optimizer's hyperparameters, so the process that loads it continues as one that probed.
-An optimizer of another class is probed in every process: its code may have changed since.
+torch.optim's own optimizers is kept beside it (``CacheStore.checks``), named (``kept_name``) by the
+versions of the code it follows from (torch's, which fixes the class's, and spmd's), the device's name
+and ``_config``; with it, what the probe's traces taught ``spmd.optim.hyperparams`` about that
+optimizer's hyperparameters, so the process that loads it continues as one that probed. An optimizer
+of another class is probed in every process: its code may have changed since.
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def _probe(optim: torch.optim.Optimizer, kept: Any, code: str) -> Optional[str]:
     name = kept_name(optim, config, code) if kept is not None else None
     found = kept.load(name) if name is not None else None
     if isinstance(found, dict) and "verdict" in found:
-        for group, taught in zip(optim.param_groups, found["taught"]):
+        for group, taught in zip(optim.param_groups, found.get("taught", ())):
             facts = learned(optim, group)
             facts.guards |= taught.guards
             facts.specialised |= taught.specialised
