@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -204,15 +204,51 @@ def fused_optimizer_block(gm, optim_node: fx.Node) -> FusedOptimizerBlock:
 
 
 def _restrict(graph: fx.Graph, node: fx.Node, keep: list[int]) -> fx.Node:
-    """A copy of ``node`` (inserted before it) whose tensor-list arguments keep only indices ``keep``."""
+    """A copy of ``node`` (inserted before it) whose tensor-list arguments keep only indices ``keep``.
+
+    ``node`` works element by element on its lists (a fused optimizer op, its step's ``_foreach_add``), so the
+    copy's value is ``node``'s at those indices (``_restricted_val``); it is computed again only where
+    ``node``'s value has another form.
+    """
     args = list(node.args)
+    lengths = set()
     for p, arg in enumerate(node.target._schema.arguments[: len(args)]):
         if isinstance(arg.type, torch.ListType) and args[p]:  # empty lists (no amsgrad) stay empty
+            lengths.add(len(args[p]))
             args[p] = [args[p][i] for i in keep]
     with graph.inserting_before(node):
         new = graph.call_function(node.target, tuple(args), dict(node.kwargs))
-    set_fake_val(new)
+    val = _restricted_val(node.meta, lengths.pop(), keep) if len(lengths) == 1 else _UNKNOWN
+    if val is _UNKNOWN:
+        set_fake_val(new)
+    else:
+        new.meta["val"] = val
     return new
+
+
+_UNKNOWN = object()
+
+
+def _restricted_val(meta: dict, length: int, keep: list[int]) -> Any:
+    """``meta['val']`` of an op over lists of ``length`` elements, at indices ``keep``: None (an in-place op),
+    a list of one value per element, or a tuple of such lists (empty ones stay empty); ``_UNKNOWN`` otherwise."""
+    if "val" not in meta:
+        return _UNKNOWN
+    val = meta["val"]
+    if val is None:
+        return None
+
+    def cut(values):
+        if isinstance(values, list) and len(values) in (0, length):
+            return [values[i] for i in keep] if values else []
+        return _UNKNOWN
+
+    if isinstance(val, list):
+        return cut(val)
+    if isinstance(val, tuple):
+        lists = [cut(v) for v in val]
+        return _UNKNOWN if any(v is _UNKNOWN for v in lists) else tuple(lists)
+    return _UNKNOWN
 
 
 def _retire(graph: fx.Graph, old: fx.Node, news: list[fx.Node], keeps: list[list[int]], nested: bool) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -85,10 +86,11 @@ def _as_op(node: fx.Node) -> Optional[_Op]:
     return _Op(node, inplace, positions, outputs, getitems)
 
 
-def _count_uses(node: fx.Node, value: fx.Node) -> int:
-    seen = []
-    fx.node.map_arg((node.args, node.kwargs), lambda a: seen.append(a) or a)
-    return sum(a is value for a in seen)
+def _use_counts(node: fx.Node) -> Counter:
+    """How many times each node appears in ``node``'s arguments."""
+    counts: Counter = Counter()
+    fx.node.map_arg((node.args, node.kwargs), lambda a: counts.update((a,)) or a)
+    return counts
 
 
 def _same_tensor_type(a: fx.Node, b: fx.Node) -> bool:
@@ -129,6 +131,15 @@ def _plan(graph: fx.Graph) -> tuple[list[_Op], dict[Elem, fx.Node], list[fx.Node
     elems = {(op.node, k, i): op.node.args[p][i] for op in ops.values()
              for k, p in enumerate(op.positions) for i in range(len(op.node.args[p]))}
     written_by: dict[tuple[fx.Node, fx.Node], list[Elem]] = {}
+    counts: dict[fx.Node, Counter] = {}
+
+    def uses(node: fx.Node, value: fx.Node) -> int:
+        """How many times ``value`` appears in ``node``'s arguments (counted once per node: a fused op's
+        lists hold every parameter)."""
+        if node not in counts:
+            counts[node] = _use_counts(node)
+        return counts[node][value]
+
     for e, src in elems.items():
         written_by.setdefault((e[0], src), []).append(e)
 
@@ -142,7 +153,7 @@ def _plan(graph: fx.Graph) -> tuple[list[_Op], dict[Elem, fx.Node], list[fx.Node
             return None
         (user,) = o.users
         found = written_by.get((user, o), [])
-        return found[0] if len(found) == 1 and _count_uses(user, o) == 1 else None
+        return found[0] if len(found) == 1 and uses(user, o) == 1 else None
 
     # chains: placeholder -> op_1 -> ... -> op_m -> copy_ back into the same placeholder
     root_of: dict[Elem, fx.Node] = {}
@@ -154,7 +165,7 @@ def _plan(graph: fx.Graph) -> tuple[list[_Op], dict[Elem, fx.Node], list[fx.Node
         while (nxt := next_elem(path[-1])) is not None:
             path.append(nxt)
         back = _copy_back(out(path[-1])) if out(path[-1]) is not None else None
-        if back is None or back[0] is not src or _count_uses(e[0], src) != 1:
+        if back is None or back[0] is not src or uses(e[0], src) != 1:
             continue
         if not _reads_before(src, e[0], {e[0], *back[1]}, order):
             continue
@@ -164,7 +175,7 @@ def _plan(graph: fx.Graph) -> tuple[list[_Op], dict[Elem, fx.Node], list[fx.Node
     def scratch(e: Elem) -> bool:
         """An element whose input is a temporary nobody reads after the op, and whose result is unused."""
         src, o = elems[e], out(e)
-        return (src.op != "placeholder" and (o is None or not o.users) and _count_uses(e[0], src) == 1
+        return (src.op != "placeholder" and (o is None or not o.users) and uses(e[0], src) == 1
                 and _reads_before(src, e[0], {e[0]}, order))
 
     by_op: dict[fx.Node, list[Elem]] = {n: [] for n in ops}

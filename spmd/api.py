@@ -35,7 +35,8 @@ from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
 from .parallel.grad_check import refuse_untrained_parameters
-from .step.cache_key import function_digest
+from .step.cache_key import function_digest, versions
+from .step.describe import canonical_json
 from .step.cache_store import CacheStore, named_by_user, resolve_cache_dir
 from .step.job_compile import job_store
 from .step.step_cache import StepCache, cacheable
@@ -170,7 +171,8 @@ class CompiledTrainStep:
         ``zero_grads_for`` and ``grad_order``: see ``rank_check.zero_gradient_plan``.
         """
         with phase("optimizer_check"):
-            check_optimizers(state.optimizers)
+            kept = self._kept_checks(state)
+            check_optimizers(state.optimizers, kept, canonical_json(versions()) if kept is not None else "")
         created = []
         try:
             with phase("optimizer_state"):
@@ -403,6 +405,13 @@ class CompiledTrainStep:
         if device not in self._defaults:
             self._defaults[device] = default_transformation(device)
         return self._defaults[device]
+
+    def _kept_checks(self, state: StepState) -> Optional[CacheStore]:
+        """Where the optimizer checks' verdicts are kept between processes (``spmd.checks.optimizer_probe``):
+        the compile cache, for a step it keeps (lowered through Inductor); else None."""
+        lowering = getattr(self.transformation_for(state), "lowering", None)
+        keeps = self.compile_cache is not None and lowering is not None and lowering.inductor
+        return self.compile_cache.checks() if keeps else None
 
     def dump_options(self) -> DumpOptions:
         """The transformation's dump settings, or (for a custom transformation) the environment's."""

@@ -216,6 +216,26 @@ def test_a_step_lowered_without_inductor_keeps_nothing(tmp_path):
     assert not list(tmp_path.glob("*.spmd")) and step.trace_count == 1
 
 
+
+def test_optimizer_checks_are_kept_beside_the_steps_the_cache_keeps(tmp_path, monkeypatch):
+    """A step the cache keeps (lowered through Inductor) keeps its optimizers' verdicts in ``checks/``, apart
+    from the step entries (``spmd cache list`` shows steps), and ``clear`` removes them; the CPU default,
+    which keeps nothing, keeps no verdict either."""
+    from spmd.checks import optimizer_probe
+
+    monkeypatch.setattr(optimizer_probe, "_VERDICTS", {})  # as in a fresh process
+    model, _, opt, _ = _model_and_optim()
+    batch = (torch.randn(4, 8, dtype=torch.float64),)
+    plain = spmd.compile(cache_dir=tmp_path)(train_step)
+    assert plain._kept_checks(plain.prepare_state((model, opt, *batch), {})) is None
+    step = _inductor_step(tmp_path)
+    step.trace_and_expand(step.prepare_state((model, opt, *batch), {}), (model, opt, *batch), {})
+    assert len(list((tmp_path / "checks").glob("optimizer-check-*.spmd"))) == 1
+    store = CacheStore(tmp_path)
+    assert store.entries() == []
+    store.clear()
+    assert not list((tmp_path / "checks").glob("*.spmd"))
+
 def test_a_default_directory_others_may_write_is_not_used(tmp_path):
     """Entries are code this process runs: a default directory others may write is not read or written
     (said once, with the fix); one the user named is the user's choice."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import spmd
+from spmd.graph_utils import set_fake_val
 from spmd.graph_utils.fused_optimizer import (get_all_fused_optimizer_blocks, split_fused_optimizer,
                                              split_fused_optimizer_parts)
 from spmd.passes.optimizer_copies import remove_copy_from_optimizer
@@ -104,8 +105,21 @@ def test_split_parts_cover_every_parameter_once(in_place_first):
         # 2 step updates + 6 step getitems + 2 optimizers (+ per list read: 2 list getitems + 6 element getitems)
         assert len(new) == 10 + (0 if in_place_first else used_lists * (2 + len(params)))
         assert all("val" in n.meta for n in new)
+        for n in new:  # each value is what running the node's op on its inputs' values gives
+            kept = n.meta["val"]
+            set_fake_val(n)
+            assert _facts(kept) == _facts(n.meta["val"]), n.name
 
     _train(torch.optim.AdamW, "fused", check, steps=2)
+
+
+def _facts(val):
+    """A fake value's shape, stride, dtype and device, element by element through lists and tuples."""
+    if isinstance(val, (list, tuple)):
+        return type(val).__name__, [_facts(v) for v in val]
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape), val.stride(), val.dtype, val.device
+    return val
 
 
 def test_split_rejects_bad_grads_and_leaves_graph_untouched():

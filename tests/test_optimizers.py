@@ -364,3 +364,50 @@ def test_state_an_optimizer_makes_in_its_constructor_is_there_for_the_check():
         torch.testing.assert_close(compiled(model, optim, x), square_mean_step(ref, ref_optim, x), atol=1e-14, rtol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-14, rtol=0)
+
+
+# --- a restarted job keeps the verdicts ----------------------------------------------------
+
+
+def test_a_restarted_job_takes_the_kept_verdict_and_what_the_probe_learned(tmp_path, monkeypatch):
+    """With the compile cache on, a torch.optim optimizer's verdict (exact or refused) is kept; a fresh process
+    (fresh process-wide tables) of the same code takes it, and what the probe's traces learned (fused AdamW's
+    betas are constants), instead of probing. A class outside torch.optim, or other code, is probed again."""
+    from spmd.checks import optimizer_probe as probe
+    from spmd.optim import hyperparams
+    from spmd.step.cache_store import CacheStore
+
+    store = CacheStore(tmp_path)
+    probes = []
+    real = probe._difference
+    monkeypatch.setattr(probe, "_difference", lambda optim: probes.append(type(optim).__name__) or real(optim))
+
+    def fresh_process():
+        monkeypatch.setattr(probe, "_VERDICTS", {})
+        monkeypatch.setattr(hyperparams, "_LEARNED", {})
+
+    def check(optim, code="torch x, spmd y"):
+        try:
+            probe.check_optimizers([optim], store, code)
+        except spmd.SpmdCompileError as err:
+            return str(err)
+        return None
+
+    params = list(_mlp().parameters())
+    optims = [O.AdamW(params, lr=0.01, fused=True), O.LBFGS(params, lr=0.1), _PlainSGD(params)]
+    fresh_process()
+    first = [check(o) for o in optims]
+    learned = {k: (set(v.guards), set(v.specialised)) for k, v in hyperparams._LEARNED.items()}
+    assert probes == ["AdamW", "LBFGS", "_PlainSGD"] and first[0] is None and first[2] is None
+    assert "cannot run on plain dense gradients" in first[1]
+    assert any(specialised for _, specialised in learned.values()), "fused AdamW's betas should be specialised"
+    assert len(list(tmp_path.glob("optimizer-check-*.spmd"))) == 2  # not the class outside torch.optim
+
+    fresh_process()
+    assert [check(o) for o in optims] == first
+    assert probes[3:] == ["_PlainSGD"]
+    assert {k: (set(v.guards), set(v.specialised)) for k, v in hyperparams._LEARNED.items()} == learned
+
+    fresh_process()  # other code (a new torch or spmd): probed again
+    assert [check(o, code="torch x, spmd z") for o in optims] == first
+    assert probes[4:] == ["AdamW", "LBFGS", "_PlainSGD"]

@@ -147,3 +147,35 @@ def test_passes_import_each_other_only_to_declare_order():
                 reached += [f"{path.stem} -> {node.module}.{a.name}" for a in node.names
                             if not hasattr(getattr(other, a.name), "pass_info")]
     assert reached == []
+
+
+def test_a_pass_leaves_its_dead_code_removed_and_writes_kept():
+    """After a pass, nodes nobody reads are gone (a chain of them too) and a write nobody reads stays,
+    whether or not the pass left anything dead (dead code elimination runs only where it may remove)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, buf):
+        buf.copy_(x * 2)  # a write: nobody reads it, it must stay
+        return (x + 1,)
+
+    @graph_optimization_pass()
+    def add_dead_chain(gm) -> None:
+        x = next(iter(gm.graph.find_nodes(op="placeholder")))
+        out = next(iter(gm.graph.find_nodes(op="output")))
+        with gm.graph.inserting_before(out):
+            gm.graph.call_function(torch.ops.aten.neg.default, (gm.graph.call_function(torch.ops.aten.sin.default, (x,)),))
+
+    @graph_optimization_pass()
+    def leave_alone(gm) -> None:
+        pass
+
+    for p in (add_dead_chain, leave_alone):
+        gm = IterGraphModule(make_fx(step)(torch.randn(3), torch.zeros(3)))
+        before = [n.name for n in gm.graph.nodes]
+        p(gm)
+        assert [n.name for n in gm.graph.nodes] == before
+        x, buf = torch.randn(3), torch.zeros(3)
+        gm.finalize_setup()
+        (y,) = gm(x, buf)
+        assert torch.equal(y, x + 1) and torch.equal(buf, x * 2)

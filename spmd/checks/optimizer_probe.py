@@ -14,12 +14,21 @@ the difference and the optimizers known to pass, before anything of the user's r
 changes. Verdicts are cached per process, keyed on everything the probe's outcome depends on
 (``_config``: class, flags, device, float64 or not, and each hyperparameter's sign and type: a
 float32 tensor lr is checked apart from a float lr).
+
+A restarted job need not probe again: where the step's compile cache is on, the verdict of one of
+torch.optim's own optimizers is kept beside it (``CacheStore.checks``), named (``kept_name``) by the
+versions of the code it follows from (torch's, which fixes the class's, and spmd's), the device's name
+and ``_config``; with it, what the probe's traces taught ``spmd.optim.hyperparams`` about that
+optimizer's hyperparameters, so the process that loads it continues as one that probed. An optimizer
+of another class is probed in every process: its code may have changed since.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import OrderedDict, defaultdict
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -27,7 +36,7 @@ from torch.optim.optimizer import _get_capturable_supported_devices
 
 from ..compile_times import recording
 from ..errors import SpmdCompileError
-from ..optim.hyperparams import flags, hyper_items, learned
+from ..optim.hyperparams import Learned, flags, hyper_items, learned
 from ..optim.state import ensure_optimizer_state
 from ..trace.capture import capture_train_step
 from ..trace.step_state import StepState
@@ -202,15 +211,65 @@ def _difference(optim: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Raise ``SpmdCompileError`` (nothing changed) if an optimizer's traced update would differ from eager's."""
+def kept_name(optim: torch.optim.Optimizer, config: tuple, code: str) -> Optional[str]:
+    """The name ``optim``'s verdict is kept under between processes (equal across ranks and jobs), or None
+    where it is not kept: a class outside torch.optim, whose code the torch version does not fix. ``code``:
+    the versions of the code the verdict follows from (torch's and spmd's, as ``cache_key.versions``)."""
+    cls = type(optim)
+    if not cls.__module__.startswith("torch.optim."):
+        return None
+    device = config[2]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    text = repr((code, cls.__module__, cls.__qualname__, config[1], where, config[3]))
+    return "optimizer-check-" + hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def _taught(optim: torch.optim.Optimizer, before: list[Learned]) -> list[Learned]:
+    """Per param group, what the probe's traces added to ``learned(optim, group)`` since ``before``."""
+    return [Learned(learned(optim, g).guards - old.guards, learned(optim, g).specialised - old.specialised)
+            for g, old in zip(optim.param_groups, before)]
+
+
+def _probe(optim: torch.optim.Optimizer, kept: Any, code: str) -> Optional[str]:
+    """Why ``optim`` is refused (None: exact), from its verdict in ``kept`` (a ``CacheStore``) where one is kept
+    there, else from a probe, whose verdict is then kept."""
+    config = _config(optim)
+    name = kept_name(optim, config, code) if kept is not None else None
+    found = kept.load(name) if name is not None else None
+    if isinstance(found, dict) and "verdict" in found:
+        for group, taught in zip(optim.param_groups, found.get("taught", ())):
+            facts = learned(optim, group)
+            facts.guards |= taught.guards
+            facts.specialised |= taught.specialised
+        log.info("spmd: %s's check against eager kept in %s: %s", type(optim).__name__, kept.root,
+                 found["verdict"] or "exact")
+        return found["verdict"]
+    before = [Learned(set(learned(optim, g).guards), set(learned(optim, g).specialised)) for g in optim.param_groups]
+    # the probe's own trace phases belong to "optimizer_check", not to the step's "trace"
+    with torch.random.fork_rng(devices=[]), recording({}):
+        why = _difference(optim)
+    log.info("spmd: %s checked against eager: %s", type(optim).__name__, why or "exact")
+    if name is not None:
+        described = {"optimizer check": type(optim).__name__, "torch": torch.__version__, "device": config[2].type,
+                     "verdict": why or "exact"}
+        try:
+            kept.save(name, {"verdict": why, "taught": _taught(optim, before), "compiled_for": described})
+        except OSError as err:  # a directory that cannot be written only costs the next job a probe
+            log.debug("spmd: could not keep %s's check in %s: %s", type(optim).__name__, kept.root, err)
+    return why
+
+
+def check_optimizers(optimizers: list[torch.optim.Optimizer], kept: Any = None, code: str = "") -> None:
+    """Raise ``SpmdCompileError`` (nothing changed) if an optimizer's traced update would differ from eager's.
+
+    ``kept``: the compile cache's store of verdicts (``spmd.step.cache_store.CacheStore.checks``), where they
+    are kept between processes (see the module docstring), for ``code`` (``kept_name``); None: probe in each
+    process.
+    """
     for optim in optimizers:
         key = _config(optim)
         if key not in _VERDICTS:
-            # the probe's own trace phases belong to "optimizer_check", not to the step's "trace"
-            with torch.random.fork_rng(devices=[]), recording({}):
-                _VERDICTS[key] = _difference(optim)
-            log.info("spmd: %s checked against eager: %s", type(optim).__name__, _VERDICTS[key] or "exact")
+            _VERDICTS[key] = _probe(optim, kept, code)
         why = _VERDICTS[key]
         if why is not None:
             settings = {k: v for k, v in optim.defaults.items() if k != "params"}

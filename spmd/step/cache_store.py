@@ -17,7 +17,9 @@ directory that fails the check is not used, said once with the fix.
 
 Beside the entries, ``functions/`` holds an empty marker per step function a step was compiled or
 loaded for: at the wrap, before any key can be computed, it says whether a first call will likely
-load (``spmd.api``: compile workers start at the wrap only where it will not).
+load (``spmd.api``: compile workers start at the wrap only where it will not); ``checks/`` holds the
+verdicts of the optimizer checks, entries of the same format (``checks``), so a restarted job need not
+probe its optimizers again.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"spmd-compile-cache 1"
 SUFFIX = ".spmd"
 FUNCTIONS = "functions"  # a marker per step function compiled or loaded here (``mark_function``)
+CHECKS = "checks"  # the optimizer checks' verdicts (``spmd.checks.optimizer_probe``), in entries of their own
 
 
 def resolve_cache_dir(cache_dir: Union[str, os.PathLike, bool, None] = None) -> Optional[Path]:
@@ -203,9 +206,14 @@ class CacheStore:
                 entry.path.unlink(missing_ok=True)
                 removed += 1
         if not damaged_only:
-            for marker in (self.root / FUNCTIONS).glob("*"):
+            for marker in (*(self.root / FUNCTIONS).glob("*"), *(self.root / CHECKS).glob(f"*{SUFFIX}")):
                 marker.unlink(missing_ok=True)
         return removed
+
+    def checks(self) -> Optional["CacheStore"]:
+        """The store of the optimizer checks' verdicts beside the entries (``CHECKS``), used where this
+        directory is, or None."""
+        return CacheStore(self.root / CHECKS, shared=True) if self.usable() else None
 
     def mark_function(self, digest: str) -> None:
         """Note that a step of the function with ``digest`` (``cache_key.function_digest``) was compiled or

@@ -94,8 +94,11 @@ def refuse_data_dependent_shapes(gm: fx.GraphModule) -> None:
 
     shaped = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
     for node in gm.graph.nodes:
-        if any(isinstance(v, shaped) and free_unbacked_symbols(v) for v in pytree.tree_leaves(node.meta.get("val"))):
-            raise data_dependent_shape_error(node.target if node.op == "call_function" else None)
+        for v in pytree.tree_leaves(node.meta.get("val")):
+            # a tensor of plain int sizes, strides and offset holds no symbol: skip the symbolic walk
+            static = isinstance(v, torch.Tensor) and not v._has_symbolic_sizes_strides
+            if isinstance(v, shaped) and not static and free_unbacked_symbols(v):
+                raise data_dependent_shape_error(node.target if node.op == "call_function" else None)
 
 
 def translate(err: BaseException) -> Optional[SpmdCompileError]:
