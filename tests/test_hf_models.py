@@ -1,0 +1,210 @@
+"""Hugging Face models train as eager does, and a captured CUDA graph stays captured.
+
+A CUDA graph reads parameters, buffers and optimizer state in place, so their storage must stay where
+it was from one call to the next (``spmd.lower.cudagraphs``). On the CPU the runner's bookkeeping
+runs with a stand-in for the capture (``CpuGraphRunner``): the same inputs are held as static, the
+same check for moved ones runs, and ``cuda_graph_captures`` counts. The GPU test runs the real thing.
+Tiny configs, no weights, no network; ``transformers`` is optional (the tests that need it skip).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd
+import spmd.lower.lowering as lowering
+from spmd.lower.cudagraphs import CudaGraphRunner
+
+F64 = torch.float64
+TOL = 1e-10
+
+
+class _Replay:
+    """What ``CpuGraphRunner`` captures: a replay runs the function on the inputs held at the capture."""
+
+    def __init__(self, runner: "CpuGraphRunner"):
+        self.runner = runner
+
+    def replay(self) -> None:
+        self.runner.static_outputs = tuple(self.runner.fn(*self.runner.static_inputs))
+
+
+class CpuGraphRunner(CudaGraphRunner):
+    """``CudaGraphRunner`` on the CPU: the capture holds the inputs as the real one does and counts."""
+
+    def _check_inputs(self, args: tuple) -> None:
+        pass
+
+    def _capture(self, args: tuple) -> None:
+        self.static_inputs = [a if p else a.clone() for a, p in zip(args, self.persistent)]
+        self.pointers = [a.data_ptr() for a, p in zip(args, self.persistent) if p]
+        self.graph = _Replay(self)
+        self.captures += 1
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Lowering with ``cudagraphs=True`` makes ``CpuGraphRunner``s (on the CPU, nothing stands in its way)."""
+    monkeypatch.setattr(lowering, "CudaGraphRunner", CpuGraphRunner)
+    monkeypatch.setattr(lowering, "cudagraph_obstacle", lambda gm, args: None)
+    return spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_cudagraphs=True)
+
+
+def lm_step(model, optim, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def tiny_llama(**overrides):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      **overrides)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(F64)
+
+
+def assert_trains_like_eager(step, model, ref, optim, ref_optim, batches, eager=lm_step):
+    for batch in batches:
+        loss, ref_loss = step(model, optim, batch), eager(ref, ref_optim, batch)
+        assert (loss - ref_loss).abs().item() <= TOL, (loss.item(), ref_loss.item())
+    worst = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert worst <= TOL, worst
+
+
+class Rebinds(nn.Module):
+    """Rebinds a buffer and a plain tensor attribute on every call, as eager code does
+    (``self.calls = self.calls + 1``), and reads both."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4, dtype=F64)
+        self.register_buffer("calls", torch.zeros((), dtype=F64))
+        self.scale = torch.ones(4, dtype=F64)
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        self.scale = self.scale * 0.5 + self.calls
+        return self.fc(x) * self.scale
+
+
+def test_a_buffer_or_attribute_the_step_rebinds_is_updated_in_place_as_eager_leaves_it(cpu_graphs):
+    model = Rebinds()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, ref))
+    step = spmd.compile(gm_transformation=cpu_graphs)(_plain_step)
+    calls, scale = model.calls, model.scale
+    pointers = (calls.data_ptr(), scale.data_ptr())
+    assert_trains_like_eager(step, model, ref, optim, ref_optim, [torch.randn(2, 4, dtype=F64) for _ in range(4)],
+                             eager=_plain_step)
+    assert model.calls.item() == ref.calls.item() == 4.0
+    assert torch.equal(model.scale, ref.scale)
+    assert model.calls is calls and model.scale is scale, "the step's write rebound the module's tensor"
+    assert (calls.data_ptr(), scale.data_ptr()) == pointers
+    assert step.trace_count == 1 and step.cuda_graph_captures == 1
+
+
+def _plain_step(model, optim, x):
+    loss = model(x).sum()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+class Reshapes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4, dtype=F64)
+        self.register_buffer("seen", torch.zeros(1, dtype=F64))
+
+    def forward(self, x):
+        self.seen = torch.cat([self.seen, x.sum().reshape(1)])  # grows: cannot be written in place
+        return self.fc(x)
+
+
+def test_a_buffer_rebound_to_another_shape_is_named_and_left_as_it_was(caplog):
+    model = Reshapes()
+    seen = model.seen
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="spmd"):
+        spmd.compile()(_plain_step)(model, optim, torch.randn(2, 4, dtype=F64))
+    assert "rebinds buffer seen to a tensor of shape (2,)" in caplog.text, caplog.text
+    assert model.seen is seen and model.seen.shape == (1,)
+
+
+def test_hf_llama_keeps_every_graph_input_in_place_and_trains_like_eager(cpu_graphs):
+    """Tiny Llama with rotary embeddings (``inv_freq``, ``original_inv_freq`` buffers): one capture over
+    several calls, the storage of every parameter, buffer and state tensor unchanged, eager's numbers."""
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    step = spmd.compile(gm_transformation=cpu_graphs)(lm_step)
+    batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    assert_trains_like_eager(step, model, ref, optim, ref_optim, batches[:1])
+    held = [*model.parameters(), *model.buffers(), *(t for st in optim.state.values() for t in st.values())]
+    pointers = [t.data_ptr() for t in held]
+    assert_trains_like_eager(step, model, ref, optim, ref_optim, batches * 2)
+    assert [t.data_ptr() for t in held] == pointers
+    assert step.trace_count == 1 and step.cuda_graph_captures == 1
+
+
+def test_a_tensor_rebound_between_calls_is_named_once_when_the_graph_is_captured_again(cpu_graphs, caplog):
+    model = tiny_llama()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = spmd.compile(gm_transformation=cpu_graphs)(lm_step)
+    ids = torch.randint(0, 64, (2, 8))
+    rotary = model.model.rotary_emb
+    with caplog.at_level(logging.INFO, logger="spmd.lower.cudagraphs"):
+        for _ in range(3):
+            step(model, optim, ids)
+        for _ in range(2):
+            rotary.inv_freq = rotary.inv_freq.clone()  # a new tensor in its place: the graph reads another storage
+            step(model, optim, ids)
+    again = [r for r in caplog.records if "again" in r.getMessage()]
+    assert [r.levelno for r in again] == [logging.WARNING, logging.INFO], caplog.text
+    assert "model.rotary_emb.inv_freq (another tensor now holds its place" in again[0].getMessage()
+    assert step.cuda_graph_captures == 3
+
+
+def test_cuda_graph_captures_is_zero_without_cuda_graphs():
+    model = Rebinds()
+    step = spmd.compile()(_plain_step)
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4, dtype=F64))
+    assert step.cuda_graph_captures == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hf_llama_bf16_is_captured_once_per_graph_on_the_gpu(caplog):
+    """The benchmark's setting: bf16 autocast, fused capturable AdamW, ``spmd.compile()``'s GPU default
+    (Inductor, CUDA graphs). After warm-up, the count of captures stays put."""
+    model = tiny_llama().float().cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+
+    @spmd.compile()
+    def step(model, optim, ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    with caplog.at_level(logging.INFO, logger="spmd"):
+        for _ in range(3):
+            step(model, optim, ids)
+        warm = step.cuda_graph_captures
+        for _ in range(5):
+            step(model, optim, ids)
+    assert warm >= 1 and step.cuda_graph_captures == warm, caplog.text
+    assert "again" not in caplog.text and "without CUDA graphs" not in caplog.text, caplog.text
