@@ -408,3 +408,27 @@ def test_a_decomposition_that_fails_names_the_op_and_the_way_around_it():
 
     with pytest.raises(SpmdCompileError, match=r"aten\.relu\.default.*without Inductor"):
         decompose_for_inductor(gm.graph, {aten.relu.default: broken})
+
+
+def test_a_decomposition_that_lays_its_result_out_otherwise_keeps_the_ops_layout_for_later_views():
+    """Inductor's ``cat`` of one non-empty tensor and an empty one (a Hugging Face cache's first update) is a
+    clone in that tensor's layout, where ``cat`` is contiguous; the matmul after it was traced as a ``view``
+    of the contiguous result (HF T5 in bf16 autocast failed with "Cannot view a tensor ..."). The decomposed
+    graph keeps ``cat``'s layout, and computes what the op did."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from spmd.lower.decompose import decompose_for_inductor
+
+    def attention_scores(q, cached, k):
+        keys = torch.cat([cached, k.transpose(1, 2)], dim=-2)  # (b, h, s, d), contiguous
+        return (torch.matmul(q, keys.transpose(3, 2)),)  # expand + view of the transposed keys
+
+    q, cached, k = torch.randn(2, 4, 6, 8), torch.empty(2, 4, 0, 8), torch.randn(2, 6, 4, 8)
+    gm = make_fx(attention_scores)(q, cached, k)
+    assert any(n.target is aten.cat.default for n in gm.graph.nodes)
+    decompose_for_inductor(gm.graph)
+    gm.recompile()
+    assert not any(n.target is aten.cat.default for n in gm.graph.nodes)
+    FakeTensorProp(gm).propagate(q, cached, k)
+    assert torch.equal(gm(q, cached, k)[0], attention_scores(q, cached, k)[0])
