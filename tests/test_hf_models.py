@@ -175,6 +175,65 @@ def test_a_tensor_rebound_between_calls_is_named_once_when_the_graph_is_captured
     assert step.cuda_graph_captures == 3
 
 
+def tiny_t5():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def seq2seq_step(model, optim, ids, labels):
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_hf_t5_trains_like_eager_in_float64():
+    model = tiny_t5().to(F64)
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    step = spmd.compile()(seq2seq_step)
+    ids, labels = torch.randint(1, 64, (2, 8)), torch.randint(1, 64, (2, 6))
+    for _ in range(3):
+        loss, ref_loss = step(model, optim, ids, labels), seq2seq_step(ref, ref_optim, ids, labels)
+        assert (loss - ref_loss).abs().item() <= TOL
+    worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    assert worst <= TOL, worst
+
+
+def test_hf_t5_in_bf16_autocast_is_a_graph_inductor_can_take():
+    """The step graph of T5 under bf16 autocast, prepared for Inductor (its decompositions applied node by
+    node), still propagates: each view in it is one (``spmd.lower.decompose``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from spmd.lower.inductor import prepare_for_inductor
+
+    model = tiny_t5()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    @spmd.compile()
+    def step(model, optim, ids, labels):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    graph = step.lower(model, optim, torch.randint(1, 64, (2, 8)), torch.randint(1, 64, (2, 6))).graph
+    prepared = prepare_for_inductor(graph, decompose=True)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                 for v in (n.meta["val"] for n in prepared.graph.find_nodes(op="placeholder"))]
+    with torch.no_grad():
+        FakeTensorProp(prepared, mode=mode).propagate_dont_convert_inputs(*fakes)
+
+
 def test_cuda_graph_captures_is_zero_without_cuda_graphs():
     model = Rebinds()
     step = spmd.compile()(_plain_step)
