@@ -175,6 +175,47 @@ def test_a_tensor_rebound_between_calls_is_named_once_when_the_graph_is_captured
     assert step.cuda_graph_captures == 3
 
 
+def test_hf_llama_gqa_in_bf16_trains_bit_for_bit_as_eager():
+    """bf16 parameters, grouped-query attention through SDPA, AdamW: parameters after each step and the
+    gradients of a last backward equal eager's bit for bit; the float32 loss (a reduction over the
+    tokens, whose CPU kernel may round its tail differently) to an ulp. (With an ``attention_mask`` they
+    need not: see ``test_hf_llama_gqa_with_an_attention_mask_computes_what_hf_computes_when_traced``.)"""
+    model = tiny_llama(attn_implementation="sdpa").to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    step = spmd.compile()(lm_step)
+    for k in range(3):
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(k))
+        torch.testing.assert_close(step(model, optim, ids), lm_step(ref, ref_optim, ids).detach(), rtol=1e-6, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())), k
+    backward = spmd.compile()(_backward_only)
+    backward(model, ids)
+    _backward_only(ref, ids)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def _backward_only(model, ids, attention_mask=None):
+    loss = model(input_ids=ids, labels=ids, attention_mask=attention_mask).loss
+    loss.backward()
+    return loss
+
+
+def test_hf_llama_gqa_with_an_attention_mask_computes_what_hf_computes_when_traced(monkeypatch):
+    """Given an all-ones ``attention_mask``, eager HF looks at its values and drops it (SDPA with
+    ``is_causal=True`` and ``enable_gqa=True``); traced, it cannot (``is_tracing`` is true of fake tensors),
+    so the step keeps the mask and repeats K/V per query head (``repeat_kv``), whose gradient is rounded
+    to bf16 per head before the group's sum. Eager made to keep the mask too computes spmd's bits."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    model = tiny_llama(attn_implementation="sdpa").to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    spmd.compile()(_backward_only)(model, ids, mask)
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+    _backward_only(ref, ids, mask)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+
+
 def tiny_t5():
     transformers = pytest.importorskip("transformers")
     config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
