@@ -275,6 +275,36 @@ def test_hf_t5_in_bf16_autocast_is_a_graph_inductor_can_take():
         FakeTensorProp(prepared, mode=mode).propagate_dont_convert_inputs(*fakes)
 
 
+def tiny_mixtral(experts_implementation: str):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers.PreTrainedModel, "get_correct_experts_implementation"):
+        pytest.skip("this transformers has one MoE implementation, the loop over the experts hit")
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64,
+                                        experts_implementation=experts_implementation)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config).to(F64)
+
+
+def test_hf_mixtral_with_batched_experts_trains_like_eager():
+    """``experts_implementation="batched_mm"`` (every token through its top-k experts' weights, gathered: no
+    data-dependent shape; ``grouped_mm``, the default, takes no float64)."""
+    model = tiny_mixtral("batched_mm")
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    assert_trains_like_eager(spmd.compile()(lm_step), model, ref, optim, ref_optim, batches)
+
+
+def test_hf_mixtral_looping_over_the_experts_hit_is_refused_as_data_dependent():
+    """HF's eager experts loop (``for expert_idx in expert_hit``, ``expert_hit = (...).nonzero()``) runs as
+    many iterations as there are experts with tokens: a value no whole-step graph holds."""
+    model = tiny_mixtral("eager")
+    with pytest.raises(spmd.SpmdCompileError, match="reads the value of a tensor"):
+        spmd.compile()(lm_step)(model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.randint(0, 64, (2, 8)))
+
+
 def test_cuda_graph_captures_is_zero_without_cuda_graphs():
     model = Rebinds()
     step = spmd.compile()(_plain_step)
