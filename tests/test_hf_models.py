@@ -19,6 +19,7 @@ import torch.nn as nn
 import spmd
 import spmd.lower.lowering as lowering
 from spmd.lower.cudagraphs import CudaGraphRunner
+from tests.parity import train_step
 
 F64 = torch.float64
 TOL = 1e-10
@@ -55,12 +56,27 @@ def cpu_graphs(monkeypatch):
     return spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_cudagraphs=True)
 
 
-def lm_step(model, optim, ids):
-    loss = model(input_ids=ids, labels=ids).loss
+def lm_loss(model, ids, labels=None, attention_mask=None):
+    """A Hugging Face model's loss on ``ids`` (a causal LM's labels are its inputs; a seq2seq model's are given)."""
+    return model(input_ids=ids, labels=ids if labels is None else labels, attention_mask=attention_mask).loss
+
+
+def _update(optim, loss):
     loss.backward()
     optim.step()
     optim.zero_grad()
     return loss
+
+
+def lm_step(model, optim, ids, labels=None):
+    return _update(optim, lm_loss(model, ids, labels))
+
+
+def bf16_lm_step(model, optim, ids, labels=None):
+    """``lm_step`` with the forward in bfloat16 autocast on the batch's device, as the benchmark runs it."""
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        loss = lm_loss(model, ids, labels)
+    return _update(optim, loss)
 
 
 def tiny_llama(**overrides):
@@ -100,24 +116,16 @@ def test_a_buffer_or_attribute_the_step_rebinds_is_updated_in_place_as_eager_lea
     model = Rebinds()
     ref = copy.deepcopy(model)
     optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, ref))
-    step = spmd.compile(gm_transformation=cpu_graphs)(_plain_step)
+    step = spmd.compile(gm_transformation=cpu_graphs)(train_step)
     calls, scale = model.calls, model.scale
     pointers = (calls.data_ptr(), scale.data_ptr())
     assert_trains_like_eager(step, model, ref, optim, ref_optim, [torch.randn(2, 4, dtype=F64) for _ in range(4)],
-                             eager=_plain_step)
+                             eager=train_step)
     assert model.calls.item() == ref.calls.item() == 4.0
     assert torch.equal(model.scale, ref.scale)
     assert model.calls is calls and model.scale is scale, "the step's write rebound the module's tensor"
     assert (calls.data_ptr(), scale.data_ptr()) == pointers
     assert step.trace_count == 1 and step.cuda_graph_captures == 1
-
-
-def _plain_step(model, optim, x):
-    loss = model(x).sum()
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
 
 
 class Reshapes(nn.Module):
@@ -136,7 +144,7 @@ def test_a_buffer_rebound_to_another_shape_is_named_and_left_as_it_was(caplog):
     seen = model.seen
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="spmd"):
-        spmd.compile()(_plain_step)(model, optim, torch.randn(2, 4, dtype=F64))
+        spmd.compile()(train_step)(model, optim, torch.randn(2, 4, dtype=F64))
     assert "rebinds buffer seen to a tensor of shape (2,)" in caplog.text, caplog.text
     assert model.seen is seen and model.seen.shape == (1,)
 
@@ -195,7 +203,7 @@ def test_hf_llama_gqa_in_bf16_trains_bit_for_bit_as_eager():
 
 
 def _backward_only(model, ids, attention_mask=None):
-    loss = model(input_ids=ids, labels=ids, attention_mask=attention_mask).loss
+    loss = lm_loss(model, ids, attention_mask=attention_mask)
     loss.backward()
     return loss
 
@@ -224,22 +232,14 @@ def tiny_t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
-def seq2seq_step(model, optim, ids, labels):
-    loss = model(input_ids=ids, labels=labels).loss
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss
-
-
 def test_hf_t5_trains_like_eager_in_float64():
     model = tiny_t5().to(F64)
     ref = copy.deepcopy(model)
     optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
-    step = spmd.compile()(seq2seq_step)
+    step = spmd.compile()(lm_step)
     ids, labels = torch.randint(1, 64, (2, 8)), torch.randint(1, 64, (2, 6))
     for _ in range(3):
-        loss, ref_loss = step(model, optim, ids, labels), seq2seq_step(ref, ref_optim, ids, labels)
+        loss, ref_loss = step(model, optim, ids, labels), lm_step(ref, ref_optim, ids, labels)
         assert (loss - ref_loss).abs().item() <= TOL
     worst = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     assert worst <= TOL, worst
@@ -255,16 +255,7 @@ def test_hf_t5_in_bf16_autocast_is_a_graph_inductor_can_take():
 
     model = tiny_t5()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @spmd.compile()
-    def step(model, optim, ids, labels):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
+    step = spmd.compile()(bf16_lm_step)
     graph = step.lower(model, optim, torch.randint(1, 64, (2, 8)), torch.randint(1, 64, (2, 6))).graph
     prepared = prepare_for_inductor(graph, decompose=True)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -307,7 +298,7 @@ def test_hf_mixtral_looping_over_the_experts_hit_is_refused_as_data_dependent():
 
 def test_cuda_graph_captures_is_zero_without_cuda_graphs():
     model = Rebinds()
-    step = spmd.compile()(_plain_step)
+    step = spmd.compile()(train_step)
     step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 4, dtype=F64))
     assert step.cuda_graph_captures == 0
 
@@ -319,16 +310,7 @@ def test_hf_llama_bf16_is_captured_once_per_graph_on_the_gpu(caplog):
     (Inductor, CUDA graphs). After warm-up, the count of captures stays put."""
     model = tiny_llama().float().cuda()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
-
-    @spmd.compile()
-    def step(model, optim, ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
+    step = spmd.compile()(bf16_lm_step)
     ids = torch.randint(0, 64, (2, 16), device="cuda")
     with caplog.at_level(logging.INFO, logger="spmd"):
         for _ in range(3):
