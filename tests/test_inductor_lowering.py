@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 import re
 from collections import Counter
@@ -432,3 +433,33 @@ def test_a_decomposition_that_lays_its_result_out_otherwise_keeps_the_ops_layout
     assert not any(n.target is aten.cat.default for n in gm.graph.nodes)
     FakeTensorProp(gm).propagate(q, cached, k)
     assert torch.equal(gm(q, cached, k)[0], attention_scores(q, cached, k)[0])
+
+
+class _DroppedAttention(torch.nn.Module):
+    """Attention whose weights go through dropout after the softmax (as Hugging Face T5's do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, 8, dtype=torch.float64) for _ in range(3))
+
+    def forward(self, x):
+        weights = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1)
+        return (torch.nn.functional.dropout(weights, p=0.1, training=True) @ self.v(x)).square().mean()
+
+
+def test_a_dropout_mask_drawn_on_the_cpu_is_drawn_before_its_readers_and_as_eager_draws_it():
+    """The CPU traces dropout as ``bernoulli.p`` on an uninitialized tensor. Inductor's lowering of it fused the
+    mask's readers ahead of the draw (NaN losses); run as ATen's kernel, it draws eager's mask from the same
+    generator, so the step through Inductor matches eager with the same seed."""
+    torch.manual_seed(0)
+    model = _DroppedAttention()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(train_step)
+    for k in range(3):
+        x = torch.randn(2, 6, 8, dtype=torch.float64)
+        torch.manual_seed(100 + k)
+        loss = step(model, optim, x)
+        torch.manual_seed(100 + k)
+        assert abs(loss.item() - train_step(ref, ref_optim, x).item()) <= 1e-10, k
+    assert_params_close(model, ref, atol=1e-10, rtol=0)
