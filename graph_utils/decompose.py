@@ -32,7 +32,8 @@ def tensor_args(node: fx.Node) -> Optional[list[fx.Node]]:
 def trace_decomposition(node: fx.Node, table: dict, mode: FakeTensorMode) -> Optional[fx.GraphModule]:
     """``node``'s op traced through ``table`` on fake arguments like its own (made in ``mode``: passes may
     have left values of several fake modes on the graph): a graph whose placeholders are the node's
-    tensor arguments in ``pytree`` order, or None where it cannot stand in for the node."""
+    tensor arguments in ``pytree`` order, or None where it cannot stand in for the node. Its outputs
+    are laid out as the node's (``_in_layout_of``)."""
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     slots = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
     with mode:
@@ -46,20 +47,69 @@ def trace_decomposition(node: fx.Node, table: dict, mode: FakeTensorMode) -> Opt
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         return node.target(*args, **kwargs)
 
-    traced = make_fx(call, decomposition_table=table, tracing_mode="fake")(*fakes)
-    if _mutations(traced):
-        # Some ops update an argument in place without saying so in their schema (cudnn_batch_norm's
-        # running statistics): functionalized, the update becomes a copy into that argument at the end,
-        # which Inductor lowers as it lowers the step's own writes into its inputs.
-        traced = make_fx(torch.func.functionalize(call, remove="mutations_and_views"),
-                         decomposition_table=table, tracing_mode="fake")(*fakes)
-        placeholders = set(traced.graph.find_nodes(op="placeholder"))
-        if any(n.target is not torch.ops.aten.copy_.default or n.args[0] not in placeholders
-               for n in _mutations(traced)):
-            return None  # not a function of the node's arguments: leave the node to Inductor's lowering
-    if any(n.op == "get_attr" for n in traced.graph.nodes):
-        return None
+    def trace(fn) -> Optional[fx.GraphModule]:
+        traced = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*fakes)
+        if _mutations(traced):
+            # Some ops update an argument in place without saying so in their schema (cudnn_batch_norm's
+            # running statistics): functionalized, the update becomes a copy into that argument at the end,
+            # which Inductor lowers as it lowers the step's own writes into its inputs.
+            traced = make_fx(torch.func.functionalize(fn, remove="mutations_and_views"),
+                             decomposition_table=table, tracing_mode="fake")(*fakes)
+            placeholders = set(traced.graph.find_nodes(op="placeholder"))
+            if any(n.target is not torch.ops.aten.copy_.default or n.args[0] not in placeholders
+                   for n in _mutations(traced)):
+                return None  # not a function of the node's arguments: leave the node to Inductor's lowering
+        if any(n.op == "get_attr" for n in traced.graph.nodes):
+            return None
+        return traced
+
+    traced = trace(call)
+    if traced is not None and not _laid_out_as(node.meta["val"], _output_values(traced)):
+        traced = trace(_in_layout_of(call, node.meta["val"]))
+        if traced is not None and not _laid_out_as(node.meta["val"], _output_values(traced)):
+            return None
     return traced
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, and the same strides wherever a size is above 1 (where a stride means something)."""
+    return a.shape == b.shape and all(size < 2 or x == y for size, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
+def _output_values(gm: fx.GraphModule) -> list:
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    return [o.meta.get("val") if isinstance(o, fx.Node) else o for o in pytree.tree_leaves(output.args[0])]
+
+
+def _laid_out_as(result, values: list) -> bool:
+    """True if ``values`` (a decomposition's outputs) are laid out as the tensors of ``result`` (the node's)."""
+    expected = pytree.tree_leaves(result)
+    return len(values) == len(expected) and all(
+        not isinstance(want, torch.Tensor) or (isinstance(got, torch.Tensor) and _same_layout(got, want))
+        for got, want in zip(values, expected))
+
+
+def _in_layout_of(fn, result):
+    """``fn`` with each tensor it returns copied into ``result``'s layout where it has another.
+
+    A decomposition may lay a result out otherwise than its op does (Inductor's ``cat`` of one non-empty
+    tensor and empty ones is a ``clone`` in that tensor's layout, where ``cat`` is contiguous), and the
+    node's users were traced for the op's layout: a ``view`` recorded where a ``reshape`` found it
+    viewable may be none of another. AOT autograd's re-trace of the whole step would have re-traced that
+    ``reshape``; a decomposition spliced node by node keeps the op's layout instead (Inductor lowers the
+    copy as a pointwise clone, fused with its neighbours)."""
+    expected = pytree.tree_leaves(result)
+
+    def laid_out(*tensors):
+        out = fn(*tensors)
+        leaves, spec = pytree.tree_flatten(out)
+        fixed = [torch.ops.aten.copy.default(
+                     torch.empty_strided(want.shape, want.stride(), dtype=want.dtype, device=got.device), got)
+                 if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and not _same_layout(got, want)
+                 else got for got, want in zip(leaves, expected)]
+        return pytree.tree_unflatten(fixed, spec)
+
+    return laid_out
 
 
 def _mutations(gm: fx.GraphModule) -> list[fx.Node]:

@@ -101,7 +101,7 @@ class CompiledTrainStep:
     ``trace_count``: how many times the step has been traced in this process (once per input
     signature, plus again for a signature evicted from ``cache``; a step whose lowering the compile
     cache keeps is traced too, so a restarted job counts as a fresh one). ``cache``: the compiled signatures,
-    the ``cache_size`` most recently used ones.
+    the ``cache_size`` most recently used ones. ``cuda_graph_captures``: how many CUDA graphs it captured.
     """
 
     cache_size = 16          # compiled signatures kept; the least recently used one is dropped first
@@ -127,6 +127,7 @@ class CompiledTrainStep:
         self.parallel_mode = as_data_parallel(parallel_mode)
         self.cache: OrderedDict[tuple, CompiledStep] = OrderedDict()
         self.trace_count = 0
+        self._evicted_captures = 0  # CUDA graph captures of entries dropped from ``cache`` (cuda_graph_captures)
         self._overridden: weakref.WeakSet = weakref.WeakSet()
         # parameters and buffers the parallel mode prepared, by identity: a swapped-in submodule's are new
         self._prepared = WeakIdKeyDictionary()
@@ -198,6 +199,13 @@ class CompiledTrainStep:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
         gm.meta.setdefault(PARALLEL_MODE, self.parallel_mode)  # an override may have built a new graph
         return gm, traced, state, created
+
+    @property
+    def cuda_graph_captures(self) -> int:
+        """How many CUDA graphs the step captured so far, over every signature it compiled (0 on the CPU or
+        without CUDA graphs). After warm-up, one capture per graph: a count that grows every call means a
+        tensor the graph reads in place keeps moving (the warning names it)."""
+        return self._evicted_captures + sum(entry.cuda_graph_captures for entry in self.cache.values())
 
     @property
     def compile_times(self) -> dict[str, float]:
@@ -331,6 +339,7 @@ class CompiledTrainStep:
         while len(self.cache) > self.cache_size:
             _, evicted = self.cache.popitem(last=False)
             evicted.flush()
+            self._evicted_captures += evicted.cuda_graph_captures
 
     def _serial(self, obj: Any) -> str:
         if obj not in self._serials:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 import re
 from collections import Counter
@@ -408,3 +409,57 @@ def test_a_decomposition_that_fails_names_the_op_and_the_way_around_it():
 
     with pytest.raises(SpmdCompileError, match=r"aten\.relu\.default.*without Inductor"):
         decompose_for_inductor(gm.graph, {aten.relu.default: broken})
+
+
+def test_a_decomposition_that_lays_its_result_out_otherwise_keeps_the_ops_layout_for_later_views():
+    """Inductor's ``cat`` of one non-empty tensor and an empty one (a Hugging Face cache's first update) is a
+    clone in that tensor's layout, where ``cat`` is contiguous; the matmul after it was traced as a ``view``
+    of the contiguous result (HF T5 in bf16 autocast failed with "Cannot view a tensor ..."). The decomposed
+    graph keeps ``cat``'s layout, and computes what the op did."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from spmd.lower.decompose import decompose_for_inductor
+
+    def attention_scores(q, cached, k):
+        keys = torch.cat([cached, k.transpose(1, 2)], dim=-2)  # (b, h, s, d), contiguous
+        return (torch.matmul(q, keys.transpose(3, 2)),)  # expand + view of the transposed keys
+
+    q, cached, k = torch.randn(2, 4, 6, 8), torch.empty(2, 4, 0, 8), torch.randn(2, 6, 4, 8)
+    gm = make_fx(attention_scores)(q, cached, k)
+    assert any(n.target is aten.cat.default for n in gm.graph.nodes)
+    decompose_for_inductor(gm.graph)
+    gm.recompile()
+    assert not any(n.target is aten.cat.default for n in gm.graph.nodes)
+    FakeTensorProp(gm).propagate(q, cached, k)
+    assert torch.equal(gm(q, cached, k)[0], attention_scores(q, cached, k)[0])
+
+
+class _DroppedAttention(torch.nn.Module):
+    """Attention whose weights go through dropout after the softmax (as Hugging Face T5's do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(8, 8, dtype=torch.float64) for _ in range(3))
+
+    def forward(self, x):
+        weights = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1)
+        return (torch.nn.functional.dropout(weights, p=0.1, training=True) @ self.v(x)).square().mean()
+
+
+def test_a_dropout_mask_drawn_on_the_cpu_is_drawn_before_its_readers_and_as_eager_draws_it():
+    """The CPU traces dropout as ``bernoulli.p`` on an uninitialized tensor. Inductor's lowering of it fused the
+    mask's readers ahead of the draw (NaN losses); run as ATen's kernel, it draws eager's mask from the same
+    generator, so the step through Inductor matches eager with the same seed."""
+    torch.manual_seed(0)
+    model = _DroppedAttention()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(train_step)
+    for k in range(3):
+        x = torch.randn(2, 6, 8, dtype=torch.float64)
+        torch.manual_seed(100 + k)
+        loss = step(model, optim, x)
+        torch.manual_seed(100 + k)
+        assert abs(loss.item() - train_step(ref, ref_optim, x).item()) <= 1e-10, k
+    assert_params_close(model, ref, atol=1e-10, rtol=0)

@@ -71,12 +71,16 @@ class CudaGraphRunner:
     iteration and are handed back as they are, to be copied in again. ``fall_back``: when the
     capture fails, warn and run ``fn`` uncaptured from then on instead of raising. ``unread[i]``:
     the graph never reads input ``i`` (see ``cudagraph_obstacle``): it may live anywhere and is
-    never copied.
+    never copied. ``names[i]``: input ``i`` in the user's terms (``meta[NAME]``: a parameter, buffer or
+    optimizer state name), for the message when a persistent input moved. ``captures``: how many times
+    the graph was captured.
     """
 
     def __init__(self, fn: Callable, persistent: Sequence[bool], num_user_outputs: int, label: str = "step",
-                 fall_back: bool = False, unread: Sequence[bool] = ()):
+                 fall_back: bool = False, unread: Sequence[bool] = (), names: Sequence[Optional[str]] = ()):
         self.fn = fn
+        self.names = [n or f"input {i}" for i, n in enumerate(list(names) + [None] * (len(persistent) - len(names)))]
+        self.warned_moved = False  # the first recapture is a warning, later ones are logged at INFO
         self.unread = list(unread) + [False] * (len(persistent) - len(unread))
         self.persistent = [p or u for p, u in zip(persistent, self.unread)]
         self.num_user_outputs = num_user_outputs
@@ -102,6 +106,16 @@ class CudaGraphRunner:
 
     def _persistent_moved(self, args: tuple) -> bool:
         return [a.data_ptr() for a, p in zip(args, self.persistent) if p] != self.pointers
+
+    def _moved_inputs(self, args: tuple) -> str:
+        """Which persistent inputs moved since the capture, by name, and how (for the recapture message)."""
+        moved = []
+        for name, a, static, p in zip(self.names, args, self.static_inputs, self.persistent):
+            if p and a.data_ptr() != static.data_ptr():
+                moved.append(f"{name} (another tensor now holds its place: the module, optimizer or scaler was given "
+                             "a new tensor, e.g. by rebinding it, load_state_dict(assign=True) or .to())"
+                             if a is not static else f"{name} (the same tensor, its storage replaced, e.g. by set_())")
+        return "; ".join(moved[:3]) + (f"; and {len(moved) - 3} more" if len(moved) > 3 else "")
 
     def _outputs(self) -> tuple:
         return tuple(o.clone() if i < self.num_user_outputs and isinstance(o, torch.Tensor) else o
@@ -143,8 +157,10 @@ class CudaGraphRunner:
             self.warmed_up = True
             return tuple(self.fn(*args))
         if self.graph is not None and self._persistent_moved(args):
-            log.warning("spmd: a parameter or optimizer state tensor of the %s graph moved to new storage; "
-                        "capturing the CUDA graph again", self.label)
+            level, self.warned_moved = logging.INFO if self.warned_moved else logging.WARNING, True
+            log.log(level, "spmd: capturing the %s graph as a CUDA graph again (capture #%d): a tensor it reads in "
+                    "place moved to new storage: %s. Update parameters, buffers and optimizer state in place "
+                    "(copy_) to keep the captured graph.", self.label, self.captures + 1, self._moved_inputs(args))
             self.graph = None
         if self.graph is None:
             self._capture(args)  # this call's inputs are the static ones: no copies needed

@@ -10,7 +10,9 @@ same few (op, shapes) pairs, so each distinct pair is traced once and copied.
 
 What comes out is what AOT's re-trace would have produced, op for op: the same
 decompositions, applied recursively by ``make_fx``, with every other node untouched
-(``tests/test_inductor_lowering.py`` compares the two).
+(``tests/test_inductor_lowering.py`` compares the two). One exception: a decomposition that lays
+its result out otherwise than the op is followed by a copy into the op's layout, since the
+untouched users were traced for it (``graph_utils.decompose.trace_decomposition``).
 """
 
 from __future__ import annotations

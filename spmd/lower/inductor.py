@@ -62,8 +62,8 @@ from .one_rank import drop_one_rank_all_reduces
 from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import KeptCode, code_of, load_kept
 from .opaque_ops import (
-    EMBEDDING, EMBEDDING_BACKWARD, keeps_embedding_backward_whole, keeps_gathered_lookup_whole, opaque_inplace_op,
-    wrapped_ops, writes_grads,
+    BERNOULLI, EMBEDDING, EMBEDDING_BACKWARD, keeps_bernoulli_whole, keeps_embedding_backward_whole,
+    keeps_gathered_lookup_whole, opaque_inplace_op, wrapped_ops, writes_grads,
 )
 from .pieces import cut_obstacle
 from .piecewise import compile_in_pieces
@@ -203,6 +203,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
       (ATen's kernel; Inductor's decomposition would add a float32 buffer twice the gradient's size).
     * An embedding lookup into a gathered table becomes ``opaque_ops.EMBEDDING`` (ATen's lookup; Inductor would
       look the rows up again in the backward, keeping the gathered table alive there).
+    * A ``bernoulli.p`` draw (a dropout mask traced on the CPU) becomes ``opaque_ops.BERNOULLI``
+      (``keeps_bernoulli_whole``: Inductor's own lowering let the mask's readers run before the draw).
     * Each ``nll_loss_backward`` starts after its loss is computed (``spmd.lower.loss_order``), so the
       loss gradient is written over the logits.
     * A unit's reduce-scatter buffer is started once its last gradient exists (``spmd.lower.pack_order``),
@@ -239,6 +241,8 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
             node.target = EMBEDDING_BACKWARD
         elif keeps_gathered_lookup_whole(node):
             node.target = EMBEDDING
+        elif keeps_bernoulli_whole(node):
+            node.target = BERNOULLI
     order_loss_backward_after_loss(graph)
     delay_early_pack_inputs(graph)
     run_freeing_matmuls_first(graph)

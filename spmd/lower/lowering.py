@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import SpmdConfigError
-from ..graph_utils.meta import ROLE, Role
+from ..graph_utils.meta import NAME, ROLE, Role
 from . import compile_workers
 from .compile_graph import device_of as _device_of
 from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
@@ -128,7 +128,8 @@ class Lowering:
         elif self.cudagraphs:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             runner = CudaGraphRunner(runner, [n.meta.get(ROLE) in Role.STATIC for n in placeholders], num_user_outputs,
-                                     label, fall_back=auto, unread=[not n.users for n in placeholders])
+                                     label, fall_back=auto, unread=[not n.users for n in placeholders],
+                                     names=[n.meta.get(NAME) for n in placeholders])
         return runner, code
 
 

@@ -11,6 +11,9 @@ code defines them first (``wrapped_ops`` names them).
 ``EMBEDDING`` (defined on import): ATen's embedding lookup for a table a collective gathered (a fully sharded
 model's embedding; ``keeps_gathered_lookup_whole``).
 
+``BERNOULLI`` (defined on import): ATen's ``bernoulli.p``, the mask of a dropout traced on the CPU
+(``keeps_bernoulli_whole``).
+
 ``RUN_AFTER`` (defined on import): ``run_after(value, before)`` is a copy of ``value`` that Inductor makes only
 once ``before`` is computed: an ordering edge between two computations with no data between them
 (``spmd.lower.loss_order``).
@@ -126,6 +129,26 @@ def keeps_gathered_lookup_whole(node: fx.Node) -> bool:
 
 
 _GATHER_HOPS = 16  # how far back a gathered table's lookup looks for its gather (views, a split, a copy)
+
+
+_opaque_lib.define("bernoulli_p(Tensor self, float p) -> Tensor")
+_opaque_lib.impl("bernoulli_p", lambda self, p: torch.ops.aten.bernoulli.p(self, p), "CompositeExplicitAutograd")
+torch.library.register_fake(f"{OPAQUE_NAMESPACE}::bernoulli_p", lambda self, p: torch.empty_like(self),
+                            lib=_opaque_lib)
+BERNOULLI = getattr(torch.ops, OPAQUE_NAMESPACE).bernoulli_p.default
+
+
+def keeps_bernoulli_whole(node: fx.Node) -> bool:
+    """A ``bernoulli.p`` draw (a dropout's mask as the CPU traces it: ``empty_like(x).bernoulli_(1 - p)``,
+    functionalized), which Inductor is to run as ATen's kernel.
+
+    Inductor lowers it as an in-place draw into a clone of its (uninitialized) input, and fused the
+    mask's readers into the kernel that makes that clone, ahead of the draw: they read uninitialized
+    memory (NaN losses, e.g. Hugging Face T5's attention dropout). ATen's kernel draws what eager draws
+    from the same generator.
+    """
+    return (node.op == "call_function" and node.target is torch.ops.aten.bernoulli.p
+            and node.kwargs.get("generator") is None and len(node.args) == 2)
 
 
 _opaque_lib.define("run_after(Tensor value, Tensor before) -> Tensor")

@@ -52,6 +52,12 @@ class CompiledStep:
             self.graph_source = self.graph_source()
         return self.graph_source
 
+    @property
+    def cuda_graph_captures(self) -> int:
+        """How many CUDA graph captures its graphs (and its variants') made so far; 0 without CUDA graphs."""
+        own = self.runner.cuda_graph_captures if isinstance(self.runner, IterGraphModule) else 0
+        return own + sum(v.cuda_graph_captures for v in self.variants.values())
+
     def lower(self, inputs: list, kept: Optional[dict] = None) -> None:
         """The lower stage: compile each graph the step runs (``IterGraphModule.lower``) for ``inputs``,
         the step's graph inputs on its first call, recording the time as the ``lower`` phase. ``kept``:

@@ -310,6 +310,11 @@ class IterGraphModule(nn.Module):
         """True once ``lower`` made what runs each graph (or there is nothing to lower)."""
         return self.lowering is None or not self.lowering.compiles or bool(self._runners)
 
+    @property
+    def cuda_graph_captures(self) -> int:
+        """How many CUDA graph captures its graphs made so far (``CudaGraphRunner.captures``), 0 without them."""
+        return sum(getattr(runner, "captures", 0) for runner in self._runners.values())
+
     def lower(self, inputs: tuple, kept: Optional[dict[str, KeptCode]] = None) -> None:
         """Lower every graph a run may execute (``graphs_to_run``) with ``lowering``, before the first run.
 

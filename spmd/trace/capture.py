@@ -233,6 +233,33 @@ def _check_state_updated_in_place(state: StepState, before: list[dict], after: l
             )
 
 
+def _write_back_rebound_buffers(state: StepState, buffers: list, rebound: list[tuple[dict, list]]) -> None:
+    """Copy into its graph input each buffer or tensor attribute the step rebound (``self.count = self.count + 1``,
+    ``self.register_buffer("inv_freq", new)``), as eager leaves the new value on the module.
+
+    The write lands in the tensor the module holds (its storage stays where it was: a CUDA graph keeps
+    reading it). A value of another shape, dtype or device cannot be written in place: a warning names it,
+    and the module keeps what it held.
+    """
+    for mapping, names in rebound:
+        for name, i in names:
+            new, old = mapping.get(name), buffers[i]
+            if new is old:
+                continue
+            kind = state.buffer_kinds[i]
+            if (isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype
+                    and new.device == old.device):
+                with torch.no_grad():
+                    old.copy_(new.detach())
+                continue
+            what = (f"a tensor of shape {tuple(new.shape)}, {new.dtype}, on {new.device} (it held "
+                    f"{tuple(old.shape)}, {old.dtype}, on {old.device})" if isinstance(new, torch.Tensor)
+                    else type(new).__name__)
+            log.warning("spmd: train_step rebinds %s %s to %s; a compiled step updates buffers in place, so the "
+                        "module keeps the value it held. Keep its shape, dtype and device (e.g. self.x.copy_(new)) "
+                        "to have the step update it.", kind, state.buffer_names[i], what)
+
+
 def _hyper_scalar_reads(gm: torch.fx.GraphModule, first: int, count: int) -> set[int]:
     """Indices of the hyperparameter inputs that the graph reads as a number (``item()``) somewhere."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -309,10 +336,12 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         for slot, t in zip(tensor_slots, state.as_dtensors(inputs, user_specs, user_grads)):
             flat[slot] = t
         call_args, call_kwargs = as_block_masks(pytree.tree_unflatten(flat, user_spec))
+        rebound: list[tuple[dict, list]] = []  # (mapping, the module's buffer names): read after the step
         with contextlib.ExitStack() as stack:
             for mod, names in state.module_param_names():
                 mapping = {n: params[i] for n, i in names}
                 mapping.update({n: buffers[i] for n, i in state.module_buffer_names(mod)})
+                rebound.append((mapping, state.module_buffer_names(mod)))
                 stack.enter_context(_reparametrize_module(mod, mapping))
             traced = [*params, *buffers, *state_tensors]
             stack.enter_context(swapped([places for places, _ in state.held_slots],
@@ -330,6 +359,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
                            reach(fn, args, kwargs))
             _check_state_updated_in_place(state, before, states)
             plan, left = plan_left_grads(state.param_names, entry, params, bool(stepped))
+        # leaving the modules' reparametrization wrote what each name holds now back into its mapping
+        _write_back_rebound_buffers(state, buffers, rebound)
         flat_out, out_spec = pytree.tree_flatten(out)
         out_holder["spec"], out_holder["grads"] = out_spec, plan
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
