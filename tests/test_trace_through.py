@@ -451,13 +451,13 @@ class FlexAttentionTrained(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.qkv, self.out = nn.Linear(8, 96), nn.Linear(32, 8)  # 2 heads of 16: Inductor's flex kernel needs >= 16
 
     def forward(self, x, mask):
         from torch.nn.attention.flex_attention import flex_attention
 
-        q, k, v = self.qkv(x).view(1, 128, 3, 2, 4).permute(2, 0, 3, 1, 4)
-        return self.out(flex_attention(q, k, v, block_mask=mask).transpose(1, 2).reshape(1, 128, 8))
+        q, k, v = self.qkv(x).view(1, 128, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return self.out(flex_attention(q, k, v, block_mask=mask).transpose(1, 2).reshape(1, 128, 32))
 
 
 @pytest.mark.gpu
