@@ -1,4 +1,5 @@
-"""Small helpers over ``torch.fx`` graphs: finding nodes, metadata, views, dumps, and the optimizer analyses
+"""Small helpers over ``torch.fx`` graphs: finding nodes, metadata, views, dumps, a graph as plain
+data and back (``graph_record``, what a kept trace stores), and the optimizer analyses
 several passes share (``fused_optimizer``, ``foreach_chains``)."""
 
 from .nodes import (

@@ -43,10 +43,11 @@ from .step.step_cache import StepCache, cacheable
 from .step.compiled_step import CompiledStep, LastCall, first_step_slots, undo_created
 from .step.iter_graph_module import IterGraphModule
 from .step.state_check import StateCheck
+from .step.trace_store import TraceStore, reuse_on, step_roots, trace_index
 from .step.transformation import GraphModuleTransformation
 from .trace.accumulation import grads_on_entry, grads_signature
 from .trace.block_masks import is_block_mask, lift
-from .trace.capture import trace_train_step
+from .trace.capture import TracedStep, trace_train_step
 from .trace.step_outputs import rewrap
 from .trace.step_reach import Reach, reach
 from .trace.step_state import (
@@ -184,10 +185,7 @@ class CompiledTrainStep:
             if created:  # state was just created: lay it out again
                 state = state.again()
             with phase("trace"):
-                traced = trace_train_step(
-                    self.fn, state, args, kwargs,
-                    lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for),
-                    found_inf_group=self.parallel_mode.process_group())
+                traced = self._trace(state, args, kwargs, zero_grads_for)
             with phase("expand"):
                 gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order,
                                                mesh_dims=self.parallel_mode.mesh_dims(state))
@@ -199,6 +197,20 @@ class CompiledTrainStep:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
         gm.meta.setdefault(PARALLEL_MODE, self.parallel_mode)  # an override may have built a new graph
         return gm, traced, state, created
+
+    def _trace(self, state: StepState, args: tuple, kwargs: dict, zero_grads_for: frozenset) -> TracedStep:
+        """The step traced, or the trace an earlier process kept where nothing it stood on changed
+        (``spmd.step.trace_store``; not for a rank's zero-gradient variant, ``_agree``)."""
+        def fresh() -> TracedStep:
+            return trace_train_step(self.fn, state, args, kwargs,
+                                    lambda params: self.parallel_mode.trace_context(state, params, zero_grads_for),
+                                    found_inf_group=self.parallel_mode.process_group())
+
+        if self.compile_cache is None or zero_grads_for or not reuse_on():
+            return fresh()
+        index = trace_index(self.fn, self.parallel_mode, self.module_override)
+        return TraceStore(self.compile_cache, index, self.__name__).trace(
+            fresh, state, lambda: step_roots(self.fn, args, kwargs, state))
 
     @property
     def cuda_graph_captures(self) -> int:

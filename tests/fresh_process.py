@@ -49,7 +49,8 @@ from pathlib import Path
 # print): a server serves any value. One exception, made good in the child: Dynamo's precompile cache
 # (``torch._dynamo.package.DynamoCache``) takes its folder from TORCHINDUCTOR_CACHE_DIR at import, and the
 # child makes it again for its own.
-RUN_TIME_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "SPMD_CACHE_DIR", "PYTEST_CURRENT_TEST", "COLUMNS"})
+RUN_TIME_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "SPMD_CACHE_DIR", "SPMD_TRACE_REUSE", "PYTEST_CURRENT_TEST",
+                                "COLUMNS"})
 
 # The server: imports, then forks one child per request line ({"id", "args", "env", "cwd", "stdout",
 # "stderr"}) read on stdin; replies {"id", "pid"} when it forked and {"pid", "status"} when a child ended.

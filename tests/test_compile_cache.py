@@ -106,7 +106,8 @@ def _write_user_files(folder: Path, helper: str = _HELPERS, offset: float = 0.0)
 def _run_user_job(folder: Path, cache, scale: float = 1.0, env: dict | None = None) -> dict:
     """The user's training script in a fresh process (``tests.fresh_process``): its JSON report."""
     args = [str(folder / "train.py"), str(folder), repr(scale), "off" if cache == "off" else str(cache)]
-    out = run_python(args, env=env or fresh_inductor_env(folder.parent / "inductor"), cwd=ROOT, timeout=300)
+    env = {**(env or fresh_inductor_env(folder.parent / "inductor")), "SPMD_TRACE_REUSE": "1"}  # on any Python
+    out = run_python(args, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -129,19 +130,23 @@ def test_what_the_code_says_now_runs_after_each_edit_between_restarts(tmp_path):
     assert "lower/step/inductor_compile_fx" in first["phases"]
     assert "lower/step/inductor_code_load" in again["phases"] and "lower/step/inductor_compile_fx" not in again["phases"]
     assert again["trace_count"] == 1 and again["pass_calls"] == 1  # traced, and the user's pass ran, on a hit too
+    assert "trace/reused" in again["phases"] and "trace/reused" not in first["phases"]  # spmd.step.trace_store
     _same_training(first, again)
 
     _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"))  # the loss helper edited
     edited = _run_user_job(user, cache)
+    assert "trace/reused" not in edited["phases"]  # the kept trace ran the old helper
     _same_training(edited, _run_user_job(user, "off"))
     assert edited["losses"] != first["losses"]
 
     scaled = _run_user_job(user, cache, scale=0.5)  # a config value read inside the step
+    assert "trace/reused" not in scaled["phases"]
     _same_training(scaled, _run_user_job(user, "off", scale=0.5))
     assert scaled["losses"] != edited["losses"]
 
     _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"), offset=3.0)  # the pass edited
     offset = _run_user_job(user, cache, scale=0.5)
+    assert "trace/reused" in offset["phases"] and offset["pass_calls"] == 1  # the trace is kept; the pass runs anew
     _same_training(offset, _run_user_job(user, "off", scale=0.5))
     assert offset["losses"][0] == pytest.approx(scaled["losses"][0] + 3.0, abs=1e-12)
     assert len(CacheStore(cache).entries()) == 4  # one entry per distinct set of graphs

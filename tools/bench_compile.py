@@ -110,7 +110,7 @@ def _run(args, mode: str, name: str, caches: str, out: str) -> dict:
     cmd = [sys.executable, "-m", "spmd", "bench", "--measure", "compile", "--compile-run", mode, "--compile-out", out,
            "--batch", str(args.batch[0]), "--warmup", str(args.warmup), "--top", str(args.top), *model_flags(args)]
     cmd += ["--nproc", str(args.nproc)] if args.nproc else []
-    cmd += ["--profile", mode] if args.profile == mode else []
+    cmd += ["--profile", mode, "--modes", mode] if args.profile == mode else []
     start = time.perf_counter()
     rc = subprocess.run(cmd, env=env).returncode
     wall = time.perf_counter() - start

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import SpmdCompileError
+from .code_reads import note_environ_read
 
 _CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time",
            "process_time_ns", "thread_time", "thread_time_ns")
@@ -209,14 +210,16 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list
 
     def environ_read(self, key):
         frame = user_frame(thread)
-        if frame is None:
-            return original_getitem(self, key)
         try:
             value = original_getitem(self, key)
         except KeyError:
-            _warn_environ(key, "unset", frame)
+            note_environ_read(key, None)
+            if frame is not None:
+                _warn_environ(key, "unset", frame)
             raise
-        _warn_environ(key, f"= {value!r}", frame)
+        note_environ_read(key, value)
+        if frame is not None:
+            _warn_environ(key, f"= {value!r}", frame)
         return value
 
     def item(self):

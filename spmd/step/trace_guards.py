@@ -1,0 +1,354 @@
+"""What a kept trace stands on, and whether it still holds: the guards of ``spmd.step.trace_store``.
+
+A trace is a function of the code it ran and the values that code read. ``guards_for`` turns what a trace
+recorded (``spmd.trace.code_reads``) into guards, and ``failed_guard`` checks them in a later process before
+the kept trace stands in for a new one:
+
+* **code**: each source file of user code the trace ran, by the digest of its contents (a helper edited in
+  another module, a model's ``forward``); code of an installed library (site-packages) by the library's
+  version; torch's, spmd's own and Python's by their versions (in the index, ``trace_store``);
+* **values**: the globals that code names, read again from their modules (a module among them also by the
+  attributes the code names on it: ``config.SCALE``), and the roots the caller gives (the step function with
+  its closure, its arguments, the modules, optimizers and scalers it reaches), each walked deeply
+  (``fingerprint``): numbers and strings as they are, objects attribute by attribute, a module's parameters
+  and an optimizer's state by their shapes and dtypes, never by their contents (those are the graph's inputs);
+* **the environment** variables the trace read.
+
+A value the walk cannot check (an open file, a lock, a C object without a readable state) makes the trace
+unkept (``Unguardable``, said in the log): it is traced again in every process, as it always was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import io
+import logging
+import os
+import sys
+import sysconfig
+import types
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from ..trace.code_reads import CodeReads
+from ..trace.step_reach import global_names
+from .describe import canonical_json, describe, describe_function, tensor_facts
+
+_BUDGET = 200_000  # objects walked for one fingerprint before the value counts as too large to check
+_NUMPY_BYTES = 16 << 20  # a numpy array larger than this is not hashed (and so not checked)
+
+
+class Unguardable(ValueError):
+    """A trace read something a guard cannot check in another process: the trace is not kept."""
+
+
+@dataclass(frozen=True)
+class TraceGuards:
+    """A kept trace's guards (module docstring). ``files``: (path, SHA-256) of user source files;
+    ``libraries``: (top-level package, version); ``names``: (module, global names read, attribute names the
+    code reads on module globals); ``environ``: (name, value or None); ``values``: a digest of each global's
+    fingerprint and of the roots'."""
+
+    files: tuple
+    libraries: tuple
+    names: tuple
+    environ: tuple
+    values: dict
+
+
+def guards_for(reads: CodeReads, roots: Any) -> TraceGuards:
+    """The guards of a trace that recorded ``reads`` and whose roots' fingerprint is ``roots``
+    (``fingerprint`` of what the caller reaches); ``Unguardable`` where something cannot be checked."""
+    files: dict[str, str] = {}
+    libraries: dict[str, Optional[str]] = {}
+    names: dict[str, tuple[set, set]] = {}
+    for code, namespace in reads.codes.items():
+        kind = _kind(code, namespace)
+        if kind == "skip":
+            continue
+        module = namespace.get("__name__")
+        if kind == "library":
+            top = module.split(".")[0]
+            libraries[top] = _library_version(top)
+            continue
+        path = _source_file(code, namespace)
+        if path not in files:
+            files[path] = _file_digest(path)
+        if not isinstance(module, str) or getattr(sys.modules.get(module), "__dict__", None) is not namespace:
+            raise Unguardable(f"{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name} ({path}) ran "
+                              "with globals of no imported module")
+        read, attributes = names.setdefault(module, (set(), set()))
+        read.update(n for n in global_names(code) if n in namespace)
+        attributes.update(code.co_names)
+    name_guards = tuple(sorted((m, tuple(sorted(r)), tuple(sorted(a))) for m, (r, a) in names.items()))
+    environ = tuple(sorted(reads.environ.items()))
+    return TraceGuards(tuple(sorted(files.items())), tuple(sorted(libraries.items())), name_guards, environ,
+                       _values_digest(name_guards, roots))
+
+
+def failed_guard(guards: TraceGuards, roots: Any) -> Optional[str]:
+    """Why ``guards`` no longer hold in this process (the first guard that fails, in words), or None."""
+    for path, digest in guards.files:
+        try:
+            if _file_digest(path) != digest:
+                return f"{path} changed"
+        except Unguardable:
+            return f"{path} is gone"
+    for top, version in guards.libraries:
+        if _library_version(top) != version:
+            return f"{top} is another version"
+    for key, value in guards.environ:
+        if os.environ.get(key) != value:
+            return f"the environment variable {key} changed"
+    try:
+        values = _values_digest(guards.names, roots)
+    except (Unguardable, ImportError, AttributeError) as err:
+        return f"a value it read cannot be read again ({err})"
+    changed = [name for name, digest in values.items() if guards.values.get(name) != digest]
+    changed += [name for name in guards.values if name not in values]
+    return f"{', '.join(sorted(changed))} changed" if changed else None
+
+
+def _values_digest(name_guards: tuple, roots: Any) -> dict[str, str]:
+    """A digest per global read (``module.name``) and one of the roots (``what the step reaches``)."""
+    walk = _Walk()
+    digests = {"what the step reaches (its function, arguments and state)": _digest(roots)}
+    for module_name, read, attributes in name_guards:
+        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+        namespace = vars(module)
+        for n in read:
+            if n in namespace:
+                digests[f"{module_name}.{n}"] = _digest(walk.value(namespace[n], f"{module_name}.{n}", attributes))
+    return digests
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def fingerprint(value: Any, what: str) -> Any:
+    """``value`` as a JSON value for a guard (module docstring): ``Unguardable`` naming ``what`` where a part
+    of it cannot be checked."""
+    return _Walk().value(value, what, ())
+
+
+# --- where code comes from --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _skipped_roots() -> tuple[str, ...]:
+    """Folders whose code the versions cover: torch, spmd's own packages and Python's standard library."""
+    import spmd
+    import spmd.graph_utils
+    import spmd.passes
+
+    roots = {os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
+    # spmd.tools is not among them: its steps (the benchmark's) are user code, which the source digest misses
+    roots.update(os.path.dirname(p.__file__) for p in (spmd, spmd.passes, spmd.graph_utils))
+    return tuple(os.path.join(r, "") for r in roots)
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    paths.update(p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"))
+    return tuple(os.path.join(p, "") for p in paths)
+
+
+def _kind(code: types.CodeType, namespace: dict) -> str:
+    filename = code.co_filename
+    module = namespace.get("__name__") or ""
+    if filename.startswith("<frozen") or module.split(".")[0] in sys.stdlib_module_names:
+        return "skip"
+    if module.startswith("namedtuple_"):  # a namedtuple's __new__, which collections writes from its fields
+        return "skip"
+    source = filename if os.path.isabs(filename) else namespace.get("__file__") or filename
+    if source.startswith(_skipped_roots()):
+        return "skip"
+    if source.startswith(_library_roots()):
+        return "library"
+    return "user"
+
+
+def _source_file(code: types.CodeType, namespace: dict) -> str:
+    """The file whose contents decide ``code``: its own, or (code made at run time, such as a dataclass's
+    ``__init__``) the file of the module it runs in."""
+    if os.path.isfile(code.co_filename):
+        return code.co_filename
+    module_file = namespace.get("__file__")
+    if isinstance(module_file, str) and os.path.isfile(module_file):
+        return module_file
+    raise Unguardable(f"{code.co_name} runs code from {code.co_filename}, which has no source file to check")
+
+
+@functools.cache
+def _distributions() -> dict:
+    return importlib.metadata.packages_distributions()
+
+
+def _library_version(top: str) -> Optional[str]:
+    for dist in _distributions().get(top, ()):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return getattr(sys.modules.get(top), "__version__", None)
+
+
+def _file_digest(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError as err:
+        raise Unguardable(f"{path} cannot be read ({err.strerror})") from None
+
+
+# --- values -----------------------------------------------------------------------------------------------------
+
+
+def _is_library_object(obj: Any) -> bool:
+    top = (getattr(obj, "__module__", None) or "").split(".")[0]
+    return top in ("torch", "spmd", "builtins", "numpy") or top in sys.stdlib_module_names
+
+
+class _Walk:
+    """One deep walk (``fingerprint``): shared objects and cycles by reference, at most ``_BUDGET`` objects."""
+
+    def __init__(self):
+        self.seen: dict[int, int] = {}
+        self.alive: list = []  # keeps walked objects alive, so their ids stay theirs
+        self.count = 0
+
+    def value(self, v: Any, where: str, attributes: tuple = ()) -> Any:
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, (float, complex, bytes)):
+            return repr(v) if not isinstance(v, bytes) else hashlib.sha256(v).hexdigest()
+        if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size)):
+            return str(v)
+        if isinstance(v, torch.Tensor):
+            return {"tensor": tensor_facts(v)}
+        self.count += 1
+        if self.count > _BUDGET:
+            raise Unguardable(f"{where}: too much to check (over {_BUDGET} objects)")
+        if id(v) in self.seen:
+            return {"same as": self.seen[id(v)]}
+        self.seen[id(v)] = len(self.seen)
+        self.alive.append(v)
+        return self._object(v, where, attributes)
+
+    def _items(self, items, where: str) -> list:
+        return [self.value(x, f"{where}[{k}]") for k, x in enumerate(items)]
+
+    def _object(self, v: Any, where: str, attributes: tuple) -> Any:
+        if isinstance(v, enum.Enum):
+            return describe(v)
+        if isinstance(v, io.IOBase):
+            raise Unguardable(f"{where} is an open file, whose contents spmd cannot check")
+        if isinstance(v, types.ModuleType):
+            if _is_library_object(v) or not attributes:
+                return {"module": v.__name__}
+            return {"module": v.__name__, "attributes": {a: self.value(getattr(v, a), f"{where}.{a}")
+                                                         for a in attributes if hasattr(v, a)}}
+        if isinstance(v, (list, tuple)):
+            return {type(v).__name__: self._items(v, where)}
+        if isinstance(v, (set, frozenset)):
+            return {"set": sorted((self.value(x, f"{where} item") for x in v), key=canonical_json)}
+        if isinstance(v, dict):
+            return {"dict": [[self.value(k, f"{where} key"), self.value(x, f"{where}[{k!r}]")] for k, x in v.items()]}
+        if isinstance(v, type):
+            return self._class(v, where)
+        if isinstance(v, functools.partial):
+            return {"partial": self.value(v.func, where), "args": self._items(v.args, where),
+                    "keywords": self.value(v.keywords, where)}
+        if isinstance(v, types.MethodType):
+            return {"method": describe_function(v.__func__), "of": self.value(v.__self__, f"{where}.__self__")}
+        if isinstance(v, (types.FunctionType, types.BuiltinFunctionType, types.CodeType)):
+            return self._function(v, where)
+        if isinstance(v, nn.Module):
+            return self._module(v, where)
+        if isinstance(v, torch.optim.Optimizer):
+            return self._optimizer(v, where)
+        if type(v).__module__ == "numpy" and type(v).__name__ == "ndarray":
+            if v.nbytes > _NUMPY_BYTES:
+                raise Unguardable(f"{where} is a numpy array too large to check ({v.nbytes} bytes)")
+            return {"ndarray": [list(v.shape), str(v.dtype), hashlib.sha256(v.tobytes()).hexdigest()]}
+        if type(v).__module__.split(".")[0] == "numpy" and hasattr(v, "item") and not hasattr(v, "__dict__"):
+            return {"numpy scalar": repr(v)}
+        if isinstance(v, logging.Logger):
+            return {"logger": v.name}
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {"class": self._class(type(v), where),
+                    "fields": {f.name: self.value(getattr(v, f.name), f"{where}.{f.name}") for f in dataclasses.fields(v)}}
+        state = self._state(v)
+        if state is not None:
+            return {"class": self._class(type(v), where),
+                    "attributes": {k: self.value(x, f"{where}.{k}") for k, x in sorted(state.items())}}
+        described = describe(v)  # meshes, groups, scalers, enums and other values spmd already describes
+        if isinstance(described, dict) and described.get("repr", "") is None:
+            raise Unguardable(f"{where} is a {type(v).__qualname__} whose value spmd cannot check")
+        return described
+
+    @staticmethod
+    def _state(v: Any) -> Optional[dict]:
+        state = getattr(v, "__dict__", None) if not callable(getattr(v, "__func__", None)) else None
+        slots = [s for cls in type(v).__mro__ for s in getattr(cls, "__slots__", ()) if isinstance(s, str)]
+        if state is None and not slots:
+            return None
+        state = dict(state or {})
+        state.update({s: getattr(v, s) for s in slots if s not in ("__dict__", "__weakref__") and hasattr(v, s)})
+        return state
+
+    def _class(self, cls: type, where: str) -> Any:
+        described = describe(cls)
+        if _is_library_object(cls) or not isinstance(described, dict):
+            return described
+        constants = {}
+        for base in cls.__mro__:
+            if _is_library_object(base):
+                continue
+            for name, attr in vars(base).items():
+                if not name.startswith("__") and isinstance(attr, (bool, int, float, str, tuple, type(None))):
+                    constants.setdefault(name, self.value(attr, f"{where}.{name}"))
+        return {**described, "constants": constants}
+
+    def _function(self, fn: Any, where: str) -> Any:
+        if isinstance(fn, types.FunctionType) and not _is_library_object(fn):
+            closure = {}
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+                try:
+                    closure[name] = self.value(cell.cell_contents, f"{where} closure {name}")
+                except ValueError:
+                    closure[name] = "<empty>"
+            return {"function": describe_function(fn), "closure": closure,
+                    "defaults": self.value(fn.__defaults__, f"{where} defaults"),
+                    "keyword defaults": self.value(fn.__kwdefaults__, f"{where} defaults")}
+        return describe_function(fn)
+
+    def _module(self, m: nn.Module, where: str) -> Any:
+        attrs = {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
+        return {"class": self._class(type(m), where),
+                "parameters": {n: self.value(p, f"{where}.{n}") for n, p in m._parameters.items()},
+                "buffers": {n: self.value(b, f"{where}.{n}") for n, b in m._buffers.items()},
+                "modules": {n: self.value(c, f"{where}.{n}") for n, c in m._modules.items()},
+                "attributes": {k: self.value(v, f"{where}.{k}") for k, v in sorted(attrs.items())}}
+
+    def _optimizer(self, o: torch.optim.Optimizer, where: str) -> Any:
+        groups = [{k: self.value(v, f"{where} group {i} {k}") if k != "params" else len(v) for k, v in g.items()}
+                  for i, g in enumerate(o.param_groups)]
+        state = [{k: self.value(v, f"{where} state") for k, v in sorted(o.state[p].items())}
+                 for g in o.param_groups for p in g["params"] if p in o.state]
+        hooks = {k: self.value(v, f"{where}.{k}") for k, v in sorted(vars(o).items()) if k.endswith("hooks")}
+        return {"class": self._class(type(o), where), "defaults": self.value(o.defaults, f"{where} defaults"),
+                "groups": groups, "state": state, "hooks": hooks}
+
+
+__all__ = ["TraceGuards", "Unguardable", "failed_guard", "fingerprint", "guards_for"]

@@ -1,0 +1,144 @@
+"""Traces kept between processes (``spmd.step.trace_store``, ``spmd.step.trace_guards``): a step compiled again
+with the same cache directory reuses the kept trace while everything the trace ran and read is as it was, and
+traces afresh, training what the code says now, when a source file, a module's value, a dataclass default, a
+closure value, an environment variable or the state changed. Each case compiles the step anew (a new
+``spmd.compile`` with empty in-memory caches, as a restarted process has) and compares it with the cache off
+(float64, 1e-12). Recording needs ``sys.monitoring`` (Python 3.12+); ``SPMD_TRACE_REUSE=1`` records with
+``sys.setprofile`` on older Pythons, so these run everywhere."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+import textwrap
+
+import pytest
+import torch
+
+import spmd
+from spmd.step import trace_store
+from spmd.tools.models import MLP
+
+_SETTINGS = "SCALE = 1.0\n"
+_HELPERS = textwrap.dedent("""
+    from dataclasses import dataclass
+
+    import settings
+
+
+    @dataclass
+    class Weights:
+        l2: float = 0.0
+
+
+    def loss(out, y):
+        return ((out - y) ** 2).mean() * settings.SCALE
+""")
+
+
+@pytest.fixture
+def user_modules(tmp_path, monkeypatch):
+    """The user's modules in a folder of theirs (imported fresh), trace reuse on, and the cache in tmp_path."""
+    folder = tmp_path / "user"
+    folder.mkdir()
+    (folder / "settings.py").write_text(_SETTINGS)
+    (folder / "helpers.py").write_text(_HELPERS)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("SPMD_TRACE_REUSE", "1")
+    monkeypatch.delenv("LOSS_SHIFT", raising=False)
+    for name in ("settings", "helpers"):
+        sys.modules.pop(name, None)
+    yield folder
+    for name in ("settings", "helpers"):
+        sys.modules.pop(name, None)
+
+
+def _step_function(helpers, factor: float):
+    import os
+
+    def train_step(model, optim, x, y):
+        shift = float(os.environ.get("LOSS_SHIFT", "0"))
+        loss = helpers.loss(model(x), y) * factor + helpers.Weights().l2 * sum(p.square().sum() for p in model.parameters())
+        (loss + shift).backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    return train_step
+
+
+def _train(cache, factor: float = 1.0, lr: float = 0.1) -> tuple[list, list, dict]:
+    """Three steps of a fresh compile of the user's step: (losses, parameters, compile phases of the first)."""
+    helpers = sys.modules["helpers"]
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8).double()
+    optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    step = spmd.compile(cache_dir=cache)(_step_function(helpers, factor))
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8, dtype=torch.float64, generator=gen), torch.randn(4, 8, dtype=torch.float64, generator=gen)
+        losses.append(step(model, optim, x, y).item())
+    return losses, [p.detach().clone() for p in model.parameters()], step.compile_times
+
+
+def _check(cache, reused: bool, **kwargs) -> None:
+    losses, params, phases = _train(cache, **kwargs)
+    assert ("trace/reused" in phases) == reused, sorted(phases)
+    want_losses, want_params, _ = _train(False, **kwargs)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=0, atol=1e-12)
+    for p, q in zip(params, want_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+def _rewrite(folder, name: str, text: str) -> None:
+    (folder / f"{name}.py").write_text(text)
+    importlib.invalidate_caches()
+    sys.modules.pop(name, None)
+    if name == "settings":
+        sys.modules.pop("helpers", None)
+    importlib.import_module("helpers")
+
+
+def test_a_kept_trace_is_reused_until_what_it_ran_or_read_changes(user_modules, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    importlib.import_module("helpers")
+    _check(cache, reused=False)
+    _check(cache, reused=True)  # nothing changed
+    _check(cache, reused=False, factor=2.0)  # a closure value of the step
+    _check(cache, reused=True, factor=2.0)
+    _check(cache, reused=False, lr=0.05)  # the optimizer's settings
+    monkeypatch.setenv("LOSS_SHIFT", "1.5")  # an environment variable the step reads
+    with pytest.warns(RuntimeWarning, match="LOSS_SHIFT"):
+        _check(cache, reused=False, lr=0.05)
+    monkeypatch.delenv("LOSS_SHIFT")
+    sys.modules["settings"].SCALE = 3.0  # a module's value, read as settings.SCALE
+    _check(cache, reused=False)
+    _rewrite(user_modules, "helpers", _HELPERS.replace("l2: float = 0.0", "l2: float = 0.01"))  # a dataclass default
+    _check(cache, reused=False)
+    _rewrite(user_modules, "helpers", _HELPERS.replace("** 2", "** 2 + (out - y).abs()"))  # a helper's code
+    _check(cache, reused=False)
+    _check(cache, reused=True)
+
+
+def test_a_step_that_reads_what_no_guard_checks_is_traced_every_time(user_modules, tmp_path, caplog):
+    """A value spmd cannot compare between processes (here a lock the step's helper reads) keeps the trace from
+    being kept, said in the log."""
+    importlib.import_module("helpers")
+    helpers = sys.modules["helpers"]
+    helpers.GUARD = threading.Lock()
+    original = helpers.loss
+
+    def loss(out, y):
+        with GUARD:
+            return original(out, y)
+
+    loss.__globals__["GUARD"] = helpers.GUARD
+    helpers.loss = loss
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger=trace_store.__name__):
+        _check(cache, reused=False)
+        _check(cache, reused=False)
+    assert "is not kept" in caplog.text and "lock" in caplog.text
