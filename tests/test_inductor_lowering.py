@@ -400,7 +400,7 @@ def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch)
 def test_a_decomposition_that_fails_names_the_op_and_the_way_around_it():
     """A decomposition that raises on our graph is an SpmdCompileError naming the op and the fix, not a
     deep traceback from make_fx."""
-    from spmd.lower.decompose import decompose_for_inductor
+    from spmd.lower.decompose_for_inductor import decompose_for_inductor
 
     gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: torch.relu(x) + 1, tracing_mode="fake")(torch.randn(4))
 
@@ -419,7 +419,7 @@ def test_a_decomposition_that_lays_its_result_out_otherwise_keeps_the_ops_layout
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from spmd.lower.decompose import decompose_for_inductor
+    from spmd.lower.decompose_for_inductor import decompose_for_inductor
 
     def attention_scores(q, cached, k):
         keys = torch.cat([cached, k.transpose(1, 2)], dim=-2)  # (b, h, s, d), contiguous

@@ -11,7 +11,7 @@ from torch._inductor.utils import is_pointwise_use
 from spmd.checks import rank_check
 from spmd.graph_utils import node_order
 from spmd.graph_utils.meta import UNIT
-from spmd.graph_utils.units import gradient_collectives
+from spmd.graph_utils.unit_collectives import gradient_collectives
 from spmd.lower.inductor import prepare_for_inductor
 from spmd.lower.opaque_ops import RUN_AFTER
 from spmd.lower.pack_order import _pack_of

@@ -328,7 +328,7 @@ def test_fully_shard_with_recompute_matches_fsdp2_in_float64(budget):
 def test_fully_shard_recomputes_from_the_backward_gather_and_forward_gathers_still_die_in_the_forward():
     """Under a budget, a resharding unit's LayerNorm is recomputed in its backward from the parameters the
     backward gathers again: the forward's gathered parameters are read by no recomputed node."""
-    from spmd.graph_utils.units import gathered_values, unit_gathers, unsharded_interval
+    from spmd.graph_utils.unit_collectives import gathered_values, unit_gathers, unsharded_interval
     from tests.dist import fake_process_group
     from tests.test_graph_memory import _sharded_step_graph
 

@@ -19,7 +19,7 @@ Inductor compiles (``LEAN_PARTS``: ``spmd.lower.one_rank``, ``spmd.lower.step_co
 
 The graph does not pass through ``compile_fx``'s AOT-autograd front end, which would
 re-trace the whole step only to apply Inductor's decompositions to a graph that is
-already functional: ``spmd.lower.decompose`` applies them node by node and
+already functional: ``spmd.lower.decompose_for_inductor`` applies them node by node and
 ``inner_compile`` (``spmd.lower.compile_graph``) runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
 graph means what it means when run op by op. On the CPU ``compile_fx_inner`` looks the graph
@@ -30,9 +30,9 @@ kernels (``spmd.lower.triton_kernels``), which that process launches without Tri
 
 Compiling the compute regions between collectives separately would keep the schedule trivially
 but cut fusion at every bucket boundary, materialize every tensor that crosses one and multiply
-compile work by the number of regions. ``pieces`` (``spmd.lower.piecewise``) cuts a graph a few
+compile work by the number of regions. ``pieces`` (``spmd.lower.piece_compile``) cuts a graph a few
 times only, to compile the pieces side by side; a collective may be in flight across a cut, its wait in a
-later piece (``spmd.lower.pieces`` says what crosses with it).
+later piece (``spmd.lower.piece_plan`` says what crosses with it).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inpla
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from ..compile_times import phase
 from ..errors import SpmdCompileError
-from . import compile_workers
+from . import worker_pool
 from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
-from .decompose import decompose_for_inductor
+from .decompose_for_inductor import decompose_for_inductor
 from .loss_order import order_loss_backward_after_loss
 from .matmul_order import run_freeing_matmuls_first
 from .pack_order import delay_early_pack_inputs
@@ -65,8 +65,8 @@ from .opaque_ops import (
     BERNOULLI, EMBEDDING, EMBEDDING_BACKWARD, keeps_bernoulli_whole, keeps_embedding_backward_whole,
     keeps_gathered_lookup_whole, opaque_inplace_op, wrapped_ops, writes_grads,
 )
-from .pieces import cut_obstacle
-from .piecewise import compile_in_pieces
+from .piece_plan import cut_obstacle
+from .piece_compile import compile_in_pieces
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, p
     """``compile_in_pieces`` in twice as many pieces as there are processes to compile them (the workers running
     and this one, at most ``pieces``), or None where the graph is compiled whole: no worker runs, the options
     cannot be sent, or the graph is not cut."""
-    processes = min(pieces, len(compile_workers.running()) + 1)
+    processes = min(pieces, len(worker_pool.running()) + 1)
     options = _portable_config(config) if processes > 1 else None
     if options is None:
         log.info("spmd: the %s graph is compiled whole: %s", label,
@@ -316,14 +316,14 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
 
     The graph updates parameters and optimizer state in place and is compiled as
     inference (no autograd), which is what it is: the backward is already in it.
-    Inductor's decompositions are applied node by node (``spmd.lower.decompose``) and
+    Inductor's decompositions are applied node by node (``spmd.lower.decompose_for_inductor``) and
     the graph goes straight to ``compile_fx_inner``: AOT autograd's re-trace of the whole
     step, which ``compile_fx`` would run first, has nothing left to do on a functional graph.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
     options (``check_inductor_options``); ``lean``: the exact rewrites ``prepare_for_inductor`` adds.
-    ``pieces``: compile up to this many pieces of the graph side by side (``spmd.lower.piecewise``), in
-    this process and the compile workers running (``spmd.lower.compile_workers``).
+    ``pieces``: compile up to this many pieces of the graph side by side (``spmd.lower.piece_compile``), in
+    this process and the compile workers running (``spmd.lower.worker_pool``).
 
     Returns a callable taking the graph's inputs positionally and returning its outputs, and the code
     it runs (``InductorCode``, or ``PiecewiseCode`` for a graph compiled in pieces; None where that

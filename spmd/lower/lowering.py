@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..errors import SpmdConfigError
 from ..graph_utils.meta import NAME, ROLE, Role
-from . import compile_workers
+from . import worker_pool
 from .compile_graph import device_of as _device_of
 from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
 from .inductor import LEAN_PARTS, check_inductor_options, compile_with_inductor, start_compile_workers
@@ -47,7 +47,7 @@ class Lowering:
     are added in place by one ATen call), False (the default here) for none; ``spmd.compile()``'s GPU
     default turns it on (``spmd.api.default_transformation``; measured in BENCHMARKS.md). ``pieces``:
     compile up to this many pieces of each graph side by side, in this process and ``pieces - 1``
-    worker processes (``spmd.lower.piecewise``), or ``"auto"`` (``pieces_on``); the code is the same but
+    worker processes (``spmd.lower.piece_compile``), or ``"auto"`` (``pieces_on``); the code is the same but
     for the cuts, which nothing fuses across.
     """
 
@@ -101,16 +101,16 @@ class Lowering:
     def start(self, device: torch.device) -> None:
         """Called before the step is traced: with Inductor on a GPU, its kernel-compile workers start
         now, while the step is traced and optimized (``start_compile_workers``), and so do the processes
-        that compile all pieces but one of a graph compiled in pieces (``spmd.lower.compile_workers``)."""
+        that compile all pieces but one of a graph compiled in pieces (``spmd.lower.worker_pool``)."""
         if self.inductor and device.type == "cuda":
             start_compile_workers()
         if self.pieces_on(device) > 1:
-            compile_workers.start(self.pieces_on(device) - 1)
+            worker_pool.start(self.pieces_on(device) - 1)
 
     def finish(self) -> None:
         """Called once a step's graphs are lowered: the piece-compiling processes stop, holding nothing while
         the step trains."""
-        compile_workers.stop()
+        worker_pool.stop()
 
     def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int,
                     kept: Optional[KeptCode] = None) -> tuple[Callable, Optional[KeptCode]]:

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from ..graph_utils import node_order
 from ..graph_utils.meta import UNIT
-from ..graph_utils.units import LAYOUT_OPS, gradient_collectives
+from ..graph_utils.unit_collectives import LAYOUT_OPS, gradient_collectives
 from .opaque_ops import RUN_AFTER
 
 aten = torch.ops.aten
@@ -41,7 +41,7 @@ PACK_OPS = frozenset({
 def delay_early_pack_inputs(graph: fx.Graph) -> int:
     """Make every gradient collective's pack start after its last gradient; returns how many gradients were delayed.
 
-    For each gradient collective (``graph_utils.units.gradient_collectives``), its pack is what
+    For each gradient collective (``graph_utils.unit_collectives.gradient_collectives``), its pack is what
     ``PACK_OPS`` and ``LAYOUT_OPS`` compute for it alone, and its sources the nodes the pack reads.
     A source placed before another unit's gradient collective that precedes this one is read by the pack
     through ``RUN_AFTER(source, last source)``; such a pack is then moved, in its order, to just before

@@ -66,7 +66,7 @@ class GraphModuleTransformation:
     place by one ATen call instead of a kernel, True does both. False, the default, until a GPU
     measurement shows it pays (BENCHMARKS.md). ``compile_pieces`` (with ``enable_inductor``;
     ``Lowering.pieces``): compile up to this many pieces of each graph at once, all but one in
-    worker processes (``spmd.lower.piecewise``); ``"auto"``: one per four CPU cores (at most four)
+    worker processes (``spmd.lower.piece_compile``); ``"auto"``: one per four CPU cores (at most four)
     on a GPU, 1 (the whole graph in this process) on the CPU.
 
     Dumps (``graph_utils.DumpOptions``): ``dump_graphs=True``, or the environment variable

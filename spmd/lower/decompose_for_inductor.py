@@ -12,7 +12,7 @@ What comes out is what AOT's re-trace would have produced, op for op: the same
 decompositions, applied recursively by ``make_fx``, with every other node untouched
 (``tests/test_inductor_lowering.py`` compares the two). One exception: a decomposition that lays
 its result out otherwise than the op is followed by a copy into the op's layout, since the
-untouched users were traced for it (``graph_utils.decompose.trace_decomposition``).
+untouched users were traced for it (``graph_utils.decompose_node.trace_decomposition``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import SpmdCompileError
-from ..graph_utils.decompose import splice, tensor_args, trace_decomposition
+from ..graph_utils.decompose_node import splice, tensor_args, trace_decomposition
 
 log = logging.getLogger(__name__)
 
