@@ -19,7 +19,7 @@ from .passes import PassManager, pass_info, recompute_plan
 
 from .api import CompiledTrainStep
 from .parallel.data_parallel import expanded_by
-from .parallel.units import shard_plan
+from .parallel.shard import shard_plan
 from .step.iter_graph_module import IterGraphModule
 from .step.transformation import GraphModuleTransformation
 from .trace.block_masks import lift

@@ -34,11 +34,11 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from ..errors import SpmdCompileError, SpmdConfigError
-from . import replicate, shard
+from . import fully_shard, replicate
 from .group_roles import mesh_dim_labels, name_groups_by_role
-from .units import shard_plan
+from .shard import shard_plan
 
-STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
+STYLES = {"replicate": replicate, "fully_shard": fully_shard, "shard_grad_op": fully_shard, "hybrid_shard": fully_shard}
 _SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy")
 PARALLEL_MODE = "spmd_parallel_mode"  # gm.meta key: the DataParallel that expanded the graph
 
@@ -122,7 +122,7 @@ class DataParallel:
                                   f"{self.parallel_style}, as FSDP2, keeps each rank's own shard and buffers. Drop them.")
         else:
             try:
-                shard.validate_options(self)
+                fully_shard.validate_options(self)
             except (TypeError, ValueError) as err:  # the sharded style's own checks, as one error type
                 raise SpmdConfigError(str(err)) from None
 

@@ -32,7 +32,7 @@ class GraphModuleTransformation:
     lowers it (``IterGraphModule.lower``) before the step first runs.
 
     ``enable_graph_optimization=True`` runs the pass pipeline of the parallel mode that expanded
-    the graph (``pass_pipeline`` of ``spmd.parallel.replicate`` or ``spmd.parallel.shard``, asked
+    the graph (``pass_pipeline`` of ``spmd.parallel.replicate`` or ``spmd.parallel.fully_shard``, asked
     through the ``DataParallel`` the graph records), plus any ``passes`` the user gives (declared
     with ``@graph_optimization_pass``, bare or as ``functools.partial``), ordered together by
     ``PassManager``. ``passes`` alone (without the flag) runs only the user's. Replicate reads
