@@ -49,11 +49,12 @@ def _again(graph):
 
 def _autocast_graph(recompute=True, model=None):
     """The tiny GPT's replicate step under bf16 autocast (traced on fake tensors) after the default pipeline."""
-    from spmd.tools.memory_estimate import build, fake_group, final_module
+    from spmd.explain import transformed_step
+    from spmd.tools.memory_estimate import build, fake_group
 
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     with fake_group(2):
-        return final_module(*build("replicate", cfg, 2, recompute=recompute))
+        return transformed_step(*build("replicate", cfg, 2, recompute=recompute), {})[0]
 
 
 def _consumers(node):

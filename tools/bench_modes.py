@@ -34,12 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
 from spmd.api import default_transformation
-from spmd.graph_utils import find_node, is_all_reduce
-from spmd.graph_utils.meta import ROLE, Role
-from spmd.passes import (
-    comm_fusion_with_concat, graph_optimization_pass, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
-    schedule_comm_wait,
-)
+from spmd.passes import defer_last_bucket
 
 from . import bench_peers
 from .models import GPT, Block, GPTConfig
@@ -316,20 +311,6 @@ def spmd_default_lean_one_rank(setup: Setup) -> Step:
 def spmd_default_lean_step_counts(setup: Setup) -> Step:
     """spmd_default with ``lean_lowering="step_counts"``: only the step counts are added by one ATen call."""
     return _spmd(setup, optimize=True, fast_default=True, lean="step_counts")
-
-
-@graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],
-                         apply_after=[comm_fusion_with_concat, schedule_comm_wait])
-def defer_last_bucket(gm) -> None:
-    """``iter_move_grads_and_optimizers`` of the last gradient bucket to before the first forward node.
-
-    The last bucket holds the first layers' (and the embedding's) gradients; the first node that
-    reads a parameter is the latest target no deferred update can make stale.
-    """
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    params = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.PARAM]
-    first_forward = min((u for p in params for u in p.users), key=order.__getitem__)
-    iter_move_grads_and_optimizers(gm, find_node(gm.graph, is_all_reduce)[-1], first_forward)
 
 
 @register("spmd_pipeline_itermove")
