@@ -17,6 +17,7 @@ import spmd.trace.capture
 from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
 from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
 from spmd import IterGraphModule, SpmdCompileError
+from spmd._testing import with_lowering
 from spmd.lower import Lowering
 from spmd.lower.inductor import prepare_for_inductor
 from spmd.tools.models import MLP
@@ -357,7 +358,7 @@ def test_our_schedule_switches_inductor_comm_reordering_off_and_the_comparison_s
         assert theirs["aten_distributed_optimizations.enable_overlap_scheduling"] is True
     assert any(v is True for v in theirs.values())
     with pytest.raises(ValueError, match="needs enable_inductor=True"):
-        spmd.GraphModuleTransformation(inductor_comm_passes=True)
+        with_lowering(spmd.GraphModuleTransformation(), inductor_comm_passes=True)
 
 
 def test_a_missing_inductor_option_fails_loudly_unless_this_torch_may_lack_it(monkeypatch):

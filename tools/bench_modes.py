@@ -33,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
+from spmd._testing import with_lowering
 from spmd.api import default_transformation
 from spmd.passes import defer_last_bucket
 
@@ -217,21 +218,25 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
     start = time.perf_counter()
     transformation = spmd.GraphModuleTransformation(
         enable_graph_optimization=optimize, bucket_size_mb=a.bucket_mb, optimizer_parts=a.optimizer_parts,
-        enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
-        passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
+        enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None,
         compile_pieces=(pieces or a.compile_pieces) if not a.no_inductor else 1)
+    if inductor_comm:
+        transformation = with_lowering(transformation, inductor_comm_passes=True)
     if fast_default:  # what @spmd.compile() gives a user who asks for nothing, but for the settings changed here
         changed = {"recompute": recompute} if recompute is not True else {}
         if a.compile_pieces != "auto":
             changed["compile_pieces"] = a.compile_pieces
-        if lean is not None:
+        if isinstance(lean, bool):
             changed["lean_lowering"] = lean
         if a.inductor_option and not a.no_inductor:
             changed["inductor_options"] = dict(a.inductor_option)
         if a.memory_budget is not None:
             changed["memory_budget"] = a.memory_budget
-        transformation = default_transformation(setup.device.type, **changed) if changed else None
+        if isinstance(lean, str):  # one lean part alone: a measurement's switch
+            transformation = with_lowering(default_transformation(setup.device.type, **changed), lean=lean)
+        else:
+            transformation = default_transformation(setup.device.type, **changed) if changed else None
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
     wrap_s = time.perf_counter() - start
 

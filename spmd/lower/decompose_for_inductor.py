@@ -2,8 +2,9 @@
 
 ``torch._inductor.compile_fx.compile_fx`` runs AOT autograd over its input: a second
 ``make_fx`` trace of the whole step under functionalization, whose only effect on a
-graph that is already functional (ours) is to apply Inductor's decomposition table.
-On GPT 124M that re-trace is 4-6 s of the first call. ``decompose_for_inductor`` applies
+graph that is already functional (ours) is to apply Inductor's decomposition table, a large
+part of a first call (BENCHMARKS.md, "First call: Inductor without AOT autograd's re-trace").
+``decompose_for_inductor`` applies
 the same table locally: each node whose op the table decomposes is replaced by a trace
 of its decomposition on the node's fake values. The twelve blocks of a GPT repeat the
 same few (op, shapes) pairs, so each distinct pair is traced once and copied.

@@ -104,7 +104,7 @@ _COMPILE_TIME_CONFIG = {"graph_partition": False}
 # a bfloat16 loss's gradient (the log-softmax recomputed from the online softmax's statistics, rounded to
 # bfloat16, its backward, the one-hot target) is such a chain, so its float32 result was stored and cast
 # in a second step that reads no logits, and Inductor could not write the gradient over them (one more
-# (tokens, vocab) buffer: 393 MiB at 1.3B parameters, batch 4). At 60 the chain and its cast are one store.
+# (tokens, vocab) buffer). At 60 the chain and its cast are one store.
 _ORDER_CONFIG = {"reorder_for_locality": False, "realize_opcount_threshold": 60}
 
 
@@ -156,8 +156,8 @@ def check_inductor_options(options: Optional[dict]) -> dict:
     ours = sorted(k for k in options if k in _INDUCTOR_CONFIG or k in _INDUCTOR_COMM_PASSES_CONFIG)
     if ours:
         raise ValueError(f"inductor_options: {', '.join(ours)} decide where collectives run, which spmd sets so "
-                         "that Inductor keeps our passes' schedule. To let Inductor schedule them, use "
-                         "GraphModuleTransformation(inductor_comm_passes=True) instead.")
+                         "that Inductor keeps our passes' schedule: drop them. (A measurement that lets Inductor "
+                         "schedule them sets inductor_comm_passes=True: spmd._testing.with_lowering.)")
     return options
 
 
@@ -214,7 +214,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
 
     ``lean`` (``Lowering.lean``: True, False, or one of ``LEAN_PARTS``) adds exact rewrites that take
-    work out of the graph Inductor compiles; off by default until measured on a GPU (BENCHMARKS.md):
+    work out of the graph Inductor compiles (``spmd.compile()``'s GPU default; BENCHMARKS.md, "Round 6"):
 
     * ``"step_counts"``: the foreach op counting a fused optimizer's steps is made in place
       (``spmd.lower.step_counts``) and becomes its ``opaque_inplace_op`` too: one ATen call, no kernel.

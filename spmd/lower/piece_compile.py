@@ -57,9 +57,8 @@ def _load_from_worker(code: InductorCode, device: torch.device,
 
     A worker on a GPU leaves its Triton kernels to this process (``spmd.lower.compile_worker``), which
     compiles them as it loads the code: they are collected there and kept with it, as a piece compiled
-    here keeps its own, so a restarted process launches them without Triton (at 1.3B parameters the
-    default's five pieces from workers, kept without their kernels, loaded in 8.8 s of a 10.5 s warm first
-    call)."""
+    here keeps its own, so a restarted process launches them without Triton (without them, loading the
+    workers' pieces was most of a warm first call: BENCHMARKS.md, "Round 13")."""
     with collecting_triton_kernels(device.type == "cuda") as kernels:
         runner = load_kept(code, device, label)
     return runner, replace(code, triton_kernels=kernels[0]) if kernels else code
@@ -72,11 +71,11 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
     kept), or None where the graph is not cut (``spmd.lower.piece_plan.cut``). ``wrapped``: the names of the
     ops the graph calls through ``opaque_inplace_op``.
 
-    The pieces are shared out heaviest first (``pieces.weight``): each worker, once it has started, and
+    The pieces are shared out heaviest first (``piece_plan.weight``): each worker, once it has started, and
     this process take the heaviest piece nobody has taken, until none is left; so a worker that starts late
     or runs slowly takes fewer, none waits on another, and the piece that takes longest is not left to
-    whoever comes free last (at 124M parameters fully_shard's backward piece took 10 s, and this process,
-    taking pieces from the back, came to it last while the workers had nothing left)."""
+    whoever comes free last (fully_shard's backward piece is the heaviest by far, and this process, taking
+    pieces from the back, came to it last while the workers had nothing left: BENCHMARKS.md, "Round 13")."""
     with phase(f"lower/{label}/cut"):
         made = cut(prepared, count, example_inputs)
     if made is None:
