@@ -19,7 +19,6 @@ from .lower.inductor import graph_inductor_gets
 from .passes import PassManager, pass_info, recompute_plan
 
 from .api import CompiledTrainStep
-from .parallel.data_parallel import expanded_by
 from .parallel.shard import shard_plan
 from .step.iter_graph_module import IterGraphModule
 from .step.transformation import GraphModuleTransformation
@@ -247,7 +246,7 @@ def transformed_step(train_step: CompiledTrainStep, args: tuple, kwargs: dict
     try:
         transform = train_step.transformation_for(state)
         ours = isinstance(transform, GraphModuleTransformation)
-        manager = transform.pass_manager_for(expanded_by(gm)) if ours else PassManager([])
+        manager = transform.pass_manager_for(train_step.parallel_mode) if ours else PassManager([])
         result = transform(gm)  # the transform stage, as a compile runs it (lowering comes later, on a call)
         igm = result if isinstance(result, IterGraphModule) else IterGraphModule(gm)
     finally:

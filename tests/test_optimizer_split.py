@@ -166,7 +166,7 @@ def _names(passes):
 
 def test_default_pipeline_splits_after_wait_scheduling_unless_asked_for_one_optimizer_op():
     def pipeline(**settings):
-        return replicate.pass_pipeline(spmd.GraphModuleTransformation(**settings))
+        return spmd.GraphModuleTransformation(**settings).pipelines[replicate]
 
     names = _names(pipeline())
     assert names.index("schedule_comm_wait") < names.index("split_optimizer_per_bucket") \

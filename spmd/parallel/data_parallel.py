@@ -9,8 +9,8 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
   the user's step while it is traced, given the traced stand-ins of ``state.params`` (e.g.
   tag each gradient; gather and reduce-scatter each sharding unit); ``zero_grads_for``:
   parameters this rank computes no gradient for while others do (``spmd.checks.rank_check``);
-* ``pass_pipeline(settings)``: the passes over the expanded graph, the mode's settings
-  (``PASS_SETTINGS``, read from a ``GraphModuleTransformation``) bound where the list is built;
+* ``pass_pipeline(**settings)``: the passes over the expanded graph, the mode's settings
+  (``PASS_SETTINGS``, handed over by name by ``GraphModuleTransformation``) bound where the list is built;
 * ``expand(dp, gm, grad_order=None)``: turns the traced single-rank graph into the
   distributed one (e.g. an all_reduce per gradient); ``grad_order`` is the order every
   rank reduces gradients in when some rank computes no gradient for a parameter;
@@ -205,10 +205,6 @@ class DataParallel:
         name_groups_by_role(gm, mesh_dims)  # the graph names no group of this process (spmd.parallel.group_roles)
         gm.meta[PARALLEL_MODE] = self
         return gm
-
-    def pass_pipeline(self, settings) -> list:
-        """This mode's passes with ``settings`` bound (see ``PASS_SETTINGS`` of its module)."""
-        return self.mode.pass_pipeline(settings)
 
 
 def _check_replicate_mesh(dp: DataParallel) -> None:

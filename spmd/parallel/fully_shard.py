@@ -24,8 +24,8 @@ FSDP2 makes it behave, so the traced graph holds every collective at its place:
 
 ``expand`` then only reads the tags: each collective gets its unit and phase in
 ``node.meta`` (``graph_utils.meta.UNIT``, ``PHASE``). ``pass_pipeline``: the passes over the
-expanded graph, with this mode's settings bound (``PASS_SETTINGS``: the ``GraphModuleTransformation``
-settings it reads).
+expanded graph, this mode's settings (``PASS_SETTINGS``: the ``GraphModuleTransformation`` settings it
+reads) handed over by name and bound where the list is built.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -66,23 +66,22 @@ log = logging.getLogger(__name__)
 PASS_SETTINGS = ("prefetch_units", "memory_budget", "recompute")
 
 
-def pass_pipeline(settings) -> list:
-    """A sharded mode's passes, ``settings`` (a ``GraphModuleTransformation``) bound: tensor-parallel
-    collectives issued early and waited late, gathers
-    prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer update per
-    unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once),
+def pass_pipeline(*, prefetch_units: int, memory_budget: Optional[float], recompute: Union[bool, str],
+                  lowered_by_inductor: bool) -> list:
+    """A sharded mode's passes, its settings bound: tensor-parallel collectives issued early and waited
+    late, gathers prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer
+    update per unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once),
     optimizer copy removal, state writes after the last collective (a step that fails changes nothing),
-    recompute in the backward (``memory_budget``; none with
-    ``recompute=False``)."""
-    depth = settings.prefetch_units
-    return [schedule_tensor_parallel_comms, functools.partial(prefetch_unit_gathers, depth=depth),
+    recompute in the backward (``memory_budget``; only what costs no extra traffic with
+    ``recompute="free"``, none with ``recompute=False``; ``lowered_by_inductor``: what Inductor fuses into
+    its readers is free)."""
+    return [schedule_tensor_parallel_comms, functools.partial(prefetch_unit_gathers, depth=prefetch_units),
             schedule_reduce_scatter_waits,
-            split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + depth),
+            split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + prefetch_units),
             remove_copy_from_optimizer, defer_state_writes,
-            *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
-                                 free_only=settings.recompute == "free",
-                                 lowered_by_inductor=settings.enable_inductor, warn=False)]
-               if settings.recompute else [])]
+            *([functools.partial(recompute_activations, memory_budget=memory_budget, free_only=recompute == "free",
+                                 lowered_by_inductor=lowered_by_inductor, warn=False)]
+              if recompute else [])]
 
 
 def validate_options(dp) -> None:

@@ -13,7 +13,8 @@ from ..graph_utils import DumpOptions, request_dump
 from ..graph_utils.memory import memory_profile
 from ..lower.inductor import graph_inductor_gets
 from ..lower.lowering import Lowering
-from ..parallel.data_parallel import STYLES, DataParallel, expanded_by
+from ..parallel import fully_shard, replicate
+from ..parallel.data_parallel import DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
 from ..passes import PassManager, applied_passes, pass_info, recompute_plan, warn_unmet_budget
 
@@ -35,7 +36,8 @@ class GraphModuleTransformation:
     the graph (``pass_pipeline`` of ``spmd.parallel.replicate`` or ``spmd.parallel.fully_shard``, asked
     through the ``DataParallel`` the graph records), plus any ``passes`` the user gives (declared
     with ``@graph_optimization_pass``, bare or as ``functools.partial``), ordered together by
-    ``PassManager``. ``passes`` alone (without the flag) runs only the user's. Replicate reads
+    ``PassManager``. ``passes`` alone (without the flag) runs only the user's. ``pipelines``: each mode
+    module's passes, its settings bound. Replicate reads
     ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
     (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
     modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
@@ -110,9 +112,18 @@ class GraphModuleTransformation:
         self.prefetch_units = prefetch_units
         self.memory_budget = memory_budget
         self.recompute = recompute
-        # One manager per mode module, built now so declarations and order are checked here, not mid-compile.
-        self.pass_managers = {mode: PassManager((mode.pass_pipeline(self) if enable_graph_optimization else [])
-                                                + list(passes)) for mode in set(STYLES.values())}
+        # Each mode's passes, its settings handed over by name where its list is built (``check_settings_apply``
+        # refuses a changed setting the graph's mode does not read), and one manager per mode, built now so
+        # declarations and order are checked here, not mid-compile.
+        self.pipelines = {
+            replicate: replicate.pass_pipeline(bucket_size_mb=bucket_size_mb, optimizer_parts=optimizer_parts,
+                                               memory_budget=memory_budget, recompute=recompute,
+                                               lowered_by_inductor=enable_inductor),
+            fully_shard: fully_shard.pass_pipeline(prefetch_units=prefetch_units, memory_budget=memory_budget,
+                                                   recompute=recompute, lowered_by_inductor=enable_inductor),
+        }
+        self.pass_managers = {mode: PassManager((pipeline if enable_graph_optimization else []) + list(passes))
+                              for mode, pipeline in self.pipelines.items()}
         self.dump = DumpOptions.resolve(dump_graphs, dump_dir, dump_ranks)
 
     @property
