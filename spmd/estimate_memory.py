@@ -16,12 +16,12 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .explain import lowered_profile, transformed_step
 from .graph_utils import is_comm_node
 from .graph_utils.memory import MemoryProfile, memory_profile
 from .graph_utils.meta import PHASE, ROLE
 from .graph_utils.phases import backward_nodes
 from .passes import RecomputePlan, recompute_plan
-from .explain import lowered_profile, transformed_step
 
 GiB = 2 ** 30
 _VIEWS = ("view", "_unsafe_view", "reshape", "slice", "narrow")
