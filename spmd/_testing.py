@@ -25,6 +25,10 @@ def with_lowering(transformation, **changes):
 
         t = with_lowering(spmd.GraphModuleTransformation(enable_inductor=True), inductor_comm_passes=True)
     """
+    others = sorted(set(changes) - {"inductor_comm_passes", "lean"})
+    if others:
+        raise ValueError(f"with_lowering: {others} are settings of GraphModuleTransformation (its passes read them "
+                         "too): pass them to its constructor; with_lowering changes inductor_comm_passes and lean.")
     changed = copy.copy(transformation)
     changed.lowering = dataclasses.replace(transformation.lowering, **changes)
     return changed

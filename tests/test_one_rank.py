@@ -89,6 +89,8 @@ def test_a_lean_part_alone_is_set_through_the_test_hook_and_checked_there():
     assert with_lowering(spmd.GraphModuleTransformation(enable_inductor=True), lean="one_rank").lowering.lean == "one_rank"
     with pytest.raises(SpmdConfigError, match=r"lean must be True, False or one of \['one_rank', 'step_counts'\]"):
         with_lowering(spmd.GraphModuleTransformation(enable_inductor=True), lean="one")
+    with pytest.raises(ValueError, match=r"\['inductor'\] are settings of GraphModuleTransformation"):
+        with_lowering(spmd.GraphModuleTransformation(), inductor=True)  # the passes read it too: not here
 
 
 def test_buckets_over_two_ranks_stay_in_the_compiled_graph():
