@@ -56,7 +56,7 @@ from .phases import gradient_seeds, saved_for_backward, storage_root
 from .recompute_ops import (
     CHEAP, COMPUTE, SPLITTABLE, fuses_into, is_pointwise, is_view_like, recompute_cost, recompute_kind,
 )
-from .units import gathered_values, unit_gathers
+from .unit_collectives import gathered_values, unit_gathers
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ from ..graph_utils.fused_optimizer import (
     split_fused_optimizer,
     split_fused_optimizer_parts,
 )
-from .iter_move import find_all_descendants, iter_move_grads_and_optimizers
+from .iter_move import defer_last_bucket, find_all_descendants, first_parameter_reader, iter_move_grads_and_optimizers
 from .iteration import IterationGraph, IterMoveError
 from .manager import PassManager, PassOrderError, applied_passes, graph_optimization_pass, pass_info
 from .optimizer_copies import remove_copy_from_optimizer
@@ -30,7 +30,8 @@ from .state_writes import defer_state_writes, early_writes
 
 __all__ = [
     "ForeachAddBlock", "ForeachChain", "IterationGraph", "IterMoveError", "PassOrderError", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
-    "comm_fusion_with_concat", "find_all_descendants", "get_all_fused_optimizer_blocks",
+    "comm_fusion_with_concat", "defer_last_bucket", "find_all_descendants", "first_parameter_reader",
+    "get_all_fused_optimizer_blocks",
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
     "remove_copy_from_optimizer", "placed_by_mode", "schedule_comm_wait", "schedule_tensor_parallel_comms", "split_fused_optimizer", "split_fused_optimizer_parts",
     "split_optimizer_per_bucket",

@@ -3,7 +3,8 @@
 ``iter_move_grads_and_optimizers`` takes one fused gradient all_reduce, gives the
 parameters it reduces their own fused optimizer op, and defers that communication's
 wait, its split and that optimizer part into the next iteration, before a forward node,
-so they overlap the next forward instead of ending this iteration.
+so they overlap the next forward instead of ending this iteration. ``defer_last_bucket`` does it
+for the last bucket (the first layers' gradients), before the first node that reads a parameter.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import networkx as nx
 import torch.fx as fx
 
 from ..graph_utils import find_node, is_all_reduce, node_order, to_networkx
-from ..graph_utils.meta import NAME
+from ..graph_utils.meta import NAME, ROLE, Role
 from ..graph_utils.nodes import first_reader_before
 
 from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer
@@ -101,3 +102,30 @@ def iter_move_grads_and_optimizers(gm, target_comm_node: NodeRef, target_dest_no
         block, _ = split_fused_optimizer(gm, block, set(grads))
     nodes = find_all_descendants(gm, [comm, block.step.add_node])
     graph.move_to_next_iter_before(nodes, dest)
+
+
+def first_parameter_reader(graph: fx.Graph) -> fx.Node:
+    """The first node that reads a parameter: the latest place before which no deferred update is read stale."""
+    order = node_order(graph)
+    params = [n for n in graph.nodes if n.meta.get(ROLE) == Role.PARAM]
+    readers = [u for p in params for u in p.users]
+    if not readers:
+        raise ValueError("first_parameter_reader: no node of this graph reads a parameter")
+    return min(readers, key=order.__getitem__)
+
+
+@graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],
+                         apply_after=[comm_fusion_with_concat, schedule_comm_wait])
+def defer_last_bucket(gm) -> None:
+    """Defer the last gradient bucket's wait and optimizer update to the next iteration, before its first
+    parameter read (``iter_move_grads_and_optimizers``).
+
+    Before: the step's gradient all_reduces feed one fused Adam/AdamW op. After: the last all_reduce (the
+    first layers' and the embedding's gradients, reduced last) is waited on, and its parameters updated, in
+    the next iteration just before the first node that reads a parameter (``first_parameter_reader``), so
+    they overlap the next forward's start; the cleanup iteration flushes them.
+    """
+    comms = find_node(gm.graph, is_all_reduce)
+    if not comms:
+        raise ValueError("defer_last_bucket: the graph holds no all_reduce; it needs a replicated step's gradients")
+    iter_move_grads_and_optimizers(gm, comms[-1], first_parameter_reader(gm.graph))

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils import set_fake_val
-from ..graph_utils.decompose import decompose_node
+from ..graph_utils.decompose_node import decompose_node
 from ..graph_utils.memory import memory_profile
 from ..graph_utils.meta import RECOMPUTE_OF
 from ..graph_utils.recompute_ops import fuses_into, is_view_like

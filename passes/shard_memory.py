@@ -10,7 +10,7 @@ sure they never keep more than ``max_unsharded`` such units gathered at one poin
 from __future__ import annotations
 
 from ..graph_utils.meta import UNIT
-from ..graph_utils.units import counts_as_unsharded, unit_gathers, unsharded_interval
+from ..graph_utils.unit_collectives import counts_as_unsharded, unit_gathers, unsharded_interval
 
 from .manager import graph_optimization_pass
 from .shard_optimizer import split_optimizer_per_unit
@@ -26,7 +26,7 @@ def unsharded_peak(graph) -> tuple[int, list]:
     """(the largest number of units holding gathered parameters at one node, the nodes where it happens).
 
     A gather counts from its issue to the last use of the parameters it produced
-    (``graph_utils.units.unsharded_interval``); gathers of units that keep their
+    (``graph_utils.unit_collectives.unsharded_interval``); gathers of units that keep their
     parameters until the backward (``meta[KEEP]``) are not counted: keeping them is the
     unit's setting, not the schedule's choice.
     """

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..graph_utils import is_comm_node, is_wait_node, node_order
 from ..graph_utils.meta import UNIT
-from ..graph_utils.units import gradient_collectives, later_ancestors
+from ..graph_utils.unit_collectives import gradient_collectives, later_ancestors
 
 from ..graph_utils.foreach_chains import foreach_chains, positions_by_part, split_foreach_chain
 from ..graph_utils.fused_optimizer import fused_optimizer_block, is_fused_adam, split_fused_optimizer_parts

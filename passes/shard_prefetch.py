@@ -13,7 +13,7 @@ import logging
 import torch.fx as fx
 
 from ..graph_utils import is_comm_node, is_wait_node, node_order, wait_of
-from ..graph_utils.units import later_ancestors, unit_gathers
+from ..graph_utils.unit_collectives import later_ancestors, unit_gathers
 
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..graph_utils import is_comm_node, node_order, wait_of
-from ..graph_utils.units import gradient_collectives
+from ..graph_utils.unit_collectives import gradient_collectives
 from ..graph_utils.waits import first_consumer
 from ..graph_utils.meta import UNIT
 

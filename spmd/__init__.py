@@ -6,6 +6,7 @@ warn_if_untested()
 
 from .api import CompiledTrainStep, compile
 from .errors import SpmdCompileError, SpmdConfigError
+from .estimate_memory import MemoryEstimate, estimate_memory
 from .explain import Plan, explain
 from .parallel import DataParallel, shard
 from .step.iter_graph_module import IterGraph, IterGraphModule, IterMoveError
@@ -13,5 +14,6 @@ from .step.transformation import GraphModuleTransformation
 
 __all__ = [
     "CompiledTrainStep", "DataParallel", "GraphModuleTransformation", "IterGraph", "IterGraphModule",
-    "IterMoveError", "Plan", "SpmdCompileError", "SpmdConfigError", "compile", "explain", "shard",
+    "IterMoveError", "MemoryEstimate", "Plan", "SpmdCompileError", "SpmdConfigError", "compile", "estimate_memory",
+    "explain", "shard",
 ]

@@ -8,21 +8,22 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.fx import Graph
 
 from .graph_utils import find_node, is_all_reduce, is_comm_node, is_wait_node, tensor_bytes
 from .graph_utils.nodes import node_order
-from .graph_utils.memory import memory_profile
+from .graph_utils.memory import MemoryProfile, memory_profile
 from .graph_utils.meta import BUCKET, CARRIES, GRAD_OF, MESH_DIM, PHASE, ROLE, UNIT, Role
 from .graph_utils.phases import backward_nodes
 from .lower.inductor import graph_inductor_gets
 from .passes import PassManager, pass_info, recompute_plan
 
 from .api import CompiledTrainStep
-from .parallel.data_parallel import expanded_by
-from .parallel.units import shard_plan
+from .parallel.shard import shard_plan
 from .step.iter_graph_module import IterGraphModule
 from .step.transformation import GraphModuleTransformation
 from .trace.block_masks import lift
+from .trace.step_state import StepState
 
 TINY_ALL_REDUCE_BYTES = 1 << 20  # an all_reduce under 1 MiB is dominated by latency
 
@@ -215,19 +216,7 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
     """
     if not isinstance(train_step, CompiledTrainStep):
         raise TypeError("spmd.explain: pass the function returned by @spmd.compile(...)")
-    kwargs.pop("last_train_step", None)
-    args, kwargs = lift(args, kwargs)  # a flex_attention mask's tensors are inputs, as in a call
-    state = train_step.prepare_state(args, kwargs)
-    gm, _, state, created = train_step.trace_and_expand(state, args, kwargs)
-    try:
-        transform = train_step.transformation_for(state)
-        ours = isinstance(transform, GraphModuleTransformation)
-        manager = transform.pass_manager_for(expanded_by(gm)) if ours else PassManager([])
-        result = transform(gm)  # the transform stage, as a compile runs it (lowering comes later, on a call)
-        igm = result if isinstance(result, IterGraphModule) else IterGraphModule(gm)
-    finally:
-        for made in created:
-            made.undo()
+    igm, state, manager = transformed_step(train_step, args, kwargs)
     params = {id(p): p for p in state.params}
     plan = Plan(
         params=sum(p.numel() for p in params.values()),
@@ -245,6 +234,37 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
     return plan
 
 
+def transformed_step(train_step: CompiledTrainStep, args: tuple, kwargs: dict
+                     ) -> tuple[IterGraphModule, StepState, PassManager]:
+    """(transformed graph, step state, the pass manager that ran) of ``train_step`` on these arguments: traced,
+    expanded and transformed as a compile does it, lowering left for a call. Parameters and optimizer state are
+    left as they were (optimizer state created for the trace is removed again)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "last_train_step"}
+    args, kwargs = lift(args, kwargs)  # a flex_attention mask's tensors are inputs, as in a call
+    state = train_step.prepare_state(args, kwargs)
+    gm, _, state, created = train_step.trace_and_expand(state, args, kwargs)
+    try:
+        transform = train_step.transformation_for(state)
+        ours = isinstance(transform, GraphModuleTransformation)
+        manager = transform.pass_manager_for(train_step.parallel_mode) if ours else PassManager([])
+        result = transform(gm)  # the transform stage, as a compile runs it (lowering comes later, on a call)
+        igm = result if isinstance(result, IterGraphModule) else IterGraphModule(gm)
+    finally:
+        for made in created:
+            made.undo()
+    return igm, state, manager
+
+
+def lowered_profile(gm) -> tuple[Graph, MemoryProfile]:
+    """(the graph a transformed step's lowering compiles, its liveness profile): where the step is lowered
+    through Inductor, the graph Inductor gets (``graph_inductor_gets``), what Inductor computes inside its
+    readers never allocated; else the step graph itself."""
+    lowering = getattr(gm, "lowering", None)
+    inductor = lowering is not None and lowering.inductor
+    graph = graph_inductor_gets(gm) if inductor else gm.graph
+    return graph, memory_profile(graph, inductor=inductor)
+
+
 def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
     """(activations kept and recomputed, estimated peak bytes, bytes live at the peak by kind) of a step graph.
 
@@ -258,10 +278,7 @@ def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
     activations = {} if plan is None else {
         "kept": plan.kept, "recomputed": plan.recomputed, "kept_bytes": plan.kept_bytes,
         "default_bytes": plan.default_bytes, "saved_bytes": plan.saved_bytes, "budget": plan.budget, "met": plan.met}
-    lowering = getattr(gm, "lowering", None)  # lowered through Inductor: what it fuses is never allocated
-    inductor = lowering is not None and lowering.inductor
-    graph = graph_inductor_gets(gm) if inductor else gm.graph
-    profile = memory_profile(graph, inductor=inductor)
+    graph, profile = lowered_profile(gm)
     backward = backward_nodes(graph)
     by_role = {Role.PARAM: "parameters", Role.BUFFER: "parameters", Role.STATE: "optimizer state"}
     kinds: dict[str, int] = {}

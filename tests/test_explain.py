@@ -114,3 +114,27 @@ def test_explain_prints_on_rank_0_only_by_default():
     from tests.dist import run_distributed
 
     run_distributed(_explain_prints_once)
+
+
+def test_estimate_memory_reads_the_transformed_step_as_explain_does_and_touches_nothing():
+    """``spmd.estimate_memory``: the peak of the same graph ``spmd.explain`` reads, what is live there by kind
+    summing to it (parameters and optimizer state among the inputs), and nothing compiled, run or created."""
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = _step(spmd.GraphModuleTransformation(enable_graph_optimization=True))
+    batch = torch.randn(8, 16)
+    with single_process_group():
+        estimate = spmd.estimate_memory(step, model, optim, batch, unfused=True)
+        plan = spmd.explain(step, model, optim, batch, print_plan=False)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert estimate.peak == plan.peak_bytes > 0
+    assert sum(estimate.kinds.values()) == estimate.peak
+    assert estimate.kinds["input: param"] == param_bytes  # every parameter is live at the peak
+    assert estimate.profile.inputs >= 3 * param_bytes  # parameters, exp_avg and exp_avg_sq
+    assert estimate.unfused == estimate.peak  # not lowered through Inductor: nothing is fused away
+    assert estimate.recompute is not None and estimate.recompute.budget == plan.activations["budget"]
+    assert estimate.report("mlp").startswith("mlp: estimated peak ")
+    assert not step.cache and not optim.state
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -157,7 +157,7 @@ def _pipeline_graph(style, bucket_mb, passes_filter=lambda p: True):
         made.undo()
     igm = spmd.IterGraphModule(gm)
     settings = spmd.GraphModuleTransformation(**({} if mode.is_sharded else {"bucket_size_mb": bucket_mb}))
-    for p in mode.pass_pipeline(settings):
+    for p in settings.pipelines[mode.mode]:
         if passes_filter(p):
             p(igm)
     return igm.graph

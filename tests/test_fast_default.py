@@ -15,7 +15,7 @@ from spmd.passes import applied_passes, pass_info
 from spmd.tools.models import MLP
 from tests.parity import train_step
 
-_replicate = [pass_info(p).name for p in replicate.pass_pipeline(spmd.GraphModuleTransformation())]
+_replicate = [pass_info(p).name for p in spmd.GraphModuleTransformation().pipelines[replicate]]
 
 
 def test_the_default_is_our_passes_on_cpu_and_the_fast_path_on_gpu():

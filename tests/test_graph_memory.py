@@ -159,7 +159,7 @@ def test_fully_shards_root_copies_its_parameters_out_and_its_gather_buffer_dies_
     parameters, copies nothing out."""
     from spmd.graph_utils.meta import KEEP
     from spmd.graph_utils import wait_of
-    from spmd.graph_utils.units import LAYOUT_OPS, unit_gathers
+    from spmd.graph_utils.unit_collectives import LAYOUT_OPS, unit_gathers
 
     copy_out = torch.ops.spmd.copy_out.default
     with fake_process_group(2):

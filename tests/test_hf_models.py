@@ -247,7 +247,7 @@ def test_hf_t5_trains_like_eager_in_float64():
 
 def test_hf_t5_in_bf16_autocast_is_a_graph_inductor_can_take():
     """The step graph of T5 under bf16 autocast, prepared for Inductor (its decompositions applied node by
-    node), still propagates: each view in it is one (``spmd.lower.decompose``)."""
+    node), still propagates: each view in it is one (``spmd.lower.decompose_for_inductor``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 

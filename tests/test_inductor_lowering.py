@@ -17,6 +17,7 @@ import spmd.trace.capture
 from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
 from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, schedule_comm_wait
 from spmd import IterGraphModule, SpmdCompileError
+from spmd._testing import with_lowering
 from spmd.lower import Lowering
 from spmd.lower.inductor import prepare_for_inductor
 from spmd.tools.models import MLP
@@ -357,7 +358,7 @@ def test_our_schedule_switches_inductor_comm_reordering_off_and_the_comparison_s
         assert theirs["aten_distributed_optimizations.enable_overlap_scheduling"] is True
     assert any(v is True for v in theirs.values())
     with pytest.raises(ValueError, match="needs enable_inductor=True"):
-        spmd.GraphModuleTransformation(inductor_comm_passes=True)
+        with_lowering(spmd.GraphModuleTransformation(), inductor_comm_passes=True)
 
 
 def test_a_missing_inductor_option_fails_loudly_unless_this_torch_may_lack_it(monkeypatch):
@@ -400,7 +401,7 @@ def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch)
 def test_a_decomposition_that_fails_names_the_op_and_the_way_around_it():
     """A decomposition that raises on our graph is an SpmdCompileError naming the op and the fix, not a
     deep traceback from make_fx."""
-    from spmd.lower.decompose import decompose_for_inductor
+    from spmd.lower.decompose_for_inductor import decompose_for_inductor
 
     gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: torch.relu(x) + 1, tracing_mode="fake")(torch.randn(4))
 
@@ -419,7 +420,7 @@ def test_a_decomposition_that_lays_its_result_out_otherwise_keeps_the_ops_layout
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from spmd.lower.decompose import decompose_for_inductor
+    from spmd.lower.decompose_for_inductor import decompose_for_inductor
 
     def attention_scores(q, cached, k):
         keys = torch.cat([cached, k.transpose(1, 2)], dim=-2)  # (b, h, s, d), contiguous

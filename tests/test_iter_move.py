@@ -8,8 +8,8 @@ import torch
 import spmd
 from spmd.graph_utils import find_node, is_all_reduce
 from spmd.passes import (
-    comm_fusion_with_concat, find_all_descendants, get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers,
-    remove_copy_from_optimizer, schedule_comm_wait,
+    comm_fusion_with_concat, defer_last_bucket, find_all_descendants, first_parameter_reader,
+    get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers, remove_copy_from_optimizer, schedule_comm_wait,
 )
 from spmd import IterGraphModule, IterMoveError
 from spmd.tools.models import MLP
@@ -63,7 +63,9 @@ def _trace_mlp(transform):
     train_step(model, optim, torch.randn(4, 16))
 
 
-def test_moving_the_first_layers_update_before_the_first_relu_is_refused_untouched():
+def _on_bucketed_mlp(check):
+    """Trace MLP(5, 16)'s step, bucket its gradients, schedule the waits and remove the optimizer copies, then
+    run ``check(igm)`` inside the transformation (and fail if it never ran)."""
     seen = {}
 
     def transform(gm):
@@ -71,27 +73,28 @@ def test_moving_the_first_layers_update_before_the_first_relu_is_refused_untouch
         comm_fusion_with_concat(igm, 0.002)
         schedule_comm_wait(igm)
         remove_copy_from_optimizer(igm)
+        check(igm)
+        seen["checked"] = True
+        return igm
+
+    with single_process_group():
+        _trace_mlp(transform)
+    assert seen["checked"]
+
+
+def test_moving_the_first_layers_update_before_the_first_relu_is_refused_untouched():
+    def check(igm):
         before = str(igm.graph)
         last_bucket = find_node(igm.graph, is_all_reduce)[-1]  # holds mod.0's gradients
         with pytest.raises(IterMoveError, match=r"mod\.0\.(weight|bias).*latest legal target node is"):
             iter_move_grads_and_optimizers(igm, last_bucket, first_relu(igm.graph))
         assert str(igm.graph) == before and not igm.graph.moves
-        seen["ok"] = True
-        return igm
 
-    with single_process_group():
-        _trace_mlp(transform)
-    assert seen["ok"]
+    _on_bucketed_mlp(check)
 
 
 def test_bad_arguments_are_refused_untouched():
-    seen = {}
-
-    def transform(gm):
-        igm = IterGraphModule(gm)
-        comm_fusion_with_concat(igm, 0.002)
-        schedule_comm_wait(igm)
-        remove_copy_from_optimizer(igm)
+    def check(igm):
         before = str(igm.graph)
         relu = first_relu(igm.graph)
         with pytest.raises(ValueError, match="no node named 'nope'"):
@@ -99,12 +102,8 @@ def test_bad_arguments_are_refused_untouched():
         with pytest.raises(ValueError, match="not an all_reduce"):
             iter_move_grads_and_optimizers(igm, relu, relu)
         assert str(igm.graph) == before
-        seen["ok"] = True
-        return igm
 
-    with single_process_group():
-        _trace_mlp(transform)
-    assert seen["ok"]
+    _on_bucketed_mlp(check)
 
 
 def test_iter_move_requires_copy_removal_first():
@@ -131,12 +130,7 @@ def _find_all_descendants_seed(rank, world_size, stop_at_first_forward):
         blocks = get_all_fused_optimizer_blocks(igm, "_fused_adam")
         nodes = find_all_descendants(igm, [*find_node(igm.graph, is_all_reduce), blocks[0].step.add_node])
         assert comm in nodes and all(n.op != "output" for n in nodes)
-        if stop_at_first_forward:
-            params = [n for n in igm.graph.nodes if n.meta.get("spmd_role") == "param"]
-            order = list(igm.graph.nodes)
-            stop = min((u for p in params for u in p.users), key=order.index)
-        else:
-            stop = first_relu(igm.graph)
+        stop = first_parameter_reader(igm.graph) if stop_at_first_forward else first_relu(igm.graph)
         igm.graph.move_to_next_iter_before(nodes, stop)
         return igm
 
@@ -161,3 +155,20 @@ def test_find_all_descendants_move_everything_before_the_first_forward_node():
 def test_find_all_descendants_literal_seed_move_before_relu_is_refused():
     with single_process_group(), pytest.raises(IterMoveError, match="latest legal target node is"):
         _find_all_descendants_seed(0, 1, False)
+
+
+def test_defer_last_bucket_moves_the_first_layers_update_before_the_first_parameter_read():
+    """``defer_last_bucket``: the last bucket (mod.0's gradients, reduced last) and its optimizer part move into
+    the next iteration before the first node that reads a parameter, which every earlier node does not; the
+    bucket's parameters get an optimizer op of their own."""
+    def check(igm):
+        last_bucket = find_node(igm.graph, is_all_reduce)[-1]
+        target = first_parameter_reader(igm.graph)
+        earlier = list(igm.graph.nodes)[:list(igm.graph.nodes).index(target)]
+        assert not any(n.meta.get("spmd_role") == "param" for e in earlier for n in e.all_input_nodes)
+        defer_last_bucket(igm)
+        (move,) = igm.graph.moves
+        assert move.target is target and last_bucket in move.nodes
+        assert len(get_all_fused_optimizer_blocks(igm, "_fused_adam")) == 2
+
+    _on_bucketed_mlp(check)

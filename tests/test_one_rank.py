@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch._inductor.utils import run_and_get_code
 
 import spmd
+from spmd._testing import with_lowering
 from spmd.api import default_transformation
 from spmd.errors import SpmdConfigError
 from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
@@ -76,10 +77,20 @@ def test_each_lean_part_turns_on_alone():
     assert _calls(step_counts.graph, torch.ops.spmd_lowering.foreach_add_Scalar.default)
 
 
-@pytest.mark.parametrize("settings", [dict(lean_lowering=True), dict(enable_inductor=True, lean_lowering="one")])
-def test_lean_lowering_is_refused_without_inductor_or_with_an_unknown_part(settings):
+@pytest.mark.parametrize("settings", [dict(lean_lowering=True), dict(enable_inductor=True, lean_lowering="one"),
+                                      dict(enable_inductor=True, lean_lowering="one_rank")])
+def test_lean_lowering_is_refused_without_inductor_or_with_a_part_by_name(settings):
+    """A lean part alone is a measurement's switch (``spmd._testing.with_lowering``), not a public setting."""
     with pytest.raises(SpmdConfigError, match="lean_lowering"):
         spmd.GraphModuleTransformation(**settings)
+
+
+def test_a_lean_part_alone_is_set_through_the_test_hook_and_checked_there():
+    assert with_lowering(spmd.GraphModuleTransformation(enable_inductor=True), lean="one_rank").lowering.lean == "one_rank"
+    with pytest.raises(SpmdConfigError, match=r"lean must be True, False or one of \['one_rank', 'step_counts'\]"):
+        with_lowering(spmd.GraphModuleTransformation(enable_inductor=True), lean="one")
+    with pytest.raises(ValueError, match=r"\['inductor'\] are settings of GraphModuleTransformation"):
+        with_lowering(spmd.GraphModuleTransformation(), inductor=True)  # the passes read it too: not here
 
 
 def test_buckets_over_two_ranks_stay_in_the_compiled_graph():

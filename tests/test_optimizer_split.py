@@ -9,7 +9,7 @@ import torch.fx as fx
 import spmd
 from spmd.graph_utils import find_node, is_all_reduce, node_order
 from spmd.passes import (
-    get_all_fused_optimizer_blocks, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
+    defer_last_bucket, get_all_fused_optimizer_blocks, remove_copy_from_optimizer,
     schedule_comm_wait, split_optimizer_per_bucket,
 )
 from spmd.graph_utils.waits import wait_block
@@ -121,12 +121,6 @@ def test_max_parts_must_be_an_int_of_at_least_two(bad):
                                   lambda gm: split_optimizer_per_bucket(gm, max_parts=bad)], optim="fused")
 
 
-def _defer_last_bucket(gm):
-    """The last bucket's wait and optimizer part move before the first forward node of the next step."""
-    first_forward = next(n for n in gm.graph.nodes if n.op == "call_function")
-    iter_move_grads_and_optimizers(gm, find_node(gm.graph, is_all_reduce)[-1], first_forward)
-
-
 def _parity(rank, world_size, defer, impl="fused"):
     torch.manual_seed(0)
     model = MLP(layers=5, dim=16)
@@ -138,7 +132,7 @@ def _parity(rank, world_size, defer, impl="fused"):
     def transform(gm):
         igm = spmd.IterGraphModule(gm)
         passes = [fusion(0.002), schedule_comm_wait, split_optimizer_per_bucket, remove_copy_from_optimizer]
-        for p in passes + ([_defer_last_bucket] if defer else []):
+        for p in passes + ([defer_last_bucket] if defer else []):
             p(igm)
         igm.finalize_setup()
         seen["igm"] = igm
@@ -172,7 +166,7 @@ def _names(passes):
 
 def test_default_pipeline_splits_after_wait_scheduling_unless_asked_for_one_optimizer_op():
     def pipeline(**settings):
-        return replicate.pass_pipeline(spmd.GraphModuleTransformation(**settings))
+        return spmd.GraphModuleTransformation(**settings).pipelines[replicate]
 
     names = _names(pipeline())
     assert names.index("schedule_comm_wait") < names.index("split_optimizer_per_bucket") \

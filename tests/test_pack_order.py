@@ -9,13 +9,14 @@ import torch
 from torch._inductor.utils import is_pointwise_use
 
 from spmd.checks import rank_check
+from spmd.explain import transformed_step
 from spmd.graph_utils import node_order
 from spmd.graph_utils.meta import UNIT
-from spmd.graph_utils.units import gradient_collectives
+from spmd.graph_utils.unit_collectives import gradient_collectives
 from spmd.lower.inductor import prepare_for_inductor
 from spmd.lower.opaque_ops import RUN_AFTER
 from spmd.lower.pack_order import _pack_of
-from spmd.tools.memory_estimate import build, fake_group, final_module
+from spmd.tools.memory_estimate import build, fake_group
 from spmd.tools.models import GPTConfig
 
 
@@ -33,7 +34,7 @@ def test_the_root_unit_packs_its_early_gradients_after_its_last_one(monkeypatch)
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=96, block_size=16)
     with fake_group(2):
         step, args = build("fully_shard", cfg, 2, device="cpu", fake=True, enable_inductor=False)
-        gm = final_module(step, args)
+        gm = transformed_step(step, args, {})[0]
 
     before = node_order(gm.graph)
     (*blocks, (root, root_pack, root_sources)) = _packs(gm.graph)

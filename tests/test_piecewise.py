@@ -1,4 +1,4 @@
-"""A step graph compiled in pieces (spmd.lower.pieces, piecewise, compile_workers): where it is cut, what
+"""A step graph compiled in pieces (spmd.lower.piece_plan, piece_compile, worker_pool): where it is cut, what
 crosses a cut (a collective in flight included), and that the pieces run as the whole graph does, compiled
 here or in a worker process."""
 
@@ -12,7 +12,7 @@ import torch
 import spmd
 from spmd.compile_times import recording
 from spmd.graph_utils import is_comm_node, is_wait_node
-from spmd.lower import compile_workers, graph_wire, pieces
+from spmd.lower import graph_wire, piece_plan, worker_pool
 from spmd.lower.inductor import compile_with_inductor, prepare_for_inductor
 from spmd.lower.inductor_code import PiecewiseCode, load_kept
 from spmd.passes import comm_fusion_with_concat, defer_state_writes, remove_copy_from_optimizer, schedule_comm_wait
@@ -65,10 +65,10 @@ def _flights_across_cuts(modules, plan) -> int:
             if any(is_wait_node(u) for r in results for u in r.users):
                 continue
             crossing += 1
-            inputs = [pieces._root(a) for a in torch.utils._pytree.tree_leaves(comm.args) if isinstance(a, torch.fx.Node)]
-            assert all(pieces._root(r) in value_ids[p] for r in results), f"{comm}'s result does not leave its piece"
+            inputs = [piece_plan._root(a) for a in torch.utils._pytree.tree_leaves(comm.args) if isinstance(a, torch.fx.Node)]
+            assert all(piece_plan._root(r) in value_ids[p] for r in results), f"{comm}'s result does not leave its piece"
             assert all(a in value_ids[p] for a in inputs), f"{comm}'s input does not leave its piece"
-            made = {value_ids[p][pieces._root(r)] for r in results}
+            made = {value_ids[p][piece_plan._root(r)] for r in results}
             kept = {value_ids[p][a] for a in inputs}
             waiting = [q for q in range(p + 1, len(modules)) if made & set(plan.takes[q])]
             assert waiting, f"{comm} is waited in no later piece"
@@ -86,14 +86,14 @@ def _clone(inputs):
 
 
 def test_a_cut_step_runs_as_the_whole_graph_and_no_view_crosses_a_cut(monkeypatch):
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)  # a small graph, cut all the same
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)  # a small graph, cut all the same
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).double()
     idx = torch.randint(0, 256, (2, 32))
     with single_process_group():
         gm, inputs = _step_graph(model, (idx, idx), lm_train_step, torch.optim.SGD, momentum=0.9)
-        made = pieces.cut(gm, 4, inputs)
-        assert made is not None, pieces.cut_obstacle(gm.graph)
+        made = piece_plan.cut(gm, 4, inputs)
+        assert made is not None, piece_plan.cut_obstacle(gm.graph)
         modules, specs, plan = made
         assert len(modules) == len(plan) == 4
         for module, spec in zip(modules, specs):
@@ -103,10 +103,10 @@ def test_a_cut_step_runs_as_the_whole_graph_and_no_view_crosses_a_cut(monkeypatc
         # what crosses a cut is a value of its own, never a view: views are made again where they are read
         for module in modules[:-1]:
             for out in next(iter(reversed(module.graph.nodes))).args[0]:
-                assert not pieces._is_view(out), out
+                assert not piece_plan._is_view(out), out
         whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
         whole = list(gm(*whole_inputs))
-        cut = pieces.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
+        cut = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
     assert len(whole) == len(cut)
     for a, b in zip(whole, cut):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -119,23 +119,23 @@ def test_a_state_write_runs_in_the_piece_that_computes_the_value_it_writes(monke
     AdamW's step counts) run in the piece that computes what they write, where Inductor writes it from the
     same kernel; left at the end, each was a kernel more (136 a step for fully_shard at GPT 124M). They weigh
     nothing in the cut, which still cuts the graph; the pieces run as the whole graph does."""
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 5)
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 5)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).double()
     idx = torch.randint(0, 256, (2, 32))
     with single_process_group():
         gm, inputs = _step_graph(model, (idx, idx), lm_train_step, defer_writes=True)
-        made = pieces.cut(gm, 12, inputs)
+        made = piece_plan.cut(gm, 12, inputs)
         assert made is not None
         modules, _, plan = made
         whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
         whole = list(gm(*whole_inputs))
-        cut = pieces.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
+        cut = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
     writes = [n for m in modules for n in m.graph.nodes
               if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"]
     assert len(modules) > 2 and len(writes) >= 6 * 2  # every parameter's step count, at least
     assert all(w.args[1].op != "placeholder" for w in writes), [w.name for w in writes if w.args[1].op == "placeholder"]
-    assert all(pieces._weight(w) == 0 for w in writes)  # fused into their values' kernels: no weight to cut by
+    assert all(piece_plan._weight(w) == 0 for w in writes)  # fused into their values' kernels: no weight to cut by
     for a, b in zip(whole + whole_inputs, cut + cut_inputs):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -172,17 +172,17 @@ def _inside_a_flight(body, position) -> bool:
 def test_a_cut_falls_inside_a_collectives_flight_where_that_balances_the_pieces_and_outside_where_about_as_well(
         monkeypatch):
     """Nor inside a flight in which a node writes the collective's input."""
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
     long_flight = _flight_graph(10, 200, 10)  # an even split only inside the flight
-    (position,) = pieces._cut_positions(long_flight, 2)
+    (position,) = piece_plan._cut_positions(long_flight, 2)
     assert _inside_a_flight(long_flight, position)
-    assert sum(map(pieces._weight, long_flight[:position + 1])) == len(long_flight) // 2
+    assert sum(map(piece_plan._weight, long_flight[:position + 1])) == len(long_flight) // 2
     short_flight = _flight_graph(100, 1, 100)  # cut outside: the heavier piece 1% heavier than it could be
-    (position,) = pieces._cut_positions(short_flight, 2)
+    (position,) = piece_plan._cut_positions(short_flight, 2)
     assert not _inside_a_flight(short_flight, position)
-    assert sum(map(pieces._weight, short_flight[:position + 1])) in (100, 103)
+    assert sum(map(piece_plan._weight, short_flight[:position + 1])) in (100, 103)
     written = _flight_graph(0, 200, 100, write=True)  # the all_reduce's input written in flight: held until the wait
-    (position,) = pieces._cut_positions(written, 2)
+    (position,) = piece_plan._cut_positions(written, 2)
     assert not _inside_a_flight(written, position)
 
 
@@ -212,15 +212,15 @@ def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch
     """Prefetched gathers and late reduce-scatter waits keep some collective in flight over much of a fully_shard
     step: it is cut inside flights, evenly; no view and no profiler handle crosses a cut (a range that spans one
     is closed and opened again); and the pieces, run op by op, compute what the graph does, bit for bit."""
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 20)
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 20)
     with single_process_group():
         gm, inputs = _fully_shard_graph(monkeypatch)
-        made = pieces.cut(gm, 4, inputs)
-        assert made is not None, pieces.cut_obstacle(gm.graph)
+        made = piece_plan.cut(gm, 4, inputs)
+        assert made is not None, piece_plan.cut_obstacle(gm.graph)
         modules, specs, plan = made
         assert len(modules) == 4
         assert _flights_across_cuts(modules, plan) >= 1
-        weights = [sum(pieces._weight(n) for n in m.graph.nodes if n.op == "call_function" and
+        weights = [sum(piece_plan._weight(n) for n in m.graph.nodes if n.op == "call_function" and
                        n.target is not torch.ops._c10d_functional.wait_tensor.default) for m in modules]
         assert max(weights) <= 1.25 * sum(weights) / len(weights), weights
         for module in modules:
@@ -228,8 +228,8 @@ def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch
                 if node.op == "placeholder":
                     assert isinstance(node.meta.get("val"), torch.Tensor), node
             for out in next(iter(reversed(module.graph.nodes))).args[0] if module is not modules[-1] else ():
-                assert not pieces._is_view(out), out
-        enter, exit_ = torch.ops.profiler._record_function_enter_new.default, pieces._RANGE_EXIT
+                assert not piece_plan._is_view(out), out
+        enter, exit_ = torch.ops.profiler._record_function_enter_new.default, piece_plan._RANGE_EXIT
         for module in modules:  # a range that spans cuts is closed in each piece and opened again in the next
             assert sum(n.target is enter for n in module.graph.nodes) == \
                 sum(n.target is exit_ for n in module.graph.nodes)
@@ -238,7 +238,7 @@ def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch
         assert opened.count("Optimizer.step#AdamW.step") >= 2  # the optimizer's range, cut through
         whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
         whole = list(gm(*whole_inputs))
-        cut = pieces.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
+        cut = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
     for a, b in zip(whole + whole_inputs, cut + cut_inputs):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -249,17 +249,17 @@ def test_a_graph_that_writes_a_value_it_made_is_not_cut():
     made = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
     graph.call_function(torch.ops.aten.add_.Tensor, (made, 1))
     graph.output((made,))
-    assert "writes a value the graph made" in pieces.cut_obstacle(graph)
-    assert pieces.cut(torch.fx.GraphModule(torch.nn.Module(), graph), 2, [torch.ones(3)]) is None
+    assert "writes a value the graph made" in piece_plan.cut_obstacle(graph)
+    assert piece_plan.cut(torch.fx.GraphModule(torch.nn.Module(), graph), 2, [torch.ones(3)]) is None
 
 
 @pytest.fixture
 def one_worker(monkeypatch):
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)  # a small graph (36 computing nodes), cut in three
-    compile_workers.start(1)
-    assert compile_workers.running()[0].ready()  # started: it takes the first piece as the compile begins
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)  # a small graph (36 computing nodes), cut in three
+    worker_pool.start(1)
+    assert worker_pool.running()[0].ready()  # started: it takes the first piece as the compile begins
     yield
-    compile_workers.stop()
+    worker_pool.stop()
 
 
 def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(one_worker, monkeypatch, caplog):
@@ -269,7 +269,7 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
     kept ``PiecewiseCode`` loaded again (as a restarted process would)."""
     import logging
 
-    from spmd.lower import graph_wire, piecewise
+    from spmd.lower import graph_wire, piece_compile
 
     sent = []
 
@@ -279,12 +279,12 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
             raise graph_wire.NotWireable("as a test asks")
         return graph_wire.to_bytes(graph)
 
-    monkeypatch.setattr(piecewise, "to_bytes", first_fails)
+    monkeypatch.setattr(piece_compile, "to_bytes", first_fails)
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16).double()
     x = torch.randn(8, 16, dtype=torch.float64)
     times: dict[str, float] = {}
-    with single_process_group(), caplog.at_level(logging.WARNING, logger="spmd.lower.piecewise"):
+    with single_process_group(), caplog.at_level(logging.WARNING, logger="spmd.lower.piece_compile"):
         gm, inputs = _step_graph(model, (x,), train_step, torch.optim.SGD, momentum=0.9)
         expected_inputs = _clone(inputs)
         expected = list(gm(*expected_inputs))
@@ -311,7 +311,7 @@ def test_the_kernels_compiled_loading_a_workers_piece_are_kept_with_its_code(one
     collector marks what it was around."""
     import contextlib
 
-    from spmd.lower import piecewise
+    from spmd.lower import piece_compile
 
     asked = []
 
@@ -322,7 +322,7 @@ def test_the_kernels_compiled_loading_a_workers_piece_are_kept_with_its_code(one
         yield found
         found.append(b"kernels loaded here")
 
-    monkeypatch.setattr(piecewise, "collecting_triton_kernels", stand_in)
+    monkeypatch.setattr(piece_compile, "collecting_triton_kernels", stand_in)
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16).double()
     times: dict[str, float] = {}
@@ -339,23 +339,23 @@ def test_the_kernels_compiled_loading_a_workers_piece_are_kept_with_its_code(one
 def test_pieces_are_taken_heaviest_first(monkeypatch):
     """With no worker running, this process compiles every piece, the heaviest (most computing nodes) first:
     the piece that takes longest is never the one left for whoever comes free last."""
-    from spmd.lower import piecewise
+    from spmd.lower import piece_compile
 
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 10)
-    monkeypatch.setattr(compile_workers, "running", lambda: [])
-    monkeypatch.setattr(piecewise, "weight", lambda gm: len(gm.graph.nodes))  # the cut is even: weigh apart
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    monkeypatch.setattr(worker_pool, "running", lambda: [])
+    monkeypatch.setattr(piece_compile, "weight", lambda gm: len(gm.graph.nodes))  # the cut is even: weigh apart
     taken = []
 
     def record(gm, specs, label, fx_cache, wrapped, device):
         taken.append(len(gm.graph.nodes))
         return _boxed(gm), None
 
-    monkeypatch.setattr(piecewise, "_compile_here", record)
+    monkeypatch.setattr(piece_compile, "_compile_here", record)
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16).double()
     with single_process_group():
         gm, inputs = _step_graph(model, (torch.randn(8, 16, dtype=torch.float64),), train_step, torch.optim.SGD, momentum=0.9)
-        made = piecewise.compile_in_pieces(gm, inputs, "step", 3, {}, False, ())
+        made = piece_compile.compile_in_pieces(gm, inputs, "step", 3, {}, False, ())
     assert made is not None and len(taken) == 3
     assert taken == sorted(taken, reverse=True) and taken[0] > taken[-1], taken
 
@@ -381,13 +381,13 @@ def test_a_worker_compiles_a_piece_that_launches_a_collective_and_one_that_waits
 
     from spmd.lower.inductor import _portable_config, inductor_config
     from spmd.lower.opaque_ops import wrapped_ops
-    from spmd.lower.piecewise import _groups_of
+    from spmd.lower.piece_compile import _groups_of
 
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 20)
-    (worker,) = compile_workers.running()
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 20)
+    (worker,) = worker_pool.running()
     with single_process_group():
         gm, inputs = _fully_shard_graph(monkeypatch)
-        modules, specs, plan = pieces.cut(gm, 4, inputs)
+        modules, specs, plan = piece_plan.cut(gm, 4, inputs)
         assert _flights_across_cuts(modules, plan) >= 1
         launching = {i for i, m in enumerate(modules) for n in m.graph.nodes
                      if is_comm_node(n) and not any(is_wait_node(u) for r in [n, *n.users] for u in r.users)}
@@ -397,14 +397,14 @@ def test_a_worker_compiles_a_piece_that_launches_a_collective_and_one_that_waits
         runners = [_boxed(m) for m in modules]  # the others run op by op
         with torch.no_grad(), config.patch(inductor_config()):
             for i in sorted(launching | waiting):
-                job = compile_workers.Job(f"step/{i}", graph_wire.to_bytes(modules[i].graph), specs[i],
+                job = worker_pool.Job(f"step/{i}", graph_wire.to_bytes(modules[i].graph), specs[i],
                                           _portable_config(config), wrapped_ops(gm), True, _groups_of(modules[i].graph))
                 status, answer = worker.compile(job)
                 assert status == "done" and answer[0] is not None, answer
                 runners[i] = load_kept(answer[0], torch.device("cpu"), f"step/{i}")
         expected_inputs, got_inputs = _clone(inputs), _clone(inputs)
         expected = list(gm(*expected_inputs))
-        got = list(pieces.run_pieces(plan, runners)(list(got_inputs)))
+        got = list(piece_plan.run_pieces(plan, runners)(list(got_inputs)))
     for a, b in zip(expected + expected_inputs, got + got_inputs):
         assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
@@ -438,18 +438,18 @@ def test_a_worker_compiling_for_a_gpu_starts_no_pool_of_kernel_compilers():
 
 
 def _fully_shard_in_pieces(rank, world_size):
-    from spmd.lower import piecewise
+    from spmd.lower import piece_compile
     from tests.shard_helpers import batches, block_policy, fsdp2_twin, gpt, max_param_diff, optimizer, plain_step
 
     made = []
-    cut = piecewise.cut
+    cut = piece_compile.cut
 
     def kept(*args, **kwargs):
         made.append(cut(*args, **kwargs))
         return made[-1]
 
-    min_weight, piecewise.cut, pieces.MIN_PIECE_WEIGHT = pieces.MIN_PIECE_WEIGHT, kept, 40  # a tiny step cut in pieces
-    slack, pieces.FLIGHT_SLACK = pieces.FLIGHT_SLACK, -1.0  # the most even cut, in flight or not
+    min_weight, piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT = piece_plan.MIN_PIECE_WEIGHT, kept, 40  # a tiny step cut in pieces
+    slack, piece_plan.FLIGHT_SLACK = piece_plan.FLIGHT_SLACK, -1.0  # the most even cut, in flight or not
     try:
         model = gpt(n_layer=2)
         ref = fsdp2_twin(model)
@@ -463,9 +463,9 @@ def _fully_shard_in_pieces(rank, world_size):
             assert (ours - theirs).abs().item() <= 1e-12, (ours, theirs)
         assert max_param_diff(model, ref) <= 1e-12
     finally:
-        piecewise.cut, pieces.MIN_PIECE_WEIGHT, pieces.FLIGHT_SLACK = cut, min_weight, slack
+        piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT, piece_plan.FLIGHT_SLACK = cut, min_weight, slack
     (modules, _, plan), = made
-    weights = [sum(map(pieces._weight, m.graph.nodes)) for m in modules]
+    weights = [sum(map(piece_plan._weight, m.graph.nodes)) for m in modules]
     assert len(modules) >= 2 and _flights_across_cuts(modules, plan) >= 1, weights
 
 
@@ -483,7 +483,7 @@ def test_a_piece_output_returned_without_its_kept_dimension_is_viewed_in_its_gra
     as ``(2048,)``, and the next piece's input check failed). The pieces' runner views such an output in the
     shape its graph gives before a later piece reads it; an output with another number of elements is an
     error that says what to do."""
-    plan = pieces.PiecePlan(takes=((0,), (1,)), makes=((1,), ()), drops=((0,), (1,)), shapes=(((1, 4),), ()))
+    plan = piece_plan.PiecePlan(takes=((0,), (1,)), makes=((1,), ()), drops=((0,), (1,)), shapes=(((1, 4),), ()))
     seen = []
 
     def first(args):  # like the miscompiled piece: (4,) where its graph makes (1, 4)
@@ -493,12 +493,12 @@ def test_a_piece_output_returned_without_its_kept_dimension_is_viewed_in_its_gra
         seen.append(tuple(args[0].shape))
         return [args[0] * 2]
 
-    run = pieces.run_pieces(plan, [first, second])
+    run = piece_plan.run_pieces(plan, [first, second])
     for _ in range(2):  # learned on the first run, applied on every run
         (out,) = run([torch.ones(3, 4)])
         assert out.shape == (1, 4) and torch.equal(out, torch.full((1, 4), 6.0))
     assert seen == [(1, 4), (1, 4)]
-    wrong = pieces.run_pieces(plan, [lambda args: [args[0].sum()], second])
+    wrong = piece_plan.run_pieces(plan, [lambda args: [args[0].sum()], second])
     with pytest.raises(RuntimeError, match=r"returned output 0 with shape \(\) where its graph gives \(1, 4\).*"
                                            r"compile_pieces=1"):
         wrong([torch.ones(3, 4)])
@@ -506,13 +506,13 @@ def test_a_piece_output_returned_without_its_kept_dimension_is_viewed_in_its_gra
 
 def test_a_cut_records_the_shape_of_each_value_crossing_it(monkeypatch):
     """What the runner checks piece outputs against: the shape of each value crossing a cut, from its graph."""
-    monkeypatch.setattr(pieces, "MIN_PIECE_WEIGHT", 5)
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 5)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).double()
     idx = torch.randint(0, 256, (2, 32))
     with single_process_group():
         gm, inputs = _step_graph(model, (idx, idx), lm_train_step)
-        made = pieces.cut(gm, 4, inputs)
+        made = piece_plan.cut(gm, 4, inputs)
     assert made is not None
     modules, specs, plan = made
     assert len(plan.shapes) == len(plan) and plan.shapes[-1] == ()

@@ -115,7 +115,7 @@ def test_dump_dir_env_var_turns_dumps_on_without_code_changes(tmp_path, monkeypa
 
     train_step(model, optim, torch.randn(2, 4))
     # the CPU default runs our passes: the traced graph, one file per pass, then setup/main/cleanup
-    passes = [pass_info(p).name for p in replicate.pass_pipeline(spmd.GraphModuleTransformation())]
+    passes = [pass_info(p).name for p in spmd.GraphModuleTransformation().pipelines[replicate]]
     stages = ["traced", *passes, "setup", "main", "cleanup"]
     assert sorted(p.name for p in tmp_path.glob("*.py")) == [f"{i:02d}_{name}.py" for i, name in enumerate(stages)]
 

@@ -49,11 +49,12 @@ def _again(graph):
 
 def _autocast_graph(recompute=True, model=None):
     """The tiny GPT's replicate step under bf16 autocast (traced on fake tensors) after the default pipeline."""
-    from spmd.tools.memory_estimate import build, fake_group, final_module
+    from spmd.explain import transformed_step
+    from spmd.tools.memory_estimate import build, fake_group
 
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     with fake_group(2):
-        return final_module(*build("replicate", cfg, 2, recompute=recompute))
+        return transformed_step(*build("replicate", cfg, 2, recompute=recompute), {})[0]
 
 
 def _consumers(node):
@@ -328,7 +329,7 @@ def test_fully_shard_with_recompute_matches_fsdp2_in_float64(budget):
 def test_fully_shard_recomputes_from_the_backward_gather_and_forward_gathers_still_die_in_the_forward():
     """Under a budget, a resharding unit's LayerNorm is recomputed in its backward from the parameters the
     backward gathers again: the forward's gathered parameters are read by no recomputed node."""
-    from spmd.graph_utils.units import gathered_values, unit_gathers, unsharded_interval
+    from spmd.graph_utils.unit_collectives import gathered_values, unit_gathers, unsharded_interval
     from tests.dist import fake_process_group
     from tests.test_graph_memory import _sharded_step_graph
 

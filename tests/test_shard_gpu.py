@@ -98,9 +98,9 @@ def _bf16_parity(rank, world_size, style, lowering):
 @contextlib.contextmanager
 def _pieces_in_flight():
     """Step graphs cut into pieces however small they are; yields the (modules, plan) of each cut made."""
-    from spmd.lower import pieces, piecewise
+    from spmd.lower import piece_compile, piece_plan
 
-    made, cut = [], piecewise.cut
+    made, cut = [], piece_compile.cut
 
     def kept(*args, **kwargs):
         result = cut(*args, **kwargs)
@@ -108,11 +108,11 @@ def _pieces_in_flight():
             made.append((result[0], result[2]))
         return result
 
-    min_weight, piecewise.cut, pieces.MIN_PIECE_WEIGHT = pieces.MIN_PIECE_WEIGHT, kept, 20
+    min_weight, piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT = piece_plan.MIN_PIECE_WEIGHT, kept, 20
     try:
         yield made
     finally:
-        piecewise.cut, pieces.MIN_PIECE_WEIGHT = cut, min_weight
+        piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT = cut, min_weight
 
 
 @pytest.mark.parametrize("lowering", ["graph", "inductor", "default", "budget"])

@@ -16,7 +16,7 @@ import torch.fx as fx
 import spmd
 from spmd.graph_utils.meta import KEEP, UNIT
 from spmd.graph_utils import node_order, wait_of
-from spmd.graph_utils.units import gradient_collectives, unit_gathers, unsharded_interval
+from spmd.graph_utils.unit_collectives import gradient_collectives, unit_gathers, unsharded_interval
 from spmd.step.iter_graph_module import IterGraphModule
 from spmd.passes import (
     UnshardedMemoryError, guard_unsharded_memory, prefetch_unit_gathers, schedule_reduce_scatter_waits,

@@ -21,7 +21,7 @@ from torch.distributed.fsdp.wrap import (
 
 import spmd
 from spmd import SpmdCompileError
-from spmd.parallel.units import build_units
+from spmd.parallel.shard import build_units
 from spmd.tools.models import GPT, Block, GPTConfig
 from tests.dist import single_process_group
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import spmd
 from spmd import SpmdCompileError
+from spmd._testing import agree_across_ranks
 from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
 from tests.parity import assert_params_close, ddp_copy, lm_train_step, square_mean_step
@@ -225,8 +226,7 @@ def test_agreement_on_a_group_of_one_only_when_asked():
         ref = copy.deepcopy(model)
         optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.125, momentum=0.875) for m in (model, ref))
         plain = spmd.compile()(square_mean_step)
-        forced = spmd.compile()(square_mean_step)
-        forced.agree_across_ranks = True
+        forced = agree_across_ranks(spmd.compile()(square_mean_step), True)
         for rows in _rows(1):
             x = torch.randn(rows, 8, dtype=F64)
             torch.testing.assert_close(forced(model, optim, x), square_mean_step(ref, ref_optim, x), **TOL)
@@ -245,8 +245,8 @@ def _uneven_on_gpus(rank, world_size):
     ddp = ddp_copy(model, device_ids=[rank])
     optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
     ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True)
-    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(square_mean_step)
-    step.agree_across_ranks = True
+    step = agree_across_ranks(spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(
+        square_mean_step), True)
     data = torch.Generator().manual_seed(10 + rank)
     for rows in _rows(1 if rank == world_size - 1 else 0):  # the last rank's batch is smaller once (rank 0's on one GPU)
         x = torch.randn(rows, 8, generator=data).to(device)

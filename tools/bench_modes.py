@@ -33,13 +33,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spmd
+from spmd._testing import with_lowering
 from spmd.api import default_transformation
-from spmd.graph_utils import find_node, is_all_reduce
-from spmd.graph_utils.meta import ROLE, Role
-from spmd.passes import (
-    comm_fusion_with_concat, graph_optimization_pass, iter_move_grads_and_optimizers, remove_copy_from_optimizer,
-    schedule_comm_wait,
-)
+from spmd.passes import defer_last_bucket
 
 from . import bench_peers
 from .models import GPT, Block, GPTConfig
@@ -222,21 +218,25 @@ def _spmd(setup: Setup, optimize: bool, cudagraphs: bool = False, inductor_comm:
     start = time.perf_counter()
     transformation = spmd.GraphModuleTransformation(
         enable_graph_optimization=optimize, bucket_size_mb=a.bucket_mb, optimizer_parts=a.optimizer_parts,
-        enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, inductor_comm_passes=inductor_comm,
-        passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
+        enable_inductor=not a.no_inductor, enable_cudagraphs=cudagraphs, passes=passes, prefetch_units=a.prefetch_units, memory_budget=a.memory_budget,
         inductor_options=dict(a.inductor_option) if not a.no_inductor else None,
         compile_pieces=(pieces or a.compile_pieces) if not a.no_inductor else 1)
+    if inductor_comm:
+        transformation = with_lowering(transformation, inductor_comm_passes=True)
     if fast_default:  # what @spmd.compile() gives a user who asks for nothing, but for the settings changed here
         changed = {"recompute": recompute} if recompute is not True else {}
         if a.compile_pieces != "auto":
             changed["compile_pieces"] = a.compile_pieces
-        if lean is not None:
+        if isinstance(lean, bool):
             changed["lean_lowering"] = lean
         if a.inductor_option and not a.no_inductor:
             changed["inductor_options"] = dict(a.inductor_option)
         if a.memory_budget is not None:
             changed["memory_budget"] = a.memory_budget
-        transformation = default_transformation(setup.device.type, **changed) if changed else None
+        if isinstance(lean, str):  # one lean part alone: a measurement's switch
+            transformation = with_lowering(default_transformation(setup.device.type, **changed), lean=lean)
+        else:
+            transformation = default_transformation(setup.device.type, **changed) if changed else None
     compiled = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(train_step)
     wrap_s = time.perf_counter() - start
 
@@ -316,20 +316,6 @@ def spmd_default_lean_one_rank(setup: Setup) -> Step:
 def spmd_default_lean_step_counts(setup: Setup) -> Step:
     """spmd_default with ``lean_lowering="step_counts"``: only the step counts are added by one ATen call."""
     return _spmd(setup, optimize=True, fast_default=True, lean="step_counts")
-
-
-@graph_optimization_pass(prerequisites=[remove_copy_from_optimizer],
-                         apply_after=[comm_fusion_with_concat, schedule_comm_wait])
-def defer_last_bucket(gm) -> None:
-    """``iter_move_grads_and_optimizers`` of the last gradient bucket to before the first forward node.
-
-    The last bucket holds the first layers' (and the embedding's) gradients; the first node that
-    reads a parameter is the latest target no deferred update can make stale.
-    """
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    params = [n for n in gm.graph.nodes if n.meta.get(ROLE) == Role.PARAM]
-    first_forward = min((u for p in params for u in p.users), key=order.__getitem__)
-    iter_move_grads_and_optimizers(gm, find_node(gm.graph, is_all_reduce)[-1], first_forward)
 
 
 @register("spmd_pipeline_itermove")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import spmd
+from spmd._testing import agree_across_ranks
 from spmd.checks import rank_check
 from spmd.tools.launch import launch
 from spmd.tools.models import MLP
@@ -58,7 +59,7 @@ def _measure(rank: int, world_size: int, device: torch.device, calls: int, repea
         model = MLP(layers=4, dim=dim).to(device)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(_step)
-        step.agree_across_ranks = agree  # True: also on a group of one; False: none (measurement only)
+        step = agree_across_ranks(step, agree)  # True: also on a group of one; False: none (measurement only)
         steps[agree], args[agree] = step, (model, optim, torch.randn(32, dim, device=device))
         for _ in range(3):  # compile, first runs (CUDA graph capture), the per-call fast path
             step(*args[agree])

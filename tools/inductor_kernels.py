@@ -28,11 +28,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from spmd.explain import transformed_step
 from spmd.graph_utils.meta import RECOMPUTE_OF
 from spmd.lower.inductor import compile_with_inductor
 from spmd.lower.lowering import example_like
 
-from .memory_estimate import add_shape_arguments, build, fake_group, final_module, shape_config
+from .memory_estimate import add_shape_arguments, build, fake_group, shape_config
 from .models import GPTConfig
 
 GiB = 2 ** 30
@@ -142,7 +143,7 @@ def schedule(gm: fx.GraphModule) -> Kernels:
 def kernels(style: str, cfg: GPTConfig, batch: int, world: int = 2, **transform) -> Kernels:
     """``schedule`` of the ``style`` step of ``memory_estimate.build`` after the pass pipeline (``transform``)."""
     with fake_group(world):
-        module = final_module(*build(style, cfg, batch, **transform))
+        module = transformed_step(*build(style, cfg, batch, **transform), {})[0]
         return schedule(fx.GraphModule(module, module.graph))
 
 

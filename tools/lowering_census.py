@@ -134,9 +134,11 @@ def census(args) -> dict:
             import spmd
 
             lean = {"spmd_lean": True, "spmd_lean_one_rank": "one_rank", "spmd_lean_step_counts": "step_counts"}
-            transformation = spmd.GraphModuleTransformation(
+            from spmd._testing import with_lowering
+
+            transformation = with_lowering(spmd.GraphModuleTransformation(
                 enable_graph_optimization=True, enable_inductor=True, bucket_size_mb=args.bucket_mb,
-                recompute=args.variant != "spmd_no_recompute", lean_lowering=lean.get(args.variant, False))
+                recompute=args.variant != "spmd_no_recompute"), lean=lean.get(args.variant, False))
             step = spmd.compile(parallel_mode=spmd.DataParallel("replicate"), gm_transformation=transformation)(train_step)
             step(model, optim, idx, idx)
         first_call = time.perf_counter() - start

@@ -1,9 +1,8 @@
 """What a data-parallel GPT step holds in memory, estimated from its graph or measured on one GPU.
 
-``estimate``: the step is traced on fake tensors (no memory, no GPU; a 1.3B model in seconds)
-in a fake process group of ``world`` ranks, the pass pipeline runs on it as
-``GraphModuleTransformation(enable_graph_optimization=True)`` runs it, and
-``graph_utils.memory.memory_profile`` walks the final graph: the estimated peak, where it
+``estimate``: the step is built on fake tensors (no memory, no GPU; a 1.3B model in seconds)
+in a fake process group of ``world`` ranks, with ``GraphModuleTransformation(enable_graph_optimization=True)``,
+and ``spmd.estimate_memory`` reads its transformed graph: the estimated peak, where it
 happens, and what is live there by kind. It counts what Inductor computes inside the kernels
 that read it as never allocated (``recompute_ops.inductor_inlines``: an unfused cross-entropy's
 float32 logits-sized values, say); ``--unfused`` also prints the peak of the graph run op by op.
@@ -32,28 +31,20 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import spmd
-from spmd.graph_utils import is_comm_node
-from spmd.graph_utils.memory import MemoryProfile, memory_profile
-from spmd.graph_utils.meta import PHASE, ROLE
-from spmd.lower.inductor import graph_inductor_gets
-from spmd.passes import RecomputePlan, recompute_plan
 
 from .bench_modes import PRESETS, train_step
 from .memory_measure import PEERS, Measured, measure_fsdp2_ac, measure_spmd
 from .models import GPT, Block, GPTConfig
 
 GiB = 2 ** 30
-_VIEWS = ("view", "_unsafe_view", "reshape", "slice", "narrow")
 
 
 @contextlib.contextmanager
@@ -100,86 +91,10 @@ def build(style: str, cfg: GPTConfig, batch: int, device: str = "cpu", fake: boo
     return step, (model, optim, idx, idx.roll(-1, 1), style == "replicate")
 
 
-def final_module(step, args):
-    """The step's ``IterGraphModule`` after the pass pipeline (its ``graph`` is the logical step graph)."""
-    state = step.prepare_state(args, {})
-    gm, _, _, _ = step.trace_and_expand(state, args, {})
-    return step.gm_transformation(gm)
-
-
-def classify(graph: fx.Graph) -> dict[fx.Node, str]:
-    """A kind for each node's storage: graph inputs by role, collective buffers, forward activations
-    (what the loss is computed from) and the rest (backward and optimizer values)."""
-    nodes = list(graph.nodes)
-    loss = nodes[-1].args[0][0]
-    forward, stack = {loss}, [loss]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in forward:
-                forward.add(a)
-                stack.append(a)
-    kind: dict[fx.Node, str] = {}
-    for n in nodes:
-        if n.op == "placeholder":
-            kind[n] = f"input: {n.meta.get(ROLE)}"
-        elif is_comm_node(n):
-            op, phase = n.target.__name__.split(".")[0], n.meta.get(PHASE, "-")
-            kind[n] = f"{op} output ({phase})"
-            for a in n.all_input_nodes:  # the buffer the collective reads: through views to what allocated it
-                while a not in kind and getattr(getattr(a.target, "overloadpacket", None), "__name__", "") in _VIEWS:
-                    kind[a] = f"{op} input ({phase})"
-                    a = a.args[0]
-                kind.setdefault(a, f"{op} input ({phase})")
-    for n in nodes:
-        kind.setdefault(n, "forward activation" if n in forward else "backward / optimizer")
-    return kind
-
-
-def describe(node: fx.Node) -> str:
-    val = node.meta.get("val")
-    if isinstance(val, (list, tuple)):
-        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-    target = str(node.target).replace("aten.", "").replace(".default", "")
-    return f"{node.name} = {target} {tuple(val.shape)} {val.dtype}" if isinstance(val, torch.Tensor) else node.name
-
-
-@dataclass
-class Estimate:
-    style: str
-    profile: MemoryProfile
-    kinds: dict[str, int]    # bytes live at the peak, by kind
-    largest: list[tuple[int, str, str]]  # (bytes, kind, node) of the largest non-input values there
-    recompute: Optional[RecomputePlan] = None  # what recompute_activations kept and recomputed
-    unfused: Optional[int] = None  # the peak of the graph run op by op, nothing fused
-
-    def report(self, top: int = 12) -> str:
-        p, r = self.profile, self.recompute
-        lines = [f"{self.style}: estimated peak {p.peak / GiB:.2f} GiB at {describe(p.peak_node)} "
-                 f"(node {p.peak_index} of {len(p.nodes)}); inputs {p.inputs / GiB:.2f} GiB"
-                 + ("" if self.unfused is None else f"; {self.unfused / GiB:.2f} GiB op by op, nothing fused")]
-        if r is not None:
-            lines += [f"  activations kept for the backward: {r.kept_bytes / GiB:.3f} GiB at memory_budget={r.budget} "
-                      f"({len(r.kept)} kept, {len(r.recomputed)} recomputed; {r.default_bytes / GiB:.3f} GiB at the "
-                      f"default, {r.saved_bytes / GiB:.3f} GiB without recompute)"
-                      + ("" if r.met else "; the budget is not reachable")]
-        lines += [f"  {b / GiB:7.3f} GiB  {k}" for k, b in sorted(self.kinds.items(), key=lambda kv: -kv[1])]
-        lines += ["  largest values there:"]
-        lines += [f"  {b / 2**20:9.1f} MiB  {k:28s} {d}" for b, k, d in self.largest[:top]]
-        return "\n".join(lines)
-
-
-def estimate(style: str, cfg: GPTConfig, batch: int, unfused: bool = False, **transform) -> Estimate:
+def estimate(style: str, cfg: GPTConfig, batch: int, unfused: bool = False, **transform) -> spmd.MemoryEstimate:
     """The liveness estimate of one rank's step, Inductor's fusion counted (call inside ``fake_group``)."""
-    module = final_module(*build(style, cfg, batch, **{"enable_inductor": True, **transform}))  # as the GPU step
-    graph = graph_inductor_gets(module)
-    profile = memory_profile(graph, inductor=True)
-    kind = classify(graph)
-    kinds: dict[str, int] = defaultdict(int)
-    for v in profile.at_peak:
-        kinds[kind[v.node]] += v.nbytes
-    largest = [(v.nbytes, kind[v.node], describe(v.node)) for v in profile.at_peak if v.node.op != "placeholder"]
-    return Estimate(style, profile, dict(kinds), largest, recompute_plan(module),
-                    memory_profile(graph).peak if unfused else None)
+    step, args = build(style, cfg, batch, **{"enable_inductor": True, **transform})  # as the GPU step
+    return spmd.estimate_memory(step, *args, unfused=unfused)
 
 
 @dataclass
@@ -274,11 +189,10 @@ def main(argv=None) -> None:
             if not a.no_estimate:
                 with fake_group(a.world):
                     est = estimate(style, cfg, a.batch, unfused=a.unfused, **transform)
-                est.style = row.label
-                row.estimate = est.profile.peak / GiB
-                print(est.report(), flush=True)
+                row.estimate = est.peak / GiB
+                print(est.report(row.label), flush=True)
                 if budget is None:
-                    peaks[style] = est.profile.peak
+                    peaks[style] = est.peak
             wanted = (budget in measured_budgets if measured_budgets is not None
                       else budget is None or style != "replicate")
             if a.measure and wanted:

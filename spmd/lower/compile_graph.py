@@ -2,7 +2,7 @@
 
 ``inner_compile`` runs what ``compile_fx`` would run after its AOT re-trace (joint-graph passes, then
 ``compile_fx_inner``); ``compile_piece`` first applies Inductor's decompositions to a graph that may
-come without fake values (a piece of a step handed to another process, ``spmd.lower.compile_workers``).
+come without fake values (a piece of a step handed to another process, ``spmd.lower.worker_pool``).
 Both take the graph's example inputs as tensors or as ``InputSpec``s: Inductor compiles from their
 metadata alone.
 """
@@ -18,10 +18,10 @@ import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 
 from ..compile_times import phase
-from .decompose import decompose_for_inductor
+from .decompose_for_inductor import decompose_for_inductor
 from .foreach_fusion import fusing_producers_safely
 from .fx_cache import inductor_cache_context
-from .pieces import InputSpec
+from .piece_plan import InputSpec
 from .triton_kernels import collecting as collecting_triton_kernels
 
 # Devices whose step graphs are looked up in Inductor's FX graph cache (``uses_fx_graph_cache``). Not the

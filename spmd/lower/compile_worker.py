@@ -1,4 +1,4 @@
-"""A compile worker's life (``spmd.lower.compile_workers``): ``python -m spmd.lower.compile_worker``.
+"""A compile worker's life (``spmd.lower.worker_pool``): ``python -m spmd.lower.compile_worker``.
 
 It imports torch, Inductor and spmd, then answers each job sent on its stdin with the piece's
 ``InductorCode`` (or why there is none) on its stdout, until stdin closes.
@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, Iterator
 
-from .compile_workers import Job, _receive, _send
+from .worker_pool import Job, _receive, _send
 
 
 def _stand_in_groups(groups: dict) -> None:

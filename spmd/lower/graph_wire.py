@@ -1,4 +1,4 @@
-"""An op graph as bytes and back, to hand a piece of a step to another process (``spmd.lower.compile_workers``).
+"""An op graph as bytes and back, to hand a piece of a step to another process (``spmd.lower.worker_pool``).
 
 Each node is written as its kind, its name, its target (an op by its qualified name, or ``getitem``)
 and its arguments, with the nodes it reads written as their positions. Metadata is not sent: the

@@ -19,7 +19,7 @@ Inductor compiles (``LEAN_PARTS``: ``spmd.lower.one_rank``, ``spmd.lower.step_co
 
 The graph does not pass through ``compile_fx``'s AOT-autograd front end, which would
 re-trace the whole step only to apply Inductor's decompositions to a graph that is
-already functional: ``spmd.lower.decompose`` applies them node by node and
+already functional: ``spmd.lower.decompose_for_inductor`` applies them node by node and
 ``inner_compile`` (``spmd.lower.compile_graph``) runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
 graph means what it means when run op by op. On the CPU ``compile_fx_inner`` looks the graph
@@ -30,9 +30,9 @@ kernels (``spmd.lower.triton_kernels``), which that process launches without Tri
 
 Compiling the compute regions between collectives separately would keep the schedule trivially
 but cut fusion at every bucket boundary, materialize every tensor that crosses one and multiply
-compile work by the number of regions. ``pieces`` (``spmd.lower.piecewise``) cuts a graph a few
+compile work by the number of regions. ``pieces`` (``spmd.lower.piece_compile``) cuts a graph a few
 times only, to compile the pieces side by side; a collective may be in flight across a cut, its wait in a
-later piece (``spmd.lower.pieces`` says what crosses with it).
+later piece (``spmd.lower.piece_plan`` says what crosses with it).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inpla
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from ..compile_times import phase
 from ..errors import SpmdCompileError
-from . import compile_workers
+from . import worker_pool
 from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
-from .decompose import decompose_for_inductor
+from .decompose_for_inductor import decompose_for_inductor
 from .loss_order import order_loss_backward_after_loss
 from .matmul_order import run_freeing_matmuls_first
 from .pack_order import delay_early_pack_inputs
@@ -65,8 +65,8 @@ from .opaque_ops import (
     BERNOULLI, EMBEDDING, EMBEDDING_BACKWARD, keeps_bernoulli_whole, keeps_embedding_backward_whole,
     keeps_gathered_lookup_whole, opaque_inplace_op, wrapped_ops, writes_grads,
 )
-from .pieces import cut_obstacle
-from .piecewise import compile_in_pieces
+from .piece_plan import cut_obstacle
+from .piece_compile import compile_in_pieces
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ _COMPILE_TIME_CONFIG = {"graph_partition": False}
 # a bfloat16 loss's gradient (the log-softmax recomputed from the online softmax's statistics, rounded to
 # bfloat16, its backward, the one-hot target) is such a chain, so its float32 result was stored and cast
 # in a second step that reads no logits, and Inductor could not write the gradient over them (one more
-# (tokens, vocab) buffer: 393 MiB at 1.3B parameters, batch 4). At 60 the chain and its cast are one store.
+# (tokens, vocab) buffer). At 60 the chain and its cast are one store.
 _ORDER_CONFIG = {"reorder_for_locality": False, "realize_opcount_threshold": 60}
 
 
@@ -156,8 +156,8 @@ def check_inductor_options(options: Optional[dict]) -> dict:
     ours = sorted(k for k in options if k in _INDUCTOR_CONFIG or k in _INDUCTOR_COMM_PASSES_CONFIG)
     if ours:
         raise ValueError(f"inductor_options: {', '.join(ours)} decide where collectives run, which spmd sets so "
-                         "that Inductor keeps our passes' schedule. To let Inductor schedule them, use "
-                         "GraphModuleTransformation(inductor_comm_passes=True) instead.")
+                         "that Inductor keeps our passes' schedule: drop them. (A measurement that lets Inductor "
+                         "schedule them sets inductor_comm_passes=True: spmd._testing.with_lowering.)")
     return options
 
 
@@ -214,7 +214,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
     * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
 
     ``lean`` (``Lowering.lean``: True, False, or one of ``LEAN_PARTS``) adds exact rewrites that take
-    work out of the graph Inductor compiles; off by default until measured on a GPU (BENCHMARKS.md):
+    work out of the graph Inductor compiles (``spmd.compile()``'s GPU default; BENCHMARKS.md, "Round 6"):
 
     * ``"step_counts"``: the foreach op counting a fused optimizer's steps is made in place
       (``spmd.lower.step_counts``) and becomes its ``opaque_inplace_op`` too: one ATen call, no kernel.
@@ -295,7 +295,7 @@ def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, p
     """``compile_in_pieces`` in twice as many pieces as there are processes to compile them (the workers running
     and this one, at most ``pieces``), or None where the graph is compiled whole: no worker runs, the options
     cannot be sent, or the graph is not cut."""
-    processes = min(pieces, len(compile_workers.running()) + 1)
+    processes = min(pieces, len(worker_pool.running()) + 1)
     options = _portable_config(config) if processes > 1 else None
     if options is None:
         log.info("spmd: the %s graph is compiled whole: %s", label,
@@ -316,14 +316,14 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
 
     The graph updates parameters and optimizer state in place and is compiled as
     inference (no autograd), which is what it is: the backward is already in it.
-    Inductor's decompositions are applied node by node (``spmd.lower.decompose``) and
+    Inductor's decompositions are applied node by node (``spmd.lower.decompose_for_inductor``) and
     the graph goes straight to ``compile_fx_inner``: AOT autograd's re-trace of the whole
     step, which ``compile_fx`` would run first, has nothing left to do on a functional graph.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
     options (``check_inductor_options``); ``lean``: the exact rewrites ``prepare_for_inductor`` adds.
-    ``pieces``: compile up to this many pieces of the graph side by side (``spmd.lower.piecewise``), in
-    this process and the compile workers running (``spmd.lower.compile_workers``).
+    ``pieces``: compile up to this many pieces of the graph side by side (``spmd.lower.piece_compile``), in
+    this process and the compile workers running (``spmd.lower.worker_pool``).
 
     Returns a callable taking the graph's inputs positionally and returning its outputs, and the code
     it runs (``InductorCode``, or ``PiecewiseCode`` for a graph compiled in pieces; None where that

@@ -28,7 +28,7 @@ import torch
 from ..compile_times import phase
 from .graph_wire import op_named
 from .opaque_ops import opaque_inplace_op
-from .pieces import PiecePlan, run_pieces
+from .piece_plan import PiecePlan, run_pieces
 from .triton_kernels import emit as emit_triton_kernels
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class InductorCode:
 
 @dataclass(frozen=True)
 class PiecewiseCode:
-    """What runs a graph compiled in pieces (``spmd.lower.piecewise``): each piece's code and how they run."""
+    """What runs a graph compiled in pieces (``spmd.lower.piece_compile``): each piece's code and how they run."""
 
     pieces: tuple[InductorCode, ...]
     plan: PiecePlan

@@ -5,7 +5,7 @@
 writes it in place over them when its kernel is their last reader. But nothing the gradient computes
 reads the loss value (its seed is ``ones_like(loss)``, a shape), so Inductor fuses the gradient into the
 kernel computing the row statistics and picks each row's target from the logits in a later kernel,
-which keeps the logits alive beside the gradient: for a GPT-2 vocabulary, 786 MiB at 8 x 1024 tokens.
+which keeps the logits alive beside the gradient: one more (tokens, vocab) buffer at the peak.
 
 ``order_loss_backward_after_loss`` makes each ``nll_loss_backward``'s incoming gradient a ``RUN_AFTER``
 copy made once its ``nll_loss_forward`` has run. The row statistics, the loss (with its target pick)

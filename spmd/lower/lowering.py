@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..errors import SpmdConfigError
 from ..graph_utils.meta import NAME, ROLE, Role
-from . import compile_workers
+from . import worker_pool
 from .compile_graph import device_of as _device_of
 from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
 from .inductor import LEAN_PARTS, check_inductor_options, compile_with_inductor, start_compile_workers
@@ -39,15 +39,17 @@ class Lowering:
     collective and wait positions the passes chose. ``cudagraphs``: replay each graph as one CUDA
     graph from its second call on; ``"auto"`` where every input is on the GPU and its capture
     succeeds, else run it as it is, saying why once. ``inductor_comm_passes``: let Inductor's own
-    comm passes place the collectives instead (to compare the two). ``inductor_options``: further
-    Inductor config values, checked by ``check_inductor_options``. ``lean``: exact rewrites that take
-    work out of the graph Inductor compiles (``prepare_for_inductor``): True for all of
-    ``LEAN_PARTS``, one of them by name (``"one_rank"``: a gradient all_reduce over a group of one
-    rank and its bucket's copies leave the graph; ``"step_counts"``: a fused optimizer's step counts
-    are added in place by one ATen call), False (the default here) for none; ``spmd.compile()``'s GPU
-    default turns it on (``spmd.api.default_transformation``; measured in BENCHMARKS.md). ``pieces``:
+    comm passes place the collectives instead. ``inductor_options``: further Inductor config values,
+    checked by ``check_inductor_options``. ``lean``: exact rewrites that take work out of the graph
+    Inductor compiles (``prepare_for_inductor``): True for all of ``LEAN_PARTS`` (``"one_rank"``: a
+    gradient all_reduce over a group of one rank and its bucket's copies leave the graph;
+    ``"step_counts"``: a fused optimizer's step counts are added in place by one ATen call), False (the
+    default here) for none; ``spmd.compile()``'s GPU default turns it on
+    (``spmd.api.default_transformation``; the measurements are in BENCHMARKS.md). ``inductor_comm_passes``
+    and one lean part by name exist to compare lowerings: a measurement sets them with
+    ``spmd._testing.with_lowering``, ``GraphModuleTransformation`` does not take them. ``pieces``:
     compile up to this many pieces of each graph side by side, in this process and ``pieces - 1``
-    worker processes (``spmd.lower.piecewise``), or ``"auto"`` (``pieces_on``); the code is the same but
+    worker processes (``spmd.lower.piece_compile``), or ``"auto"`` (``pieces_on``); the code is the same but
     for the cuts, which nothing fuses across.
     """
 
@@ -60,12 +62,12 @@ class Lowering:
 
     def __post_init__(self):
         if self.inductor_comm_passes and not self.inductor:
-            raise SpmdConfigError("GraphModuleTransformation: inductor_comm_passes=True needs enable_inductor=True")
+            raise SpmdConfigError("Lowering: inductor_comm_passes=True needs enable_inductor=True (Inductor places "
+                                  "the collectives only where it compiles the graph)")
         if self.inductor_options and not self.inductor:
             raise SpmdConfigError("GraphModuleTransformation: inductor_options need enable_inductor=True")
         if not (self.lean is True or self.lean is False or self.lean in LEAN_PARTS):
-            raise SpmdConfigError(f"GraphModuleTransformation: lean_lowering must be True, False or one of "
-                                  f"{list(LEAN_PARTS)}, got {self.lean!r}")
+            raise SpmdConfigError(f"Lowering: lean must be True, False or one of {list(LEAN_PARTS)}, got {self.lean!r}")
         if self.lean and not self.inductor:
             raise SpmdConfigError("GraphModuleTransformation: lean_lowering changes what Inductor compiles and needs "
                                   "enable_inductor=True. Pass enable_inductor=True or drop lean_lowering.")
@@ -101,16 +103,16 @@ class Lowering:
     def start(self, device: torch.device) -> None:
         """Called before the step is traced: with Inductor on a GPU, its kernel-compile workers start
         now, while the step is traced and optimized (``start_compile_workers``), and so do the processes
-        that compile all pieces but one of a graph compiled in pieces (``spmd.lower.compile_workers``)."""
+        that compile all pieces but one of a graph compiled in pieces (``spmd.lower.worker_pool``)."""
         if self.inductor and device.type == "cuda":
             start_compile_workers()
         if self.pieces_on(device) > 1:
-            compile_workers.start(self.pieces_on(device) - 1)
+            worker_pool.start(self.pieces_on(device) - 1)
 
     def finish(self) -> None:
         """Called once a step's graphs are lowered: the piece-compiling processes stop, holding nothing while
         the step trains."""
-        compile_workers.stop()
+        worker_pool.stop()
 
     def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int,
                     kept: Optional[KeptCode] = None) -> tuple[Callable, Optional[KeptCode]]:

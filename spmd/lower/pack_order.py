@@ -5,7 +5,7 @@ reduce-scatter (``parallel.shard_comm.reduce_scatter_unit``). Inductor writes ea
 its slice of that buffer, so the buffer exists from the first gradient's cast on. For a unit whose
 gradients are computed far apart, that is most of the backward: the root unit of a GPT holds the final
 LayerNorm (its gradient comes first in the backward) and the tied embedding (its gradient comes last), so
-its float32 buffer (401 MiB at 1.3B parameters, world 2) was live through the whole backward, beside
+its float32 buffer (the size of the embedding's shard and more) was live through the whole backward, beside
 every other unit's.
 
 ``delay_early_pack_inputs`` reads each gradient computed before another unit's gradient collective
@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from ..graph_utils import node_order
 from ..graph_utils.meta import UNIT
-from ..graph_utils.units import LAYOUT_OPS, gradient_collectives
+from ..graph_utils.unit_collectives import LAYOUT_OPS, gradient_collectives
 from .opaque_ops import RUN_AFTER
 
 aten = torch.ops.aten
@@ -41,7 +41,7 @@ PACK_OPS = frozenset({
 def delay_early_pack_inputs(graph: fx.Graph) -> int:
     """Make every gradient collective's pack start after its last gradient; returns how many gradients were delayed.
 
-    For each gradient collective (``graph_utils.units.gradient_collectives``), its pack is what
+    For each gradient collective (``graph_utils.unit_collectives.gradient_collectives``), its pack is what
     ``PACK_OPS`` and ``LAYOUT_OPS`` compute for it alone, and its sources the nodes the pack reads.
     A source placed before another unit's gradient collective that precedes this one is read by the pack
     through ``RUN_AFTER(source, last source)``; such a pack is then moved, in its order, to just before
@@ -81,7 +81,7 @@ def _anchor(last: fx.Node, before_last: fx.Node, order: dict[fx.Node, int]) -> f
     one ``addmm`` at the add (``should_prefer_unfused_addmm`` keeps them apart on a GPU only while every reader is
     pointwise). For a tied embedding, whose gradient is the LM head's weight gradient (a matmul at the start of
     the backward) plus the lookup's (at its end), that runs the head's matmul at the end of the backward and
-    keeps the (tokens, vocab) logits gradient alive all through it: 393 MiB at 1.3B parameters.
+    keeps the (tokens, vocab) logits gradient alive all through it.
     """
     inputs = [a for a in last.all_input_nodes if a.op != "placeholder"]
     latest = max(inputs, key=order.__getitem__, default=None)

@@ -1,7 +1,7 @@
 """Import Inductor's GPU machinery when ``spmd.compile`` wraps a step, as ``torch.compile`` does when it wraps.
 
-``torch.compile(model)`` imports Dynamo, Inductor and Triton before it returns (2.0 s on an H200's
-host, torch 2.11: BENCHMARKS.md, "Round 6"), so its first call starts with them loaded. A step that
+``torch.compile(model)`` imports Dynamo, Inductor and Triton before it returns (seconds on a GPU host:
+BENCHMARKS.md, "Round 6"), so its first call starts with them loaded. A step that
 ``spmd.compile`` lowers through Inductor imports the same modules in its first call, where a
 restarted job loading its kept code waits for them. ``import_for_inductor`` does it at the wrap
 instead, where a GPU is present and the step may be lowered through Inductor (the GPU default, or a

@@ -1,9 +1,8 @@
 """Triton's compiled kernels kept with a GPU graph's Inductor code, so a restarted process launches them at once.
 
 Loading Inductor's module for a GPU graph defines each kernel through ``async_compile.triton``. With
-Triton's cache warm that still builds every kernel's launcher through Triton, one after another (on an
-H200 GPT 124M's kept step code loaded in 3.9 s; with its 43 kernels kept, in 2.5 s, of which 0.3 s
-writes them back: BENCHMARKS.md, "Round 5"). ``torch.compile``'s warm
+Triton's cache warm that still builds every kernel's launcher through Triton, one after another, most of
+loading a kept GPU step's code (BENCHMARKS.md, "Round 5"). ``torch.compile``'s warm
 path skips it: its FX graph cache entry holds Inductor's ``TritonBundle``, each kernel's Triton cache files
 and a statically launchable copy of its autotuner, which it writes back into Triton's cache and into the
 table ``async_compile.triton`` looks in before compiling anything.

@@ -9,8 +9,8 @@ torchtitan keeps ``apply_ddp`` and ``apply_fsdp`` side by side:
   the user's step while it is traced, given the traced stand-ins of ``state.params`` (e.g.
   tag each gradient; gather and reduce-scatter each sharding unit); ``zero_grads_for``:
   parameters this rank computes no gradient for while others do (``spmd.checks.rank_check``);
-* ``pass_pipeline(settings)``: the passes over the expanded graph, the mode's settings
-  (``PASS_SETTINGS``, read from a ``GraphModuleTransformation``) bound where the list is built;
+* ``pass_pipeline(**settings)``: the passes over the expanded graph, the mode's settings
+  (``PASS_SETTINGS``, handed over by name by ``GraphModuleTransformation``) bound where the list is built;
 * ``expand(dp, gm, grad_order=None)``: turns the traced single-rank graph into the
   distributed one (e.g. an all_reduce per gradient); ``grad_order`` is the order every
   rank reduces gradients in when some rank computes no gradient for a parameter;
@@ -34,11 +34,11 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from ..errors import SpmdCompileError, SpmdConfigError
-from . import replicate, shard
+from . import fully_shard, replicate
 from .group_roles import mesh_dim_labels, name_groups_by_role
-from .units import shard_plan
+from .shard import shard_plan
 
-STYLES = {"replicate": replicate, "fully_shard": shard, "shard_grad_op": shard, "hybrid_shard": shard}
+STYLES = {"replicate": replicate, "fully_shard": fully_shard, "shard_grad_op": fully_shard, "hybrid_shard": fully_shard}
 _SHARD_OPTIONS = ("wrap_policy", "reshard_after_forward", "mp_policy")
 PARALLEL_MODE = "spmd_parallel_mode"  # gm.meta key: the DataParallel that expanded the graph
 
@@ -122,7 +122,7 @@ class DataParallel:
                                   f"{self.parallel_style}, as FSDP2, keeps each rank's own shard and buffers. Drop them.")
         else:
             try:
-                shard.validate_options(self)
+                fully_shard.validate_options(self)
             except (TypeError, ValueError) as err:  # the sharded style's own checks, as one error type
                 raise SpmdConfigError(str(err)) from None
 
@@ -205,10 +205,6 @@ class DataParallel:
         name_groups_by_role(gm, mesh_dims)  # the graph names no group of this process (spmd.parallel.group_roles)
         gm.meta[PARALLEL_MODE] = self
         return gm
-
-    def pass_pipeline(self, settings) -> list:
-        """This mode's passes with ``settings`` bound (see ``PASS_SETTINGS`` of its module)."""
-        return self.mode.pass_pipeline(settings)
 
 
 def _check_replicate_mesh(dp: DataParallel) -> None:

@@ -26,10 +26,10 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
-from .shard import _cast_floats
+from .fully_shard import _cast_floats
 from .shard_comm import GatherUnit, ReplicateUnit, layout_of, unit_groups
 from .tensor_parallel import as_module_param
-from .units import ShardPlan, Unit, is_replicated
+from .shard import ShardPlan, Unit, is_replicated
 
 
 def _eager_sharded(params: list[torch.Tensor]) -> bool:

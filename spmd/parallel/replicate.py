@@ -11,8 +11,8 @@
   ``DDP.no_sync()``: ``spmd.trace.accumulation``). Each ``spmd::sync_buffers`` marker (before every forward of a module, with
   ``broadcast_buffers``) becomes one broadcast from rank 0 per dtype of the module's
   buffers, as DDP broadcasts them before each forward.
-* ``pass_pipeline``: the passes over the expanded graph, with this mode's settings bound
-  (``PASS_SETTINGS``: the ``GraphModuleTransformation`` settings it reads).
+* ``pass_pipeline``: the passes over the expanded graph, this mode's settings (``PASS_SETTINGS``: the
+  ``GraphModuleTransformation`` settings it reads) handed over by name and bound where the list is built.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import functools
 import logging
 import operator
 from collections import Counter, defaultdict
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -47,22 +47,21 @@ BROADCAST_BUCKET_BYTES = 250 * 2**20  # DDP's broadcast_bucket_size
 PASS_SETTINGS = ("bucket_size_mb", "optimizer_parts", "memory_budget", "recompute")
 
 
-def pass_pipeline(settings) -> list:
-    """Replicate's passes, ``settings`` (a ``GraphModuleTransformation``) bound: tensor-parallel collectives
-    issued early and waited late -> comm fusion into
-    ``bucket_size_mb`` buckets -> comm-wait scheduling -> optimizer split per trailing bucket into at
-    most ``optimizer_parts`` ops (none for 1) -> optimizer copy removal -> state writes after the last
-    collective (a step that fails changes nothing) -> recompute in the backward (``memory_budget``; none with
-    ``recompute=False``)."""
-    parts = settings.optimizer_parts
-    split = [functools.partial(split_optimizer_per_bucket, max_parts=parts)] if parts > 1 else []
+def pass_pipeline(*, bucket_size_mb: float, optimizer_parts: int, memory_budget: Optional[float],
+                  recompute: Union[bool, str], lowered_by_inductor: bool) -> list:
+    """Replicate's passes, its settings bound: tensor-parallel collectives issued early and waited late ->
+    comm fusion into ``bucket_size_mb`` buckets -> comm-wait scheduling -> optimizer split per trailing
+    bucket into at most ``optimizer_parts`` ops (none for 1) -> optimizer copy removal -> state writes
+    after the last collective (a step that fails changes nothing) -> recompute in the backward
+    (``memory_budget``; only what costs no extra traffic with ``recompute="free"``, none with
+    ``recompute=False``; ``lowered_by_inductor``: what Inductor fuses into its readers is free)."""
+    split = [functools.partial(split_optimizer_per_bucket, max_parts=optimizer_parts)] if optimizer_parts > 1 else []
     return [schedule_tensor_parallel_comms,
-            functools.partial(comm_fusion_with_concat, bucket_size_mb=settings.bucket_size_mb), schedule_comm_wait,
+            functools.partial(comm_fusion_with_concat, bucket_size_mb=bucket_size_mb), schedule_comm_wait,
             *split, remove_copy_from_optimizer, defer_state_writes,
-            *([functools.partial(recompute_activations, memory_budget=settings.memory_budget,
-                                 free_only=settings.recompute == "free",
-                                 lowered_by_inductor=settings.enable_inductor, warn=False)]
-               if settings.recompute else [])]
+            *([functools.partial(recompute_activations, memory_budget=memory_budget, free_only=recompute == "free",
+                                 lowered_by_inductor=lowered_by_inductor, warn=False)]
+              if recompute else [])]
 
 
 def prepare(dp, state) -> None:

@@ -17,7 +17,7 @@ Run while the step is traced (``make_fx``), these emit functional collectives
   returned as DTensor gradients with the parameter's spec.
 
 ``GatherUnit`` is the autograd function that ties both together: forward gathers,
-backward reduce-scatters. A unit's replicated 0-dim parameters (``units.is_replicated``) are not
+backward reduce-scatters. A unit's replicated 0-dim parameters (``shard.is_replicated``) are not
 gathered: ``ReplicateUnit`` hands their local tensors to the forward and all-reduces their gradients. Each collective's input passes through ``spmd::unit_tag``
 (an identity the expansion removes) so the graph knows its unit and phase.
 """
@@ -192,7 +192,7 @@ def reduce_scatter_unit(grads: list[torch.Tensor], layouts: list[ParamLayout], g
 
 
 def all_reduce_unit(grad: torch.Tensor, groups: UnitGroups, unit: int, index: int) -> torch.Tensor:
-    """A replicated parameter's gradient (``units.is_replicated``; ``index``: its position among the step's
+    """A replicated parameter's gradient (``shard.is_replicated``; ``index``: its position among the step's
     parameters) averaged over every rank of the mode: all_reduce over the shard group (then the replicate
     group for hybrid_shard), divided as ``reduce_scatter_unit`` divides."""
     pre, post, op = divide_factors(grad.dtype, groups.shard_size * groups.replicate_size)

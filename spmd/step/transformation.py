@@ -13,7 +13,8 @@ from ..graph_utils import DumpOptions, request_dump
 from ..graph_utils.memory import memory_profile
 from ..lower.inductor import graph_inductor_gets
 from ..lower.lowering import Lowering
-from ..parallel.data_parallel import STYLES, DataParallel, expanded_by
+from ..parallel import fully_shard, replicate
+from ..parallel.data_parallel import DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
 from ..passes import PassManager, applied_passes, pass_info, recompute_plan, warn_unmet_budget
 
@@ -32,10 +33,11 @@ class GraphModuleTransformation:
     lowers it (``IterGraphModule.lower``) before the step first runs.
 
     ``enable_graph_optimization=True`` runs the pass pipeline of the parallel mode that expanded
-    the graph (``pass_pipeline`` of ``spmd.parallel.replicate`` or ``spmd.parallel.shard``, asked
+    the graph (``pass_pipeline`` of ``spmd.parallel.replicate`` or ``spmd.parallel.fully_shard``, asked
     through the ``DataParallel`` the graph records), plus any ``passes`` the user gives (declared
     with ``@graph_optimization_pass``, bare or as ``functools.partial``), ordered together by
-    ``PassManager``. ``passes`` alone (without the flag) runs only the user's. Replicate reads
+    ``PassManager``. ``passes`` alone (without the flag) runs only the user's. ``pipelines``: each mode
+    module's passes, its settings bound. Replicate reads
     ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
     (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
     modes read ``prefetch_units`` (units gathered ahead; at most 1 + ``prefetch_units`` gathered at
@@ -57,16 +59,15 @@ class GraphModuleTransformation:
     must be ``capturable=True``. ``enable_cudagraphs="auto"`` replays a graph as one
     where every input is on the GPU and its capture succeeds, and otherwise runs it as it is,
     saying why in one warning. ``inductor_options``: further Inductor config values
-    (``{"combo_kernels": True}``), checked by ``spmd.lower.inductor.check_inductor_options``. ``inductor_comm_passes=True`` (with ``enable_inductor``)
-    lets Inductor's own comm passes (its overlap scheduler and bucketer) place the
-    collectives instead of keeping ours; it exists to compare the two. ``lean_lowering`` (with
-    ``enable_inductor``; ``Lowering.lean``) takes work that computes nothing new out of the graph
-    Inductor compiles, exactly: ``"one_rank"`` drops a gradient all_reduce over a group of one rank
-    (one GPU) with its bucket's copies, ``"step_counts"`` adds a fused optimizer's step counts in
-    place by one ATen call instead of a kernel, True does both. False, the default, until a GPU
-    measurement shows it pays (BENCHMARKS.md). ``compile_pieces`` (with ``enable_inductor``;
+    (``{"combo_kernels": True}``), checked by ``spmd.lower.inductor.check_inductor_options``.
+    ``lean_lowering=True`` (with ``enable_inductor``; ``Lowering.lean``) takes work that computes nothing
+    new out of the graph Inductor compiles, exactly: a gradient all_reduce over a group of one rank (one
+    GPU) leaves with its bucket's copies, and a fused optimizer's step counts are added in place by one
+    ATen call instead of a kernel; ``spmd.compile()``'s GPU default turns it on. (Comparing lowerings,
+    such as Inductor's own collective placement or one lean part alone, is a measurement:
+    ``spmd._testing.with_lowering``.) ``compile_pieces`` (with ``enable_inductor``;
     ``Lowering.pieces``): compile up to this many pieces of each graph at once, all but one in
-    worker processes (``spmd.lower.piecewise``); ``"auto"``: one per four CPU cores (at most four)
+    worker processes (``spmd.lower.piece_compile``); ``"auto"``: one per four CPU cores (at most four)
     on a GPU, 1 (the whole graph in this process) on the CPU.
 
     Dumps (``graph_utils.DumpOptions``): ``dump_graphs=True``, or the environment variable
@@ -78,11 +79,11 @@ class GraphModuleTransformation:
     def __init__(self, enable_graph_optimization: bool = False, enable_inductor: bool = False,
                  dump_graphs: Optional[bool] = None, dump_dir: Optional[str] = None,
                  bucket_size_mb: float = PASS_DEFAULTS["bucket_size_mb"], passes: Sequence[Callable] = (),
-                 dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False, inductor_comm_passes: bool = False,
+                 dump_ranks: Optional[str] = None, enable_cudagraphs: bool = False,
                  optimizer_parts: int = PASS_DEFAULTS["optimizer_parts"],
                  prefetch_units: int = PASS_DEFAULTS["prefetch_units"], inductor_options: Optional[dict] = None,
                  memory_budget: Optional[float] = PASS_DEFAULTS["memory_budget"],
-                 recompute: Union[bool, str] = PASS_DEFAULTS["recompute"], lean_lowering: Union[bool, str] = False,
+                 recompute: Union[bool, str] = PASS_DEFAULTS["recompute"], lean_lowering: bool = False,
                  compile_pieces: Union[int, str] = 1):
         if isinstance(optimizer_parts, bool) or not isinstance(optimizer_parts, int) or optimizer_parts < 1:
             raise SpmdConfigError(f"GraphModuleTransformation: optimizer_parts must be an int >= 1 (1: one "
@@ -101,16 +102,28 @@ class GraphModuleTransformation:
         if not recompute and memory_budget is not None:
             raise SpmdConfigError(f"GraphModuleTransformation: memory_budget={memory_budget!r} asks for recompute, "
                                   "which recompute=False turns off. Drop one of the two.")
-        self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_comm_passes, inductor_options or {},
+        if not (lean_lowering is True or lean_lowering is False):
+            raise SpmdConfigError(f"GraphModuleTransformation: lean_lowering must be True or False, got "
+                                  f"{lean_lowering!r}")
+        self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_options=inductor_options or {},
                                  lean=lean_lowering, pieces=compile_pieces)
         self.bucket_size_mb = bucket_size_mb
         self.optimizer_parts = optimizer_parts
         self.prefetch_units = prefetch_units
         self.memory_budget = memory_budget
         self.recompute = recompute
-        # One manager per mode module, built now so declarations and order are checked here, not mid-compile.
-        self.pass_managers = {mode: PassManager((mode.pass_pipeline(self) if enable_graph_optimization else [])
-                                                + list(passes)) for mode in set(STYLES.values())}
+        # Each mode's passes, its settings handed over by name where its list is built (``check_settings_apply``
+        # refuses a changed setting the graph's mode does not read), and one manager per mode, built now so
+        # declarations and order are checked here, not mid-compile.
+        self.pipelines = {
+            replicate: replicate.pass_pipeline(bucket_size_mb=bucket_size_mb, optimizer_parts=optimizer_parts,
+                                               memory_budget=memory_budget, recompute=recompute,
+                                               lowered_by_inductor=enable_inductor),
+            fully_shard: fully_shard.pass_pipeline(prefetch_units=prefetch_units, memory_budget=memory_budget,
+                                                   recompute=recompute, lowered_by_inductor=enable_inductor),
+        }
+        self.pass_managers = {mode: PassManager((pipeline if enable_graph_optimization else []) + list(passes))
+                              for mode, pipeline in self.pipelines.items()}
         self.dump = DumpOptions.resolve(dump_graphs, dump_dir, dump_ranks)
 
     @property

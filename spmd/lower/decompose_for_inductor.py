@@ -2,8 +2,9 @@
 
 ``torch._inductor.compile_fx.compile_fx`` runs AOT autograd over its input: a second
 ``make_fx`` trace of the whole step under functionalization, whose only effect on a
-graph that is already functional (ours) is to apply Inductor's decomposition table.
-On GPT 124M that re-trace is 4-6 s of the first call. ``decompose_for_inductor`` applies
+graph that is already functional (ours) is to apply Inductor's decomposition table, a large
+part of a first call (BENCHMARKS.md, "First call: Inductor without AOT autograd's re-trace").
+``decompose_for_inductor`` applies
 the same table locally: each node whose op the table decomposes is replaced by a trace
 of its decomposition on the node's fake values. The twelve blocks of a GPT repeat the
 same few (op, shapes) pairs, so each distinct pair is traced once and copied.
@@ -12,7 +13,7 @@ What comes out is what AOT's re-trace would have produced, op for op: the same
 decompositions, applied recursively by ``make_fx``, with every other node untouched
 (``tests/test_inductor_lowering.py`` compares the two). One exception: a decomposition that lays
 its result out otherwise than the op is followed by a copy into the op's layout, since the
-untouched users were traced for it (``graph_utils.decompose.trace_decomposition``).
+untouched users were traced for it (``graph_utils.decompose_node.trace_decomposition``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import SpmdCompileError
-from ..graph_utils.decompose import splice, tensor_args, trace_decomposition
+from ..graph_utils.decompose_node import splice, tensor_args, trace_decomposition
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """A step graph cut into consecutive pieces that Inductor compiles one by one, side by side.
 
-Inductor lowers, schedules and generates code for a graph in one Python thread: at GPT 1.3B the whole
-step is most of a minute of one core, on a machine with many. Cut along its node order, the step
-compiles in about the time of its largest piece (``spmd.lower.compile_workers`` compiles the others in
+Inductor lowers, schedules and generates code for a graph in one Python thread: a large step keeps one
+core busy while a machine has many (BENCHMARKS.md, "Round 8"). Cut along its node order, the step
+compiles in about the time of its largest piece (``spmd.lower.worker_pool`` compiles the others in
 processes of their own) and runs as its pieces in turn (``PiecePlan``, ``run_pieces``).
 
 Where a cut may go, and what crosses it:

@@ -13,7 +13,7 @@ is one piece (``spmd.lower.graph_wire``) with its inputs' ``InputSpec``s, the In
 compile it under, the opaque ops it calls and the process groups its collectives name (which Inductor
 looks up by name; the worker stands in a fake group of the same size for each); the answer is its ``InductorCode`` or why there is
 none. A worker that fails, dies or answers nothing in time costs only time: its piece is then
-compiled in this process (``spmd.lower.piecewise``).
+compiled in this process (``spmd.lower.piece_compile``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A prepared step graph compiled in pieces, side by side: the others in worker processes, one here.
 
-``compile_in_pieces`` cuts the graph (``spmd.lower.pieces``), shares the pieces out, heaviest first,
-between the worker processes (``spmd.lower.compile_workers``) and this one, and loads the workers' code
+``compile_in_pieces`` cuts the graph (``spmd.lower.piece_plan``), shares the pieces out, heaviest first,
+between the worker processes (``spmd.lower.worker_pool``) and this one, and loads the workers' code
 as a restarted process loads kept code (``spmd.lower.inductor_code.load_kept``).
 A piece whose worker fails, or that cannot be sent, is compiled here after the others: slower, never
 wrong. What it returns is one callable and one ``PiecewiseCode``, kept and loaded as a whole graph's
@@ -24,11 +24,11 @@ import torch.fx as fx
 from .. import compile_times
 from ..compile_times import phase
 from ..graph_utils.nodes import comm_group_name, is_comm_node
-from . import compile_workers
+from . import worker_pool
 from .compile_graph import compile_piece, device_of
 from .graph_wire import NotWireable, to_bytes
 from .inductor_code import InductorCode, PiecewiseCode, code_of, load_kept
-from .pieces import cut, run_pieces, weight
+from .piece_plan import cut, run_pieces, weight
 from .triton_kernels import collecting as collecting_triton_kernels
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,8 @@ def _load_from_worker(code: InductorCode, device: torch.device,
 
     A worker on a GPU leaves its Triton kernels to this process (``spmd.lower.compile_worker``), which
     compiles them as it loads the code: they are collected there and kept with it, as a piece compiled
-    here keeps its own, so a restarted process launches them without Triton (at 1.3B parameters the
-    default's five pieces from workers, kept without their kernels, loaded in 8.8 s of a 10.5 s warm first
-    call)."""
+    here keeps its own, so a restarted process launches them without Triton (without them, loading the
+    workers' pieces was most of a warm first call: BENCHMARKS.md, "Round 13")."""
     with collecting_triton_kernels(device.type == "cuda") as kernels:
         runner = load_kept(code, device, label)
     return runner, replace(code, triton_kernels=kernels[0]) if kernels else code
@@ -69,14 +68,14 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
                       fx_cache: bool, wrapped: tuple) -> Optional[tuple[Callable[[list], Any], Optional[PiecewiseCode]]]:
     """``prepared`` (functional, not decomposed) compiled in at most ``count`` pieces under Inductor ``options``:
     (a callable on a list of its inputs, its ``PiecewiseCode`` or None where a piece's code cannot be
-    kept), or None where the graph is not cut (``spmd.lower.pieces.cut``). ``wrapped``: the names of the
+    kept), or None where the graph is not cut (``spmd.lower.piece_plan.cut``). ``wrapped``: the names of the
     ops the graph calls through ``opaque_inplace_op``.
 
-    The pieces are shared out heaviest first (``pieces.weight``): each worker, once it has started, and
+    The pieces are shared out heaviest first (``piece_plan.weight``): each worker, once it has started, and
     this process take the heaviest piece nobody has taken, until none is left; so a worker that starts late
     or runs slowly takes fewer, none waits on another, and the piece that takes longest is not left to
-    whoever comes free last (at 124M parameters fully_shard's backward piece took 10 s, and this process,
-    taking pieces from the back, came to it last while the workers had nothing left)."""
+    whoever comes free last (fully_shard's backward piece is the heaviest by far, and this process, taking
+    pieces from the back, came to it last while the workers had nothing left: BENCHMARKS.md, "Round 13")."""
     with phase(f"lower/{label}/cut"):
         made = cut(prepared, count, example_inputs)
     if made is None:
@@ -88,11 +87,11 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
     untaken = collections.deque(sorted(range(len(modules)), key=lambda i: -weights[i]))
     lock = threading.Lock()
     answers: queue.Queue = queue.Queue()
-    workers = compile_workers.running()
+    workers = worker_pool.running()
     timeline: list[tuple[int, str, float, float]] = []  # (piece, where, taken at, done at), seconds from start
     ready_at: list[float] = []  # when each worker was ready, seconds from start
 
-    def serve(worker: compile_workers.Worker) -> None:
+    def serve(worker: worker_pool.Worker) -> None:
         """A worker's thread: take the heaviest piece nobody has taken, until none is left or the worker fails."""
         if not worker.ready():
             return
@@ -103,7 +102,7 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
                     return
                 i = untaken.popleft()
             try:
-                job = compile_workers.Job(f"{label}/{i}", to_bytes(modules[i].graph), specs[i], options, wrapped,
+                job = worker_pool.Job(f"{label}/{i}", to_bytes(modules[i].graph), specs[i], options, wrapped,
                                           fx_cache, _groups_of(modules[i].graph))
             except NotWireable as err:
                 answers.put((i, "failed", f"it cannot be sent to a worker: {err}"))

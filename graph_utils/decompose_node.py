@@ -1,6 +1,6 @@
 """Replace one node of a graph by a trace of its decomposition: the same computation in smaller ops.
 
-Lowering uses it to apply Inductor's decomposition table node by node (``spmd.lower.decompose``);
+Lowering uses it to apply Inductor's decomposition table node by node (``spmd.lower.decompose_for_inductor``);
 ``passes.recompute`` uses it to split a softmax into its row statistics and a pointwise rest, so the
 backward can recompute the rest inside the kernel that reads it.
 """
