@@ -52,6 +52,15 @@ def test_grouped_mm_computes_the_loops_values_and_gradients():
     assert not results[1][0][8].any() and not results[1][1][8].any()  # the row past offs[-1]: no value, no gradient
 
 
+def test_grouped_mm_keeps_its_arguments_dtype_under_autocast():
+    """As the library op and ``torch._grouped_mm`` do: bf16 autocast around a float32 model's forward (the
+    GPU zoo's setting) leaves the experts' matmuls in float32."""
+    x, w, offs = torch.randn(5, 4), torch.randn(3, 4, 6), torch.tensor([1, 3, 5], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = grouped_mm(x, w, offs)
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, grouped_mm(x, w, offs))
+
+
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1])
     ctx.offs = inputs[2]

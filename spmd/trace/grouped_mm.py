@@ -33,14 +33,16 @@ def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
     """``input`` (S, K) rows grouped by the cumulative counts ``offs`` (E,), times ``weight`` (E, K, N): (S, N).
 
     Row ``r`` with ``offs[e-1] <= r < offs[e]`` is ``input[r] @ weight[e]``; rows from ``offs[-1]`` on are
-    zero. Differentiable in ``input`` and ``weight``; no shape depends on the values of ``offs``.
+    zero. Differentiable in ``input`` and ``weight``; no shape depends on the values of ``offs``. Computed in
+    the arguments' dtype under autocast too, as the library op and ``torch._grouped_mm`` compute.
     """
     rows = torch.arange(input.size(0), device=input.device, dtype=offs.dtype)
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
     owned = (rows >= starts.unsqueeze(1)) & (rows < offs.unsqueeze(1))  # (E, S): expert e's rows
     out = input.new_zeros(input.size(0), weight.size(2))
-    for expert in range(weight.size(0)):
-        out = torch.where(owned[expert].unsqueeze(1), input @ weight[expert], out)
+    with torch.autocast(input.device.type, enabled=False):
+        for expert in range(weight.size(0)):
+            out = torch.where(owned[expert].unsqueeze(1), input @ weight[expert], out)
     return out
 
 
