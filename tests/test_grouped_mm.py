@@ -34,13 +34,19 @@ def loop_grouped_mm(input, weight, offs):
     return out
 
 
-def test_grouped_mm_computes_the_loops_values_and_gradients():
-    """An expert with no rows, rows past the last offset, a transposed weight: values and both gradients."""
+@pytest.mark.parametrize("rows,offsets", [
+    (9, [2, 2, 7, 8]),  # an expert with no rows, a row past the last offset
+    (9, [0, 0, 9, 9]),  # every row one expert's
+    (10, [1, 2, 3, 9]),  # a block of rows meets three experts
+    (7, [0, 0, 0, 0]),  # no row routed
+    (1, [0, 1, 1, 1]),
+])
+def test_grouped_mm_computes_the_loops_values_and_gradients(rows, offsets):
     torch.manual_seed(0)
-    x = torch.randn(9, 6, dtype=F64)
+    x = torch.randn(rows, 6, dtype=F64)
     w = torch.randn(4, 8, 6, dtype=F64).transpose(1, 2)  # as transformers passes its (E, out, in) weights
-    offs = torch.tensor([2, 2, 7, 8], dtype=torch.int32)
-    grad = torch.randn(9, 8, dtype=F64)
+    offs = torch.tensor(offsets, dtype=torch.int32)
+    grad = torch.randn(rows, 8, dtype=F64)
     results = []
     for fn in (loop_grouped_mm, grouped_mm):
         xx, ww = x.clone().requires_grad_(), w.detach().clone().requires_grad_()
@@ -49,7 +55,8 @@ def test_grouped_mm_computes_the_loops_values_and_gradients():
         results.append((out.detach(), xx.grad, ww.grad))
     for got, expected in zip(results[1], results[0]):
         torch.testing.assert_close(got, expected, rtol=0, atol=TOL)
-    assert not results[1][0][8].any() and not results[1][1][8].any()  # the row past offs[-1]: no value, no gradient
+    past = offsets[-1]  # rows past the last offset: no value, no gradient
+    assert not results[1][0][past:].any() and not results[1][1][past:].any()
 
 
 def test_grouped_mm_keeps_its_arguments_dtype_under_autocast():

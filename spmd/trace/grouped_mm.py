@@ -11,14 +11,11 @@ makes the backward a second opaque op, which traces but reads ``offs`` on the ho
 the compiled step (a device sync, and no CUDA graph can hold it).
 
 ``traceable_grouped_mm`` points ``torch.ops.transformers.grouped_mm_fallback``, for the length of the
-trace, at ``grouped_mm``: every expert's weight applied to all ``S`` rows and each row kept from its
-own expert (``torch.where`` on a mask built from ``offs`` with tensor ops), so the graph's shapes are
-those of the arguments and autograd derives the backward from plain matmuls. Each output row is the
-one matmul row the loop computes (the other experts add exact zeros), and rows past ``offs[-1]`` are
-zero, as the loop leaves them. The cost is ``num_experts`` times the loop's matmul work.
-``torch._grouped_mm``, which does only the loop's work, is traceable in bfloat16 only (its fake kernel
-refuses other dtypes, and for those CUDA's kernel copies ``offs`` to the host too); transformers calls
-it directly there.
+trace, at ``grouped_mm``, which computes the loop's values with shapes that depend only on the
+arguments' (a few tiles of rows per expert, one batched matmul, about twice the loop's matmul work), so
+autograd derives its backward from plain ops and no host read is left. ``torch._grouped_mm``, which
+does only the loop's work, is traceable in bfloat16 only (its fake kernel refuses other dtypes, and
+for those CUDA's kernel copies ``offs`` to the host too); transformers calls it directly there.
 """
 
 from __future__ import annotations
@@ -35,16 +32,38 @@ def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
     Row ``r`` with ``offs[e-1] <= r < offs[e]`` is ``input[r] @ weight[e]``; rows from ``offs[-1]`` on are
     zero. Differentiable in ``input`` and ``weight``; no shape depends on the values of ``offs``. Computed in
     the arguments' dtype under autocast too, as the library op and ``torch._grouped_mm`` compute.
+
+    The rows are cut into E blocks of ``ceil(S / E)``; since they are sorted by expert, the (block, expert)
+    pairs that meet number at most ``2E - 1`` (a block's experts are a run, and neighbouring blocks share at
+    most the one at their border). Each such tile multiplies its block by its expert's weight, keeps the
+    rows that expert owns, and adds into the output: one batched matmul of about twice the loop's work.
+    A row's value is the one matmul row the loop computes (the other tiles of its block add exact zeros).
     """
-    rows = torch.arange(input.size(0), device=input.device, dtype=offs.dtype)
-    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
-    owned = (rows >= starts.unsqueeze(1)) & (rows < offs.unsqueeze(1))  # (E, S): expert e's rows
-    out = input.new_zeros(input.size(0), weight.size(2))
-    device = input.device.type
-    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) else contextlib.nullcontext():
-        for expert in range(weight.size(0)):
-            out = torch.where(owned[expert].unsqueeze(1), input @ weight[expert], out)
-    return out
+    rows, experts = input.size(0), weight.size(0)
+    block = max(1, -(-rows // experts))
+    blocks = max(1, -(-rows // block))
+    tiles, device = blocks + experts - 1, input.device
+    # each row's expert: how many offsets are <= its index (``experts`` past offs[-1], padding included)
+    expert_of = (torch.arange(blocks * block, device=device, dtype=offs.dtype).unsqueeze(1) >= offs).sum(1)
+    by_block = expert_of.view(blocks, block)
+    first, count = by_block[:, 0], (by_block[:, -1].clamp(max=experts - 1) - by_block[:, 0] + 1).clamp(min=0)
+    end = count.cumsum(0)  # the tiles of block b are end[b] - count[b] .. end[b] - 1
+    tile = torch.arange(tiles, device=device)
+    tile_block = (tile.unsqueeze(1) >= end).sum(1)  # ``blocks`` for the spare tiles past the last one
+    used = tile_block < blocks
+    tile_block = tile_block.clamp(max=blocks - 1)
+    tile_expert = first[tile_block] + tile - (end - count)[tile_block]
+    owned = used.unsqueeze(1) & (by_block[tile_block] == tile_expert.unsqueeze(1))  # (tiles, block)
+    # each tile's weight, selected by a sum with exact zeros: its gradient sums over the tiles in a fixed order
+    pick = (tile_expert.unsqueeze(1) == torch.arange(experts, device=device)).view(tiles, experts, 1, 1)
+    padded = torch.cat([input, input.new_zeros(blocks * block - rows, input.size(1))]).view(blocks, block, -1)
+    device_type = device.type
+    with (torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type)
+          else contextlib.nullcontext()):
+        tile_weights = torch.where(pick, weight.unsqueeze(0), 0).sum(1)  # (tiles, K, N)
+        products = torch.where(owned.unsqueeze(2), torch.bmm(padded[tile_block], tile_weights), 0)
+    out = input.new_zeros(blocks, block, weight.size(2)).index_add(0, tile_block, products)
+    return out.view(blocks * block, -1)[:rows]
 
 
 # Library ops with ``grouped_mm``'s contract (arguments input, weight, offs) whose autograd or kernel
