@@ -280,9 +280,23 @@ def tiny_mixtral(experts_implementation: str):
 
 def test_hf_mixtral_with_batched_experts_trains_like_eager():
     """``experts_implementation="batched_mm"`` (every token through its top-k experts' weights, gathered: no
-    data-dependent shape; ``grouped_mm``, the default, takes no float64)."""
+    data-dependent shape)."""
     model = tiny_mixtral("batched_mm")
     ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    assert_trains_like_eager(spmd.compile()(lm_step), model, ref, optim, ref_optim, batches)
+
+
+def test_hf_mixtral_with_grouped_experts_trains_like_eager_in_float64():
+    """``grouped_mm``, the default: while tracing, transformers sends float64 experts through its grouped-matmul
+    op, whose backward reads the routing on the host (in the trace up to transformers 5.17); spmd traces it as a
+    masked matmul per expert (``spmd.trace.grouped_mm``). Eager float64 has no grouped_mm kernel on the CPU, so
+    the reference is the same model with ``batched_mm`` experts: the same function, each token through its
+    experts' weights."""
+    model = tiny_mixtral("grouped_mm")
+    ref = copy.deepcopy(model)
+    ref.set_experts_implementation("batched_mm")
     optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
     batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(3)]
     assert_trains_like_eager(spmd.compile()(lm_step), model, ref, optim, ref_optim, batches)

@@ -19,7 +19,9 @@ Two stages, because functorch's ``functionalize`` refuses ``.backward()`` inside
 
 The trace leaves the user's objects as it found them (``spmd.trace.user_objects``), and runs what
 the user compiled with ``torch.compile`` as its original code (``spmd.trace.user_compiled``) and
-``torch.distributed.nn``'s differentiable collectives as functional ones (``spmd.trace.dist_nn``).
+``torch.distributed.nn``'s differentiable collectives as functional ones (``spmd.trace.dist_nn``), and
+MoE grouped matmuls whose backward reads the routing on the host with shapes that do not depend on it
+(``spmd.trace.grouped_mm``).
 
 Placeholders carry ``meta[ROLE]`` (param, buffer, state, hyper, input, grad; ``graph_utils.meta``) and
 ``meta[NAME]`` so passes never infer roles from positions.
@@ -56,6 +58,7 @@ from .host_reads import checking_host_reads, user_frame_of, value_read_error
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
 from .block_masks import as_block_masks, holding_traced
 from .dist_nn import traceable_collectives
+from .grouped_mm import traceable_grouped_mm
 from .step_outputs import graph_outputs
 from .step_reach import REAL_TENSOR_IN_TRACE, reach, refuse_rebound, swapped, unreached_tensor_error
 from .step_state import StepState, local_tensor
@@ -398,7 +401,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             for traces in range(1, len(hyper_values) + 2):
                 value_reads.clear()
                 with _compiling_flag(), run_originals(fn, state.modules), traceable_collectives(), \
-                        phase("trace/autograd"), lazy_graph_modules(), recording_side_effects(state.modules) as replays:
+                        traceable_grouped_mm(), phase("trace/autograd"), lazy_graph_modules(), \
+                        recording_side_effects(state.modules) as replays:
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
