@@ -1,7 +1,7 @@
 """Under autocast, the step's matmuls run in eager's dtypes: traced, after the passes, and as Inductor gets them.
 
-SDPA's math path (taken on the CPU with dropout, and on a GPU where no fused kernel applies: BERT's and T5's
-attention) computes attention in float32 from bfloat16 q, k and v. Eager runs its gradient matmuls in float32
+SDPA's math path (taken on the CPU with dropout, as in BERT's and T5's attention, and on a GPU where no fused
+kernel applies) computes attention in float32 from bfloat16 q, k and v. Eager runs its gradient matmuls in float32
 too when the step calls ``backward`` outside the autocast block, and in bfloat16 when inside: autocast applies
 to the backward only where the backward runs under it. ``torch.compile`` traces the backward under the
 forward's autocast whatever the step does (``torch._functorch.config.backward_pass_autocast``), so its
