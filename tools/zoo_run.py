@@ -81,13 +81,18 @@ class Spec:
 Step = Callable[..., torch.Tensor]
 
 
-def _torch(spec: Spec, wrap: Callable[[torch.nn.Module], torch.nn.Module]) -> Step:
+def _torch(spec: Spec, wrap: Callable[[torch.nn.Module], torch.nn.Module], eager_backward: bool = False) -> Step:
+    """``eager_backward``: AOT autograd traces the backward without autocast, as eager runs it here (the step
+    calls ``backward`` outside the autocast block); by default it traces it under the forward's autocast
+    (``torch._functorch.config.backward_pass_autocast``), so a float32 matmul's gradients are bf16 matmuls."""
     model = spec.model()
     optim = spec.optimizer(model)
     wrapped, wrap_s = timed_wrap(lambda: wrap(model))
+    backward_as_eager = torch._functorch.config.patch(backward_pass_autocast="off") if eager_backward else None
 
     def step(x, y, last_train_step=False):
-        return train_step(wrapped, optim, x, y, spec.autocast)
+        with backward_as_eager or contextlib.nullcontext():
+            return train_step(wrapped, optim, x, y, spec.autocast)
     step.wrap_s, step.model = wrap_s, model
     return step
 
@@ -123,6 +128,8 @@ class ZooMode:
 ZOO_MODES: dict[str, ZooMode] = {
     "eager": ZooMode(lambda s: _torch(s, lambda m: m), "eager PyTorch", compiles=False),
     "compile": ZooMode(lambda s: _torch(s, torch.compile), "torch.compile(model), optimizer step eager"),
+    "compile_exact": ZooMode(lambda s: _torch(s, torch.compile, eager_backward=True),
+                             "torch.compile(model) with the backward's dtypes as eager's (backward_pass_autocast='off')"),
     "compile_ro": ZooMode(lambda s: _torch(s, lambda m: torch.compile(m, mode="reduce-overhead")),
                           "torch.compile(model, mode='reduce-overhead'): Inductor and CUDA graphs", cuda_only=True),
     "spmd": ZooMode(lambda s: _spmd(s, None), "@spmd.compile() with nothing else: the whole step, no process group"),
