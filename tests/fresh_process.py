@@ -16,7 +16,7 @@ Why a fork stands for a new process in what these tests check:
   restarted job would. A server that has started a Python thread refuses to fork.
 * The import-time environment is the command's. Torch reads part of its configuration from the
   environment when a module is imported, so a server serves only commands whose environment equals the
-  one it was started with, up to the variables read only at run time (``RUN_TIME_VARIABLES``: the cache
+  one it was started with, up to the variables read only at run time (``RUN_TIME_VARIABLES``: the dump and cache
   folders, pytest's test name, the terminal width); another environment gets servers of its own.
 * What differs between two real processes differs between consecutive calls. Calls with one
   environment alternate between two servers, each an interpreter of its own (its own string hash seed
@@ -44,12 +44,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# Read by torch and spmd when a cache is used, not when a module is imported, or read by none of the modules a
-# server imports (pytest's name of the running test; the terminal width, which rich and shutil read when they
-# print): a server serves any value. One exception, made good in the child: Dynamo's precompile cache
+# Read by torch and spmd when a cache is used or a step dumps its graphs, not when a module is imported, or read
+# by none of the modules a server imports (pytest's name of the running test; the terminal width, which rich and
+# shutil read when they print): a server serves any value. One exception, made good in the child: Dynamo's precompile cache
 # (``torch._dynamo.package.DynamoCache``) takes its folder from TORCHINDUCTOR_CACHE_DIR at import, and the
 # child makes it again for its own.
-RUN_TIME_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "SPMD_CACHE_DIR", "SPMD_TRACE_REUSE", "PYTEST_CURRENT_TEST",
+RUN_TIME_VARIABLES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "SPMD_CACHE_DIR", "SPMD_DUMP_DIR", "SPMD_TRACE_REUSE",
+                                "PYTEST_CURRENT_TEST",
                                 "COLUMNS"})
 
 # The server: imports, then forks one child per request line ({"id", "args", "env", "cwd", "stdout",

@@ -118,49 +118,57 @@ def _same_training(a: dict, b: dict) -> None:
         torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=0, atol=1e-12)
 
 
+@pytest.fixture(scope="module")
+def restarts(tmp_path_factory) -> dict:
+    """One user's jobs between restarts, sharing one cache directory, each JSON report by name (the edits test
+    checks the sequence, the dumps test the restart that dumps): the first job; a restart with nothing changed
+    and dumps on (``SPMD_DUMP_DIR``, into ``dump``); then after each edit (the loss helper in another module, a
+    config value read inside the step, the user's pass) a job with the cache and one with it off."""
+    root = tmp_path_factory.mktemp("restarts")
+    user, cache = root / "user", root / "cache"
+    _write_user_files(user)
+    jobs = {"root": root, "cache": cache, "first": _run_user_job(user, cache)}
+    env = {**fresh_inductor_env(root / "inductor"), "SPMD_DUMP_DIR": str(root / "dump")}
+    jobs["again"] = _run_user_job(user, cache, env=env)  # nothing changed: the kept code runs, and dumps
+
+    _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"))  # the loss helper edited
+    jobs["edited"], jobs["edited off"] = _run_user_job(user, cache), _run_user_job(user, "off")
+    jobs["scaled"] = _run_user_job(user, cache, scale=0.5)  # a config value read inside the step
+    jobs["scaled off"] = _run_user_job(user, "off", scale=0.5)
+    _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"), offset=3.0)  # the pass edited
+    jobs["offset"], jobs["offset off"] = _run_user_job(user, cache, scale=0.5), _run_user_job(user, "off", scale=0.5)
+    return jobs
+
+
 @needs_cpp
-def test_what_the_code_says_now_runs_after_each_edit_between_restarts(tmp_path):
+def test_what_the_code_says_now_runs_after_each_edit_between_restarts(restarts):
     """A helper edited in another module, a config value changed, a user's pass edited: each restarted job
     trains what its code says now (as with the cache off), runs the user's pass, and reuses the kept code
     only where nothing the graphs depend on changed."""
-    user, cache = tmp_path / "user", tmp_path / "cache"
-    _write_user_files(user)
-    first = _run_user_job(user, cache)
-    again = _run_user_job(user, cache)  # nothing changed: the kept code runs
+    first, again = restarts["first"], restarts["again"]
     assert "lower/step/inductor_compile_fx" in first["phases"]
     assert "lower/step/inductor_code_load" in again["phases"] and "lower/step/inductor_compile_fx" not in again["phases"]
     assert again["trace_count"] == 1 and again["pass_calls"] == 1  # traced, and the user's pass ran, on a hit too
     assert "trace/reused" in again["phases"] and "trace/reused" not in first["phases"]  # spmd.step.trace_store
     _same_training(first, again)
 
-    _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"))  # the loss helper edited
-    edited = _run_user_job(user, cache)
+    edited, scaled, offset = restarts["edited"], restarts["scaled"], restarts["offset"]
     assert "trace/reused" not in edited["phases"]  # the kept trace ran the old helper
-    _same_training(edited, _run_user_job(user, "off"))
+    _same_training(edited, restarts["edited off"])
     assert edited["losses"] != first["losses"]
-
-    scaled = _run_user_job(user, cache, scale=0.5)  # a config value read inside the step
-    assert "trace/reused" not in scaled["phases"]
-    _same_training(scaled, _run_user_job(user, "off", scale=0.5))
+    assert "trace/reused" not in scaled["phases"]  # a config value read inside the step
+    _same_training(scaled, restarts["scaled off"])
     assert scaled["losses"] != edited["losses"]
-
-    _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"), offset=3.0)  # the pass edited
-    offset = _run_user_job(user, cache, scale=0.5)
     assert "trace/reused" in offset["phases"] and offset["pass_calls"] == 1  # the trace is kept; the pass runs anew
-    _same_training(offset, _run_user_job(user, "off", scale=0.5))
+    _same_training(offset, restarts["offset off"])
     assert offset["losses"][0] == pytest.approx(scaled["losses"][0] + 3.0, abs=1e-12)
-    assert len(CacheStore(cache).entries()) == 4  # one entry per distinct set of graphs
+    assert len(CacheStore(restarts["cache"]).entries()) == 4  # one entry per distinct set of graphs
 
 
 @needs_cpp
-def test_dumps_are_written_when_the_step_runs_kept_code(tmp_path):
-    user, cache = tmp_path / "user", tmp_path / "cache"
-    _write_user_files(user)
-    _run_user_job(user, cache)
-    env = {**fresh_inductor_env(tmp_path / "inductor"), "SPMD_DUMP_DIR": str(tmp_path / "dump")}
-    loaded = _run_user_job(user, cache, env=env)
-    assert "lower/step/inductor_code_load" in loaded["phases"]
-    dumped = sorted(p.name for p in (tmp_path / "dump").rglob("*") if p.is_file())
+def test_dumps_are_written_when_the_step_runs_kept_code(restarts):
+    assert "lower/step/inductor_code_load" in restarts["again"]["phases"]
+    dumped = sorted(p.name for p in (restarts["root"] / "dump").rglob("*") if p.is_file())
     assert any("traced" in name for name in dumped) and any("offset_the_loss" in name for name in dumped), dumped
 
 

@@ -253,13 +253,20 @@ def test_a_graph_that_writes_a_value_it_made_is_not_cut():
     assert piece_plan.cut(torch.fx.GraphModule(torch.nn.Module(), graph), 2, [torch.ones(3)]) is None
 
 
-@pytest.fixture
-def one_worker(monkeypatch):
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)  # a small graph (36 computing nodes), cut in three
+@pytest.fixture(scope="module")
+def _compile_worker():
+    """One compile worker for the tests of this module that use one: starting it imports torch (seconds); what
+    it compiled for one test is in the session's Inductor cache anyway."""
     worker_pool.start(1)
-    assert worker_pool.running()[0].ready()  # started: it takes the first piece as the compile begins
     yield
     worker_pool.stop()
+
+
+@pytest.fixture
+def one_worker(_compile_worker, monkeypatch):
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)  # a small graph (36 computing nodes), cut in three
+    (worker,) = worker_pool.running()
+    assert worker.ready()  # started: it takes the first piece as the compile begins
 
 
 def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(one_worker, monkeypatch, caplog):
@@ -422,19 +429,6 @@ def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():
     done = run_python(["-c", code], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["2", "1", "2"]
-
-
-def test_a_worker_compiling_for_a_gpu_starts_no_pool_of_kernel_compilers():
-    """On a GPU a worker only generates code (the process that loads it compiles the kernels): Inductor, which
-    starts its pool of kernel compilers with its first GPU graph, is left one compile thread, so starts none,
-    and each kernel is left undefined."""
-    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
-
-    from spmd.lower.compile_worker import _code_only
-
-    with _code_only(torch.device("cuda")):
-        assert get_compile_threads() == 1 and not AsyncCompile.use_process_pool()
-        assert AsyncCompile().triton("triton_poi_fused_0", "source") is None
 
 
 def _fully_shard_in_pieces(rank, world_size):
