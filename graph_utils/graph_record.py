@@ -12,6 +12,7 @@ constants). Everything in it is a plain value, so a record pickles and compares.
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,7 @@ def _target_name(target: Any) -> str:
     return f"py:{module}:{qualname}"
 
 
+@functools.lru_cache(maxsize=None)
 def _resolve_target(name: str) -> Any:
     kind, _, rest = name.partition(":")
     if kind == "str":
@@ -139,16 +141,20 @@ def record_graph(gm: fx.GraphModule) -> GraphRecord:
     return record
 
 
-def _fake(spec: Any, mode) -> Any:
+def _fake(spec: Any, mode, devices: dict) -> Any:
     """A fake tensor of ``mode`` with ``spec``'s metadata (made from a meta tensor, as the mode makes its
-    own results: dispatching ``empty_strided`` through the mode costs several times more per node)."""
+    own results: dispatching ``empty_strided`` through the mode costs several times more per node);
+    ``devices``: the devices made so far, by name."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(spec, TensorSpec):
+        device = devices.get(spec.device)
+        if device is None:
+            device = devices[spec.device] = torch.device(spec.device)
         meta = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
-        return FakeTensor(mode, meta, torch.device(spec.device))
+        return FakeTensor(mode, meta, device)
     if isinstance(spec, (list, tuple)):
-        return type(spec)(_fake(s, mode) for s in spec)
+        return type(spec)(_fake(s, mode, devices) for s in spec)
     return spec
 
 
@@ -161,6 +167,7 @@ def load_graph(record: GraphRecord) -> fx.GraphModule:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
+    devices: dict[str, torch.device] = {}
 
     def arg(a: Any) -> Any:
         if isinstance(a, NodeRef):
@@ -178,10 +185,9 @@ def load_graph(record: GraphRecord) -> fx.GraphModule:
         if node.name != entry["name"]:
             raise UnrecordableGraph(f"node {entry['name']} came back as {node.name}")
         for key, value in entry["meta"].items():
-            node.meta[key] = _fake(value, mode) if key == "val" else value
+            node.meta[key] = _fake(value, mode, devices) if key == "val" else value
         env[entry["name"]] = node
         if entry["op"] == "get_attr":
             target = node.target  # the attribute's name (the record's target carries a "str:" prefix)
             _assign_attr(record.constants[target].to(record.constant_devices[target]), root, target)
-    graph.lint()
-    return lazy_graph_module(root, graph)  # its code is generated if it ever runs (lowered graphs do not)
+    return lazy_graph_module(root, graph)  # not linted: it is the graph a lint-clean one was recorded from  # its code is generated if it ever runs (lowered graphs do not)

@@ -233,7 +233,8 @@ class CompiledTrainStep:
         times: dict[str, float] = {}
         created: list = []
         transformation = self.transformation_for(state)
-        if isinstance(transformation, GraphModuleTransformation):  # e.g. Inductor's compile workers start now
+        if isinstance(transformation, GraphModuleTransformation) and not self._expects_to_load():
+            # Inductor's compile workers start now, while the step is traced, unless its code will likely load
             transformation.lowering.start(state.params[0].device if state.params else torch.device("cpu"))
         try:
             with recording(times), recording_stages(self.dump_options()) as dump:
@@ -417,6 +418,13 @@ class CompiledTrainStep:
         transformation.lowering.start(torch.device("cuda"))
         log.info("spmd: %s: compile workers started at the wrap (no step of it in the compile cache)", self.__name__)
         return True
+
+    def _expects_to_load(self) -> bool:
+        """Whether this step's first compile will likely load its code from the compile cache (a step of its
+        function was kept there before): then no compile workers are started for it (a miss compiles without
+        them, as Inductor starts its kernel compilers itself)."""
+        store = self.compile_cache
+        return store is not None and store.usable() and store.has_function(function_digest(self.fn))
 
     def transformation_for(self, state: StepState) -> Callable:
         """The transformation a graph of ``state`` gets: the one given, else the default for its device."""
