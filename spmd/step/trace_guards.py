@@ -72,6 +72,8 @@ def guards_for(reads: CodeReads, roots: Any) -> TraceGuards:
     names: dict[str, tuple[set, set]] = {}
     for code, namespace in reads.codes.items():
         kind = _kind(code, namespace)
+        if kind == "user" and _made_by_guarded_code(code, namespace, reads):
+            kind = "skip"  # what it runs follows from its maker's code, guarded in turn
         if kind == "skip":
             continue
         module = namespace.get("__name__")
@@ -178,6 +180,20 @@ def _kind(code: types.CodeType, namespace: dict) -> str:
     return "user"
 
 
+def _made_by_guarded_code(code: types.CodeType, namespace: dict, reads: CodeReads) -> bool:
+    """Whether ``code`` has no source of its own (made at run time, ``exec``'d in a namespace of no module) and
+    was called by code whose source a guard checks (torch's, a library's, or a user file's): then it is a
+    function of that code and the values it read."""
+    if os.path.isfile(code.co_filename) or isinstance(namespace.get("__file__"), str):
+        return False
+    caller = reads.callers.get(code)
+    if caller is None or caller[0] is code:
+        return False
+    caller_code, caller_namespace = caller
+    kind = _kind(caller_code, caller_namespace)
+    return kind != "user" or os.path.isfile(caller_code.co_filename)
+
+
 def _source_file(code: types.CodeType, namespace: dict) -> str:
     """The file whose contents decide ``code``: its own, or (code made at run time, such as a dataclass's
     ``__init__``) the file of the module it runs in."""
@@ -217,6 +233,13 @@ def _file_digest(path: str) -> str:
 def _is_library_object(obj: Any) -> bool:
     top = (getattr(obj, "__module__", None) or "").split(".")[0]
     return top in ("torch", "spmd", "builtins", "numpy") or top in sys.stdlib_module_names
+
+
+def _salted_hash(name: str, value: Any) -> bool:
+    """Whether an attribute holds a ``hash()`` this process took (``_original_object_hash``, as transformers'
+    GenerationConfig keeps): string hashes are salted per process, so it differs in every process, and what
+    it is compared with is taken in the same process."""
+    return isinstance(value, int) and name.lower().endswith("hash")
 
 
 class _Walk:
@@ -291,7 +314,8 @@ class _Walk:
         state = self._state(v)
         if state is not None:
             return {"class": self._class(type(v), where),
-                    "attributes": {k: self.value(x, f"{where}.{k}") for k, x in sorted(state.items())}}
+                    "attributes": {k: self.value(x, f"{where}.{k}") for k, x in sorted(state.items())
+                                   if not _salted_hash(k, x)}}
         described = describe(v)  # meshes, groups, scalers, enums and other values spmd already describes
         if isinstance(described, dict) and described.get("repr", "") is None:
             raise Unguardable(f"{where} is a {type(v).__qualname__} whose value spmd cannot check")

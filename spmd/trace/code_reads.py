@@ -28,6 +28,18 @@ class CodeReads:
 
     codes: dict[types.CodeType, dict] = field(default_factory=dict)
     environ: dict[str, Optional[str]] = field(default_factory=dict)
+    # code made at run time (no source file: ``exec``'d, a namedtuple's) -> the code and globals that called it
+    callers: dict[types.CodeType, tuple[types.CodeType, dict]] = field(default_factory=dict)
+
+    def note(self, frame) -> None:
+        """Record ``frame``'s code, the globals it runs under and, for code made at run time, its caller."""
+        code = frame.f_code
+        if code in self.codes:
+            return
+        self.codes[code] = frame.f_globals
+        caller = frame.f_back
+        if code.co_filename.startswith("<") and caller is not None:
+            self.callers[code] = (caller.f_code, caller.f_globals)
 
 
 _active: list[CodeReads] = []
@@ -73,11 +85,10 @@ def _monitored() -> Iterator[CodeReads]:
         with _profiled() as reads:
             yield reads
         return
-    codes, getframe, disable = reads.codes, sys._getframe, _MONITORING.DISABLE
+    note, getframe, disable = reads.note, sys._getframe, _MONITORING.DISABLE
 
     def started(code: types.CodeType, offset: int):
-        frame = getframe(1)
-        codes.setdefault(code, frame.f_globals)
+        note(getframe(1))
         return disable  # this code's later starts cost nothing
 
     _MONITORING.use_tool_id(tool, _TOOL_NAME)
@@ -97,12 +108,12 @@ def _monitored() -> Iterator[CodeReads]:
 @contextlib.contextmanager
 def _profiled() -> Iterator[CodeReads]:
     reads = CodeReads()
-    codes = reads.codes
+    codes, note = reads.codes, reads.note
     previous = sys.getprofile()
 
     def called(frame, event, arg):
         if event == "call" and frame.f_code not in codes:
-            codes[frame.f_code] = frame.f_globals
+            note(frame)
 
     _active.append(reads)
     sys.setprofile(called)
