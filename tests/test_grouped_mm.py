@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd
 import spmd.trace.grouped_mm as grouped_mm_module
@@ -163,3 +164,62 @@ def test_without_the_traceable_form_the_backward_reading_offsets_is_refused(op_w
     with pytest.raises(spmd.SpmdCompileError, match=r"reads the value of a tensor.*_backward_reading_offsets"):
         spmd.compile()(moe_step)(model, torch.optim.SGD(model.parameters(), lr=0.5), torch.randn(8, 6, dtype=F64),
                                  torch.randn(8, 6, dtype=F64))
+
+
+class KernelArguments(TorchDispatchMode):
+    """Records (parameter, gradient) strides and dtypes of each fused AdamW call that runs inside (ATen's op, or
+    ``spmd_lowering``'s that calls it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "fused_adamw" in func.name():
+            self.seen += [((p.stride(), p.dtype), (g.stride(), g.dtype)) for p, g in zip(args[0], args[1])]
+        return func(*args, **(kwargs or {}))
+
+
+def autocast_moe_step(model, optim, x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = (model(x) - y).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("graph_optimization", [False, True], ids=["aten_fused_op", "opaque_fused_op"])
+def test_fused_adamw_gets_each_expert_gradient_laid_out_as_its_parameter(op_with_a_backward_reading_offsets,
+                                                                          graph_optimization):
+    """The GPU zoo's Mixtral setting on the CPU: float32 parameters, bf16 autocast around the forward, fused
+    AdamW, Inductor. The experts' weights enter the grouped matmul transposed (as transformers passes them);
+    Inductor handed their gradients to the fused kernel as the batched matmul left them, transposed: CUDA's
+    kernel refused them ("must have same dtype, device, and layout") and the CPU one updated the experts
+    with a scrambled gradient. With graph optimization the in-place op runs as ``spmd_lowering``'s opaque op."""
+    torch.manual_seed(0)
+    model = TopTwoMoE().float()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.05, fused=True) for m in (model, ref))
+    traced = []
+
+    def transformation(gm):
+        traced.extend(gm.graph.nodes)
+        return spmd.GraphModuleTransformation(enable_inductor=True, enable_graph_optimization=graph_optimization)(gm)
+
+    step = spmd.compile(gm_transformation=transformation)(autocast_moe_step)
+    gen, kernel = torch.Generator().manual_seed(1), KernelArguments()
+    for _ in range(3):
+        x, y = (torch.randn(8, 6, generator=gen) for _ in range(2))
+        with kernel:
+            loss = step(model, optim, x, y)
+        torch.testing.assert_close(loss, autocast_moe_step(ref, ref_optim, x, y), rtol=2e-2, atol=0)
+    fused = [n for n in traced if n.op == "call_function" and "fused_adamw" in str(n.target)]
+    assert len(fused) == 1
+    for p, g in zip(*fused[0].args[:2]):  # the traced graph: each gradient has its parameter's dtype
+        assert g.meta["val"].dtype == p.meta["val"].dtype == torch.float32, (p, g)
+    assert kernel.seen
+    for param, grad in kernel.seen:
+        assert grad == param, f"the fused kernel got a gradient {grad} for a parameter {param}"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):  # a scrambled step moves by ~lr
+        assert (p - q).abs().mean() < 0.05 / 10, name

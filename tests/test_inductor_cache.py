@@ -18,6 +18,7 @@ import torch
 
 import spmd
 from spmd.lower.fx_cache import inductor_cache_context, opaque_schemas
+from spmd.lower.optimizer_layout import FUSED_OPTIMIZER_LAYOUT_RULE
 from spmd.lower.opaque_ops import opaque_inplace_op
 from spmd.tools.models import MLP
 from tests.dist import single_process_group
@@ -136,6 +137,9 @@ def test_the_cache_key_covers_our_opaque_ops_schemas_and_keeps_the_users_tag(mon
     monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "user")
     assert tag_inside(_graph_calling(adamw)).startswith("user|spmd_lowering:")
     assert torch.compiler.config.cache_key_tag == "user"  # restored
+    # code made before fused optimizer ops got their gradients laid out as their parameters is not reused
+    for op in (adamw, torch.ops.aten._fused_adamw.default):
+        assert FUSED_OPTIMIZER_LAYOUT_RULE in tag_inside(_graph_calling(op)).split("|")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,9 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     the optimizer has several param groups (under AOT autograd's functionalization Inductor
     mishandled that: NaNs). Inductor runs the custom op as it is, one call of ``op``, where it
     would otherwise lower ``op`` into kernels of its own (``_wrappable_step_count``).
+
+    Tagged ``needs_fixed_stride_order``: Inductor hands it each tensor in the graph's stride order, a
+    gradient laid out as its parameter, as the fused kernels need (``spmd.lower.optimizer_layout``).
     """
     if op not in _opaque_ops:
         name = f"{op._opname.strip('_')}_{op._overloadname}"
@@ -56,7 +59,7 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
         read_only_grads = re.sub(r"Tensor\(\w!\)\[\] grads", "Tensor[] grads", args)
         if read_only_grads == args and writes_grads(op):
             raise SpmdCompileError(f"spmd: unexpected schema for {op}: {op._schema} (no 'Tensor(a!)[] grads' argument)")
-        _opaque_lib.define(name + "(" + read_only_grads)
+        _opaque_lib.define(name + "(" + read_only_grads, tags=(torch.Tag.needs_fixed_stride_order,))
         _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
         torch.library.register_fake(f"{OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)
         _opaque_ops[op] = getattr(getattr(torch.ops, OPAQUE_NAMESPACE), name).default
