@@ -10,15 +10,19 @@ ATen op: none; a custom op such as ``spmd_lowering::fused_adamw_tensor_lr``: ``n
 which holds only in graphs Dynamo made, as it reads their ``eager_input_vals``). It then handed a MoE
 expert weight's gradient transposed, as the batched matmul that computed it left it.
 
-``fused_optimizer_layouts`` makes Inductor lay out every tensor argument of these ops in the stride
-order of the traced graph's metadata (``constrain_to_fx_strides``) while our graphs compile. The opaque
-in-place ops (``spmd.lower.opaque_ops``) carry the same constraint as their tag.
+``fused_optimizer_layouts`` makes Inductor lay out every tensor argument of these ops, and of their opaque
+in-place stand-ins (``spmd.lower.opaque_ops``), in the stride order of the traced graph's metadata while our
+graphs compile (``in_graph_stride_order``: what Inductor's ``constrain_to_fx_strides`` does, written here
+because torch 2.11's does not look into the lists of tensors these ops take).
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
+
+import torch
+import torch.fx as fx
 
 from ..graph_utils.optimizer_ops import FUSED
 
@@ -33,11 +37,14 @@ def fused_optimizer_layouts() -> Iterator[None]:
     the stride order of its value in the graph; the constraints held before are put back after."""
     from torch._inductor import lowering
 
+    from .opaque_ops import _opaque_ops
+
     overloads = [getattr(packet, name) for packet in FUSED for name in packet.overloads()]
+    overloads += [opaque for op, opaque in _opaque_ops.items()]
     held = {op: lowering._maybe_layout_constraints.get(op) for op in overloads}
     try:
         for op in overloads:
-            lowering.add_layout_constraint(op, lowering.constrain_to_fx_strides)
+            lowering.add_layout_constraint(op, in_graph_stride_order)
         yield
     finally:
         for op, constraint in held.items():
@@ -45,3 +52,26 @@ def fused_optimizer_layouts() -> Iterator[None]:
                 lowering._maybe_layout_constraints.pop(op, None)
             else:
                 lowering._maybe_layout_constraints[op] = constraint
+
+
+def in_graph_stride_order(fx_node, *args, **kwargs):
+    """Inductor's layout constraint (``add_layout_constraint``): each tensor argument of ``fx_node``, inside
+    lists and tuples too, in the stride order of its value in the graph."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    def value(fx_arg):
+        return fx_arg.meta.get("val") if isinstance(fx_arg, fx.Node) else fx_arg
+
+    def laid_out(arg, fx_arg):
+        if isinstance(arg, (list, tuple)) and isinstance(fx_arg, (list, tuple)):
+            return type(arg)(laid_out(a, f) for a, f in zip(arg, fx_arg))
+        val = value(fx_arg)
+        if isinstance(arg, ir.IRNode) and isinstance(val, torch.Tensor) and val.dim() > 1:
+            order = ir.get_stride_order(val.stride(), V.graph.sizevars.shape_env)
+            return ir.ExternKernel.require_stride_order(arg, order)
+        return arg
+
+    args = tuple(laid_out(a, f) for a, f in zip(args, fx_node.args))
+    kwargs = {k: laid_out(v, fx_node.kwargs.get(k)) for k, v in kwargs.items()}
+    return args, kwargs
