@@ -172,6 +172,24 @@ def test_a_number_drawn_or_a_clock_read_in_the_step_is_refused_naming_the_line(d
 
 _RANDOM, _TIME, _NP_RAND = random.random, time.time, np.random.rand
 
+RNG = np.random.default_rng(0)  # a numpy Generator the step draws from: a C object no patch can see
+
+
+@pytest.mark.parametrize("draw, named", [
+    (lambda: float(RNG.normal()), "'RNG' (a global of tests.test_frozen_values)"),
+    (lambda: float(np.random.RandomState(1).rand()), None),  # made and drawn from inside the step: not reached
+])
+def test_a_number_drawn_from_a_numpy_generator_the_step_reaches_is_refused_naming_it(draw, named):
+    model, optim = _model_and_optim()
+    before = copy.deepcopy(model.state_dict())
+    step = spmd.compile()(_scaled_step(draw))
+    if named is None:  # a generator made anew each call draws the same numbers in eager too: nothing frozen
+        step(model, optim, torch.randn(4, 12, dtype=F64))
+        return
+    with pytest.raises(spmd.SpmdCompileError, match=rf"draws from the numpy generator {re.escape(named)}.*torch's RNG"):
+        step(model, optim, torch.randn(4, 12, dtype=F64))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
 
 def test_item_used_as_a_number_is_refused_naming_the_line():
     model, optim = _model_and_optim()

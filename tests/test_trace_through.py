@@ -472,7 +472,9 @@ def test_flex_attention_with_document_masks_trains_as_eager_through_inductor_on_
     torch.manual_seed(0)
     model = FlexAttentionTrained().cuda()
     ref = copy.deepcopy(model)
-    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    # SGD: Inductor's flex kernel and eager's reference round differently in float32, and Adam's normalisation
+    # would turn those last bits into lr-sized parameter differences
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
     step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(flex_step)
     for split in (40, 90, 40):  # a new document mask each call: one graph
         mask = document_mask_cuda([0] * split + [1] * (128 - split))

@@ -116,6 +116,58 @@ def _frozen_draw(name: str, frame) -> SpmdCompileError:
         "(a 0-dim tensor, which does not retrace when it changes).")
 
 
+def _frozen_generator(name: str) -> SpmdCompileError:
+    return SpmdCompileError(
+        f"spmd.compile: the step draws from the numpy generator {name} while it is traced (its state moved): the "
+        "compiled step would keep the numbers drawn then and use them on every call, where eager draws new ones "
+        "each call. Draw them with torch's RNG, which the graph draws anew on every call (e.g. torch.rand(()) or "
+        "torch.normal(0.0, 1.0, (n,), generator=g)), or draw them outside the step and pass them as a tensor.")
+
+
+def _generator_state(generator: Any) -> bytes:
+    """A numpy ``Generator``'s or ``RandomState``'s state, comparable with ``==``."""
+    import pickle
+
+    state = generator.bit_generator.state if hasattr(generator, "bit_generator") else generator.get_state()
+    return pickle.dumps(state)
+
+
+def _numpy_generators(fn: Callable, modules: list[nn.Module], namespaces: list[dict]) -> list[tuple[str, Any]]:
+    """(where, generator) for each numpy ``Generator`` or ``RandomState`` the step's code can reach directly: a
+    global of its module or of a model class's module, a closure variable, an attribute of one of its modules
+    (C objects whose draws no patch can see; ``checking_host_reads`` compares their state instead)."""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is None:
+        return []
+    kinds = tuple(k for k in (getattr(numpy_random, "Generator", None), getattr(numpy_random, "RandomState", None))
+                  if isinstance(k, type))
+    found: dict[int, tuple[str, Any]] = {}
+    for namespace in namespaces:
+        for name, value in namespace.items():
+            if isinstance(value, kinds):
+                found.setdefault(id(value), (f"{name!r} (a global of {namespace.get('__name__')})", value))
+    inner = getattr(fn, "__func__", fn)
+    for name, cell in zip(getattr(getattr(inner, "__code__", None), "co_freevars", ()), getattr(inner, "__closure__", None) or ()):
+        value = cell.cell_contents if _filled(cell) else None
+        if isinstance(value, kinds):
+            found.setdefault(id(value), (f"{name!r} (in the step's closure)", value))
+    for root in modules:
+        for path, module in root.named_modules():
+            for name, value in vars(module).items():
+                if isinstance(value, kinds):
+                    found.setdefault(id(value), (f"{type(module).__name__}.{name} (of module {path or 'the model'!r})",
+                                                 value))
+    return list(found.values())
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
 def _frozen_clock(name: str, frame) -> SpmdCompileError:
     return SpmdCompileError(
         f"spmd.compile: the step calls {name} at {where(frame)} while it is traced: the compiled step would "
@@ -253,6 +305,11 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list
                     patches.set(namespace, name, replaced[id(value)])
         patches.set(_ENVIRON_TYPE, "__getitem__", environ_read)
         patches.set(torch.Tensor, "item", item)
+        generators = [(where, g, _generator_state(g)) for where, g in
+                      _numpy_generators(fn, modules, _user_namespaces(fn, modules))]
         yield value_reads
+        for where, generator, state in generators:
+            if _generator_state(generator) != state:
+                raise _frozen_generator(where)
     finally:
         patches.restore()
