@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import random
 import sys
@@ -147,8 +148,8 @@ def _numpy_generators(fn: Callable, modules: list[nn.Module], namespaces: list[d
             if isinstance(value, kinds):
                 found.setdefault(id(value), (f"{name!r} (a global of {namespace.get('__name__')})", value))
     inner = getattr(fn, "__func__", fn)
-    for name, cell in zip(getattr(getattr(inner, "__code__", None), "co_freevars", ()), getattr(inner, "__closure__", None) or ()):
-        value = cell.cell_contents if _filled(cell) else None
+    closure = inspect.getclosurevars(inner).nonlocals if inspect.isfunction(inner) else {}
+    for name, value in closure.items():
         if isinstance(value, kinds):
             found.setdefault(id(value), (f"{name!r} (in the step's closure)", value))
     for root in modules:
@@ -158,14 +159,6 @@ def _numpy_generators(fn: Callable, modules: list[nn.Module], namespaces: list[d
                     found.setdefault(id(value), (f"{type(module).__name__}.{name} (of module {path or 'the model'!r})",
                                                  value))
     return list(found.values())
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _frozen_clock(name: str, frame) -> SpmdCompileError:
