@@ -223,3 +223,34 @@ def test_fused_adamw_gets_each_expert_gradient_laid_out_as_its_parameter(op_with
         assert grad == param, f"the fused kernel got a gradient {grad} for a parameter {param}"
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):  # a scrambled step moves by ~lr
         assert (p - q).abs().mean() < 0.05 / 10, name
+
+
+def test_an_opaque_fused_op_inductor_first_meets_keeps_the_graphs_layout(op_with_a_backward_reading_offsets,
+                                                                          monkeypatch):
+    """In a process where Inductor has not lowered the opaque fused AdamW op before (each fresh job), its own
+    fallback registration set the constraint the op's tag names over ours, and the GPU got transposed expert
+    gradients: the op must reach Inductor with our layout constraint from the first compile on."""
+    from torch._inductor import lowering
+
+    import spmd.lower.optimizer_layout as optimizer_layout
+    from spmd.lower.opaque_ops import opaque_inplace_op
+
+    opaque = opaque_inplace_op(torch.ops.aten._fused_adamw_.tensor_lr)
+    monkeypatch.delitem(lowering.lowerings, opaque, raising=False)  # as in a fresh process
+    monkeypatch.delitem(lowering._maybe_layout_constraints, opaque, raising=False)
+    constrained = []
+
+    def spy(fx_node, *args, **kwargs):
+        constrained.append(fx_node.target)
+        return optimizer_layout.in_graph_stride_order.__wrapped__(fx_node, *args, **kwargs)
+
+    spy.__wrapped__ = optimizer_layout.in_graph_stride_order
+    monkeypatch.setattr(optimizer_layout, "in_graph_stride_order", spy)
+    torch.manual_seed(0)
+    model = TopTwoMoE().float()
+    optim = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.05), fused=True)
+    lowered = spmd.GraphModuleTransformation(enable_inductor=True, enable_graph_optimization=True,
+                                             inductor_options={"fx_graph_cache": False})  # Inductor lowers it here
+    step = spmd.compile(gm_transformation=lowered, cache_dir=False)(autocast_moe_step)
+    step(model, optim, torch.randn(8, 6), torch.randn(8, 6))
+    assert any("fused_adamw" in str(t) and t.namespace == "spmd_lowering" for t in constrained), constrained

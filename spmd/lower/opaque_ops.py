@@ -50,8 +50,10 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     mishandled that: NaNs). Inductor runs the custom op as it is, one call of ``op``, where it
     would otherwise lower ``op`` into kernels of its own (``_wrappable_step_count``).
 
-    Tagged ``needs_fixed_stride_order``: Inductor hands it each tensor in the graph's stride order, a
-    gradient laid out as its parameter, as the fused kernels need (``spmd.lower.optimizer_layout``).
+    Inductor hands it each tensor in the graph's stride order, a gradient laid out as its parameter, as the
+    fused kernels need (``spmd.lower.optimizer_layout``). The op has no layout tag: Inductor reads a tag's
+    constraint before the one registered for the op, and torch 2.11's for ``needs_fixed_stride_order``
+    leaves the tensors inside lists as they come.
     """
     if op not in _opaque_ops:
         name = f"{op._opname.strip('_')}_{op._overloadname}"
@@ -59,11 +61,50 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
         read_only_grads = re.sub(r"Tensor\(\w!\)\[\] grads", "Tensor[] grads", args)
         if read_only_grads == args and writes_grads(op):
             raise SpmdCompileError(f"spmd: unexpected schema for {op}: {op._schema} (no 'Tensor(a!)[] grads' argument)")
-        _opaque_lib.define(name + "(" + read_only_grads, tags=(torch.Tag.needs_fixed_stride_order,))
-        _opaque_lib.impl(name, lambda *args, **kwargs: op(*args, **kwargs), "CompositeExplicitAutograd")
+        _opaque_lib.define(name + "(" + read_only_grads)
+        _opaque_lib.impl(name, lambda *args, **kwargs: _run_naming_mismatches(op, args, kwargs),
+                         "CompositeExplicitAutograd")
         torch.library.register_fake(f"{OPAQUE_NAMESPACE}::{name}", lambda *args, **kwargs: None, lib=_opaque_lib)
         _opaque_ops[op] = getattr(getattr(torch.ops, OPAQUE_NAMESPACE), name).default
     return _opaque_ops[op]
+
+
+def _run_naming_mismatches(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    """``op(*args, **kwargs)``; where it refuses its tensor lists (a fused optimizer kernel wants each index's
+    parameter, gradient and states alike in dtype, device and strides), the error names the entries that
+    differ from their parameter instead of only saying that some do."""
+    try:
+        op(*args, **kwargs)
+    except RuntimeError as err:
+        differing = tensor_list_mismatches(op, args, kwargs)
+        if not differing:
+            raise
+        raise SpmdCompileError(
+            f"spmd: {op} refused its arguments ({str(err).splitlines()[0]}): {'; '.join(differing[:4])}"
+            f"{' ...' if len(differing) > 4 else ''}. This is a lowering bug in spmd; please report it with this "
+            "message. GraphModuleTransformation(enable_inductor=False) runs the step without it.") from err
+
+
+def tensor_list_mismatches(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[str]:
+    """Each ``name[i]`` of ``op``'s tensor list arguments whose dtype, device or strides differ from the first
+    list's ``i``-th tensor of its shape: ``grads[3] strides (1, 64) where params[3] has (64, 1)``."""
+    bound = dict(zip((a.name for a in op._schema.arguments), args), **kwargs)
+    lists = [(name, value) for name, value in bound.items()
+             if isinstance(value, (list, tuple)) and value and all(isinstance(t, torch.Tensor) for t in value)]
+    if len(lists) < 2:
+        return []
+    (first_name, first), found = lists[0], []
+    for name, tensors in lists[1:]:
+        for i, (ref, t) in enumerate(zip(first, tensors)):
+            if t.shape != ref.shape:  # a step count beside its parameter
+                continue
+            for what in ("dtype", "device", "stride"):
+                mine, theirs = (getattr(x, what) for x in (t, ref))
+                mine, theirs = (v() if callable(v) else v for v in (mine, theirs))
+                if mine != theirs:
+                    found.append(f"{name}[{i}] {what} {mine} where {first_name}[{i}] has {theirs} (shape "
+                                 f"{tuple(ref.shape)})")
+    return found
 
 
 def wrapped_ops(gm: fx.GraphModule) -> tuple[str, ...]:

@@ -13,7 +13,10 @@ expert weight's gradient transposed, as the batched matmul that computed it left
 ``fused_optimizer_layouts`` makes Inductor lay out every tensor argument of these ops, and of their opaque
 in-place stand-ins (``spmd.lower.opaque_ops``), in the stride order of the traced graph's metadata while our
 graphs compile (``in_graph_stride_order``: what Inductor's ``constrain_to_fx_strides`` does, written here
-because torch 2.11's does not look into the lists of tensors these ops take).
+because torch 2.11's does not look into the lists of tensors these ops take). An opaque op is registered as
+Inductor's fallback with that constraint before Inductor first meets it: Inductor's own registration of an
+op it has no lowering for sets the constraint its tag names, over ours (on the GPU the zoo's Mixtral then
+got its experts' gradients transposed).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ..graph_utils.optimizer_ops import FUSED
 
 # Named in Inductor's FX graph cache key of a graph with a fused optimizer op (``spmd.lower.fx_cache``): code
 # made without the rule is not reused. A new name for every change of the rule.
-FUSED_OPTIMIZER_LAYOUT_RULE = "spmd_fused_optimizer_layout:1"
+FUSED_OPTIMIZER_LAYOUT_RULE = "spmd_fused_optimizer_layout:2"
 
 
 @contextlib.contextmanager
@@ -40,7 +43,11 @@ def fused_optimizer_layouts() -> Iterator[None]:
     from .opaque_ops import _opaque_ops
 
     overloads = [getattr(packet, name) for packet in FUSED for name in packet.overloads()]
-    overloads += [opaque for op, opaque in _opaque_ops.items()]
+    opaque = list(_opaque_ops.values())
+    for op in opaque:
+        if op not in lowering.lowerings:  # else Inductor's first lowering of it would replace our constraint
+            lowering.make_fallback(op, layout_constraint=in_graph_stride_order, warn=False)
+    overloads += opaque
     held = {op: lowering._maybe_layout_constraints.get(op) for op in overloads}
     try:
         for op in overloads:
