@@ -116,6 +116,22 @@ def _spmd(spec: Spec, style: Optional[str]) -> Step:
     return step
 
 
+def _fsdp2_compiled(spec: Spec) -> Step:
+    """FSDP2's ``fully_shard`` on each repeated block, each block compiled in place first (torchtitan's
+    ``apply_compile``), in a process group of one: the sharded peer of ``spmd_fully_shard``."""
+    from .bench_peers import fsdp2
+
+    model = spec.model()
+    wrapped, wrap_s = timed_wrap(lambda: fsdp2(model, tuple(unit_classes(model, spec.entry.unit)), None,
+                                               compile_units=True))
+    optim = spec.optimizer(wrapped)  # over the sharded parameters
+
+    def step(x, y, last_train_step=False):
+        return train_step(wrapped, optim, x, y, spec.autocast)
+    step.wrap_s, step.model = wrap_s, model
+    return step
+
+
 @dataclass(frozen=True)
 class ZooMode:
     build: Callable[[Spec], Step]
@@ -135,6 +151,8 @@ ZOO_MODES: dict[str, ZooMode] = {
     "spmd": ZooMode(lambda s: _spmd(s, None), "@spmd.compile() with nothing else: the whole step, no process group"),
     "spmd_fully_shard": ZooMode(lambda s: _spmd(s, "fully_shard"),
                                 "spmd fully_shard (a unit per repeated block) in a process group of one", group=True),
+    "fsdp2_compiled": ZooMode(_fsdp2_compiled, "FSDP2 fully_shard per repeated block, each block torch.compiled, "
+                              "in a process group of one", group=True),
 }
 
 
