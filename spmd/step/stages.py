@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -101,15 +102,15 @@ class Transformed:
         entry = CompiledStep(self.runner, step.out_spec, traced.graph, compile_times=dict(self.compile_times),
                              first_step=first_step_slots(traced.state, list(traced.created)), grads=step.grads,
                              dtensors=step.dtensors, replays=step.replays, live=step.live)
-        if not isinstance(self.runner, IterGraphModule) or self.runner.lowered:
-            entry.lowered = True
+        entry.lowered = True
+        if not isinstance(self.runner, IterGraphModule):  # a transformation of the user's lowers it itself
             return entry
-        state = traced.state
+        state, compiles = traced.state, not self.runner.lowered
         hypers = entry.hyper_inputs(state.hyper_values(), state)
         inputs = graph_inputs(state, hypers, step.grads, args, kwargs or {})
-        found = cache.find(self.runner, inputs) if cache is not None else None
+        found = cache.find(self.runner, inputs) if cache is not None and compiles else None
         try:
-            with torch.no_grad(), recording(entry.compile_times), phase("lower"):
+            with torch.no_grad(), recording(entry.compile_times), phase("lower") if compiles else nullcontext():
                 self.runner.lower(tuple(inputs), found.kept if found is not None else None)
         except BaseException as err:
             if found is not None:
@@ -119,7 +120,6 @@ class Transformed:
             entry.cache_digest = found.digest
             entry.compile_times.update(found.times)
             cache.keep(found, self.runner)
-        entry.lowered = True
         return entry
 
 
