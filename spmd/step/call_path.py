@@ -21,7 +21,7 @@ from ..checks import rank_agreement
 from ..compile_times import phase, recording
 from ..trace.block_masks import is_block_mask, lift
 from ..trace.step_reach import Reach, reach
-from ..trace.step_state import StepState, describe_changes, find_modules_and_optimizers, local_tensor
+from ..trace.step_state import describe_changes, find_modules_and_optimizers, local_tensor
 from .call_signature import Signatures
 from .compiled_step import CompiledStep, LastCall, undo_created
 from .definition import StepDefinition
