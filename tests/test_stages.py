@@ -174,3 +174,15 @@ def test_compile_options_are_one_checked_value():
         options.cache_size = 3
     assert spmd.compile(options=options)(train_step).options is options
 
+
+
+def test_a_lowering_that_fails_leaves_nothing_cached_and_no_optimizer_state(monkeypatch):
+    def failing_inductor(gm, example_inputs, label, *args, **kwargs):
+        raise RuntimeError("inductor ran out of memory")
+
+    monkeypatch.setattr(lowering_module, "compile_with_inductor", failing_inductor)
+    model, _, opt, _ = _adam_pair()
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(train_step)
+    with pytest.raises(RuntimeError, match="inductor ran out of memory"):
+        step(model, opt, torch.randn(4, 8, dtype=torch.float64))
+    assert not step.cache and step.trace_count == 0 and not opt.state
