@@ -5,6 +5,7 @@ from ._torch_version import warn_if_untested
 warn_if_untested()
 
 from .api import CompiledTrainStep, compile
+from .compile_options import CompileOptions
 from .errors import SpmdCompileError, SpmdConfigError
 from .estimate_memory import MemoryEstimate, estimate_memory
 from .explain import Plan, explain
@@ -13,7 +14,7 @@ from .step.iter_graph_module import IterGraph, IterGraphModule, IterMoveError
 from .step.transformation import GraphModuleTransformation
 
 __all__ = [
-    "CompiledTrainStep", "DataParallel", "GraphModuleTransformation", "IterGraph", "IterGraphModule",
+    "CompileOptions", "CompiledTrainStep", "DataParallel", "GraphModuleTransformation", "IterGraph", "IterGraphModule",
     "IterMoveError", "MemoryEstimate", "Plan", "SpmdCompileError", "SpmdConfigError", "compile", "estimate_memory",
     "explain", "shard",
 ]

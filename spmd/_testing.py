@@ -44,5 +44,5 @@ def agree_across_ranks(train_step, agree: Optional[bool]):
 
         step = agree_across_ranks(spmd.compile()(train_step), True)
     """
-    train_step.agree_across_ranks = agree
+    train_step._calls.agree_across_ranks = agree
     return train_step

@@ -22,7 +22,6 @@ from .api import CompiledTrainStep
 from .parallel.shard import shard_plan
 from .step.iter_graph_module import IterGraphModule
 from .step.transformation import GraphModuleTransformation
-from .trace.block_masks import lift
 from .trace.step_state import StepState
 
 TINY_ALL_REDUCE_BYTES = 1 << 20  # an all_reduce under 1 MiB is dominated by latency
@@ -236,23 +235,19 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
 
 def transformed_step(train_step: CompiledTrainStep, args: tuple, kwargs: dict
                      ) -> tuple[IterGraphModule, StepState, PassManager]:
-    """(transformed graph, step state, the pass manager that ran) of ``train_step`` on these arguments: traced,
-    expanded and transformed as a compile does it, lowering left for a call. Parameters and optimizer state are
-    left as they were (optimizer state created for the trace is removed again)."""
-    kwargs = {k: v for k, v in kwargs.items() if k != "last_train_step"}
-    args, kwargs = lift(args, kwargs)  # a flex_attention mask's tensors are inputs, as in a call
-    state = train_step.prepare_state(args, kwargs)
-    gm, _, state, created = train_step.trace_and_expand(state, args, kwargs)
+    """(transformed graph, step state, the pass manager that ran) of ``train_step`` on these arguments: its
+    stages ``trace`` and ``transform`` as a compile runs them, lowering left for a call. Parameters and optimizer
+    state are left as they were (optimizer state created for the trace is removed again)."""
+    traced = train_step.trace(*args, **kwargs)
     try:
-        transform = train_step.transformation_for(state)
+        transform = traced.transformation
         ours = isinstance(transform, GraphModuleTransformation)
         manager = transform.pass_manager_for(train_step.parallel_mode) if ours else PassManager([])
-        result = transform(gm)  # the transform stage, as a compile runs it (lowering comes later, on a call)
-        igm = result if isinstance(result, IterGraphModule) else IterGraphModule(gm)
+        result = traced.transform().runner  # the transform stage (lowering comes later, on a call)
+        igm = result if isinstance(result, IterGraphModule) else IterGraphModule(traced.graph)
     finally:
-        for made in created:
-            made.undo()
-    return igm, state, manager
+        traced.undo()
+    return igm, traced.state, manager
 
 
 def lowered_profile(gm) -> tuple[Graph, MemoryProfile]:

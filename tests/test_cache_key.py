@@ -20,6 +20,7 @@ from spmd.parallel.group_roles import ROLE_PREFIX, role_name, roles_resolve
 from spmd.step import IterGraphModule
 from spmd.step.cache_key import StepKey, lowering_key
 from spmd.step.describe import canonical_json
+from spmd.step.stages import graph_inputs
 from tests.dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,12 +52,10 @@ def scenario(seed: int = 0, width: int = 8, act: type = nn.ReLU, dtype=torch.flo
 def key_of(step, args: tuple) -> StepKey:
     """The key the compile cache would give ``step``'s graphs for ``args``: traced and transformed as a first
     call does, not lowered (nothing is compiled or run)."""
-    state = step.prepare_state(args, {})
-    state = step.parallel_mode.prepare(state) or state
-    entry, state, _ = step._compile(state, args, {})
-    runner = entry.runner
-    return lowering_key(runner.modules_to_run(), step._graph_inputs(entry, state, args, {}), runner.lowering,
-                        runner.num_user_outputs)
+    transformed = step.trace(*args).transform()
+    runner, traced = transformed.runner, transformed.traced
+    inputs = graph_inputs(traced.state, traced.state.hyper_tensors(), traced.step.grads, args, {})
+    return lowering_key(runner.modules_to_run(), inputs, runner.lowering, runner.num_user_outputs)
 
 
 def key(**changes) -> StepKey:

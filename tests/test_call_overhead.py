@@ -64,13 +64,13 @@ class _Twins:
         self.optim, self.ref_optim = make_optim(self.model), make_optim(self.ref)
         self.step = spmd.compile()(square_mean_step)
         self.full_lookups = 0
-        full = self.step.prepare_state
+        full = self.step._definition.prepare_state
 
         def counted(args, kwargs, *found):  # prepare_state runs only when the fast path does not
             self.full_lookups += 1
             return full(args, kwargs, *found)
 
-        self.step.prepare_state = counted
+        self.step._definition.prepare_state = counted
         self.data = torch.Generator().manual_seed(0)
 
     def run(self, rows: int = 5) -> None:

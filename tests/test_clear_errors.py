@@ -185,7 +185,7 @@ def test_sharded_parameters_whose_data_is_not_on_their_meshs_device_are_named():
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.device_mesh import init_device_mesh
 
-    from spmd.api import mesh_device_mismatches
+    from spmd.checks.step_inputs import mesh_device_mismatches
 
     with single_process_group():
         mesh = init_device_mesh("cpu", (1,))

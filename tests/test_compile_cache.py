@@ -240,9 +240,9 @@ def test_optimizer_checks_are_kept_beside_the_steps_the_cache_keeps(tmp_path, mo
     model, _, opt, _ = _model_and_optim()
     batch = (torch.randn(4, 8, dtype=torch.float64),)
     plain = spmd.compile(cache_dir=tmp_path)(train_step)
-    assert plain._kept_checks(plain.prepare_state((model, opt, *batch), {})) is None
+    assert plain._definition.kept_checks(plain._definition.prepare_state((model, opt, *batch), {})) is None
     step = _inductor_step(tmp_path)
-    step.trace_and_expand(step.prepare_state((model, opt, *batch), {}), (model, opt, *batch), {})
+    step.trace(model, opt, *batch)
     assert len(list((tmp_path / "checks").glob("optimizer-check-*.spmd"))) == 1
     store = CacheStore(tmp_path)
     assert store.entries() == []

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import spmd
 from spmd.step.cache_store import CacheStore
+from spmd.step.iter_graph_module import IterGraphModule
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.parity import train_step
@@ -69,9 +70,10 @@ def test_one_rank_compiles_with_inductor_and_the_other_loads_its_code_and_trains
     assert len(CacheStore(tmp_path).entries()) == 1
 
 
-def _inductor(cache_dir, mode="replicate"):
+def _inductor(cache_dir, mode="replicate", options=None):
     transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True)
-    return spmd.compile(parallel_mode=mode, gm_transformation=transformation, cache_dir=cache_dir)(train_step)
+    return spmd.compile(parallel_mode=mode, gm_transformation=transformation, cache_dir=cache_dir,
+                        options=options)(train_step)
 
 
 def _sharded_with_own_directories(rank, world_size, root):
@@ -102,18 +104,14 @@ def test_ranks_with_their_own_cache_directories_get_the_step_through_the_job(tmp
 
 
 def _replace_lower(replacement):
-    """Make ``CompiledStep.lower`` (what only the rank that claimed a key calls before the others may load)
+    """Make ``IterGraphModule.lower`` (what only the rank that claimed a key calls before the others may load)
     run ``replacement`` instead; returns the original."""
-    from spmd.step.compiled_step import CompiledStep
-
-    original = CompiledStep.lower
-    CompiledStep.lower = replacement
+    original = IterGraphModule.lower
+    IterGraphModule.lower = replacement
     return original
 
 
 def _failing_compile(rank, world_size, cache_dir):
-    from spmd.step.compiled_step import CompiledStep
-
     torch.manual_seed(0)
     model = MLP(layers=2, dim=5).double()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -129,7 +127,7 @@ def _failing_compile(rank, world_size, cache_dir):
         with pytest.raises((RuntimeError, spmd.SpmdCompileError)) as raised:
             step(model, optim, torch.randn(4, 5, dtype=torch.float64))
     finally:
-        CompiledStep.lower = original
+        IterGraphModule.lower = original
     errors = _gathered(str(raised.value))
     compiler = next(r for r, e in enumerate(errors) if e == "the compiling rank ran out of memory")
     waiter = errors[1 - compiler]
@@ -146,12 +144,9 @@ def test_a_failed_compile_reaches_the_waiting_rank_and_a_later_call_compiles_aga
 
 
 def _silent_compile(rank, world_size, cache_dir):
-    from spmd.step.compiled_step import CompiledStep
-
     torch.manual_seed(0)
     model = MLP(layers=2, dim=3).double()
-    step = _inductor(cache_dir)
-    step.compile_wait_s = 1.0
+    step = _inductor(cache_dir, options=spmd.CompileOptions(compile_wait_s=1.0))
 
     def hangs(*args, **kwargs):  # then fails, so that this test ends: a real hang ends where the job's timeout says
         time.sleep(4.0)
@@ -163,7 +158,7 @@ def _silent_compile(rank, world_size, cache_dir):
         with pytest.raises((RuntimeError, spmd.SpmdCompileError)) as raised:
             step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 3, dtype=torch.float64))
     finally:
-        CompiledStep.lower = original
+        IterGraphModule.lower = original
     errors = _gathered((str(raised.value), time.perf_counter() - start))
     compiler = next(r for r, (e, _) in enumerate(errors) if e == "stuck compiling")
     message = errors[1 - compiler][0]

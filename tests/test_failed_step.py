@@ -152,9 +152,9 @@ def _pipeline_graph(style, bucket_mb, passes_filter=lambda p: True):
     optim = optimizer(model, "adamw")
     step = spmd.compile(parallel_mode=mode)(plain_step)
     args = (model, optim, *next(batches(0, 1)))
-    gm, _, _, created = step.trace_and_expand(step.prepare_state(args, {}), args, {})
-    for made in created:
-        made.undo()
+    traced = step.trace(*args)
+    traced.undo()
+    gm = traced.graph
     igm = spmd.IterGraphModule(gm)
     settings = spmd.GraphModuleTransformation(**({} if mode.is_sharded else {"bucket_size_mb": bucket_mb}))
     for p in settings.pipelines[mode.mode]:

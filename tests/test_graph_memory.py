@@ -126,10 +126,9 @@ def _sharded_step_graph(style: str, memory_budget=None) -> fx.Graph:
     step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(plain_step)
     idx = torch.randint(0, 4099, (2, CFG.block_size), generator=torch.Generator().manual_seed(0))
     args = (model, optim, idx, idx.roll(-1, 1))
-    gm, _, _, created = step.trace_and_expand(step.prepare_state(args, {}), args, {})
-    for made in created:
-        made.undo()
-    return transformation(gm).graph
+    traced = step.trace(*args)
+    traced.undo()
+    return transformation(traced.graph).graph
 
 
 def test_memory_estimate_measures_each_row_beside_fsdp2_with_checkpointed_blocks(capsys):

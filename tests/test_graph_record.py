@@ -23,7 +23,7 @@ def _compiled_graph():
     step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_graph_optimization=True))(train_step)
     x = torch.randn(4, 8, dtype=torch.float64)
     entry = step.lower(model, optim, x)
-    state = step.prepare_state((model, optim, x), {})
+    state = step._definition.prepare_state((model, optim, x), {})
     inputs = [*state.flat_tensors(), *entry.hyper_inputs(state.hyper_values(), state), x]
     return entry.runner.logical_gm, inputs
 

@@ -178,7 +178,7 @@ def test_inductor_compiles_what_aot_autograds_retrace_would_have_given_it(step, 
     with single_process_group():
         step_fn = spmd.compile(gm_transformation=transform)(step)
         step_fn(model, optim, x)
-        state = step_fn.prepare_state((model, optim, x), {})
+        state = step_fn._definition.prepare_state((model, optim, x), {})
         inputs = [*state.flat_tensors(), *state.hyper_tensors(), x]
         gm = seen["igm"].logical_gm
         monkeypatch.setattr(inductor, "compile_fx_inner", stop_before_codegen)

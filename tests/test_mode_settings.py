@@ -71,9 +71,9 @@ def test_the_mode_is_asked_for_its_pipeline_not_the_graph(group):
     mode = spmd.DataParallel("replicate")
     step = spmd.compile(parallel_mode=mode)(plain_step)
     args = (model, optim, *next(batches(0, 1)))
-    gm, _, _, created = step.trace_and_expand(step.prepare_state(args, {}), args, {})
-    for made in created:
-        made.undo()
+    traced = step.trace(*args)
+    traced.undo()
+    gm = traced.graph
     assert gm.meta[PARALLEL_MODE] is mode
     pipeline = spmd.GraphModuleTransformation(bucket_size_mb=3.0, optimizer_parts=1).pipelines[mode.mode]
     assert [getattr(p, "keywords", {}) for p in pipeline][1] == {"bucket_size_mb": 3.0}  # after schedule_tensor_parallel_comms

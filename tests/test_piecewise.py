@@ -41,7 +41,7 @@ def _step_graph(model, batch, body, optim_class=torch.optim.AdamW, defer_writes=
     optim = optim_class(model.parameters(), **{"lr": 0.01, "fused": True, **optim_settings})
     step = spmd.compile(gm_transformation=transform, cache_dir=False)(body)
     step(model, optim, *batch)
-    state = step.prepare_state((model, optim, *batch), {})
+    state = step._definition.prepare_state((model, optim, *batch), {})
     inputs = [*state.flat_tensors(), *state.hyper_tensors(), *batch]
     return prepare_for_inductor(seen["igm"].logical_gm, decompose=False), inputs
 
@@ -189,17 +189,17 @@ def test_a_cut_falls_inside_a_collectives_flight_where_that_balances_the_pieces_
 def _fully_shard_graph(monkeypatch):
     """The prepared step graph of a 2-block GPT under fully_shard (one unit per block, AdamW), as Inductor gets it,
     and its inputs for the step's first call."""
-    from spmd.step.compiled_step import CompiledStep
+    from spmd.step.iter_graph_module import IterGraphModule
     from tests.shard_helpers import batches, block_policy, gpt, optimizer, plain_step
 
     seen = []
-    lower = CompiledStep.lower
+    lower = IterGraphModule.lower
 
     def record(self, inputs, *args, **kwargs):
-        seen.append((self.runner.logical_gm, [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]))
+        seen.append((self.logical_gm, [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]))
         return lower(self, inputs, *args, **kwargs)
 
-    monkeypatch.setattr(CompiledStep, "lower", record)
+    monkeypatch.setattr(IterGraphModule, "lower", record)
     model = gpt()
     mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
     spmd.shard(model, mode)

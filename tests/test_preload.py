@@ -8,6 +8,7 @@ import torch
 
 import spmd
 from spmd.lower import preload
+from spmd.step.definition import StepDefinition
 
 
 def test_only_a_step_inductor_may_lower_on_a_gpu_imports_at_the_wrap(monkeypatch):
@@ -25,7 +26,7 @@ def test_the_wrap_imports_what_loading_kept_code_needs(monkeypatch):
     calls = []
     monkeypatch.setattr(preload, "import_for_inductor", lambda: calls.append(1))
     monkeypatch.setattr(spmd.api, "import_for_inductor", lambda: calls.append(1))
-    monkeypatch.setattr(spmd.api.CompiledTrainStep, "start_compile_workers_at_wrap", lambda self: False)
+    monkeypatch.setattr(StepDefinition, "start_compile_workers_at_wrap", lambda self: False)
     spmd.compile()(lambda model, optim, x: None)
     spmd.compile(gm_transformation=spmd.GraphModuleTransformation())(lambda model, optim, x: None)
     assert calls == [1]

@@ -40,13 +40,13 @@ def test_trace_count_and_one_warning_naming_the_change_when_a_step_keeps_retraci
     assert step.trace_count == 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for batch in range(3, 3 + step.retrace_warning_at + 1):
+        for batch in range(3, 3 + step.options.retrace_warning_at + 1):
             step(model, optim, torch.randn(batch, 4))
-    assert step.trace_count == step.retrace_warning_at + 2
+    assert step.trace_count == step.options.retrace_warning_at + 2
     retrace = [w for w in caught if "has been traced" in str(w.message)]
     assert len(retrace) == 1, [str(w.message) for w in caught]
-    assert f"traced {step.retrace_warning_at} times" in str(retrace[0].message)
-    assert f"input 2 shape ({step.retrace_warning_at}, 4) -> ({step.retrace_warning_at + 1}, 4)" in str(
+    assert f"traced {step.options.retrace_warning_at} times" in str(retrace[0].message)
+    assert f"input 2 shape ({step.options.retrace_warning_at}, 4) -> ({step.options.retrace_warning_at + 1}, 4)" in str(
         retrace[0].message)
     assert "input 2 shape (3, 4) -> (4, 4)" in caplog.text  # every retrace is logged with its reason
 
@@ -55,8 +55,7 @@ def test_the_cache_keeps_the_most_recently_used_signatures():
     torch.manual_seed(0)
     model = MLP(1, 4)
     optim = torch.optim.SGD(model.parameters(), lr=0.125)
-    step = spmd.compile()(square_mean_step)
-    step.cache_size = 2
+    step = spmd.compile(options=spmd.CompileOptions(cache_size=2))(square_mean_step)
     for batch in (2, 3, 2, 4):  # 3 is the least recently used when 4 arrives
         step(model, optim, torch.randn(batch, 4))
     assert len(step.cache) == 2 and step.trace_count == 3
@@ -85,8 +84,8 @@ def _shape_changes_with_deferred_work(rank, world_size, cache_size):
     optim = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     ddp_optim = torch.optim.Adam(ddp.parameters(), lr=0.01, fused=True)
     step = spmd.compile(gm_transformation=_deferred_update_pipeline,
-                        parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"))(square_mean_step)
-    step.cache_size = cache_size
+                        parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
+                        options=spmd.CompileOptions(cache_size=cache_size))(square_mean_step)
     torch.manual_seed(rank)
     batches = [8, 8, 6, 6, 8, 6]
     for i, batch in enumerate(batches):

@@ -38,11 +38,9 @@ def _expanded(style="fully_shard", body=plain_step, make_optimizer=lambda model:
     optim = make_optimizer(model)
     step = spmd.compile(parallel_mode=mode)(body)
     idx, targets = next(batches(0, 1))
-    state = step.prepare_state((model, optim, idx, targets), {})
-    gm, _, _, created = step.trace_and_expand(state, (model, optim, idx, targets), {})
-    for made in created:
-        made.undo()
-    return IterGraphModule(gm)
+    traced = step.trace(model, optim, idx, targets)
+    traced.undo()
+    return IterGraphModule(traced.graph)
 
 
 @pytest.fixture(scope="module")

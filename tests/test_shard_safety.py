@@ -104,12 +104,11 @@ def _expanded(style, kind="adamw", body=plain_step):
     optim = optimizer(model, kind)
     step = spmd.compile(parallel_mode=mode)(body)
     idx, targets = next(batches(0, 1))
-    state = step.prepare_state((model, optim, idx, targets), {})
-    gm, _, state, created = step.trace_and_expand(state, (model, optim, idx, targets), {})
-    for made in created:
-        made.undo()
+    traced = step.trace(model, optim, idx, targets)
+    traced.undo()
+    state = traced.state
     trained = [i for i, t in enumerate(state.param_trained) if t]
-    return gm.graph, state.param_names, trained
+    return traced.graph.graph, state.param_names, trained
 
 
 def _params(graph):

@@ -1,14 +1,19 @@
-"""Stages as objects: trace and transform on the first call of a signature, then lower before it runs,
-or all three ahead of it with ``train_step.lower(...)``; a call after that only runs."""
+"""Stages as values (``spmd.step.stages``): trace and transform on the first call of a signature, then lower
+before it runs, or all three ahead of it with ``train_step.lower(...)``; a call after that only runs. Each
+stage is frozen, with one method to the next: ``train_step.trace(...).transform().lower(...)``."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import spmd
 import spmd.lower.lowering as lowering_module
+from spmd.graph_utils.meta import ROLE, Role
 from spmd.lower import Lowering
+from spmd.step.stages import Traced, Transformed
 from spmd.tools.models import MLP
 from tests.dist import run_distributed
 from tests.parity import ddp_copy, eager_step, train_step
@@ -111,3 +116,73 @@ def _lower_on_two_ranks(rank, world_size):
 
 def test_lower_on_every_rank_then_train_as_ddp():
     run_distributed(_lower_on_two_ranks)
+
+
+def _adam_pair():
+    model, ref = _float64_pair()
+    return model, ref, torch.optim.Adam(model.parameters(), lr=0.01), torch.optim.Adam(ref.parameters(), lr=0.01)
+
+
+def test_trace_gives_the_expanded_graph_and_creates_optimizer_state_as_a_first_call_would():
+    model, _, opt, _ = _adam_pair()
+    step = spmd.compile()(train_step)
+    traced = step.trace(model, opt, torch.randn(4, 8, dtype=torch.float64), last_train_step=True)
+    assert isinstance(traced, Traced) and not step.cache and step.trace_count == 0
+    roles = [n.meta[ROLE] for n in traced.graph.graph.find_nodes(op="placeholder")]
+    n_params = len(list(model.parameters()))
+    assert roles.count(Role.PARAM) == n_params and roles.count(Role.INPUT) == 1
+    assert roles.count(Role.STATE) == 3 * n_params  # Adam's step, exp_avg, exp_avg_sq per parameter
+    assert len(opt.state) == n_params and len(traced.created) == 1  # the state the first step would create
+    traced.undo()
+    assert not opt.state
+
+
+def test_the_stages_are_frozen_and_lower_like_a_first_call(recorded_lowering):
+    model, ref, opt, ref_opt = _adam_pair()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(train_step)
+    traced = step.trace(model, opt, x)
+    transformed = traced.transform()
+    assert isinstance(transformed, Transformed) and isinstance(transformed.runner, spmd.IterGraphModule)
+    assert recorded_lowering == [] and not transformed.runner.lowered
+    for stage, name in ((traced, "graph"), (transformed, "runner")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(stage, name, None)
+    compiled = transformed.lower((model, opt, x))
+    assert recorded_lowering == ["step"] and compiled.lowered and "lower" in compiled.compile_times
+    assert not step.cache, "a stage lowered by hand is not the step's"
+    traced.undo()
+
+    plain = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(train_step)
+    step.lower(model, opt, x)
+    for _ in range(3):
+        torch.testing.assert_close(step(model, opt, x), plain(ref, ref_opt, x), rtol=0, atol=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    assert step.trace_count == plain.trace_count == 1
+
+
+def test_compile_options_are_one_checked_value():
+    with pytest.raises(spmd.SpmdConfigError, match="cache_size must be a positive number"):
+        spmd.CompileOptions(cache_size=0)
+    with pytest.raises(spmd.SpmdConfigError, match="one_compile_per_job must be True or False"):
+        spmd.CompileOptions(one_compile_per_job="yes")
+    with pytest.raises(spmd.SpmdConfigError, match="options must be an spmd.CompileOptions"):
+        spmd.compile(options={"cache_size": 2})
+    options = spmd.CompileOptions(cache_size=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.cache_size = 3
+    assert spmd.compile(options=options)(train_step).options is options
+
+
+
+def test_a_lowering_that_fails_leaves_nothing_cached_and_no_optimizer_state(monkeypatch):
+    def failing_inductor(gm, example_inputs, label, *args, **kwargs):
+        raise RuntimeError("inductor ran out of memory")
+
+    monkeypatch.setattr(lowering_module, "compile_with_inductor", failing_inductor)
+    model, _, opt, _ = _adam_pair()
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(train_step)
+    with pytest.raises(RuntimeError, match="inductor ran out of memory"):
+        step(model, opt, torch.randn(4, 8, dtype=torch.float64))
+    assert not step.cache and step.trace_count == 0 and not opt.state

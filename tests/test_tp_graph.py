@@ -36,9 +36,7 @@ def _explained(style):
     optim = optimizer(model, "adamw")
     step = spmd.compile(parallel_mode=mode)(clipped_step)
     plan = spmd.explain(step, model, optim, *batch(0, 0), print_plan=False)
-    state = step.prepare_state((model, optim, *batch(0, 0)), {})
-    gm = step.trace_and_expand(state, (model, optim, *batch(0, 0)), {})[0]
-    runner = step.transformation_for(state)(gm)
+    runner = step.trace(model, optim, *batch(0, 0)).transform().runner
     return mesh, plan, runner.graph
 
 

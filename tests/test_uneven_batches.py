@@ -231,8 +231,8 @@ def test_agreement_on_a_group_of_one_only_when_asked():
             x = torch.randn(rows, 8, dtype=F64)
             torch.testing.assert_close(forced(model, optim, x), square_mean_step(ref, ref_optim, x), **TOL)
         assert_params_close(model, ref, **TOL)
-        assert plain._agreement_group((model, optim, x), {}) is None
-        assert dist.get_backend(forced._agreement_group((model, optim, x), {}).group) == "gloo"
+        assert plain._calls.agreement_group((model, optim, x), {}) is None
+        assert dist.get_backend(forced._calls.agreement_group((model, optim, x), {}).group) == "gloo"
         assert forced.trace_count == 2
 
 
@@ -252,7 +252,7 @@ def _uneven_on_gpus(rank, world_size):
         x = torch.randn(rows, 8, generator=data).to(device)
         torch.testing.assert_close(step(model, optim, x), square_mean_step(ddp, ddp_optim, x), atol=1e-5, rtol=1e-5)
     assert_params_close(model, ddp, atol=1e-5, rtol=1e-5)
-    agreement = step._agreement_group((model, optim, x), {})
+    agreement = step._calls.agreement_group((model, optim, x), {})
     assert agreement is not None and dist.get_backend(agreement.group) == "gloo"
 
 

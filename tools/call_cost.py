@@ -67,8 +67,8 @@ def _measure(rank: int, world_size: int, device: torch.device, calls: int, repea
     for _ in range(repeats):
         for agree in (True, False):
             best[agree] = min(best[agree], _per_call_us(steps[agree], args[agree], calls, device))
-    side = steps[True]._agreement_group(args[True], {})
-    report = steps[True]._last_run.report
+    side = steps[True]._calls.agreement_group(args[True], {})
+    report = steps[True]._calls.last_run.report
     times = []
     for _ in range(calls):
         start = time.perf_counter()

@@ -1,8 +1,7 @@
 """One compiled signature of a train step (``CompiledStep``) and what a repeated call reuses of it.
 
-A ``CompiledStep`` is the transform stage's result (the expanded graph and what the transformation
-made of it) until ``lower`` turns each of its graphs into what runs them, on the first call's
-inputs and before that call runs (the lower stage); from then on calls only run it.
+A ``CompiledStep`` is the last stage (``spmd.step.stages``): ``Transformed.lower`` made it, every graph of
+its runner compiled for the first call's inputs before that call runs; from then on calls only run it.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..compile_times import phase, recording
 from ..trace.accumulation import GradPlan
 from ..trace.step_state import StepState
 from .iter_graph_module import IterGraphModule
@@ -42,7 +40,7 @@ class CompiledStep:
     live: dict = field(default_factory=dict)  # output position -> the state's tensor it returns (step_outputs)
     cache_digest: Optional[str] = None  # its key in the compile cache (``spmd.step.cache_key``), where it has one
     replays: list = field(default_factory=list)  # Python side effects run after each call but the first (side_effects)
-    lowered: bool = False  # ``lower`` ran: calls only run ``runner`` from then on
+    lowered: bool = False  # ``Transformed.lower`` made it: calls only run ``runner``
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
 
     @property
@@ -57,15 +55,6 @@ class CompiledStep:
         """How many CUDA graph captures its graphs (and its variants') made so far; 0 without CUDA graphs."""
         own = self.runner.cuda_graph_captures if isinstance(self.runner, IterGraphModule) else 0
         return own + sum(v.cuda_graph_captures for v in self.variants.values())
-
-    def lower(self, inputs: list, kept: Optional[dict] = None) -> None:
-        """The lower stage: compile each graph the step runs (``IterGraphModule.lower``) for ``inputs``,
-        the step's graph inputs on its first call, recording the time as the ``lower`` phase. ``kept``:
-        Inductor code by graph label from an earlier lowering of this step, loaded instead of compiled."""
-        if isinstance(self.runner, IterGraphModule) and not self.runner.lowered:
-            with torch.no_grad(), recording(self.compile_times), phase("lower"):
-                self.runner.lower(tuple(inputs), kept)
-        self.lowered = True
 
     def hyper_inputs(self, values: list[float], state: Optional[StepState] = None) -> list[torch.Tensor]:
         """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled
@@ -97,7 +86,7 @@ class CompiledStep:
 
 @dataclass
 class LastCall:
-    """A call ``CompiledTrainStep._repeat_last_call`` can recognise again: the entry it ran, the
+    """A call ``CallPath.repeat_last_call`` (``spmd.step.call_path``) can recognise again: the entry it ran, the
     structure and leaf signatures of its arguments, what the step reached besides them (weak references,
     compared by identity, ``spmd.trace.step_reach``), and a ``StateCheck`` of its modules and optimizers."""
 

@@ -94,8 +94,8 @@ class Claim:
             raise SpmdCompileError(
                 f"spmd.compile: rank {self.compiler} compiles {what} for this job, and rank {self.rank} waited "
                 f"{wait_s:.0f} s for it without an answer ({type(err).__name__}): rank {self.compiler} died or "
-                f"hangs; its own log says why. To wait longer set spmd.api.CompiledTrainStep.compile_wait_s; to "
-                f"compile on every rank set CompiledTrainStep.one_compile_per_job = False.") from err
+                f"hangs; its own log says why. To wait longer pass spmd.compile(options=spmd.CompileOptions("
+                f"compile_wait_s=...)); to compile on every rank, CompileOptions(one_compile_per_job=False).") from err
         outcome = pickle.loads(self.store.get(self._key("outcome")))
         if outcome["status"] == "error":
             raise SpmdCompileError(
@@ -122,7 +122,7 @@ class Published:
         if hashlib.sha256(data).hexdigest() != self.checksum:
             raise SpmdCompileError(f"spmd.compile: the compiled step rank {self.claim.compiler} posted reached rank "
                                    f"{self.claim.rank} damaged ({len(data)} of {self.size} bytes); compile on every "
-                                   "rank with CompiledTrainStep.one_compile_per_job = False.")
+                                   "rank with spmd.compile(options=spmd.CompileOptions(one_compile_per_job=False)).")
         return data
 
 

@@ -2,7 +2,7 @@
 
 ``CompiledTrainStep`` builds a ``StepState`` and its named signature only when a call may
 differ from the last one; a training loop that passes the same model and optimizer on
-every call is recognised by this check instead (``CompiledTrainStep._repeat_last_call``).
+every call is recognised by this check instead (``spmd.step.call_path.CallPath.repeat_last_call``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """A step's lowering from the persistent compile cache, or lowered here and stored there.
 
 Every process traces its step and runs the passes, the user's included, so what runs is always what
-the code says now; the cache spares only the lowering, the slow part. ``StepCache.lower`` keys a
-transformed step by its graphs (``spmd.step.cache_key.lowering_key``) and looks that key up in the cache
-directory (``spmd.step.cache_store``): on a hit each graph runs the Inductor code kept for it
+the code says now; the cache spares only the lowering, the slow part, which starts in
+``spmd.step.stages.Transformed.lower`` alone. The cache keys a
+transformed step by its graphs (``spmd.step.cache_key.lowering_key``) and ``StepCache.find`` looks that key up
+in the cache directory (``spmd.step.cache_store``): on a hit each graph runs the Inductor code kept for it
 (``spmd.lower.inductor_code``), without Inductor. On a miss, where several ranks share the job
 (``spmd.step.job_compile``), the first rank to claim the key lowers the step and the others, whose graphs
 are the same, wait and load the code it posts; ranks whose traces differ (a step that reads its rank)
@@ -20,7 +21,7 @@ import hashlib
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -28,17 +29,15 @@ import torch.distributed as dist
 from . import job_compile
 from .cache_key import StepKey, Undescribable, lowering_key
 from .cache_store import CacheStore, decode, encode
-from .compiled_step import CompiledStep
 from .iter_graph_module import IterGraphModule
 
 log = logging.getLogger(__name__)
 
 
-def cacheable(entry: CompiledStep) -> Optional[str]:
-    """Why ``entry``'s lowering is not kept in the compile cache, or None where it is: only what Inductor
-    compiles is kept, for a step run by an ``IterGraphModule`` (a transformation of the user's that returns
-    another callable lowers it itself)."""
-    runner = entry.runner
+def cacheable(runner: Any) -> Optional[str]:
+    """Why the lowering of a step ``runner`` runs is not kept in the compile cache, or None where it is: only
+    what Inductor compiles is kept, for a step run by an ``IterGraphModule`` (a transformation of the user's
+    that returns another callable lowers it itself)."""
     if not isinstance(runner, IterGraphModule):
         return f"its transformation returned a {type(runner).__name__}, which spmd does not lower"
     if runner.lowering is None or not runner.lowering.inductor:
@@ -52,6 +51,22 @@ def compiled_for(name: str, key: StepKey, code: dict) -> dict:
     described = key.description
     return {"step": name, "torch": described["versions"].get("torch"), "device": described.get("device"),
             "tensors": len(described.get("inputs", [])), "inductor code": sorted(code)}
+
+
+@dataclass(frozen=True)
+class Found:
+    """Where a step's lowering starts (``StepCache.find``): ``key`` (None: the step cannot be keyed, nothing is
+    kept), ``kept`` (the Inductor code by graph label to load, or None: compile), ``claim`` (this rank lowers
+    the step for the job's ranks that wait), ``times`` (seconds spent loading or waiting, by phase)."""
+
+    key: Optional[StepKey]
+    kept: Optional[dict] = None
+    claim: Optional[job_compile.Claim] = None
+    times: dict = field(default_factory=dict)
+
+    @property
+    def digest(self) -> Optional[str]:
+        return self.key.digest if self.key is not None else None
 
 
 @dataclass
@@ -68,53 +83,46 @@ class StepCache:
     job: Optional[dist.Store] = None
     wait_s: float = 1800.0
 
-    def lower(self, entry: CompiledStep, inputs: list) -> None:
-        """Lower ``entry`` (a freshly transformed step) for its first call's ``inputs``: with the code kept
-        under its key (this rank's cache, or what the rank that lowered it for the job posted), else lowered
-        here, stored and posted for the ranks that wait. On failure the waiting ranks are told."""
+    def find(self, runner: IterGraphModule, inputs: list) -> Found:
+        """What lowering ``runner`` (a freshly transformed step) for its first call's ``inputs`` can start
+        from: the code kept under its key (this rank's cache, or what the rank that lowers it for the job
+        posted), else nothing, with this rank's claim to lower it for the job where it has one. The lowering
+        itself is ``spmd.step.stages.Transformed.lower``'s; it then calls ``keep`` (or ``failed``)."""
         try:
-            key = lowering_key(entry.runner.modules_to_run(), inputs, entry.runner.lowering,
-                               entry.runner.num_user_outputs)
+            key = lowering_key(runner.modules_to_run(), inputs, runner.lowering, runner.num_user_outputs)
         except Undescribable as err:
             log.info("spmd: %s is not kept in the compile cache: %s", self.name, err)
-            entry.lower(inputs)
-            return
-        entry.cache_digest = key.digest
+            return Found(None)
         start = time.perf_counter()
         payload = self.store.load(key.digest)
         if _usable(payload):
             log.info("spmd: %s lowered with the code kept in %s", self.name, self.store.path(key.digest))
-            self._lower_with(key, entry, inputs, payload, {"cache_load": time.perf_counter() - start})
-            return
+            return Found(key, payload["code"], times={"cache_load": time.perf_counter() - start})
         claim = job_compile.claim(self.job, key.digest) if self.job is not None else None
         if claim is not None and not claim.compiles:
             waited = time.perf_counter()
             published = claim.wait(self.wait_s, self.name)
             times = {"cache_wait": time.perf_counter() - waited}
-            if published is not None:
-                payload = self._published(key.digest, published)
-                if _usable(payload):
-                    log.info("spmd: %s lowered with the code rank %d compiled", self.name, claim.compiler)
-                    self._lower_with(key, entry, inputs, payload, times)
-                    return
-            claim = None  # lowered here: nobody waits for this rank
-        try:
-            entry.lower(inputs)
-            stored = self._save(key, entry)
-        except BaseException as err:
-            if claim is not None:
-                claim.fail(err)
-            raise
-        if claim is not None:
-            claim.publish(stored, "" if stored is not None else "the entry could not be encoded")
+            payload = self._published(key.digest, published) if published is not None else None
+            if _usable(payload):
+                log.info("spmd: %s lowered with the code rank %d compiled", self.name, claim.compiler)
+                return Found(key, payload["code"], times=times)
+            return Found(key, times=times)  # lowered here: nobody waits for this rank
+        return Found(key, claim=claim)
 
-    def _lower_with(self, key: StepKey, entry: CompiledStep, inputs: list, payload: dict, times: dict) -> None:
-        """Lower ``entry`` with the code kept in ``payload``; stored again where some of it had to be compiled."""
-        entry.compile_times.update(times)
-        kept = payload["code"]
-        entry.lower(inputs, kept)
-        if entry.runner.inductor_code != kept:
-            self._save(key, entry)
+    def keep(self, found: Found, runner: IterGraphModule) -> None:
+        """After ``runner`` was lowered from ``found``: store its code where it was compiled here (all or part
+        of it), and post it to the ranks that wait for this one."""
+        if found.key is None or (found.kept is not None and runner.inductor_code == found.kept):
+            return
+        stored = self._save(found.key, runner)
+        if found.claim is not None:
+            found.claim.publish(stored, "" if stored is not None else "the entry could not be encoded")
+
+    def failed(self, found: Found, err: BaseException) -> None:
+        """Lowering from ``found`` failed with ``err``: the ranks that wait for this one are told."""
+        if found.claim is not None:
+            found.claim.fail(err)
 
     def _published(self, digest: str, published: job_compile.Published) -> Optional[dict]:
         """The payload another rank posted: read from this rank's directory where it holds that very entry (a
@@ -125,10 +133,10 @@ class StepCache:
             self._write(lambda: self.store.save_entry(digest, local))
         return decode(local)
 
-    def _save(self, key: StepKey, entry: CompiledStep) -> Optional[bytes]:
-        """Store ``entry``'s Inductor code under ``key``: the entry's bytes, or None where they cannot be made
+    def _save(self, key: StepKey, runner: IterGraphModule) -> Optional[bytes]:
+        """Store ``runner``'s Inductor code under ``key``: the entry's bytes, or None where they cannot be made
         (said once in the log; the step runs, lowered again by the next process)."""
-        code = dict(entry.runner.inductor_code)
+        code = dict(runner.inductor_code)
         try:
             data = encode({"code": code, "compiled_for": compiled_for(self.name, key, code)})
         except Exception as err:  # noqa: BLE001 - an entry that cannot be pickled is not kept, never a failed step

@@ -174,3 +174,22 @@ class GraphModuleTransformation:
         inductor = self.lowering.inductor
         plan.peak = memory_profile(graph_inductor_gets(igm) if inductor else igm.graph, inductor=inductor).peak
         warn_unmet_budget(plan)
+
+
+def default_transformation(device_type: str, **settings) -> Callable:
+    """What ``spmd.compile()`` does with a step whose parameters live on ``device_type`` when not told.
+
+    GPU: the fast path, our passes, Inductor with the lean lowering (``lean_lowering=True``: exact
+    rewrites that take work out of what Inductor compiles) in pieces compiled side by side
+    (``compile_pieces="auto"``), and CUDA graphs where every input of a
+    graph is on the GPU (else one warning says which input is not). CPU: our passes, without
+    Inductor (BENCHMARKS.md, "The CPU default": the passes make a gloo step faster, while
+    Inductor's C++ compile takes a small model's first call from about 1 s to 15-40 s).
+    ``GraphModuleTransformation()`` asks for the traced graph as it is. ``settings``: further
+    ``GraphModuleTransformation`` settings on top of these (``recompute=False``).
+    """
+    if device_type == "cuda":
+        return GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
+                                         enable_cudagraphs="auto",
+                                         **{"lean_lowering": True, "compile_pieces": "auto", **settings})
+    return GraphModuleTransformation(enable_graph_optimization=True, **settings)
