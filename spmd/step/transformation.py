@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Callable, Optional, Sequence, Union
 
 import torch.fx as fx
@@ -164,12 +165,23 @@ class GraphModuleTransformation:
         with phase("passes/finalize"):
             igm.finalize_setup()
         igm.lowering = self.lowering
-        if self.lowering.inductor and dumping():  # lowering comes after the dump is written: its rewrites, made now
-            for label, gm in igm.modules_to_run():
-                self.lowering.prepare(gm, dump_as=f"lower_{label}_")
+        if self.lowering.inductor and dumping():
+            self._dump_rewrites(igm)
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
         self._warn_if_budget_unmet(igm)
         return igm
+
+    def _dump_rewrites(self, igm: IterGraphModule) -> None:
+        """Record in the active dump what each lowering rewrite makes of each graph the step runs
+        (``lower_<graph>_<rewrite>``). Lowering comes after the dump is written (and loads kept code without
+        rewriting), so the rewrites are made here, on copies, as lowering makes them; a dump never breaks a
+        compile, so a rewrite that fails here is only warned about (lowering meets it again)."""
+        for label, gm in igm.modules_to_run():
+            try:
+                self.lowering.prepare(gm, dump_as=f"lower_{label}_")
+            except Exception as e:  # noqa: BLE001 - a debugging aid
+                warnings.warn(f"spmd: graph dump skipped the lowering rewrites of the {label} graph "
+                              f"({type(e).__name__}: {e}); the step compiles as usual.", RuntimeWarning, stacklevel=3)
 
     def _warn_if_budget_unmet(self, igm: IterGraphModule) -> None:
         """A budget recompute could not meet is said once, with the peak estimated on the graph the step is
