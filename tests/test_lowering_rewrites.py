@@ -15,6 +15,7 @@ from spmd.lower.rewrites import REWRITES, keep_ops_whole, lowering_pipeline, wra
 from spmd.passes import graph_optimization_pass, pass_info, schedule_comm_wait
 from spmd.tools.models import MLP
 from tests.dist import single_process_group
+from tests.parity import eager_step, train_step
 
 
 def _names(passes) -> list[str]:
@@ -22,13 +23,7 @@ def _names(passes) -> list[str]:
 
 
 def _step(transformation):
-    @spmd.compile(gm_transformation=transformation)
-    def train_step(model, optim, batch):
-        model(batch).sum().backward()
-        optim.step()
-        optim.zero_grad()
-
-    return train_step
+    return spmd.compile(gm_transformation=transformation)(train_step)
 
 
 def _model_and_optim():
@@ -40,16 +35,16 @@ def _model_and_optim():
 def test_a_dump_of_a_step_lowered_through_inductor_has_a_file_per_rewrite_that_changed_its_graph(tmp_path):
     """On one rank with a fused AdamW and the lean lowering, four rewrites change the graph Inductor gets: the
     step counts, the fused optimizer, the one-rank all_reduces and the decompositions; each has its file, after
-    the optimization passes', and what it shows is its edit. The step itself runs as eager does."""
+    the optimization passes', and what it shows is its edit. The step itself runs as eager does, three steps."""
     model, optim = _model_and_optim()
     eager_model, eager_optim = _model_and_optim()
     batch = torch.randn(4, 8, dtype=torch.float64)
     step = _step(spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
                                                 lean_lowering=True, dump_graphs=True, dump_dir=str(tmp_path)))
     with single_process_group():
-        step(model, optim, batch)
-    eager_model(batch).sum().backward()
-    eager_optim.step()
+        losses = [step(model, optim, batch) for _ in range(3)]
+    assert [loss.item() for loss in losses] == pytest.approx(
+        [eager_step(eager_model, eager_optim, batch).item() for _ in range(3)], abs=1e-10, rel=1e-12)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-12)
 

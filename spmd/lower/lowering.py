@@ -106,16 +106,11 @@ class Lowering:
         Inductor). Inductor's decompositions are among them: a graph compiled in pieces gets them piece by piece."""
         return lowering_pipeline(lean=self.lean, decompose=True) if self.inductor else []
 
-    def prepare(self, gm: fx.GraphModule, decompose: bool = True, dump_as: str = "") -> fx.GraphModule:
-        """The graph Inductor gets for ``gm`` under this lowering (``prepare_for_inductor`` with ``lean``); ``gm``
-        is not changed. ``dump_as``: record each rewrite's result in an active dump as ``<dump_as><pass>``."""
-        return prepare_for_inductor(gm, decompose=decompose, lean=self.lean, dump_as=dump_as)
-
     def graph_to_estimate(self, gm: fx.GraphModule) -> fx.Graph:
         """The graph a memory estimate of ``gm`` reads: under Inductor the graph Inductor gets, before its
         decompositions (rewrites move and copy values; what Inductor computes inside its readers is never
         allocated, which ``graph_utils.memory`` models on the undecomposed ops); else ``gm``'s own."""
-        return self.prepare(gm, decompose=False).graph if self.inductor else gm.graph
+        return prepare_for_inductor(gm, decompose=False, lean=self.lean).graph if self.inductor else gm.graph
 
     def start(self, device: torch.device) -> None:
         """Called before the step is traced: with Inductor on a GPU, its kernel-compile workers start

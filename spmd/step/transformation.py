@@ -13,7 +13,7 @@ from ..errors import SpmdConfigError
 from ..graph_utils import DumpOptions, dumping, request_dump
 from ..graph_utils.memory import memory_profile
 from ..lower.lowering import Lowering
-from ..lower.rewrites import refuse_constraints_on_rewrites
+from ..lower.rewrites import prepare_for_inductor, refuse_constraints_on_rewrites
 from ..parallel import fully_shard, replicate
 from ..parallel.data_parallel import DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
@@ -178,7 +178,7 @@ class GraphModuleTransformation:
         compile, so a rewrite that fails here is only warned about (lowering meets it again)."""
         for label, gm in igm.modules_to_run():
             try:
-                self.lowering.prepare(gm, dump_as=f"lower_{label}_")
+                prepare_for_inductor(gm, lean=self.lowering.lean, dump_as=f"lower_{label}_")
             except Exception as e:  # noqa: BLE001 - a debugging aid
                 warnings.warn(f"spmd: graph dump skipped the lowering rewrites of the {label} graph "
                               f"({type(e).__name__}: {e}); the step compiles as usual.", RuntimeWarning, stacklevel=3)
