@@ -119,3 +119,27 @@ def test_a_user_pass_ordered_after_a_lowering_rewrite_or_given_as_one_is_refused
     with pytest.raises(spmd.SpmdConfigError, match="wrap_fused_optimizers is a lowering rewrite.*Drop it"):
         spmd.GraphModuleTransformation(passes=[wrap_fused_optimizers])
     assert set(REWRITES) >= set(lowering_pipeline(lean=True, decompose=True))
+
+
+def test_a_moved_step_records_the_rewrites_of_each_graph_it_runs_and_none_when_not_dumping(monkeypatch):
+    """After a cross-iteration move the step runs setup, main, cleanup and flush graphs; each is rewritten for
+    Inductor and recorded under its own name, in the transform stage (nothing is compiled here). Not dumping,
+    the transform stage makes none of them."""
+    import spmd.step.transformation as transformation
+    from spmd.graph_utils import DumpOptions, recording_stages
+    from spmd.passes import defer_last_bucket
+
+    model, optim = _model_and_optim()
+    step = _step(spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
+                                                passes=[defer_last_bucket], bucket_size_mb=0.0005))
+    batch = torch.randn(4, 8, dtype=torch.float64)
+    with single_process_group(), recording_stages(DumpOptions(enabled=True)) as dump:
+        spmd.explain(step, model, optim, batch, print_plan=False)
+    made = []
+    with monkeypatch.context() as patch, single_process_group(), recording_stages(DumpOptions(enabled=False)) as off:
+        patch.setattr(transformation, "prepare_for_inductor", lambda gm, **kwargs: made.append(kwargs))
+        spmd.explain(step, model, optim, batch, print_plan=False)
+    assert off.stages == {} and made == []
+    rewrites = _names(lowering_pipeline(lean=False, decompose=True))
+    for label in ("setup", "main", "cleanup", "flush"):
+        assert [s.split(f"_lower_{label}_")[1] for s in dump.stages if f"_lower_{label}_" in s] == rewrites, label
