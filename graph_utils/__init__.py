@@ -17,12 +17,12 @@ from .nodes import (
     wait_of,
     waited_collective,
 )
-from .dumps import DumpOptions, record_stage, recording_stages, request_dump
+from .dumps import DumpOptions, dumping, record_stage, recording_stages, request_dump
 from .lazy import lazy_graph_module, lazy_graph_modules, make_lazy
 from .views import dump_graphs_to_files, graph_summary, node_records, to_networkx
 
 __all__ = [
-    "DumpOptions", "record_stage", "recording_stages", "request_dump",
+    "DumpOptions", "dumping", "record_stage", "recording_stages", "request_dump",
     "COLLECTIVE_OPS", "WAIT_OP", "comm_group_name", "find_node", "get_output", "is_all_reduce", "is_comm_node",
     "is_wait_node", "node_order", "lazy_graph_module", "lazy_graph_modules", "make_lazy", "set_fake_val", "tensor_bytes", "wait_of", "waited_collective", "dump_graphs_to_files", "graph_summary", "node_records",
     "to_networkx",

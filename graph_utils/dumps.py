@@ -86,6 +86,12 @@ def request_dump(options: DumpOptions) -> None:
         recording.options = options
 
 
+def dumping() -> bool:
+    """True inside a recording whose options are enabled: work only a dump reads can be skipped otherwise."""
+    recording = _active.get()
+    return recording is not None and recording.options.enabled
+
+
 def record_stage(name: str, graph: fx.Graph, root: nn.Module) -> None:
     """Snapshot ``graph`` as stage ``NN_name`` when dumping; later edits do not reach the snapshot."""
     recording = _active.get()

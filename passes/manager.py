@@ -159,15 +159,18 @@ class PassManager:
         return [self.passes[i] for i in order]
 
     def __call__(self, gm, pass_args: Optional[dict[Callable, dict]] = None,
-                 timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext()) -> None:
+                 timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
+                 dump_prefix: Optional[str] = "") -> None:
         """Apply the passes in order: ``p(gm, **pass_args[p])`` (keyword arguments per bare pass, optional).
 
         ``timer(name)`` wraps each pass (e.g. to record compile time). After each pass the
-        graph is offered to an active dump recording (``graph_utils.record_stage``).
+        graph is offered to an active dump recording (``graph_utils.record_stage``) as
+        ``dump_prefix + name``; ``dump_prefix=None``: not offered (a graph built only to be read).
         """
         pass_args = pass_args or {}
         for p in self.order:
             name = pass_info(p).name
             with timer(name):
                 p(gm, **pass_args.get(p, {}))
-            record_stage(name, gm.graph, gm)
+            if dump_prefix is not None:
+                record_stage(dump_prefix + name, gm.graph, gm)

@@ -15,7 +15,7 @@ from .graph_utils.nodes import node_order
 from .graph_utils.memory import MemoryProfile, memory_profile
 from .graph_utils.meta import BUCKET, CARRIES, GRAD_OF, MESH_DIM, PHASE, ROLE, UNIT, Role
 from .graph_utils.phases import backward_nodes
-from .lower.inductor import graph_inductor_gets
+from .lower import Lowering
 from .passes import PassManager, pass_info, recompute_plan
 
 from .api import CompiledTrainStep
@@ -45,6 +45,7 @@ class Plan:
     buckets: list[Bucket] = field(default_factory=list)
     collectives: list[dict[str, Any]] = field(default_factory=list)
     passes: list[dict[str, Any]] = field(default_factory=list)
+    lowering_passes: list[dict[str, Any]] = field(default_factory=list)  # the rewrites of the graph Inductor gets
     moves: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     activations: dict[str, Any] = field(default_factory=dict)  # kept / recomputed saved values (see ``explain``)
@@ -68,6 +69,17 @@ PASS_PURPOSE = {
     "guard_unsharded_memory": "refuses a schedule that would hold too many units' full parameters at once",
     "recompute_activations": "less memory: cheap forward values are computed again in the backward instead of kept",
     "defer_state_writes": "a step that fails (a raising op, a dead peer) leaves parameters and optimizer state as they were",
+    # the lowering rewrites (spmd.lower.rewrites), on the copy of the graph Inductor gets
+    "add_step_counts_in_place": "no foreach kernel with an input and an output per parameter for the step counts",
+    "turn_view_copies_into_views": "no copy where a view reads the same values (Inductor lowers some copies as copies)",
+    "wrap_fused_optimizers": "the fused optimizer updates parameters and state in place, with no copy of the gradients",
+    "keep_ops_whole": "no float32 embedding-gradient buffer, no gathered table kept for the backward, dropout masks "
+                      "drawn before they are read",
+    "start_loss_backward_after_loss": "the loss gradient is written over the logits: one (tokens, vocab) buffer less",
+    "start_packing_after_last_gradient": "a unit's reduce-scatter buffer is not held through its whole backward",
+    "free_matmul_inputs_first": "a large input (the LM head's gathered weight) is freed one matmul earlier",
+    "remove_one_rank_all_reduces": "on one rank, no all_reduce, wait or bucket copy that computes nothing",
+    "apply_inductor_decompositions": "Inductor gets the ops it lowers without re-tracing the whole step",
 }
 
 
@@ -77,9 +89,9 @@ def pass_summary(fn: Any) -> str:
     return doc.split(". ")[0].rstrip(".") if doc else ""
 
 
-def _pass_rows(manager: PassManager) -> list[dict[str, Any]]:
+def _pass_rows(passes: list) -> list[dict[str, Any]]:
     rows = []
-    for p in manager.order:
+    for p in passes:
         info = pass_info(p)
         args = dict(p.keywords) if hasattr(p, "keywords") else {}
         rows.append({"pass": info.name, "args": args, "does": pass_summary(info.fn),
@@ -202,7 +214,8 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
     over, unit by module name or bucket), the activations the step keeps for its backward and those it recomputes there
     (``Plan.activations``, from ``recompute_activations``), the estimated peak and what is live
     there by kind (``Plan.peak_bytes``, ``Plan.peak_by_kind``), the pass pipeline in order with
-    what each pass does, why it is there and its constraints, cross-iteration moves, and warnings
+    what each pass does, why it is there and its constraints, then under Inductor the rewrites of the
+    graph Inductor gets (``Plan.lowering_passes``, ``spmd.lower.rewrites``), cross-iteration moves, and warnings
     for what will run slowly.
     ``print_plan``: None (default) prints on rank 0 only, so a multi-rank job prints one plan;
     True prints on this rank, False nowhere. Parameters and optimizer state are left as they were
@@ -223,7 +236,8 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         buckets=_buckets(igm.graph),
         collectives=collective_rows(igm.graph, unit_names(state.modules)),
-        passes=_pass_rows(manager),
+        passes=_pass_rows(manager.order),
+        lowering_passes=_pass_rows(PassManager((igm.lowering or Lowering()).rewrites()).order),
         moves=[{"nodes": len(m.nodes), "target": m.target.name, "carried": len(m.carried)} for m in igm.graph.moves],
     )
     plan.activations, plan.peak_bytes, plan.peak_by_kind = memory_rows(igm)
@@ -252,12 +266,11 @@ def transformed_step(train_step: CompiledTrainStep, args: tuple, kwargs: dict
 
 def lowered_profile(gm) -> tuple[Graph, MemoryProfile]:
     """(the graph a transformed step's lowering compiles, its liveness profile): where the step is lowered
-    through Inductor, the graph Inductor gets (``graph_inductor_gets``), what Inductor computes inside its
-    readers never allocated; else the step graph itself."""
-    lowering = getattr(gm, "lowering", None)
-    inductor = lowering is not None and lowering.inductor
-    graph = graph_inductor_gets(gm) if inductor else gm.graph
-    return graph, memory_profile(graph, inductor=inductor)
+    through Inductor, the graph Inductor gets (``Lowering.graph_to_estimate``, its lean rewrites included),
+    what Inductor computes inside its readers never allocated; else the step graph itself."""
+    lowering = getattr(gm, "lowering", None) or Lowering()
+    graph = lowering.graph_to_estimate(gm)
+    return graph, memory_profile(graph, inductor=lowering.inductor)
 
 
 def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
@@ -265,7 +278,7 @@ def memory_rows(gm) -> tuple[dict[str, Any], int, dict[str, int]]:
 
     Activations: ``recompute_activations``' plan (names -> bytes of the saved values kept and
     recomputed, and the totals), empty when it did not run. Where the step is lowered through
-    Inductor, the peak is that of the graph Inductor gets (``graph_inductor_gets``), what Inductor
+    Inductor, the peak is that of the graph Inductor gets (``Lowering.graph_to_estimate``), what Inductor
     computes inside its readers never allocated. Kinds: parameters, optimizer state, inputs,
     activations (forward values) and gradients (backward and optimizer values).
     """
@@ -320,6 +333,13 @@ def print_plan_tables(plan: Plan) -> None:
         after = list(dict.fromkeys(row["prerequisites"] + row["apply_after"]))
         table.add_row(row["pass"], row["does"], row["why"] or "-", str(row["args"] or ""), ", ".join(after) or "-")
     console.print(table)
+    if plan.lowering_passes:
+        table = Table(title="lowering rewrites (in order, on the copy of each graph Inductor gets)")
+        for col in ("rewrite", "what it does", "why it is here"):
+            table.add_column(col)
+        for row in plan.lowering_passes:
+            table.add_row(row["pass"], row["does"], row["why"])
+        console.print(table)
     if plan.peak_by_kind:
         table = Table(title=f"estimated peak: {plan.peak_bytes / 2**20:.2f} MiB, live there by kind")
         for col in ("kind", "MiB"):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import spmd
-from spmd.lower.inductor import prepare_for_inductor
+from spmd.lower.rewrites import prepare_for_inductor
 
 aten = torch.ops.aten
 MATMULS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default})

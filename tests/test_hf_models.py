@@ -251,7 +251,7 @@ def test_hf_t5_in_bf16_autocast_is_a_graph_inductor_can_take():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from spmd.lower.inductor import prepare_for_inductor
+    from spmd.lower.rewrites import prepare_for_inductor
 
     model = tiny_t5()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)

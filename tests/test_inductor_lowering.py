@@ -19,7 +19,7 @@ from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, sch
 from spmd import IterGraphModule, SpmdCompileError
 from spmd._testing import with_lowering
 from spmd.lower import Lowering
-from spmd.lower.inductor import prepare_for_inductor
+from spmd.lower.rewrites import prepare_for_inductor
 from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
 from tests.helpers import first_relu, inplace_activation_step, iter_move_pipeline

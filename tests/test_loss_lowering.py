@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from spmd.lower.inductor import compile_with_inductor, prepare_for_inductor
+from spmd.lower.inductor import compile_with_inductor
+from spmd.lower.rewrites import prepare_for_inductor
 from spmd.lower.opaque_ops import RUN_AFTER
 
 aten = torch.ops.aten

@@ -16,7 +16,7 @@ from spmd._testing import with_lowering
 from spmd.api import default_transformation
 from spmd.errors import SpmdConfigError
 from spmd.graph_utils import find_node, is_all_reduce, is_wait_node
-from spmd.lower.inductor import prepare_for_inductor
+from spmd.lower.rewrites import prepare_for_inductor
 from spmd.lower.one_rank import drop_one_rank_all_reduces
 from spmd.lower.opaque_ops import opaque_inplace_op
 from spmd.tools.models import GPT, MLP, GPTConfig

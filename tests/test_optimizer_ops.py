@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from spmd.trace import direct_functionalize
-from spmd.lower import inductor as lowering
+from spmd.lower import rewrites as lowering
 from spmd.optim import meta_kernels as optim_meta
 from spmd.graph_utils import optimizer_ops as ops
 from spmd.graph_utils import foreach_chains, fused_optimizer

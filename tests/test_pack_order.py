@@ -13,7 +13,7 @@ from spmd.explain import transformed_step
 from spmd.graph_utils import node_order
 from spmd.graph_utils.meta import UNIT
 from spmd.graph_utils.unit_collectives import gradient_collectives
-from spmd.lower.inductor import prepare_for_inductor
+from spmd.lower.rewrites import prepare_for_inductor
 from spmd.lower.opaque_ops import RUN_AFTER
 from spmd.lower.pack_order import _pack_of
 from spmd.tools.memory_estimate import build, fake_group

@@ -13,7 +13,8 @@ import spmd
 from spmd.compile_times import recording
 from spmd.graph_utils import is_comm_node, is_wait_node
 from spmd.lower import graph_wire, piece_plan, worker_pool
-from spmd.lower.inductor import compile_with_inductor, prepare_for_inductor
+from spmd.lower.inductor import compile_with_inductor
+from spmd.lower.rewrites import prepare_for_inductor
 from spmd.lower.inductor_code import PiecewiseCode, load_kept
 from spmd.passes import comm_fusion_with_concat, defer_state_writes, remove_copy_from_optimizer, schedule_comm_wait
 from spmd.tools.models import GPT, MLP, GPTConfig

@@ -1,5 +1,6 @@
 """Lower: what each graph of a transformed step is compiled to (``lowering.Lowering``, a value the
-transformation sets), Inductor's decompositions applied node by node (``decompose_for_inductor``), what a process
+transformation sets), the rewrites that make the copy of it Inductor gets, as declared passes (``rewrites``),
+Inductor's decompositions applied node by node (``decompose_for_inductor``), what a process
 group of one rank and a fused optimizer's step counts become in Inductor's graph (``one_rank``,
 ``step_counts``), the whole step graph or its setup/main/cleanup parts compiled by Inductor
 (``inductor``), in pieces compiled side by side by worker processes and this one (``piece_plan``,

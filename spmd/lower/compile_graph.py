@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 
 from ..compile_times import phase
-from .decompose_for_inductor import decompose_for_inductor
+from .rewrites import apply_inductor_decompositions
 from .foreach_fusion import fusing_producers_safely
 from .fx_cache import inductor_cache_context
 from .optimizer_layout import fused_optimizer_layouts
@@ -103,7 +103,6 @@ def compile_piece(gm: fx.GraphModule, inputs: Sequence, label: str, fx_cache: bo
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             with enable_python_dispatcher():
                 FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fake_inputs(inputs, mode))
-        decompose_for_inductor(gm.graph)
-        gm.recompile()
+        apply_inductor_decompositions(gm)  # the last lowering rewrite, here piece by piece
     with phase(f"lower/{label}/inductor_compile_fx"):
         return inner_compile(gm, list(inputs), label, fx_cache)

@@ -8,18 +8,16 @@ what our passes decided:
   no compute/comm overlap reordering, no overlap scheduler, no FX bucketing, and no
   peak-memory reordering (it picks among BFS/DFS topological orders and would move
   collectives and waits). Collectives are issued, and waited on, in graph order.
-* In-place fused optimizer ops (``_fused_adamw_`` and friends, produced by
-  ``remove_copy_from_optimizer``) are wrapped in opaque custom ops
-  (``spmd_lowering::*``) that declare their gradients read-only, which they are
-  without a grad scaler: Inductor calls them in place on the graph inputs and does not
-  treat the gradient buckets they read as written.
-
-``lean`` (``Lowering.lean``, off by default) adds exact rewrites that take work out of the graph
-Inductor compiles (``LEAN_PARTS``: ``spmd.lower.one_rank``, ``spmd.lower.step_counts``).
+* Inductor gets a copy of the graph rewritten by ``spmd.lower.rewrites`` (declared passes, run by the
+  pass manager): in-place fused optimizer ops (``_fused_adamw_`` and friends, produced by
+  ``remove_copy_from_optimizer``) become opaque custom ops (``spmd_lowering::*``) that declare their
+  gradients read-only, which they are without a grad scaler, so Inductor calls them in place on the graph
+  inputs and does not treat the gradient buckets they read as written; ``lean`` (``Lowering.lean``, off by
+  default) adds exact rewrites that take work out of that graph (``LEAN_PARTS``).
 
 The graph does not pass through ``compile_fx``'s AOT-autograd front end, which would
 re-trace the whole step only to apply Inductor's decompositions to a graph that is
-already functional: ``spmd.lower.decompose_for_inductor`` applies them node by node and
+already functional: ``spmd.lower.decompose_for_inductor`` applies them node by node (the last rewrite) and
 ``inner_compile`` (``spmd.lower.compile_graph``) runs what ``compile_fx`` runs after its re-trace (joint-graph passes,
 ``compile_fx_inner``). Inductor orders in-place ops by its mutation tracking, so the
 graph means what it means when run op by op. On the CPU ``compile_fx_inner`` looks the graph
@@ -45,32 +43,19 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from ..graph_utils import lazy_graph_module
-from ..graph_utils.nodes import view_of_copy_op
-from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inplace, written_inputs
-
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from ..compile_times import phase
 from ..errors import SpmdCompileError
 from . import worker_pool
 from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
-from .decompose_for_inductor import decompose_for_inductor
-from .loss_order import order_loss_backward_after_loss
-from .matmul_order import run_freeing_matmuls_first
-from .pack_order import delay_early_pack_inputs
-from .one_rank import drop_one_rank_all_reduces
-from .step_counts import count_steps_in_place, is_step_count
 from .inductor_code import KeptCode, code_of, load_kept
-from .opaque_ops import (
-    BERNOULLI, EMBEDDING, EMBEDDING_BACKWARD, keeps_bernoulli_whole, keeps_embedding_backward_whole,
-    keeps_gathered_lookup_whole, opaque_inplace_op, wrapped_ops, writes_grads,
-)
+from .opaque_ops import wrapped_ops
+from .rewrites import apply_inductor_decompositions, prepare_for_inductor
 from .piece_plan import cut_obstacle
 from .piece_compile import compile_in_pieces
 
 log = logging.getLogger(__name__)
 
-aten = torch.ops.aten
 
 # Inductor options that would move collectives or waits away from where our passes put them.
 _INDUCTOR_CONFIG = {
@@ -161,105 +146,6 @@ def check_inductor_options(options: Optional[dict]) -> dict:
     return options
 
 
-def _wrappable_fused_optimizer(node: fx.Node) -> bool:
-    """An in-place fused optimizer op that leaves its gradients alone.
-
-    The fused kernels write gradients back only when unscaling them (``grad_scale``
-    given, as ``GradScaler`` does); the opaque op declares them read-only, so such
-    calls stay as they are.
-    """
-    target = node.target
-    return (is_fused_optimizer(target) and is_inplace(target) and writes_grads(target)
-            and node.kwargs.get("grad_scale") is None and node.kwargs.get("found_inf") is None)
-
-
-def _wrappable_step_count(node: fx.Node) -> bool:
-    """An in-place foreach op that writes step counts only (``spmd.lower.step_counts``): ATen runs it in one
-    call where Inductor would make it a kernel with an input and an output per parameter."""
-    written = written_inputs(node)
-    return is_foreach(node.target) and is_inplace(node.target) and bool(written) and all(map(is_step_count, written))
-
-
-# The exact rewrites ``prepare_for_inductor`` can make besides its own, by name (``Lowering.lean``): a
-# gradient all_reduce over a group of one rank leaves the graph (``one_rank``); a fused optimizer's step
-# counts are added in place by one ATen call (``step_counts``).
-LEAN_PARTS = ("one_rank", "step_counts")
-
-
-def lean_parts(lean: Union[bool, str]) -> frozenset[str]:
-    """The rewrites of ``LEAN_PARTS`` that ``lean`` turns on: all for True, none for False, else the one it names."""
-    return frozenset(LEAN_PARTS if lean is True else () if lean is False else (lean,))
-
-
-def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union[bool, str] = False) -> fx.GraphModule:
-    """A copy of ``gm`` ready for Inductor; ``gm`` itself is not changed.
-
-    * ``*_copy`` view ops (``detach_copy``, ``t_copy``, ``lift_fresh_copy``, ...) become the views
-      they copy (our functionalization keeps views; a user's pass may not). Inductor has no
-      lowering for some (``detach_copy`` runs as a real copy of every gradient). A view reads
-      its base as it is when read, as AOT autograd's functionalization would have re-derived it.
-    * In-place fused optimizer ops become their ``opaque_inplace_op``.
-    * An embedding backward with a bfloat16 or float16 gradient becomes ``opaque_ops.EMBEDDING_BACKWARD``
-      (ATen's kernel; Inductor's decomposition would add a float32 buffer twice the gradient's size).
-    * An embedding lookup into a gathered table becomes ``opaque_ops.EMBEDDING`` (ATen's lookup; Inductor would
-      look the rows up again in the backward, keeping the gathered table alive there).
-    * A ``bernoulli.p`` draw (a dropout mask traced on the CPU) becomes ``opaque_ops.BERNOULLI``
-      (``keeps_bernoulli_whole``: Inductor's own lowering let the mask's readers run before the draw).
-    * Each ``nll_loss_backward`` starts after its loss is computed (``spmd.lower.loss_order``), so the
-      loss gradient is written over the logits.
-    * A unit's reduce-scatter buffer is started once its last gradient exists (``spmd.lower.pack_order``),
-      where Inductor would allocate it at the first one's cast.
-    * Of two matmuls side by side, one that frees a large input runs first (``spmd.lower.matmul_order``):
-      the LM head's input gradient, the gathered weight's last reader, before its weight gradient.
-    * ``decompose``: Inductor's decompositions are applied (``decompose_for_inductor``).
-
-    ``lean`` (``Lowering.lean``: True, False, or one of ``LEAN_PARTS``) adds exact rewrites that take
-    work out of the graph Inductor compiles (``spmd.compile()``'s GPU default; BENCHMARKS.md, "Round 6"):
-
-    * ``"step_counts"``: the foreach op counting a fused optimizer's steps is made in place
-      (``spmd.lower.step_counts``) and becomes its ``opaque_inplace_op`` too: one ATen call, no kernel.
-    * ``"one_rank"``: a gradient all_reduce over a group of one rank, and its bucket's packing, become
-      the gradients themselves (``spmd.lower.one_rank``).
-    """
-    parts = lean_parts(lean)
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    if "step_counts" in parts:
-        count_steps_in_place(graph)
-    for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        view = view_of_copy_op(node.target)
-        if view is aten.lift_fresh.default:  # a constant made in the step (torch.tensor(2.0)): read it as it is
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-        elif view is not None:
-            node.target = view
-        elif _wrappable_fused_optimizer(node) or ("step_counts" in parts and _wrappable_step_count(node)):
-            node.target = opaque_inplace_op(node.target)
-        elif keeps_embedding_backward_whole(node):
-            node.target = EMBEDDING_BACKWARD
-        elif keeps_gathered_lookup_whole(node):
-            node.target = EMBEDDING
-        elif keeps_bernoulli_whole(node):
-            node.target = BERNOULLI
-    order_loss_backward_after_loss(graph)
-    delay_early_pack_inputs(graph)
-    run_freeing_matmuls_first(graph)
-    if "one_rank" in parts:
-        drop_one_rank_all_reduces(graph)
-    if decompose:
-        decompose_for_inductor(graph)
-    graph.lint()
-    return lazy_graph_module(gm, graph)
-
-
-def graph_inductor_gets(gm: fx.GraphModule) -> fx.Graph:
-    """The graph Inductor is given for ``gm``, before decomposition: what a memory estimate of a step lowered
-    through Inductor should read (``prepare_for_inductor`` moves and copies values)."""
-    return prepare_for_inductor(gm, decompose=False).graph
-
-
 def start_compile_workers() -> None:
     """Start Inductor's pool of Triton compile workers, as ``compile_fx`` does first thing for a GPU graph.
 
@@ -321,7 +207,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     step, which ``compile_fx`` would run first, has nothing left to do on a functional graph.
     ``inductor_comm_passes=True`` hands collective placement to Inductor's own passes
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
-    options (``check_inductor_options``); ``lean``: the exact rewrites ``prepare_for_inductor`` adds.
+    options (``check_inductor_options``); ``lean``: the exact rewrites ``prepare_for_inductor`` adds (``Lowering.lean``).
     ``pieces``: compile up to this many pieces of the graph side by side (``spmd.lower.piece_compile``), in
     this process and the compile workers running (``spmd.lower.worker_pool``).
 
@@ -347,8 +233,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
             return _positional(made[0]), made[1]
         if pieces > 1:
             with phase(f"lower/{label}/inductor_prepare"):
-                decompose_for_inductor(prepared.graph)
-                prepared.recompile()
+                apply_inductor_decompositions(prepared)
         with phase(f"lower/{label}/inductor_compile_fx"):
             compiled, cache, kernels = inner_compile(prepared, list(example_inputs), label, fx_cache)
     log.info("spmd: lowered the %s graph (%d nodes) through Inductor in %.1f s (FX graph cache: %s)", label,

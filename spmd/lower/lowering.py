@@ -22,8 +22,9 @@ from ..graph_utils.meta import NAME, ROLE, Role
 from . import worker_pool
 from .compile_graph import device_of as _device_of
 from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
-from .inductor import LEAN_PARTS, check_inductor_options, compile_with_inductor, start_compile_workers
+from .inductor import check_inductor_options, compile_with_inductor, start_compile_workers
 from .inductor_code import KeptCode
+from .rewrites import LEAN_PARTS, lowering_pipeline, prepare_for_inductor
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Lowering:
     succeeds, else run it as it is, saying why once. ``inductor_comm_passes``: let Inductor's own
     comm passes place the collectives instead. ``inductor_options``: further Inductor config values,
     checked by ``check_inductor_options``. ``lean``: exact rewrites that take work out of the graph
-    Inductor compiles (``prepare_for_inductor``): True for all of ``LEAN_PARTS`` (``"one_rank"``: a
+    Inductor compiles (``spmd.lower.rewrites``): True for all of ``LEAN_PARTS`` (``"one_rank"``: a
     gradient all_reduce over a group of one rank and its bucket's copies leave the graph;
     ``"step_counts"``: a fused optimizer's step counts are added in place by one ATen call), False (the
     default here) for none; ``spmd.compile()``'s GPU default turns it on
@@ -99,6 +100,17 @@ class Lowering:
         ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))  # the ranks torchrun started here
         cores = (os.cpu_count() or 1) // ranks_here
         return max(1, min(AUTO_PIECES, cores // 4)) if device.type == "cuda" else 1
+
+    def rewrites(self) -> list:
+        """The rewrites the graph Inductor gets goes through, in order (``spmd.lower.rewrites``; none without
+        Inductor). Inductor's decompositions are among them: a graph compiled in pieces gets them piece by piece."""
+        return lowering_pipeline(lean=self.lean, decompose=True) if self.inductor else []
+
+    def graph_to_estimate(self, gm: fx.GraphModule) -> fx.Graph:
+        """The graph a memory estimate of ``gm`` reads: under Inductor the graph Inductor gets, before its
+        decompositions (rewrites move and copy values; what Inductor computes inside its readers is never
+        allocated, which ``graph_utils.memory`` models on the undecomposed ops); else ``gm``'s own."""
+        return prepare_for_inductor(gm, decompose=False, lean=self.lean).graph if self.inductor else gm.graph
 
     def start(self, device: torch.device) -> None:
         """Called before the step is traced: with Inductor on a GPU, its kernel-compile workers start

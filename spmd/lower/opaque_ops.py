@@ -48,7 +48,7 @@ def opaque_inplace_op(op: torch._ops.OpOverload) -> torch._ops.OpOverload:
     as written, and gradients are views into shared bucket buffers, read by several such ops when
     the optimizer has several param groups (under AOT autograd's functionalization Inductor
     mishandled that: NaNs). Inductor runs the custom op as it is, one call of ``op``, where it
-    would otherwise lower ``op`` into kernels of its own (``_wrappable_step_count``).
+    would otherwise lower ``op`` into kernels of its own (``spmd.lower.rewrites``).
 
     Inductor hands it each tensor in the graph's stride order, a gradient laid out as its parameter, as the
     fused kernels need (``spmd.lower.optimizer_layout``). The op has no layout tag: Inductor reads a tag's

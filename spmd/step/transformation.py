@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Callable, Optional, Sequence, Union
 
 import torch.fx as fx
 
 from ..compile_times import phase
 from ..errors import SpmdConfigError
-from ..graph_utils import DumpOptions, request_dump
+from ..graph_utils import DumpOptions, dumping, request_dump
 from ..graph_utils.memory import memory_profile
-from ..lower.inductor import graph_inductor_gets
 from ..lower.lowering import Lowering
+from ..lower.rewrites import prepare_for_inductor, refuse_constraints_on_rewrites
 from ..parallel import fully_shard, replicate
 from ..parallel.data_parallel import DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
@@ -36,7 +37,8 @@ class GraphModuleTransformation:
     the graph (``pass_pipeline`` of ``spmd.parallel.replicate`` or ``spmd.parallel.fully_shard``, asked
     through the ``DataParallel`` the graph records), plus any ``passes`` the user gives (declared
     with ``@graph_optimization_pass``, bare or as ``functools.partial``), ordered together by
-    ``PassManager``. ``passes`` alone (without the flag) runs only the user's. ``pipelines``: each mode
+    ``PassManager``. ``passes`` alone (without the flag) runs only the user's; one that is, or declares it
+    runs after, a lowering rewrite is refused (``refuse_constraints_on_rewrites``). ``pipelines``: each mode
     module's passes, its settings bound. Replicate reads
     ``bucket_size_mb`` (gradient bucket size for ``comm_fusion_with_concat``) and ``optimizer_parts``
     (at most that many optimizer ops for ``split_optimizer_per_bucket``; 1: no split); the sharded
@@ -71,8 +73,9 @@ class GraphModuleTransformation:
     on a GPU, 1 (the whole graph in this process) on the CPU.
 
     Dumps (``graph_utils.DumpOptions``): ``dump_graphs=True``, or the environment variable
-    ``SPMD_DUMP_DIR``, writes the traced graph, the graph after each pass and the
-    setup/main/cleanup graphs to ``dump_dir`` (default ``$SPMD_DUMP_DIR`` or ``./spmd_dump``),
+    ``SPMD_DUMP_DIR``, writes the traced graph, the graph after each pass, under Inductor each
+    graph the step runs after each lowering rewrite (``lower_<graph>_<rewrite>``, ``spmd.lower.rewrites``),
+    and the setup/main/cleanup graphs to ``dump_dir`` (default ``$SPMD_DUMP_DIR`` or ``./spmd_dump``),
     on rank 0 only unless ``dump_ranks="all"`` (or ``SPMD_DUMP_RANKS=all``).
     """
 
@@ -105,6 +108,7 @@ class GraphModuleTransformation:
         if not (lean_lowering is True or lean_lowering is False):
             raise SpmdConfigError(f"GraphModuleTransformation: lean_lowering must be True or False, got "
                                   f"{lean_lowering!r}")
+        refuse_constraints_on_rewrites(passes)
         self.lowering = Lowering(enable_inductor, enable_cudagraphs, inductor_options=inductor_options or {},
                                  lean=lean_lowering, pieces=compile_pieces)
         self.bucket_size_mb = bucket_size_mb
@@ -161,18 +165,31 @@ class GraphModuleTransformation:
         with phase("passes/finalize"):
             igm.finalize_setup()
         igm.lowering = self.lowering
+        if self.lowering.inductor and dumping():
+            self._dump_rewrites(igm)
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
         self._warn_if_budget_unmet(igm)
         return igm
 
+    def _dump_rewrites(self, igm: IterGraphModule) -> None:
+        """Record in the active dump what each lowering rewrite makes of each graph the step runs
+        (``lower_<graph>_<rewrite>``). Lowering comes after the dump is written (and loads kept code without
+        rewriting), so the rewrites are made here, on copies, as lowering makes them; a dump never breaks a
+        compile, so a rewrite that fails here is only warned about (lowering meets it again)."""
+        for label, gm in igm.modules_to_run():
+            try:
+                prepare_for_inductor(gm, lean=self.lowering.lean, dump_as=f"lower_{label}_")
+            except Exception as e:  # noqa: BLE001 - a debugging aid
+                warnings.warn(f"spmd: graph dump skipped the lowering rewrites of the {label} graph "
+                              f"({type(e).__name__}: {e}); the step compiles as usual.", RuntimeWarning, stacklevel=3)
+
     def _warn_if_budget_unmet(self, igm: IterGraphModule) -> None:
         """A budget recompute could not meet is said once, with the peak estimated on the graph the step is
-        lowered from (``graph_inductor_gets`` under Inductor), after every pass has run."""
+        lowered from (``Lowering.graph_to_estimate``), after every pass has run."""
         plan = recompute_plan(igm)
         if plan is None or plan.met:
             return
-        inductor = self.lowering.inductor
-        plan.peak = memory_profile(graph_inductor_gets(igm) if inductor else igm.graph, inductor=inductor).peak
+        plan.peak = memory_profile(self.lowering.graph_to_estimate(igm), inductor=self.lowering.inductor).peak
         warn_unmet_budget(plan)
 
 

@@ -1,0 +1,231 @@
+"""The rewrites that make a step graph into the graph Inductor gets, as declared passes.
+
+Inductor is not given the step graph the optimization passes made: ``prepare_for_inductor`` copies it
+(the step graph stays as it is) and runs ``lowering_pipeline`` on the copy with ``spmd.passes.PassManager``,
+the manager that runs the optimization passes. Each rewrite is a ``@graph_optimization_pass``: named, its
+docstring saying what it does and why, its place in the order declared. They exist only for Inductor
+(a fused kernel ATen runs better, an order Inductor would lose, its decompositions), so they run on
+Inductor's copy rather than in a mode's pipeline.
+
+Where graphs are dumped, the transform stage records each rewrite's result for every graph the step runs
+(``NN_lower_<graph>_<pass>``); ``spmd.explain`` lists the rewrites after the optimization passes; a memory
+estimate reads the graph this builds (``Lowering.graph_to_estimate``). A user's pass runs among the
+optimization passes, before every rewrite here, so one declared to run after a rewrite is refused
+(``refuse_constraints_on_rewrites``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from ..errors import SpmdConfigError
+from ..graph_utils import lazy_graph_module
+from ..graph_utils.nodes import view_of_copy_op
+from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inplace, written_inputs
+from ..passes import PassManager, graph_optimization_pass, pass_info
+from .decompose_for_inductor import decompose_for_inductor
+from .loss_order import order_loss_backward_after_loss
+from .matmul_order import run_freeing_matmuls_first
+from .one_rank import drop_one_rank_all_reduces
+from .opaque_ops import (
+    BERNOULLI, EMBEDDING, EMBEDDING_BACKWARD, keeps_bernoulli_whole, keeps_embedding_backward_whole,
+    keeps_gathered_lookup_whole, opaque_inplace_op, writes_grads,
+)
+from .pack_order import delay_early_pack_inputs
+from .step_counts import count_steps_in_place, is_step_count
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+# The exact rewrites ``Lowering.lean`` can add, by name: a gradient all_reduce over a group of one rank leaves
+# the graph (``one_rank``); a fused optimizer's step counts are added in place by one ATen call (``step_counts``).
+LEAN_PARTS = ("one_rank", "step_counts")
+
+
+def lean_parts(lean: Union[bool, str]) -> frozenset[str]:
+    """The rewrites of ``LEAN_PARTS`` that ``lean`` turns on: all for True, none for False, else the one it names."""
+    return frozenset(LEAN_PARTS if lean is True else () if lean is False else (lean,))
+
+
+def _call_functions(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@graph_optimization_pass()
+def add_step_counts_in_place(gm: fx.GraphModule) -> None:
+    """Add a fused optimizer's step counts in place, in one ATen call (``Lowering.lean`` part ``"step_counts"``).
+
+    Before: ``_foreach_add(counts, 1)`` whose results are copied back into the counts at the end of the step.
+    After: ``_foreach_add_`` on the counts (``spmd.lower.step_counts``), called through its
+    ``opaque_inplace_op``: ATen runs it where Inductor would compile a foreach kernel with an input and an
+    output per parameter; the counts hold the same values.
+    """
+    made = count_steps_in_place(gm.graph)
+    for node in _call_functions(gm):
+        written = written_inputs(node)
+        if is_foreach(node.target) and is_inplace(node.target) and written and all(map(is_step_count, written)):
+            node.target = opaque_inplace_op(node.target)
+    log.debug("spmd: %d step-count increments made in place", made)
+
+
+@graph_optimization_pass()
+def turn_view_copies_into_views(gm: fx.GraphModule) -> None:
+    """Turn each ``*_copy`` view op (``t_copy``, ``detach_copy``, ``lift_fresh_copy``, ...) into the view it copies.
+
+    Our functionalization keeps views; a user's pass may not, and Inductor has no lowering for some
+    (``detach_copy`` would run as a real copy of every gradient). A view reads its base as it is when read,
+    as AOT autograd's functionalization would have re-derived it. A constant made in the step
+    (``torch.tensor(2.0)``'s ``lift_fresh_copy``) is read as it is.
+    """
+    for node in _call_functions(gm):
+        view = view_of_copy_op(node.target)
+        if view is aten.lift_fresh.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        elif view is not None:
+            node.target = view
+
+
+def _wrappable_fused_optimizer(node: fx.Node) -> bool:
+    """An in-place fused optimizer op that leaves its gradients alone.
+
+    The fused kernels write gradients back only when unscaling them (``grad_scale``
+    given, as ``GradScaler`` does); the opaque op declares them read-only, so such
+    calls stay as they are.
+    """
+    target = node.target
+    return (is_fused_optimizer(target) and is_inplace(target) and writes_grads(target)
+            and node.kwargs.get("grad_scale") is None and node.kwargs.get("found_inf") is None)
+
+
+@graph_optimization_pass()
+def wrap_fused_optimizers(gm: fx.GraphModule) -> None:
+    """Call each in-place fused optimizer op (``_fused_adamw_``, from ``remove_copy_from_optimizer``) through its
+    ``opaque_inplace_op`` (``spmd.lower.opaque_ops``).
+
+    The opaque op declares its gradients read-only, which they are without a grad scaler: Inductor calls it in
+    place on the graph inputs and does not treat the gradient buckets it reads as written (a copy of each).
+    """
+    for node in _call_functions(gm):
+        if _wrappable_fused_optimizer(node):
+            node.target = opaque_inplace_op(node.target)
+
+
+@graph_optimization_pass()
+def keep_ops_whole(gm: fx.GraphModule) -> None:
+    """Call three ops through ATen's kernel (``spmd.lower.opaque_ops``) where Inductor's lowering of them costs.
+
+    * An embedding backward with a bfloat16 or float16 gradient becomes ``EMBEDDING_BACKWARD``: Inductor's
+      decomposition would add a float32 buffer twice the gradient's size.
+    * An embedding lookup into a gathered table becomes ``EMBEDDING``: Inductor would look the rows up again
+      in the backward, keeping the gathered table alive there.
+    * A ``bernoulli.p`` draw (a dropout mask traced on the CPU) becomes ``BERNOULLI``: Inductor's own lowering
+      let the mask's readers run before the draw.
+    """
+    for node in _call_functions(gm):
+        if keeps_embedding_backward_whole(node):
+            node.target = EMBEDDING_BACKWARD
+        elif keeps_gathered_lookup_whole(node):
+            node.target = EMBEDDING
+        elif keeps_bernoulli_whole(node):
+            node.target = BERNOULLI
+
+
+@graph_optimization_pass()
+def start_loss_backward_after_loss(gm: fx.GraphModule) -> None:
+    """Start each ``nll_loss_backward`` after its loss is computed (``spmd.lower.loss_order``), so the loss
+    gradient is written over the logits instead of beside them."""
+    log.debug("spmd: %d loss backwards ordered after their loss", order_loss_backward_after_loss(gm.graph))
+
+
+@graph_optimization_pass()
+def start_packing_after_last_gradient(gm: fx.GraphModule) -> None:
+    """Start a unit's reduce-scatter buffer once its last gradient exists (``spmd.lower.pack_order``), where
+    Inductor would allocate it at the first gradient's cast and hold it through the unit's backward."""
+    log.debug("spmd: %d early pack inputs delayed", delay_early_pack_inputs(gm.graph))
+
+
+@graph_optimization_pass()
+def free_matmul_inputs_first(gm: fx.GraphModule) -> None:
+    """Of two matmuls side by side, run first the one that frees a large input (``spmd.lower.matmul_order``):
+    the LM head's input gradient, the gathered weight's last reader, before its weight gradient."""
+    log.debug("spmd: %d freeing matmuls moved first", run_freeing_matmuls_first(gm.graph))
+
+
+@graph_optimization_pass()
+def remove_one_rank_all_reduces(gm: fx.GraphModule) -> None:
+    """Replace a gradient all_reduce over a group of one rank, its wait and its bucket's packing by the gradients
+    themselves (``Lowering.lean`` part ``"one_rank"``; ``spmd.lower.one_rank``): on one GPU they compute nothing."""
+    log.debug("spmd: %d one-rank all_reduces removed", drop_one_rank_all_reduces(gm.graph))
+
+
+@graph_optimization_pass(apply_after=[add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers,
+                                      keep_ops_whole, start_loss_backward_after_loss,
+                                      start_packing_after_last_gradient, free_matmul_inputs_first,
+                                      remove_one_rank_all_reduces])
+def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
+    """Apply Inductor's decompositions node by node (``spmd.lower.decompose_for_inductor``), what AOT autograd's
+    re-trace of the whole step would do first; last, since the rewrites before it look for ops it replaces."""
+    decompose_for_inductor(gm.graph)
+
+
+REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers, keep_ops_whole,
+            start_loss_backward_after_loss, start_packing_after_last_gradient, free_matmul_inputs_first,
+            remove_one_rank_all_reduces, apply_inductor_decompositions)
+
+
+def lowering_pipeline(*, lean: Union[bool, str], decompose: bool) -> list:
+    """The rewrites Inductor's graph gets, in order: ``lean``'s step counts in place (``"step_counts"``) ->
+    view copies as views -> fused optimizers opaque -> ops kept whole -> loss backward after the loss -> packing
+    after the last gradient -> freeing matmuls first -> ``lean``'s one-rank all_reduces removed
+    (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
+    parts = lean_parts(lean)
+    return [*([add_step_counts_in_place] if "step_counts" in parts else []), turn_view_copies_into_views,
+            wrap_fused_optimizers, keep_ops_whole, start_loss_backward_after_loss, start_packing_after_last_gradient,
+            free_matmul_inputs_first, *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
+            *([apply_inductor_decompositions] if decompose else [])]
+
+
+def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union[bool, str] = False,
+                         dump_as: str = "") -> fx.GraphModule:
+    """A copy of ``gm`` as Inductor gets it: ``lowering_pipeline(lean=lean, decompose=decompose)`` run on it by
+    ``PassManager``; ``gm`` itself is not changed.
+
+    ``lean``: ``Lowering.lean`` (True, False or one of ``LEAN_PARTS``). ``dump_as``: where given, each rewrite's
+    result is offered to an active dump recording as ``<dump_as><pass>``; else nothing is recorded.
+
+    Example::
+
+        prepared = prepare_for_inductor(step_gm, lean=True)  # what compile_with_inductor compiles
+    """
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    prepared = lazy_graph_module(gm, graph)
+    PassManager(lowering_pipeline(lean=lean, decompose=decompose))(prepared, dump_prefix=dump_as or None)
+    return prepared
+
+
+def refuse_constraints_on_rewrites(passes: Sequence[Callable]) -> None:
+    """Refuse (``SpmdConfigError``) a user's pass that is a lowering rewrite, or declares one among its
+    ``prerequisites`` or ``apply_after``: a user's pass runs among the optimization passes, on the step graph,
+    and every rewrite runs after them, on Inductor's copy of it."""
+    for p in passes:
+        info = pass_info(p)
+        if any(info is pass_info(r) for r in REWRITES):
+            raise SpmdConfigError(
+                f"GraphModuleTransformation: {info.name} is a lowering rewrite (spmd.lower.rewrites), which lowering "
+                "runs on the graph Inductor gets; as an optimization pass it would rewrite the step graph itself. "
+                f"Drop it from passes.")
+        named = [(kind, q) for kind in ("prerequisites", "apply_after") for q in getattr(info, kind) if q in REWRITES]
+        if named:
+            kind, rewrite = named[0]
+            raise SpmdConfigError(
+                f"GraphModuleTransformation: pass {info.name} declares {kind}=[{pass_info(rewrite).name}], a lowering "
+                "rewrite. The rewrites run on the copy of the step graph Inductor gets, after every optimization "
+                f"pass, and {info.name} runs among the optimization passes, so it can never run after one. Drop "
+                f"{pass_info(rewrite).name} from its {kind}; to see what the rewrites do, dump the step "
+                "(SPMD_DUMP_DIR) or call spmd.explain.")
