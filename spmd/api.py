@@ -31,6 +31,7 @@ from .errors import SpmdCompileError, SpmdConfigError
 from .graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
 from .lower.preload import import_for_inductor, may_lower_through_inductor
 from .optim.amp_scaler import GradScaler, ensure_scale, scaler_signature, step_scalers
+from .optim.hyperparams import LearnedFacts
 from .optim.state import ensure_optimizer_state
 from .parallel import DataParallel
 from .parallel.data_parallel import PARALLEL_MODE, as_data_parallel
@@ -127,6 +128,7 @@ class CompiledTrainStep:
         # No parallel_mode: the seed's semantics, summed gradients (its reference tests rely on them).
         self.parallel_mode = as_data_parallel(parallel_mode)
         self.cache: OrderedDict[tuple, CompiledStep] = OrderedDict()
+        self.learned = LearnedFacts()  # what its traces learned of its optimizers' hyperparameters (its signature)
         self.trace_count = 0
         self._evicted_captures = 0  # CUDA graph captures of entries dropped from ``cache`` (cuda_graph_captures)
         self._overridden: weakref.WeakSet = weakref.WeakSet()
@@ -458,7 +460,8 @@ class CompiledTrainStep:
         _check_optimizers_follow_modules(modules, optimizers)
         scalers = step_scalers(found.scalers)
         ensure_scale(scalers, modules)
-        state = StepState(modules, optimizers, scalers, list(zip(found.held_names, found.held, found.places)))
+        state = StepState(modules, optimizers, scalers, list(zip(found.held_names, found.held, found.places)),
+                          self.learned)
         grads_on_entry(state.param_names, state.params)  # gradients held now are graph inputs: refuse odd ones
         return state
 
