@@ -237,7 +237,8 @@ class CompiledTrainStep:
         transformation = self.transformation_for(state)
         if isinstance(transformation, GraphModuleTransformation) and not self._expects_to_load():
             # Inductor's compile workers start now, while the step is traced, unless its code will likely load
-            transformation.lowering.start(state.params[0].device if state.params else torch.device("cpu"))
+            transformation.lowering.start(state.params[0].device if state.params else torch.device("cpu"),
+                                          transformation.workers)
         try:
             with recording(times), recording_stages(self.dump_options()) as dump:
                 gm, traced, state, created = self.trace_and_expand(state, args, kwargs, **plan)
@@ -417,7 +418,7 @@ class CompiledTrainStep:
             transformation = self._defaults["cuda"]
         if not isinstance(transformation, GraphModuleTransformation):
             return False
-        transformation.lowering.start(torch.device("cuda"))
+        transformation.lowering.start(torch.device("cuda"), transformation.workers)
         log.info("spmd: %s: compile workers started at the wrap (no step of it in the compile cache)", self.__name__)
         return True
 

@@ -13,6 +13,7 @@ from ..graph_utils import DumpOptions, request_dump
 from ..graph_utils.memory import memory_profile
 from ..lower.inductor import graph_inductor_gets
 from ..lower.lowering import Lowering
+from ..lower.worker_pool import WorkerPool
 from ..parallel import fully_shard, replicate
 from ..parallel.data_parallel import DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
@@ -125,6 +126,7 @@ class GraphModuleTransformation:
         self.pass_managers = {mode: PassManager((pipeline if enable_graph_optimization else []) + list(passes))
                               for mode, pipeline in self.pipelines.items()}
         self.dump = DumpOptions.resolve(dump_graphs, dump_dir, dump_ranks)
+        self.workers = WorkerPool()  # its lowering's compile workers: started before a trace, closed after lowering
 
     @property
     def enable_inductor(self) -> bool:
@@ -160,7 +162,7 @@ class GraphModuleTransformation:
         manager(igm, timer=lambda name: phase(f"passes/{name}"))
         with phase("passes/finalize"):
             igm.finalize_setup()
-        igm.lowering = self.lowering
+        igm.lowering, igm.workers = self.lowering, self.workers
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
         self._warn_if_budget_unmet(igm)
         return igm
