@@ -15,6 +15,7 @@ from .compile_options import CompileOptions
 from .compile_times import phase, recording
 from .errors import SpmdConfigError
 from .lower.preload import import_for_inductor, may_lower_through_inductor
+from .optim.hyperparams import LearnedFacts
 from .parallel import DataParallel
 from .parallel.data_parallel import as_data_parallel
 from .step.cache_store import CacheStore, named_by_user, resolve_cache_dir
@@ -77,6 +78,11 @@ class CompiledTrainStep:
     def cache(self) -> dict[tuple, CompiledStep]:
         """The compiled steps by signature, least recently used first."""
         return self._calls.cache
+
+    @property
+    def learned(self) -> LearnedFacts:
+        """What this step's traces learned of its optimizers' hyperparameters (its own, no other step's)."""
+        return self._definition.learned
 
     @property
     def trace_count(self) -> int:

@@ -243,6 +243,41 @@ def test_a_specialised_hyperparameter_retraces_and_is_used(make, changes, traces
         torch.testing.assert_close(p, q, rtol=0, atol=1e-15)
 
 
+
+def _lr_read_step(model, optim, x):
+    """``_step`` with its loss scaled by the lr read as a number (``torch.full``'s fill value), in the step's own
+    code: its trace specialises on the lr."""
+    loss = model(x).pow(2).mean() * torch.full((), optim.param_groups[0]["lr"], dtype=torch.float64)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_what_one_steps_trace_learned_leaves_another_steps_signature_alone():
+    """Two compiled steps with an SGD of the same settings and a scheduled lr: the first reads the lr as a
+    number, so its trace specialises on it and it retraces when the lr changes; the second, traced after it,
+    keeps the lr a graph input and never retraces. Both match eager."""
+    torch.manual_seed(0)
+    fns = [_lr_read_step, _step]
+    models = [_mlp(), _mlp()]
+    refs = [copy.deepcopy(m) for m in models]
+    optims = [O.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (*models, *refs)]
+    steps = [spmd.compile()(fn) for fn in fns]
+    for i in range(3):
+        for k in range(2):
+            for optim in (optims[k], optims[2 + k]):
+                optim.param_groups[0]["lr"] = 0.05 * (i + 1)
+            x = torch.randn(6, 5, dtype=torch.float64)
+            torch.testing.assert_close(steps[k](models[k], optims[k], x), fns[k](refs[k], optims[2 + k], x),
+                                       rtol=0, atol=1e-15)
+    assert [step.trace_count for step in steps] == [3, 1]
+    assert any(f.specialised for f in steps[0].learned.by_config.values())
+    assert not any(f.specialised for f in steps[1].learned.by_config.values())
+    for model, ref in zip(models, refs):
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-15)
+
 def _one_cycle(rank, world_size, cases):
     for cls, settings in cases:
         _one_cycle_case(rank, cls, settings)
@@ -369,22 +404,22 @@ def test_state_an_optimizer_makes_in_its_constructor_is_there_for_the_check():
 # --- a restarted job keeps the verdicts ----------------------------------------------------
 
 
-def test_a_restarted_job_takes_the_kept_verdict_and_what_the_probe_learned(tmp_path, monkeypatch):
-    """With the compile cache on, a torch.optim optimizer's verdict (exact or refused) is kept; a fresh process
-    (fresh process-wide tables) of the same code takes it, and what the probe's traces learned (fused AdamW's
-    betas are constants), instead of probing. A class outside torch.optim, or other code, is probed again."""
+def test_a_restarted_job_takes_the_kept_verdict_where_what_it_assumed_holds(tmp_path, monkeypatch):
+    """With the compile cache on, a torch.optim optimizer's verdict (exact or refused) is kept with what the
+    probe's traces assumed of its values (fused AdamW's betas are constants); a fresh process (a fresh memo
+    of verdicts) of the same code takes it instead of probing. Other betas, a class outside torch.optim, or
+    other code are probed again; verdicts probed in one process are told apart by those values too."""
     from spmd.checks import optimizer_probe as probe
-    from spmd.optim import hyperparams
     from spmd.step.cache_store import CacheStore
 
     store = CacheStore(tmp_path)
     probes = []
     real = probe._difference
-    monkeypatch.setattr(probe, "_difference", lambda optim: probes.append(type(optim).__name__) or real(optim))
+    monkeypatch.setattr(probe, "_difference",
+                        lambda optim, learned: probes.append(type(optim).__name__) or real(optim, learned))
 
     def fresh_process():
         monkeypatch.setattr(probe, "_VERDICTS", {})
-        monkeypatch.setattr(hyperparams, "_LEARNED", {})
 
     def check(optim, code="torch x, spmd y"):
         try:
@@ -397,17 +432,21 @@ def test_a_restarted_job_takes_the_kept_verdict_and_what_the_probe_learned(tmp_p
     optims = [O.AdamW(params, lr=0.01, fused=True), O.LBFGS(params, lr=0.1), _PlainSGD(params)]
     fresh_process()
     first = [check(o) for o in optims]
-    learned = {k: (set(v.guards), set(v.specialised)) for k, v in hyperparams._LEARNED.items()}
     assert probes == ["AdamW", "LBFGS", "_PlainSGD"] and first[0] is None and first[2] is None
     assert "cannot run on plain dense gradients" in first[1]
-    assert any(specialised for _, specialised in learned.values()), "fused AdamW's betas should be specialised"
+    (adamw,) = probe._VERDICTS[probe._config(optims[0])]
+    assert any(f.specialised for f in adamw.learned.by_config.values()), "fused AdamW's betas should be specialised"
     assert len(list(tmp_path.glob("optimizer-check-*.spmd"))) == 2  # not the class outside torch.optim
 
     fresh_process()
     assert [check(o) for o in optims] == first
     assert probes[3:] == ["_PlainSGD"]
-    assert {k: (set(v.guards), set(v.specialised)) for k, v in hyperparams._LEARNED.items()} == learned
+
+    optims[0].param_groups[0]["betas"] = (0.8, 0.99)  # not what the kept verdict assumed: probed
+    assert check(optims[0]) is None and probes[4:] == ["AdamW"]
+    optims[0].param_groups[0]["betas"] = (0.9, 0.999)  # the verdict this process loaded holds again
+    assert check(optims[0]) is None and probes[5:] == []
 
     fresh_process()  # other code (a new torch or spmd): probed again
     assert [check(o, code="torch x, spmd z") for o in optims] == first
-    assert probes[4:] == ["AdamW", "LBFGS", "_PlainSGD"]
+    assert probes[5:] == ["AdamW", "LBFGS", "_PlainSGD"]

@@ -254,20 +254,73 @@ def test_a_graph_that_writes_a_value_it_made_is_not_cut():
     assert piece_plan.cut(torch.fx.GraphModule(torch.nn.Module(), graph), 2, [torch.ones(3)]) is None
 
 
+class _StandInWorker:
+    """A compile worker that starts no process: alive until closed."""
+
+    def __init__(self, threads: int):
+        self.process, self.closed = self, False
+
+    def poll(self):
+        return 0 if self.closed else None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_worker_pool_runs_its_workers_from_start_to_close(monkeypatch):
+    """A ``WorkerPool`` starts the workers missing (a dead one is replaced), and closes them all on ``close`` or at
+    the end of its ``with`` block; it can be started again."""
+    monkeypatch.setattr(worker_pool, "Worker", _StandInWorker)
+    with worker_pool.WorkerPool() as pool:
+        pool.start(2)
+        first = pool.running()
+        first[0].closed = True  # died
+        pool.start(2)
+        assert len(pool.running()) == 2 and pool.running()[0] is first[1]
+        pool.close()
+        assert pool.running() == [] and first[1].closed
+        pool.start(1)
+        (again,) = pool.running()
+    assert again.closed and pool.running() == []
+
+
+def test_a_transformations_compile_workers_run_from_before_the_trace_to_the_end_of_its_lowering(monkeypatch):
+    """The workers that compile pieces are the transformation's (``GraphModuleTransformation.workers``): started
+    before the step is traced, handed to each graph's lowering, closed once the step's graphs are lowered."""
+    from spmd.lower.lowering import Lowering
+
+    monkeypatch.setattr(worker_pool, "Worker", _StandInWorker)
+    handed = []
+
+    def lower_graph(self, label, gm, example_inputs, num_user_outputs, kept=None, workers=()):
+        handed.append([w.closed for w in workers])
+        return gm, None  # the graph itself runs: the lifetime is what is checked
+
+    monkeypatch.setattr(Lowering, "lower_graph", lower_graph)
+    transformation = spmd.GraphModuleTransformation(enable_inductor=True, compile_pieces=2)
+    step = spmd.compile(gm_transformation=transformation, cache_dir=False)(train_step)
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8).double()
+    step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8, dtype=torch.float64))
+    assert handed == [[False]] and transformation.workers.running() == []
+
+
 @pytest.fixture(scope="module")
 def _compile_worker():
     """One compile worker for the tests of this module that use one: starting it imports torch (seconds); what
     it compiled for one test is in the session's Inductor cache anyway."""
-    worker_pool.start(1)
-    yield
-    worker_pool.stop()
+    with worker_pool.WorkerPool() as pool:
+        pool.start(1)
+        yield pool
 
 
 @pytest.fixture
-def one_worker(_compile_worker, monkeypatch):
+def one_worker(_compile_worker, monkeypatch) -> list:
+    """The running compile workers (one), ready."""
     monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)  # a small graph (36 computing nodes), cut in three
-    (worker,) = worker_pool.running()
+    (worker,) = workers = _compile_worker.running()
     assert worker.ready()  # started: it takes the first piece as the compile begins
+    return workers
 
 
 def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(one_worker, monkeypatch, caplog):
@@ -297,7 +350,7 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
         expected_inputs = _clone(inputs)
         expected = list(gm(*expected_inputs))
         with recording(times):
-            run, code = compile_with_inductor(gm, _clone(inputs), pieces=2)
+            run, code = compile_with_inductor(gm, _clone(inputs), pieces=2, workers=one_worker)
         for runner in (run, lambda *args: load_kept(code, torch.device("cpu"), "step")(list(args))):
             got_inputs = _clone(inputs)
             got = list(runner(*got_inputs))
@@ -336,7 +389,7 @@ def test_the_kernels_compiled_loading_a_workers_piece_are_kept_with_its_code(one
     times: dict[str, float] = {}
     with single_process_group(), recording(times):
         gm, inputs = _step_graph(model, (torch.randn(8, 16, dtype=torch.float64),), train_step, torch.optim.SGD, momentum=0.9)
-        _, code = compile_with_inductor(gm, inputs, pieces=2)
+        _, code = compile_with_inductor(gm, inputs, pieces=2, workers=one_worker)
     assert isinstance(code, PiecewiseCode)
     by_worker = [i for i in range(len(code.pieces)) if f"lower/step/{i}/worker" in times]
     assert by_worker and asked == [False] * len(by_worker)  # on the CPU Inductor's bundler is not asked for
@@ -345,12 +398,11 @@ def test_the_kernels_compiled_loading_a_workers_piece_are_kept_with_its_code(one
 
 
 def test_pieces_are_taken_heaviest_first(monkeypatch):
-    """With no worker running, this process compiles every piece, the heaviest (most computing nodes) first:
+    """With no worker, this process compiles every piece, the heaviest (most computing nodes) first:
     the piece that takes longest is never the one left for whoever comes free last."""
     from spmd.lower import piece_compile
 
     monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
-    monkeypatch.setattr(worker_pool, "running", lambda: [])
     monkeypatch.setattr(piece_compile, "weight", lambda gm: len(gm.graph.nodes))  # the cut is even: weigh apart
     taken = []
 
@@ -392,7 +444,7 @@ def test_a_worker_compiles_a_piece_that_launches_a_collective_and_one_that_waits
     from spmd.lower.piece_compile import _groups_of
 
     monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 20)
-    (worker,) = worker_pool.running()
+    (worker,) = one_worker
     with single_process_group():
         gm, inputs = _fully_shard_graph(monkeypatch)
         modules, specs, plan = piece_plan.cut(gm, 4, inputs)

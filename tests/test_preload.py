@@ -55,7 +55,7 @@ def test_compile_workers_start_at_the_wrap_only_where_the_first_call_will_compil
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(spmd.api, "import_for_inductor", lambda: None)
     started = []
-    monkeypatch.setattr(Lowering, "start", lambda self, device: started.append((device.type, self.pieces)))
+    monkeypatch.setattr(Lowering, "start", lambda self, device, workers: started.append((device.type, self.pieces)))
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
 

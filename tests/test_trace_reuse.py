@@ -8,6 +8,7 @@ closure value, an environment variable or the state changed. Each case compiles 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import sys
@@ -142,3 +143,38 @@ def test_a_step_that_reads_what_no_guard_checks_is_traced_every_time(user_module
         _check(cache, reused=False)
         _check(cache, reused=False)
     assert "is not kept" in caplog.text and "lock" in caplog.text
+
+
+def _lr_read_step(model, optim, x, y):
+    """Its loss scaled by the lr read as a number (``torch.full``'s fill value): its trace specialises on the lr."""
+    loss = ((model(x) - y) ** 2).mean() * torch.full((), optim.param_groups[0]["lr"], dtype=torch.float64)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_reused_trace_brings_back_what_it_assumed_of_the_hyperparameters(tmp_path, monkeypatch):
+    """A step whose own code reads the lr as a number is specialised on it. Compiled anew (as a restarted
+    process compiles it), it reuses the kept trace and, with it, that fact: a changed lr retraces (reusing the
+    trace kept for that lr) instead of running the graph made for the old one. Both match eager."""
+    monkeypatch.setenv("SPMD_TRACE_REUSE", "1")
+    reused = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = MLP(layers=2, dim=8).double()
+        ref = copy.deepcopy(model)
+        optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+        step = spmd.compile(cache_dir=tmp_path)(_lr_read_step)
+        gen = torch.Generator().manual_seed(1)
+        for lr in (0.1, 0.05):
+            for o in (optim, ref_optim):
+                o.param_groups[0]["lr"] = lr
+            x, y = (torch.randn(4, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+            torch.testing.assert_close(step(model, optim, x, y), _lr_read_step(ref, ref_optim, x, y), rtol=0,
+                                       atol=1e-12)
+            reused.append("trace/reused" in step.compile_times)
+        assert step.trace_count == 2
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+    assert reused == [False, False, True, True]

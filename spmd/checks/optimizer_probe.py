@@ -11,16 +11,20 @@ would) and once eagerly from empty state (a fused CUDA kernel's lr rounded to fl
 both, as the traced step hands it over). Parameters and state must agree to float64
 rounding; otherwise the step is refused with an ``SpmdCompileError`` naming the optimizer,
 the difference and the optimizers known to pass, before anything of the user's runs or
-changes. Verdicts are cached per process, keyed on everything the probe's outcome depends on
-(``_config``: class, flags, device, float64 or not, and each hyperparameter's sign and type: a
-float32 tensor lr is checked apart from a float lr).
+changes.
+
+A verdict (``Verdict``) is a value: it holds for every optimizer of the same ``_config`` (class, flags,
+device, float64 or not, and each hyperparameter's sign and type: a float32 tensor lr is checked apart
+from a float lr) whose values keep what the probe's traces assumed of them (``spmd.optim.hyperparams``:
+the outcome of each comparison they took, each value they specialised on). The probe's traces learn
+into facts of their own, never the step's. Verdicts are memoized per process by that description
+(``_VERDICTS``, a pure cache: a probe for the same description finds the same verdict).
 
 A restarted job need not probe again: where the step's compile cache is on, the verdict of one of
 torch.optim's own optimizers is kept beside it (``CacheStore.checks``), named (``kept_name``) by the
 versions of the code it follows from (torch's, which fixes the class's, and spmd's), the device's name
-and ``_config``; with it, what the probe's traces taught ``spmd.optim.hyperparams`` about that
-optimizer's hyperparameters, so the process that loads it continues as one that probed. An optimizer
-of another class is probed in every process: its code may have changed since.
+and ``_config``, and taken where what it assumed holds. An optimizer of another class is probed in every
+process: its code may have changed since.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -36,7 +41,7 @@ from torch.optim.optimizer import _get_capturable_supported_devices
 
 from ..compile_times import recording
 from ..errors import SpmdCompileError
-from ..optim.hyperparams import Learned, flags, hyper_items, learned
+from ..optim.hyperparams import LearnedFacts, flags, group_signature, hyper_items
 from ..optim.state import ensure_optimizer_state
 from ..trace.capture import capture_train_step
 from ..trace.step_state import StepState
@@ -52,7 +57,28 @@ _STEPS = 3
 # eager itself does some scalar math in float32 (a float32 step counter or tensor lr), so a
 # probe in float64 may differ by float32 rounding of a scalar; that is what eager computes too.
 _TOLERANCE = {True: 1e-12, False: 1e-6}
-_VERDICTS: dict[tuple, str | None] = {}  # config -> why it is refused, or None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One probe's outcome: ``why`` the optimizer is refused (None: exact), what the probe's traces learned
+    (``learned``) and what that made them assume of its param groups' values (``assumed``, ``_assumed``)."""
+
+    why: Optional[str]
+    learned: LearnedFacts
+    assumed: tuple
+
+    def holds_for(self, optim: torch.optim.Optimizer) -> bool:
+        """Whether this verdict is ``optim``'s (one of the same ``_config``): its values keep what was assumed."""
+        return _assumed(optim, self.learned) == self.assumed
+
+
+def _assumed(optim: torch.optim.Optimizer, learned: LearnedFacts) -> tuple:
+    """Per param group, what traces with ``learned`` facts assume of its values now (``group_signature``)."""
+    return tuple(tuple(sorted(group_signature(optim, g, learned).items())) for g in optim.param_groups)
+
+
+_VERDICTS: dict[tuple, list[Verdict]] = {}  # _config -> the verdicts probed in this process
 
 
 def _float64(optim: torch.optim.Optimizer) -> bool:
@@ -123,15 +149,15 @@ def _probe_step(module, optim, weights):
     return loss
 
 
-def _schedule(optim: torch.optim.Optimizer, step: int) -> None:
+def _schedule(optim: torch.optim.Optimizer, step: int, learned: LearnedFacts) -> None:
     """Change every nonzero hyperparameter the trace takes as an input by 10% before the last step, as a scheduler would.
 
-    Specialised ones (``spmd.optim.hyperparams``) stay: changing them retraces.
+    Specialised ones (``learned`` by the probe's trace, ``spmd.optim.hyperparams``) stay: changing them retraces.
     """
     if step != _STEPS - 1:
         return
     for group in optim.param_groups:
-        fixed = learned(optim, group).specialised
+        fixed = learned.of(optim, group).specialised
         for key, index, value in hyper_items(group):
             if value == 0 or (key, index) in fixed:
                 continue
@@ -145,15 +171,15 @@ def _schedule(optim: torch.optim.Optimizer, step: int) -> None:
                 group[key] = type(group[key])(items)
 
 
-def _traced_run(optim, params, weights) -> list[torch.Tensor]:
+def _traced_run(optim, params, weights, learned: LearnedFacts) -> list[torch.Tensor]:
     module = nn.Module()
     module.params = nn.ParameterList([p for ps in params for p in ps])
     created = ensure_optimizer_state(optim)
-    state = StepState([module], [optim])
+    state = StepState([module], [optim], learned=learned)
     graph, *_ = capture_train_step(_probe_step, state, (module, optim, weights[0]), {})
     first = created.first_step if created is not None else {}
     for step, ws in enumerate(weights):
-        _schedule(optim, step)
+        _schedule(optim, step, learned)
         values = state.hyper_values()
         if step == 0:
             values = [first.get((s.group, s.key), v) for s, v in zip(state.hyper_slots, values)]
@@ -163,14 +189,14 @@ def _traced_run(optim, params, weights) -> list[torch.Tensor]:
     return [t.detach() for t in (*state.params, *state.state_tensors)]
 
 
-def _eager_run(optim, params, weights) -> list[torch.Tensor]:
+def _eager_run(optim, params, weights, learned: LearnedFacts) -> list[torch.Tensor]:
     module = nn.Module()
     module.params = nn.ParameterList([p for ps in params for p in ps])
     for group in optim.param_groups:
         if group.get("capturable") and params[0][0].device.type not in _get_capturable_supported_devices():
             group["capturable"] = False  # the reference where torch refuses capturable; the same update
     for step, ws in enumerate(weights):
-        _schedule(optim, step)
+        _schedule(optim, step, learned)
         for group in optim.param_groups:
             if group.get("fused") and params[0][0].device.type == "cuda" and not torch.is_tensor(group["lr"]):
                 # the traced step hands a CUDA fused kernel its lr as a float32 tensor, the only tensor lr it takes
@@ -184,24 +210,24 @@ def _first_line(err: Exception) -> str:
     return str(err).splitlines()[0] if str(err) else ""
 
 
-def _difference(optim: torch.optim.Optimizer) -> str | None:
-    """Why tracing ``optim`` is not exact (None if it is), from one probe."""
+def _difference(optim: torch.optim.Optimizer, learned: LearnedFacts) -> str | None:
+    """Why tracing ``optim`` is not exact (None if it is), from one probe whose traces learn into ``learned``."""
     n, device = len(optim.param_groups), _device(optim)
     gen = torch.Generator().manual_seed(1)
     weights = [[torch.randn(shape, generator=gen, dtype=torch.float64).to(device) for _ in range(n)
                 for shape in ((2, 3), (3,))] for _ in range(_STEPS)]
     try:
         scratch = _probe_params(n, device)
-        _eager_run(_copy(optim, scratch), scratch, weights[:1])
+        _eager_run(_copy(optim, scratch), scratch, weights[:1], learned)
     except Exception as err:  # an optimizer that cannot run this probe eagerly (LBFGS needs a closure, ...)
         return f"its step cannot run on plain dense gradients ({type(err).__name__}: {_first_line(err)})"
     try:
         traced_params = _probe_params(n, device)
-        traced = _traced_run(_copy(optim, traced_params), traced_params, weights)
+        traced = _traced_run(_copy(optim, traced_params), traced_params, weights, learned)
     except Exception as err:
         return f"its step cannot be traced ({type(err).__name__}: {_first_line(err)})"
     eager_params = _probe_params(n, device)
-    eager = _eager_run(_copy(optim, eager_params), eager_params, weights)  # after the trace: it knows what is specialised
+    eager = _eager_run(_copy(optim, eager_params), eager_params, weights, learned)  # after the trace: it knows what is specialised
     if len(traced) != len(eager) or any(a.shape != b.shape for a, b in zip(traced, eager)):
         return "its traced step keeps different state than eager"
     scale = max(max(float(b.abs().max()) for b in eager if b.numel()), 1.0)
@@ -224,39 +250,30 @@ def kept_name(optim: torch.optim.Optimizer, config: tuple, code: str) -> Optiona
     return "optimizer-check-" + hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
-def _taught(optim: torch.optim.Optimizer, before: list[Learned]) -> list[Learned]:
-    """Per param group, what the probe's traces added to ``learned(optim, group)`` since ``before``."""
-    return [Learned(learned(optim, g).guards - old.guards, learned(optim, g).specialised - old.specialised)
-            for g, old in zip(optim.param_groups, before)]
-
-
-def _probe(optim: torch.optim.Optimizer, kept: Any, code: str) -> Optional[str]:
-    """Why ``optim`` is refused (None: exact), from its verdict in ``kept`` (a ``CacheStore``) where one is kept
-    there, else from a probe, whose verdict is then kept."""
+def _probe(optim: torch.optim.Optimizer, kept: Any, code: str) -> Verdict:
+    """``optim``'s verdict: the one kept in ``kept`` (a ``CacheStore``) where it holds for ``optim``, else from a
+    probe, then kept there."""
     config = _config(optim)
     name = kept_name(optim, config, code) if kept is not None else None
     found = kept.load(name) if name is not None else None
-    if isinstance(found, dict) and "verdict" in found:
-        for group, taught in zip(optim.param_groups, found.get("taught", ())):
-            facts = learned(optim, group)
-            facts.guards |= taught.guards
-            facts.specialised |= taught.specialised
+    if isinstance(found, dict) and isinstance(found.get("verdict"), Verdict) and found["verdict"].holds_for(optim):
         log.info("spmd: %s's check against eager kept in %s: %s", type(optim).__name__, kept.root,
-                 found["verdict"] or "exact")
+                 found["verdict"].why or "exact")
         return found["verdict"]
-    before = [Learned(set(learned(optim, g).guards), set(learned(optim, g).specialised)) for g in optim.param_groups]
+    learned = LearnedFacts()
     # the probe's own trace phases belong to "optimizer_check", not to the step's "trace"
     with torch.random.fork_rng(devices=[]), recording({}):
-        why = _difference(optim)
+        why = _difference(optim, learned)
     log.info("spmd: %s checked against eager: %s", type(optim).__name__, why or "exact")
+    verdict = Verdict(why, learned, _assumed(optim, learned))
     if name is not None:
         described = {"optimizer check": type(optim).__name__, "torch": torch.__version__, "device": config[2].type,
                      "verdict": why or "exact"}
         try:
-            kept.save(name, {"verdict": why, "taught": _taught(optim, before), "compiled_for": described})
+            kept.save(name, {"verdict": verdict, "compiled_for": described})
         except OSError as err:  # a directory that cannot be written only costs the next job a probe
             log.debug("spmd: could not keep %s's check in %s: %s", type(optim).__name__, kept.root, err)
-    return why
+    return verdict
 
 
 def check_optimizers(optimizers: list[torch.optim.Optimizer], kept: Any = None, code: str = "") -> None:
@@ -267,10 +284,12 @@ def check_optimizers(optimizers: list[torch.optim.Optimizer], kept: Any = None, 
     process.
     """
     for optim in optimizers:
-        key = _config(optim)
-        if key not in _VERDICTS:
-            _VERDICTS[key] = _probe(optim, kept, code)
-        why = _VERDICTS[key]
+        known = _VERDICTS.setdefault(_config(optim), [])
+        verdict = next((v for v in known if v.holds_for(optim)), None)
+        if verdict is None:
+            verdict = _probe(optim, kept, code)
+            known.append(verdict)
+        why = verdict.why
         if why is not None:
             settings = {k: v for k, v in optim.defaults.items() if k != "params"}
             raise SpmdCompileError(

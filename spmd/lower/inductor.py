@@ -46,13 +46,13 @@ import torch.fx as fx
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from ..compile_times import phase
 from ..errors import SpmdCompileError
-from . import worker_pool
 from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
 from .inductor_code import KeptCode, code_of, load_kept
 from .opaque_ops import wrapped_ops
 from .rewrites import apply_inductor_decompositions, prepare_for_inductor
 from .piece_plan import cut_obstacle
 from .piece_compile import compile_in_pieces
+from .worker_pool import Worker
 
 log = logging.getLogger(__name__)
 
@@ -176,18 +176,20 @@ def _portable_config(config) -> Optional[dict]:
     return changed
 
 
-def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, pieces: int, fx_cache: bool, config
-               ) -> Optional[tuple[Callable[[list], Any], Optional[KeptCode]]]:
-    """``compile_in_pieces`` in twice as many pieces as there are processes to compile them (the workers running
-    and this one, at most ``pieces``), or None where the graph is compiled whole: no worker runs, the options
-    cannot be sent, or the graph is not cut."""
-    processes = min(pieces, len(worker_pool.running()) + 1)
+def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, pieces: int, fx_cache: bool, config,
+               workers: Sequence[Worker]) -> Optional[tuple[Callable[[list], Any], Optional[KeptCode]]]:
+    """``compile_in_pieces`` in twice as many pieces as there are processes to compile them (``workers`` and this
+    one, at most ``pieces``), or None where the graph is compiled whole: no worker runs, the options cannot be
+    sent, or the graph is not cut."""
+    workers = list(workers)[:pieces - 1]
+    processes = len(workers) + 1
     options = _portable_config(config) if processes > 1 else None
     if options is None:
         log.info("spmd: the %s graph is compiled whole: %s", label,
                  "no compile worker runs" if processes < 2 else "an Inductor option set here cannot be sent to one")
         return None
-    made = compile_in_pieces(prepared, example_inputs, label, 2 * processes, options, fx_cache, wrapped_ops(prepared))
+    made = compile_in_pieces(prepared, example_inputs, label, 2 * processes, options, fx_cache, wrapped_ops(prepared),
+                             workers)
     if made is None:
         log.info("spmd: the %s graph is compiled whole: %s", label,
                  cut_obstacle(prepared.graph) or "it is too small to cut, or has no place to cut")
@@ -197,7 +199,7 @@ def _in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, p
 def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], label: str = "step",
                           inductor_comm_passes: bool = False, options: Optional[dict] = None,
                           kept: Optional[KeptCode] = None, lean: Union[bool, str] = False,
-                          pieces: int = 1) -> tuple[Callable, Optional[KeptCode]]:
+                          pieces: int = 1, workers: Sequence[Worker] = ()) -> tuple[Callable, Optional[KeptCode]]:
     """Compile ``gm`` with Inductor (Triton on CUDA, C++ on CPU), keeping its comm schedule.
 
     The graph updates parameters and optimizer state in place and is compiled as
@@ -209,7 +211,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     (for comparing them with ours; see ``inductor_config``); ``options`` are further Inductor
     options (``check_inductor_options``); ``lean``: the exact rewrites ``prepare_for_inductor`` adds (``Lowering.lean``).
     ``pieces``: compile up to this many pieces of the graph side by side (``spmd.lower.piece_compile``), in
-    this process and the compile workers running (``spmd.lower.worker_pool``).
+    this process and ``workers`` (compile workers running, ``spmd.lower.worker_pool``).
 
     Returns a callable taking the graph's inputs positionally and returning its outputs, and the code
     it runs (``InductorCode``, or ``PiecewiseCode`` for a graph compiled in pieces; None where that
@@ -228,7 +230,7 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
             return _positional(loaded), kept
         with phase(f"lower/{label}/inductor_prepare"):
             prepared = prepare_for_inductor(gm, decompose=pieces < 2, lean=lean)
-        made = _in_pieces(prepared, example_inputs, label, pieces, fx_cache, config) if pieces > 1 else None
+        made = _in_pieces(prepared, example_inputs, label, pieces, fx_cache, config, workers) if pieces > 1 else None
         if made is not None:
             return _positional(made[0]), made[1]
         if pieces > 1:

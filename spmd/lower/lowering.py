@@ -12,19 +12,19 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 
 from ..errors import SpmdConfigError
 from ..graph_utils.meta import NAME, ROLE, Role
-from . import worker_pool
 from .compile_graph import device_of as _device_of
 from .cudagraphs import CudaGraphRunner, cudagraph_obstacle
 from .inductor import check_inductor_options, compile_with_inductor, start_compile_workers
 from .inductor_code import KeptCode
 from .rewrites import LEAN_PARTS, lowering_pipeline, prepare_for_inductor
+from .worker_pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -112,29 +112,25 @@ class Lowering:
         allocated, which ``graph_utils.memory`` models on the undecomposed ops); else ``gm``'s own."""
         return prepare_for_inductor(gm, decompose=False, lean=self.lean).graph if self.inductor else gm.graph
 
-    def start(self, device: torch.device) -> None:
+    def start(self, device: torch.device, workers: WorkerPool) -> None:
         """Called before the step is traced: with Inductor on a GPU, its kernel-compile workers start
         now, while the step is traced and optimized (``start_compile_workers``), and so do the processes
-        that compile all pieces but one of a graph compiled in pieces (``spmd.lower.worker_pool``)."""
+        that compile all pieces but one of a graph compiled in pieces, in ``workers`` (its owner closes it once
+        the step's graphs are lowered, ``IterGraphModule.lower``)."""
         if self.inductor and device.type == "cuda":
             start_compile_workers()
         if self.pieces_on(device) > 1:
-            worker_pool.start(self.pieces_on(device) - 1)
-
-    def finish(self) -> None:
-        """Called once a step's graphs are lowered: the piece-compiling processes stop, holding nothing while
-        the step trains."""
-        worker_pool.stop()
+            workers.start(self.pieces_on(device) - 1)
 
     def lower_graph(self, label: str, gm: fx.GraphModule, example_inputs: tuple, num_user_outputs: int,
-                    kept: Optional[KeptCode] = None) -> tuple[Callable, Optional[KeptCode]]:
+                    kept: Optional[KeptCode] = None, workers: Sequence[Worker] = ()) -> tuple[Callable, Optional[KeptCode]]:
         """What runs one of the step's graphs (Inductor code for ``example_inputs``, maybe as a CUDA graph) and
         the Inductor code it runs (None without Inductor, or where the code cannot be kept). ``kept``: the code
         an earlier lowering of this graph returned, loaded instead of compiling (``compile_with_inductor``);
-        loaded or compiled, it is wrapped alike."""
+        loaded or compiled, it is wrapped alike. ``workers``: the compile workers running, for its pieces."""
         runner, code = (compile_with_inductor(gm, example_inputs, label, self.inductor_comm_passes,
                                               self.inductor_options, kept, lean=self.lean,
-                                              pieces=self.pieces_on(_device_of(example_inputs)))
+                                              pieces=self.pieces_on(_device_of(example_inputs)), workers=workers)
                         if self.inductor else (gm, None))
         auto = self.cudagraphs == "auto"
         if auto and (reason := cudagraph_obstacle(gm, example_inputs)):

@@ -65,11 +65,13 @@ def _load_from_worker(code: InductorCode, device: torch.device,
 
 
 def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label: str, count: int, options: dict,
-                      fx_cache: bool, wrapped: tuple) -> Optional[tuple[Callable[[list], Any], Optional[PiecewiseCode]]]:
+                      fx_cache: bool, wrapped: tuple, workers: Sequence[worker_pool.Worker] = (),
+                      ) -> Optional[tuple[Callable[[list], Any], Optional[PiecewiseCode]]]:
     """``prepared`` (functional, not decomposed) compiled in at most ``count`` pieces under Inductor ``options``:
     (a callable on a list of its inputs, its ``PiecewiseCode`` or None where a piece's code cannot be
     kept), or None where the graph is not cut (``spmd.lower.piece_plan.cut``). ``wrapped``: the names of the
-    ops the graph calls through ``opaque_inplace_op``.
+    ops the graph calls through ``opaque_inplace_op``; ``workers``: the compile workers that take pieces beside
+    this process (``spmd.lower.worker_pool``).
 
     The pieces are shared out heaviest first (``piece_plan.weight``): each worker, once it has started, and
     this process take the heaviest piece nobody has taken, until none is left; so a worker that starts late
@@ -87,7 +89,7 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
     untaken = collections.deque(sorted(range(len(modules)), key=lambda i: -weights[i]))
     lock = threading.Lock()
     answers: queue.Queue = queue.Queue()
-    workers = worker_pool.running()
+    workers = list(workers)
     timeline: list[tuple[int, str, float, float]] = []  # (piece, where, taken at, done at), seconds from start
     ready_at: list[float] = []  # when each worker was ready, seconds from start
 

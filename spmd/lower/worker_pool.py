@@ -2,13 +2,13 @@
 
 A worker is ``python -m spmd.lower.compile_worker``: a fresh interpreter (never a fork of a process
 that holds a GPU, and never a re-run of the user's script, as ``multiprocessing``'s spawn would do)
-that imports torch, Inductor and spmd once, then compiles what it is sent. They are started when a
-step starts tracing (``start``), so their imports overlap the trace, and stopped once its graphs are
-lowered (``stop``), so they hold nothing while the step trains.
+that imports torch, Inductor and spmd once, then compiles what it is sent. A ``WorkerPool`` owns them: its
+owner (the ``GraphModuleTransformation`` whose lowering uses them) starts them when a step starts tracing
+(``start``), so their imports overlap the trace, and its lowering closes the pool once its graphs are lowered
+(``close``), so they hold nothing while the step trains; a pool still open when the process exits is closed
+then.
 
-The conversation is pickles over the worker's stdin and stdout (its own prints go to stderr). The
-workers are this process's (one list, as Inductor's own pool of kernel compilers is): a step's lowering
-uses them, and the next step's start finds them or starts new ones. A job
+The conversation is pickles over the worker's stdin and stdout (its own prints go to stderr). A job
 is one piece (``spmd.lower.graph_wire``) with its inputs' ``InputSpec``s, the Inductor options to
 compile it under, the opaque ops it calls and the process groups its collectives name (which Inductor
 looks up by name; the worker stands in a fake group of the same size for each); the answer is its ``InductorCode`` or why there is
@@ -105,29 +105,36 @@ class Worker:
             pass
 
 
-_workers: list[Worker] = []
+class WorkerPool:
+    """The compile workers of one owner, from ``start`` to ``close`` (or the end of a ``with`` block); at the
+    latest, the process's exit closes them. ``running`` lists those alive, for a lowering to send jobs to."""
 
+    def __init__(self):
+        self._workers: list[Worker] = []
 
-def start(count: int) -> None:
-    """Have ``count`` workers running (start the missing ones now; they import while the step traces)."""
-    global _workers
-    _workers = [w for w in _workers if w.process.poll() is None]
-    threads = max(1, (os.cpu_count() or 1) // (count + 1))
-    while len(_workers) < count:
-        _workers.append(Worker(threads))
+    def start(self, count: int) -> None:
+        """Have ``count`` workers running (start the missing ones now; they import while the step traces)."""
+        self._workers = self.running()
+        threads = max(1, (os.cpu_count() or 1) // (count + 1))
+        if len(self._workers) < count:
+            atexit.unregister(self.close)  # registered once, however often started
+            atexit.register(self.close)
+        while len(self._workers) < count:
+            self._workers.append(Worker(threads))
 
+    def running(self) -> list[Worker]:
+        """The workers started and still alive."""
+        return [w for w in self._workers if w.process.poll() is None]
 
-def running() -> list[Worker]:
-    """The workers started and still alive."""
-    return [w for w in _workers if w.process.poll() is None]
+    def close(self) -> None:
+        """Stop every worker (each exits once its input closes); the pool can be started again."""
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.close()
+        atexit.unregister(self.close)
 
+    def __enter__(self) -> WorkerPool:
+        return self
 
-def stop() -> None:
-    """Stop every worker."""
-    global _workers
-    workers, _workers = _workers, []
-    for worker in workers:
-        worker.close()
-
-
-atexit.register(stop)
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -26,9 +26,10 @@ Torch's optimizers are written for Python numbers. While tracing, ``HyperMode`` 
   hyperparameter meeting them takes their dtype, as a Python number does, and
   ``number / t`` is ``t.reciprocal() * number``, as eager's ``Tensor.__rtruediv__``.
 
-Guards and specialisations are facts about torch's optimizer code for one optimizer
-class and set of flags, learned by tracing it; ``_LEARNED`` keeps them for the process
-so a step's signature can be computed before it is traced again.
+Guards and specialisations are facts about the traced code for one optimizer class and set
+of flags, learned by tracing it. They belong to the step that traced it (``LearnedFacts``, held by
+the step's ``StepState``): its signature reads them before it traces again, and another step, whose
+own code may read a hyperparameter another way, is not affected by them.
 """
 
 from __future__ import annotations
@@ -126,19 +127,44 @@ class Learned:
     specialised: set = field(default_factory=set)  # (key, index)
 
 
-_LEARNED: dict[tuple, Learned] = {}
+@dataclass
+class LearnedFacts:
+    """What the traces of one compiled step learned about its optimizers' hyperparameters: a ``Learned`` per
+    optimizer class and set of flags (``flags``).
+
+    The step owns it: tracing records into it (``of``), the step's signature reads it (``group_signature``)
+    and a kept trace stores the part its optimizers stood on (``spmd.step.trace_store``). Facts only grow: a
+    guard once taken stays in the signature.
+    """
+
+    by_config: dict = field(default_factory=dict)  # (optimizer class, flags) -> Learned
+
+    def of(self, optim: torch.optim.Optimizer, group: dict) -> Learned:
+        """The facts of ``group``'s configuration, where a trace records what it assumes."""
+        return self.by_config.setdefault((type(optim), flags(group)), Learned())
+
+    def for_optimizers(self, optimizers: list) -> LearnedFacts:
+        """A copy of the facts about these optimizers' param groups (what a trace of them stood on)."""
+        keys = {(type(o), flags(g)) for o in optimizers for g in o.param_groups}
+        return LearnedFacts({k: Learned(set(v.guards), set(v.specialised)) for k, v in self.by_config.items()
+                             if k in keys})
+
+    def update(self, other: LearnedFacts) -> None:
+        """Add ``other``'s facts (a kept trace's, reused)."""
+        for key, facts in other.by_config.items():
+            known = self.by_config.setdefault(key, Learned())
+            known.guards |= facts.guards
+            known.specialised |= facts.specialised
 
 
-def learned(optim: torch.optim.Optimizer, group: dict) -> Learned:
-    return _LEARNED.setdefault((type(optim), flags(group)), Learned())
-
-
-def group_signature(optim: torch.optim.Optimizer, group: dict, items: Optional[list] = None) -> dict[str, Any]:
-    """What a traced step specialises on in ``group``, by name: its flags (``'foreach'``), the
-    outcome of each guard (``momentum != 0``) and each specialised value (``betas[0]``)."""
+def group_signature(optim: torch.optim.Optimizer, group: dict, learned: LearnedFacts,
+                    items: Optional[list] = None) -> dict[str, Any]:
+    """What a traced step specialises on in ``group``, by name: its flags (``'foreach'``), and where the
+    step's traces learned them (``learned``), the outcome of each guard (``momentum != 0``) and each
+    specialised value (``betas[0]``)."""
     group_flags = flags(group, items)
     sig: dict[str, Any] = {repr(k): v for k, v in group_flags}
-    facts = _LEARNED.get((type(optim), group_flags))
+    facts = learned.by_config.get((type(optim), group_flags))
     if facts is not None:
         sig.update(assumptions(group, facts))
     return sig

@@ -23,6 +23,7 @@ from ..compile_options import CompileOptions
 from ..compile_times import phase, recording
 from ..graph_utils import DumpOptions, recording_stages
 from ..optim.amp_scaler import ensure_scale, step_scalers
+from ..optim.hyperparams import LearnedFacts
 from ..optim.state import ensure_optimizer_state
 from ..parallel.data_parallel import PARALLEL_MODE, DataParallel
 from ..parallel.grad_check import refuse_untrained_parameters
@@ -55,6 +56,8 @@ class StepDefinition:
     parallel_mode: DataParallel
     compile_cache: Optional[CacheStore]
     options: CompileOptions
+    # what its traces learned of its optimizers' hyperparameters, read by its signatures
+    learned: LearnedFacts = field(default_factory=LearnedFacts)
     _defaults: dict = field(default_factory=dict)  # device type -> its default transformation
     _overridden: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # modules the overrides were applied to
 
@@ -102,7 +105,7 @@ class StepDefinition:
         transformation = self._transformation("cuda")
         if not isinstance(transformation, GraphModuleTransformation):
             return False
-        transformation.lowering.start(torch.device("cuda"))
+        transformation.lowering.start(torch.device("cuda"), transformation.workers)
         log.info("spmd: %s: compile workers started at the wrap (no step of it in the compile cache)", self.name)
         return True
 
@@ -130,7 +133,8 @@ class StepDefinition:
         check_optimizers_follow_modules(modules, optimizers)
         scalers = step_scalers(found.scalers)
         ensure_scale(scalers, modules)
-        state = StepState(modules, optimizers, scalers, list(zip(found.held_names, found.held, found.places)))
+        state = StepState(modules, optimizers, scalers, list(zip(found.held_names, found.held, found.places)),
+                          self.learned)
         grads_on_entry(state.param_names, state.params)  # gradients held now are graph inputs: refuse odd ones
         return state
 
@@ -192,7 +196,8 @@ class StepDefinition:
         transformation = self.transformation_for(state)
         if isinstance(transformation, GraphModuleTransformation) and not self.expects_to_load():
             # Inductor's compile workers start now, while the step is traced, unless its code will likely load
-            transformation.lowering.start(state.params[0].device if state.params else torch.device("cpu"))
+            transformation.lowering.start(state.params[0].device if state.params else torch.device("cpu"),
+                                          transformation.workers)
         traced = self.trace(state, args, kwargs, **plan)
         try:
             transformed = traced.transform()

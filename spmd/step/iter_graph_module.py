@@ -37,6 +37,7 @@ from ..graph_utils.nodes import first_reader_before, node_order
 from ..graph_utils.optimizer_ops import written_inputs
 from ..lower.inductor_code import KeptCode
 from ..lower.lowering import Lowering, example_like
+from ..lower.worker_pool import WorkerPool
 from ..passes.iteration import IterMoveError
 
 
@@ -233,6 +234,7 @@ class IterGraphModule(nn.Module):
         self._reused_args: tuple = ()  # the persistent inputs the pending work updates
         self._finalized = False
         self.lowering: Optional[Lowering] = None  # how ``lower`` compiles each graph (None: run the FX graphs)
+        self.workers: Optional[WorkerPool] = None  # the compile workers ``lower`` uses, closed once it is done
         # label -> the Inductor code that runs that graph (``spmd.lower.inductor_code``), set by ``lower``
         self.inductor_code: dict[str, KeptCode] = {}
         self._runners: dict[str, Callable] = {}  # label -> what runs that graph, made by ``lower``
@@ -334,14 +336,16 @@ class IterGraphModule(nn.Module):
         examples = {"step": inputs, "setup": inputs, "main": inputs + carried, "cleanup": inputs + carried,
                     "flush": tuple(inputs[i] for i in flush_positions) + carried}
         runners, codes = {}, {}
+        workers = self.workers.running() if self.workers is not None else []
         try:
             for label, gm in modules:
                 runners[label], code = self.lowering.lower_graph(label, gm, examples[label], self.num_user_outputs,
-                                                                 kept.get(label))
+                                                                 kept.get(label), workers)
                 if code is not None:
                     codes[label] = code
         finally:
-            self.lowering.finish()
+            if self.workers is not None:
+                self.workers.close()  # they hold nothing while the step trains
         self._runners, self.inductor_code = runners, codes
 
     def flush(self) -> None:

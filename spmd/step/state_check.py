@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..optim.hyperparams import group_signature, hyper_items
+from ..optim.hyperparams import LearnedFacts, group_signature, hyper_items
 from ..trace.block_masks import is_block_mask
 from ..trace.step_state import TENSOR_FIELDS, StepState, sharding_signature
 
@@ -83,13 +83,13 @@ def _dtype_of(value: Any) -> Optional[torch.dtype]:
     return value.dtype if torch.is_tensor(value) else None
 
 
-def _group_facts(optim: torch.optim.Optimizer, group: dict) -> tuple[tuple, list[float]]:
+def _group_facts(optim: torch.optim.Optimizer, group: dict, learned: LearnedFacts) -> tuple[tuple, list[float]]:
     """What a trace specialises on in ``group`` (each hyperparameter slot's key, index and
-    tensor dtype, and ``group_signature``), and the slots' current values."""
+    tensor dtype, and ``group_signature`` under the step's ``learned`` facts), and the slots' current values."""
     items = hyper_items(group)
     slots = tuple((key, index, _dtype_of(group[key] if index is None else group[key][index]))
                   for key, index, _ in items)
-    return (slots, group_signature(optim, group, items)), [value for _, _, value in items]
+    return (slots, group_signature(optim, group, learned, items)), [value for _, _, value in items]
 
 
 class StateCheck:
@@ -129,7 +129,8 @@ class StateCheck:
         # a DTensor's spec and its own requires_grad (its local tensor, the graph input, never requires one)
         self._shardings = [(i, t, (sharding_signature(t._spec), t.requires_grad))
                            for i, t in enumerate(tensors) if isinstance(t, DTensor)]
-        self._groups = [_group_facts(o, g)[0] for o in state.optimizers for g in o.param_groups]
+        self._learned = state.learned
+        self._groups = [_group_facts(o, g, self._learned)[0] for o in state.optimizers for g in o.param_groups]
 
     def hypers_if_unchanged(self) -> Optional[list[float]]:
         """``StepState.hyper_values()`` of the state now if nothing else about it changed, else None.
@@ -156,7 +157,7 @@ class StateCheck:
         groups, values = [], []
         for optim in optimizers:
             for group in optim.param_groups:
-                facts, group_values = _group_facts(optim, group)
+                facts, group_values = _group_facts(optim, group, self._learned)
                 groups.append(facts)
                 values += group_values
         return values if groups == self._groups else None

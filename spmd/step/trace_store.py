@@ -11,8 +11,9 @@ A later process checks the guards before it uses a kept trace and traces afresh 
 keeping that trace too (the newest ``KEPT_PER_STEP``).
 
 The user's transformation and passes run in every process, on the reused trace as on a fresh one, so what
-they print, count or dump happens each time. The trace's own side effects come back with it: what the
-optimizers' hyperparameters were found to be read as (``spmd.optim.hyperparams``) and the warnings it gave.
+they print, count or dump happens each time. The trace's own side effects come back with it: the warnings it
+gave, and what it assumed of the optimizers' hyperparameters (``TracedStep.learned``), which join the step's
+own facts (``StepState.learned``) as a fresh trace's do.
 
 A trace is kept only where all of it is plain data: no Python side effects to replay each call, no DTensor
 values or collectives in it (a sharded or tensor-parallel step's graph names this process's meshes and
@@ -52,7 +53,7 @@ from .trace_guards import TraceGuards, Unguardable, failed_guard, fingerprint, g
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1            # bumped when what a kept trace holds changes
+FORMAT = 2            # bumped when what a kept trace holds changes
 KEPT_PER_STEP = 4     # kept traces per index, the newest first
 TRACES = "traces"     # their folder in the compile cache directory
 
@@ -60,8 +61,8 @@ TRACES = "traces"     # their folder in the compile cache directory
 @dataclass
 class KeptTrace:
     """A trace as plain data, with its guards: the traced graph and how to call it (``TracedStep``'s fields),
-    the hyperparameter facts it learned (optimizer class, flags, ``Learned``) and its warnings
-    (message, category, file, line)."""
+    the hyperparameter facts it stood on (``TracedStep.learned``) and its warnings (message, category, file,
+    line)."""
 
     guards: TraceGuards
     graph: GraphRecord
@@ -69,7 +70,7 @@ class KeptTrace:
     out_spec: str  # pytree.treespec_dumps
     grads: GradPlan
     live: dict
-    facts: list
+    learned: hyperparams.LearnedFacts
     warnings: list
     format: int = FORMAT
 
@@ -135,17 +136,16 @@ class TraceStore:
             for w in caught:  # shown as they would have been, and kept to be shown again on reuse
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if reads is not None:
-            self._keep(traced, state, reads, now, caught, kept)
+            self._keep(traced, reads, now, caught, kept)
         return traced
 
-    def _keep(self, traced: TracedStep, state: StepState, reads: code_reads.CodeReads, now: Any, caught: list,
-              kept: list) -> None:
+    def _keep(self, traced: TracedStep, reads: code_reads.CodeReads, now: Any, caught: list, kept: list) -> None:
         why = unkept_because(traced)
         try:
             if why is None:
                 record = KeptTrace(
                     guards_for(reads, now), record_graph(traced.gm), bool(traced.gm.meta.get(LEAVES_GRADS)),
-                    _spec_text(traced.out_spec), traced.grads, dict(traced.live), _facts(state),
+                    _spec_text(traced.out_spec), traced.grads, dict(traced.live), traced.learned,
                     [(str(w.message), w.category, w.filename, w.lineno) for w in caught])
                 self.store.save(self.digest, [record, *kept][:KEPT_PER_STEP])
         except (Unguardable, UnrecordableGraph) as err:
@@ -163,17 +163,15 @@ class TraceStore:
 
     def _reuse(self, kept: KeptTrace, state: StepState) -> TracedStep:
         start = time.perf_counter()
-        for optim_class, group_flags, facts in kept.facts:
-            known = hyperparams._LEARNED.setdefault((optim_class, group_flags), hyperparams.Learned())
-            known.guards.update(facts.guards)
-            known.specialised.update(facts.specialised)
+        state.learned.update(kept.learned)  # the step's signature reads them, as after a fresh trace
         for message, category, filename, lineno in kept.warnings:
             warnings.warn_explicit(message, category, filename, lineno)
         gm = make_lazy(load_graph(kept.graph))
         gm.meta[LEAVES_GRADS] = kept.leaves_grads
         log.info("spmd: %s reused the trace kept in %s (%.2f s)", self.name, self.store.path(self.digest),
                  time.perf_counter() - start)
-        return TracedStep(gm=gm, out_spec=pytree.treespec_loads(kept.out_spec), grads=copy.deepcopy(kept.grads), live=dict(kept.live))
+        return TracedStep(gm=gm, out_spec=pytree.treespec_loads(kept.out_spec), grads=copy.deepcopy(kept.grads),
+                          live=dict(kept.live), learned=copy.deepcopy(kept.learned))
 
     def _say(self, message: str) -> None:
         if message not in self._said:
@@ -206,17 +204,6 @@ def _spec_text(spec: pytree.TreeSpec) -> str:
         return pytree.treespec_dumps(spec)
     except Exception as err:  # noqa: BLE001 - a container type pytree cannot write
         raise UnrecordableGraph(f"the structure of what the step returns cannot be stored ({err})") from None
-
-
-def _facts(state: StepState) -> list:
-    """What the traces learned of each optimizer class and flags of ``state`` (``hyperparams._LEARNED``)."""
-    facts = {}
-    for optim in state.optimizers:
-        for group in optim.param_groups:
-            key = (type(optim), hyperparams.flags(group))
-            if key in hyperparams._LEARNED:
-                facts[key] = copy.deepcopy(hyperparams._LEARNED[key])
-    return [(cls, group_flags, learned) for (cls, group_flags), learned in facts.items()]
 
 
 __all__ = ["KeptTrace", "TraceStore", "reuse_on", "reuse_setting", "step_roots", "trace_index", "unkept_because"]

@@ -14,6 +14,7 @@ from ..graph_utils import DumpOptions, dumping, request_dump
 from ..graph_utils.memory import memory_profile
 from ..lower.lowering import Lowering
 from ..lower.rewrites import prepare_for_inductor, refuse_constraints_on_rewrites
+from ..lower.worker_pool import WorkerPool
 from ..parallel import fully_shard, replicate
 from ..parallel.data_parallel import DataParallel, expanded_by
 from .iter_graph_module import IterGraphModule
@@ -129,6 +130,7 @@ class GraphModuleTransformation:
         self.pass_managers = {mode: PassManager((pipeline if enable_graph_optimization else []) + list(passes))
                               for mode, pipeline in self.pipelines.items()}
         self.dump = DumpOptions.resolve(dump_graphs, dump_dir, dump_ranks)
+        self.workers = WorkerPool()  # its lowering's compile workers: started before a trace, closed after lowering
 
     @property
     def enable_inductor(self) -> bool:
@@ -164,7 +166,7 @@ class GraphModuleTransformation:
         manager(igm, timer=lambda name: phase(f"passes/{name}"))
         with phase("passes/finalize"):
             igm.finalize_setup()
-        igm.lowering = self.lowering
+        igm.lowering, igm.workers = self.lowering, self.workers
         if self.lowering.inductor and dumping():
             self._dump_rewrites(igm)
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])

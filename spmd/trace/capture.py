@@ -50,7 +50,7 @@ from ..graph_utils.optimizer_ops import functional_of, is_fused_optimizer, writt
 from ..compile_times import phase
 from ..errors import SpmdCompileError
 from ..optim.amp_scaler import SCALER_TENSORS, traced_scalers
-from ..optim.hyperparams import HyperMode, TracedHyper, hyper_items, learned, traced_capturable
+from ..optim.hyperparams import HyperMode, LearnedFacts, TracedHyper, hyper_items, traced_capturable
 from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
 from .direct_functionalize import functionalize_writes
@@ -85,6 +85,8 @@ class TracedStep:
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.trace.step_outputs``)
     replays: list = field(default_factory=list)  # Python side effects to run after each later call (side_effects)
     live: dict = field(default_factory=dict)  # output position -> the state's tensor returned (``step_outputs``)
+    # what it assumed of its optimizers' hyperparameters (``spmd.optim.hyperparams``), also in ``state.learned``
+    learned: LearnedFacts = field(default_factory=LearnedFacts)
 
 
 @contextlib.contextmanager
@@ -117,8 +119,8 @@ def _eager_foreach(group: dict) -> Optional[bool]:
 def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Iterator[dict[int, TracedHyper]]:
     """Point each optimizer at the traced tensors for the duration of the trace.
 
-    Each numeric hyperparameter becomes its traced input (unless a trace learned that it
-    must be specialised, then it keeps its value). Yields ``id(tensor) -> TracedHyper``
+    Each numeric hyperparameter becomes its traced input (unless a trace of the step learned that it
+    must be specialised, ``state.learned``: then it keeps its value). Yields ``id(tensor) -> TracedHyper``
     for ``HyperMode``.
     """
     saved, traced_hypers = [], {}
@@ -128,7 +130,7 @@ def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Itera
             saved.append((optim, optim.state, [dict(g) for g in optim.param_groups]))
             traced_state = defaultdict(dict)
             for g_idx, group in enumerate(optim.param_groups):
-                facts = learned(optim, group)
+                facts = state.learned.of(optim, group)
                 values = {}
                 for key, index, value in hyper_items(group):
                     slot, tensor = next(slots)
@@ -286,7 +288,7 @@ def _specialise(state: StepState, slots: set[int]) -> None:
     for k in slots:
         slot = state.hyper_slots[k]
         optim = state.optimizers[slot.optim]
-        learned(optim, optim.param_groups[slot.group]).specialised.add((slot.key, slot.index))
+        state.learned.of(optim, optim.param_groups[slot.group]).specialised.add((slot.key, slot.index))
 
 
 ModeContext = Callable[[list[torch.Tensor]], contextlib.AbstractContextManager]
@@ -467,4 +469,5 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
     pure.meta[LEAVES_GRADS] = bool(grads.outputs)
-    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors, replays=replays, live=live)
+    return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors, replays=replays, live=live,
+                      learned=state.learned.for_optimizers(state.optimizers))

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import SpmdCompileError
 from ..optim.amp_scaler import SCALER_TENSORS, scaler_signature
-from ..optim.hyperparams import group_signature, hyper_items, read
+from ..optim.hyperparams import LearnedFacts, group_signature, hyper_items, read
 from .step_reach import Place, Reach
 from .block_masks import mask_signature, mask_tensors, module_block_masks
 from .user_compiled import plain_name
@@ -107,11 +107,17 @@ def find_modules_and_optimizers(found: Reach) -> tuple[list[nn.Module], list[tor
 
 
 class StepState:
-    """The parameters, buffers and optimizer state of one compiled train step, in graph order."""
+    """The parameters, buffers and optimizer state of one compiled train step, in graph order.
+
+    ``learned``: what the step's traces learned about its optimizers' hyperparameters
+    (``spmd.optim.hyperparams.LearnedFacts``), owned by the step: its traces record into it and its signature
+    reads it. None: facts of this state alone (a state no step holds, as the optimizer probe's).
+    """
 
     def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], scalers: Sequence = (),
-                 held: Sequence[tuple[str, torch.Tensor, list[Place]]] = ()):
+                 held: Sequence[tuple[str, torch.Tensor, list[Place]]] = (), learned: Optional[LearnedFacts] = None):
         self.modules = modules
+        self.learned = learned if learned is not None else LearnedFacts()
         self.optimizers = optimizers
         self.scalers = list(scalers)  # enabled GradScalers: their tensors follow the optimizer state
         self.held = list(held)  # (name, tensor, places) of each tensor the step reaches outside its arguments
@@ -233,7 +239,7 @@ class StepState:
     def again(self) -> "StepState":
         """The state laid out anew from the same objects (after optimizer state was created, or
         parameters replaced)."""
-        return StepState(self.modules, self.optimizers, self.scalers, self.held)
+        return StepState(self.modules, self.optimizers, self.scalers, self.held, self.learned)
 
     # -- layout helpers used by tracing ----------------------------------------
     def module_param_names(self) -> Iterator[tuple[nn.Module, list[tuple[str, int]]]]:
@@ -305,7 +311,7 @@ class StepState:
 
         A mapping, so that a retrace can say which component changed (``describe_changes``).
         Hyperparameter values are graph inputs and not part of it, except where a trace
-        learned that it depends on them (``spmd.optim.hyperparams``): the outcome of each branch
+        learned that it depends on them (``learned``, ``spmd.optim.hyperparams``): the outcome of each branch
         it took on a hyperparameter, and the value of each one it specialised on. A
         DTensor adds its global shape, placements and mesh.
         """
@@ -322,7 +328,7 @@ class StepState:
         for (o_idx, g_idx), items in self._group_items.items():
             optim = self.optimizers[o_idx]
             prefix = f"optimizer {o_idx} " if len(self.optimizers) > 1 else ""
-            for what, value in group_signature(optim, optim.param_groups[g_idx], items).items():
+            for what, value in group_signature(optim, optim.param_groups[g_idx], self.learned, items).items():
                 sig[f"{prefix}param group {g_idx} {what}"] = value
         for k, scaler in enumerate(self.scalers):
             sig[f"grad scaler {k} settings"] = scaler_signature(scaler)
