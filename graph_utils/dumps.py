@@ -70,7 +70,13 @@ class StageRecording:
 
 @contextlib.contextmanager
 def recording_stages(options: DumpOptions) -> Iterator[StageRecording]:
-    """Let ``record_stage`` snapshot graphs inside this block (only while ``options`` are enabled)."""
+    """Let ``record_stage`` snapshot graphs inside this block (only while ``options`` are enabled). Inside an
+    enabled recording, the block records into that one, which its opener writes (an inspection that asks for
+    a dump around a compile's stages)."""
+    outer = _active.get()
+    if outer is not None and outer.options.enabled:
+        yield outer
+        return
     recording = StageRecording(options)
     token = _active.set(recording)
     try:

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from ..checks.step_inputs import runner_for
 from ..compile_times import phase, recording
 from ..errors import SpmdConfigError
-from ..graph_utils import DumpOptions, dump_graphs_to_files, recording_stages
+from ..graph_utils import DumpOptions, dump_graphs_to_files, dumping, recording_stages
 from ..trace.accumulation import GradPlan
 from ..trace.capture import TracedStep
 from ..trace.step_state import StepState, local_tensor
@@ -65,6 +65,7 @@ class Traced:
                                   "one; pass it, e.g. traced.transform(spmd.GraphModuleTransformation()).")
         times = dict(self.compile_times)
         start = time.perf_counter()
+        writes = not dumping()  # inside an enabled recording, its opener writes the dump
         with recording(times), recording_stages(self.dump_options or DumpOptions.resolve()) as dump:
             dump.stages.update(self.dumps)
             with phase("transform"):
@@ -73,7 +74,7 @@ class Traced:
         log.info("spmd: %s traced in %.1f s (%d nodes), transformed in %.1f s", self.name, times.get("trace", 0.0),
                  len(self.graph.graph.nodes), time.perf_counter() - start)
         folder = dump.options.folder_for_rank(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
-        if folder:  # the transformation built its own graphs from a copy: graph is still the traced graph
+        if folder and writes:  # the transformation built its own graphs from a copy: graph is still the traced graph
             _write_dump({"00_traced": self.graph, **dump.stages}, runner, folder)
         return Transformed(self, runner, times)
 
