@@ -238,6 +238,23 @@ def test_an_environment_variable_read_in_the_step_is_warned_about_once_with_its_
     assert "pass the value as an argument" in str(said[0].message)
 
 
+def test_an_installed_packages_environment_read_is_its_configuration_and_not_warned_about(tmp_path, monkeypatch):
+    """transformers reads ``TRANSFORMERS_SDPA_FORCE_GQA`` inside every attention: a read the user cannot move."""
+    installed = tmp_path / "site-packages"
+    installed.mkdir()
+    (installed / "spmd_test_configured_lib.py").write_text(
+        "import os\n\ndef scale():\n    return float(os.environ.get('SPMD_TEST_LIB_SCALE', '1'))\n")
+    monkeypatch.syspath_prepend(str(installed))
+    monkeypatch.setenv("SPMD_TEST_LIB_SCALE", "2.0")
+    import spmd_test_configured_lib
+
+    model, optim = _model_and_optim()
+    ref, ref_optim = _model_and_optim()
+    body = _scaled_step(spmd_test_configured_lib.scale)
+    caught = _train_beside_eager(spmd.compile()(body), body, (model, optim), (ref, ref_optim))
+    assert not [w for w in caught if "SPMD_TEST_LIB_SCALE" in str(w.message)]
+
+
 # --- Python side effects of the step ---------------------------------------------------------------
 
 

@@ -14,9 +14,9 @@ and the patched library itself):
 * ``tensor.item()`` whose value only the running step knows is refused alike, by the trace, at the
   user's line (``value_read_error``; a hyperparameter read so is specialised on instead:
   ``spmd.trace.capture``);
-* an ``os.environ`` / ``os.getenv`` read warns (``RuntimeWarning``), once per place, that the step
-  keeps the value read at trace: environment variables are configuration, and library code reading
-  one is never refused.
+* an ``os.environ`` / ``os.getenv`` read in the user's code warns (``RuntimeWarning``), once per place, that
+  the step keeps the value read at trace: environment variables are configuration, and library code reading
+  one is never refused (nor warned about: an installed package's read is its configuration).
 
 Names the step's module, or a model class's module, bound to one of these functions before the trace
 (``from time import time``) are patched in those namespaces too. Calls made from torch or spmd (their
@@ -183,11 +183,21 @@ def value_read_error(frame=None, op=None) -> SpmdCompileError:
 
 
 def _warn_environ(key: str, value: str, frame) -> None:
-    """Warn once per place that the step read environment variable ``key`` at trace."""
+    """Warn once per place that the step read environment variable ``key`` at trace, where that place is the
+    user's own code: an installed library reading its configuration (``TRANSFORMERS_...``) is a read the user
+    cannot move, and a kept trace is guarded by the value anyway (``note_environ_read``)."""
+    if _installed(frame):
+        return
     warn_at(frame, f"spmd.compile: the step reads the environment variable {key!r} ({value}) while it is traced: "
             "the compiled step keeps what it computed from that value, and later calls do not read it again. Read "
             "it outside the step and pass the value as an argument (a number retraces when it changes; a 0-dim "
             "tensor does not).")
+
+
+def _installed(frame) -> bool:
+    """Whether ``frame`` runs code of an installed package (a file under site-packages or dist-packages)."""
+    parts = frame.f_code.co_filename.replace("\\", "/").split("/")
+    return "site-packages" in parts or "dist-packages" in parts
 
 
 class Patches:
