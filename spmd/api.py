@@ -139,9 +139,15 @@ class CompiledTrainStep:
             compiled = traced.transform().lower((model, optim, batch))  # not kept in ``cache``
         """
         kwargs.pop("last_train_step", None)
+        return self.trace_stage(args, kwargs)
+
+    def trace_stage(self, args: tuple, kwargs: dict, prepare: bool = True) -> Traced:
+        """``trace(*args, **kwargs)``; ``prepare=False`` leaves the model as it is (``spmd.explain`` inspects and
+        never shards a model: a mode that needs it sharded refuses instead)."""
         args, kwargs = lift(args, kwargs)  # a flex_attention mask's tensors are inputs, as in a call
         state = self._definition.prepare_state(args, kwargs)
-        state = self.parallel_mode.prepare(state) or state  # a mode may replace parameters (lazy sharding)
+        if prepare:
+            state = self.parallel_mode.prepare(state) or state  # a mode may replace parameters (lazy sharding)
         return self._definition.trace(state, args, kwargs)
 
     def lower(self, *args, **kwargs) -> CompiledStep:

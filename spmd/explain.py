@@ -250,9 +250,11 @@ def explain(train_step: CompiledTrainStep, *args, print_plan: Optional[bool] = N
 def transformed_step(train_step: CompiledTrainStep, args: tuple, kwargs: dict
                      ) -> tuple[IterGraphModule, StepState, PassManager]:
     """(transformed graph, step state, the pass manager that ran) of ``train_step`` on these arguments: its
-    stages ``trace`` and ``transform`` as a compile runs them, lowering left for a call. Parameters and optimizer
-    state are left as they were (optimizer state created for the trace is removed again)."""
-    traced = train_step.trace(*args, **kwargs)
+    stages ``trace`` and ``transform`` as a compile runs them, lowering left for a call, the model not prepared
+    (a fully sharded mode refuses a model ``spmd.shard`` did not shard). Parameters and optimizer state are left
+    as they were (optimizer state created for the trace is removed again)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "last_train_step"}
+    traced = train_step.trace_stage(args, kwargs, prepare=False)  # an inspection never shards the model
     try:
         transform = traced.transformation
         ours = isinstance(transform, GraphModuleTransformation)

@@ -19,6 +19,7 @@ from spmd.passes import comm_fusion_with_concat, remove_copy_from_optimizer, sch
 from spmd import IterGraphModule, SpmdCompileError
 from spmd._testing import with_lowering
 from spmd.lower import Lowering
+from spmd.lower.worker_pool import WorkerPool
 from spmd.lower.rewrites import prepare_for_inductor
 from spmd.tools.models import MLP
 from tests.dist import run_distributed, single_process_group
@@ -381,13 +382,13 @@ def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch)
 
     started = []
     monkeypatch.setattr(lowering_module, "start_compile_workers", lambda: started.append(True))
-    Lowering(inductor=True).start(torch.device("cuda"))
-    Lowering(inductor=True).start(torch.device("cpu"))
-    Lowering().start(torch.device("cuda"))
+    Lowering(inductor=True).start(torch.device("cuda"), WorkerPool())
+    Lowering(inductor=True).start(torch.device("cpu"), WorkerPool())
+    Lowering().start(torch.device("cuda"), WorkerPool())
     assert started == [True]
 
     seen = []
-    monkeypatch.setattr(Lowering, "start", lambda self, device: seen.append(("start", device)))
+    monkeypatch.setattr(Lowering, "start", lambda self, device, workers: seen.append(("start", device)))
     transform = spmd.GraphModuleTransformation()
     original = spmd.GraphModuleTransformation.__call__
     monkeypatch.setattr(spmd.GraphModuleTransformation, "__call__",
