@@ -14,24 +14,25 @@ Writing a multi-rank test::
 ``fn(rank, world_size, *args)`` on every rank, the default process group already initialized, and
 returns when all ranks have returned.
 
-gloo ranks come from a pool, one per world size, started on first use and reused by every test
-of the session (importing torch, spmd and Inductor takes a process seconds; a test body usually less).
-A rank is forked from a server that has made those imports and done nothing else (``multiprocessing``'s
+gloo ranks come from a pool, one per world size, started on first use and reused by every test of the
+session (importing torch, spmd and Inductor takes a process seconds; a test body usually less). A rank
+is forked from a server that has made those imports and done nothing else (``multiprocessing``'s
 forkserver), one server per rank index, each an interpreter of its own: the ranks of a pool differ in
 string hash seed and memory layout as the ranks of a real job do, and a pool started again (after a
-failure, or for another world size) costs a fork, not the imports. A rank takes its environment,
-working folder and ``sys.path`` from this process when it starts, as a spawned one would; it exits
-when its server does, which exits with this process. Before each body a rank resets what a test may
-have changed in its process (``reset_process_state``): Dynamo's caches, the default dtype and device, grad mode,
-anomaly mode, deterministic algorithms, Inductor, Dynamo and functorch config, environment
-variables, working directory, thread count, warning filters and random seeds, and the role names
-(``spmd.parallel.group_roles``) the process groups a body made hold: a live group of an earlier test
-over the same ranks (a device mesh's) would keep a later test's groups from their roles, and its
-steps out of the compile cache. (The groups themselves stay: torch names a group made with
-``use_local_synchronization`` by its ranks and the number of live groups, so destroying groups
-would let a new group reuse a destroyed one's name and rendezvous keys, and hang.) Nothing else
-carries over that a body may rely on: state a body creates (compiled steps, optimizers, process
-subgroups) belongs to it. A body must leave the default process group initialized.
+failure, or for another world size) costs a fork, not the imports. A rank takes its environment, working
+folder and ``sys.path`` from this process when it starts, as a spawned one would (what torch reads from
+the environment at import, it read in the server, from this process's environment when the server
+started); it exits when its server does, which exits with this process. Before each body a rank resets
+what a test may have changed in its process (``reset_process_state``): Dynamo's caches, the default
+dtype and device, grad mode, anomaly mode, deterministic algorithms, Inductor, Dynamo and functorch
+config, environment variables, working directory, thread count, warning filters and random seeds, and
+the role names (``spmd.parallel.group_roles``) the process groups a body made hold: a live group of an
+earlier test over the same ranks (a device mesh's) would keep a later test's groups from their roles,
+and its steps out of the compile cache. (The groups themselves stay: torch names a group made with
+``use_local_synchronization`` by its ranks and the number of live groups, so destroying groups would let
+a new group reuse a destroyed one's name and rendezvous keys, and hang.) Nothing else carries over that
+a body may rely on: state a body creates (compiled steps, optimizers, process subgroups) belongs to it.
+A body must leave the default process group initialized.
 
 Failures: an exception on any rank fails the test with that rank's traceback (and the other
 ranks' when they fail too); a rank that dies fails it with its exit code; ranks that have not
