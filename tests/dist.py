@@ -14,19 +14,25 @@ Writing a multi-rank test::
 ``fn(rank, world_size, *args)`` on every rank, the default process group already initialized, and
 returns when all ranks have returned.
 
-gloo ranks come from a pool, one per world size, started on first use and reused by every test
-of the session (spawning ranks and importing torch, spmd and Inductor once per rank takes seconds;
-a test body usually less). Before each body a rank resets what a test may have changed in its
-process (``reset_process_state``): Dynamo's caches, the default dtype and device, grad mode,
-anomaly mode, deterministic algorithms, Inductor, Dynamo and functorch config, environment
-variables, working directory, thread count, warning filters and random seeds, and the role names
-(``spmd.parallel.group_roles``) the process groups a body made hold: a live group of an earlier test
-over the same ranks (a device mesh's) would keep a later test's groups from their roles, and its
-steps out of the compile cache. (The groups themselves stay: torch names a group made with
-``use_local_synchronization`` by its ranks and the number of live groups, so destroying groups
-would let a new group reuse a destroyed one's name and rendezvous keys, and hang.) Nothing else
-carries over that a body may rely on: state a body creates (compiled steps, optimizers, process
-subgroups) belongs to it. A body must leave the default process group initialized.
+gloo ranks come from a pool, one per world size, started on first use and reused by every test of the
+session (importing torch, spmd and Inductor takes a process seconds; a test body usually less). A rank
+is forked from a server that has made those imports and done nothing else (``multiprocessing``'s
+forkserver), one server per rank index, each an interpreter of its own: the ranks of a pool differ in
+string hash seed and memory layout as the ranks of a real job do, and a pool started again (after a
+failure, or for another world size) costs a fork, not the imports. A rank takes its environment, working
+folder and ``sys.path`` from this process when it starts, as a spawned one would (what torch reads from
+the environment at import, it read in the server, from this process's environment when the server
+started); it exits when its server does, which exits with this process. Before each body a rank resets
+what a test may have changed in its process (``reset_process_state``): Dynamo's caches, the default
+dtype and device, grad mode, anomaly mode, deterministic algorithms, Inductor, Dynamo and functorch
+config, environment variables, working directory, thread count, warning filters and random seeds, and
+the role names (``spmd.parallel.group_roles``) the process groups a body made hold: a live group of an
+earlier test over the same ranks (a device mesh's) would keep a later test's groups from their roles,
+and its steps out of the compile cache. (The groups themselves stay: torch names a group made with
+``use_local_synchronization`` by its ranks and the number of live groups, so destroying groups would let
+a new group reuse a destroyed one's name and rendezvous keys, and hang.) Nothing else carries over that
+a body may rely on: state a body creates (compiled steps, optimizers, process subgroups) belongs to it.
+A body must leave the default process group initialized.
 
 Failures: an exception on any rank fails the test with that rank's traceback (and the other
 ranks' when they fail too); a rank that dies fails it with its exit code; ranks that have not
@@ -65,7 +71,7 @@ import torch.multiprocessing as mp
 from spmd.parallel.group_roles import release_role
 
 DEFAULT_TIMEOUT_S = 300.0
-_STARTUP_TIMEOUT_S = 180.0  # spawn, import torch, rendezvous
+_STARTUP_TIMEOUT_S = 180.0  # start a rank server (import torch), fork, rendezvous
 _GRACE_S = 3.0  # after one rank fails, how long the others may take to report their own failure
 _OUTPUT_TAIL = 60  # lines of each rank's output quoted in a hang's message
 
@@ -118,14 +124,21 @@ class _Pool:
         self.world_size, self.backend, self.broken = world_size, backend, False
         self._dir = tempfile.TemporaryDirectory(prefix=f"spmd_ranks{world_size}_")
         self.logs = [os.path.join(self._dir.name, f"rank{r}.log") for r in range(world_size)]
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("spawn" if backend == "nccl" else "forkserver")
+        if backend == "gloo":  # the servers this pool lacks make their imports side by side
+            for rank in range(world_size):
+                _rank_server(rank).ensure_running()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_worker, name=f"spmd-rank{rank}",
                                args=(rank, world_size, backend, os.path.join(self._dir.name, "store"),
-                                     self.logs[rank], theirs))
-            proc.start()
+                                     self.logs[rank], theirs, dict(os.environ)))
+            if backend == "nccl":
+                proc.start()
+            else:
+                with _forked_by(_rank_server(rank)):
+                    proc.start()
             theirs.close()
             self.conns.append(ours)
             self.procs.append(proc)
@@ -232,10 +245,44 @@ class _Pool:
         self._dir.cleanup()
 
 
+# What a rank imports before its first test, made once by each rank server (tests.fresh_process's servers
+# make the same): the server's imports must start no Python thread, since a fork keeps only the forking one.
+_RANK_IMPORTS = ["torch", "spmd", "spmd.tools.models", "torch._dynamo", "torch._functorch.aot_autograd",
+                 "torch._inductor.compile_fx", "torch.distributed.tensor.parallel", "torch.distributed.fsdp"]
+_rank_servers: list = []  # index: rank; each lives as long as this process
+
+
+def _rank_server(rank: int):
+    """The fork server that starts rank ``rank`` of every gloo pool (started on first use)."""
+    from multiprocessing import forkserver
+
+    while len(_rank_servers) <= rank:
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(_RANK_IMPORTS)
+        _rank_servers.append(server)
+    return _rank_servers[rank]
+
+
+@contextlib.contextmanager
+def _forked_by(server):
+    """Processes of the forkserver context started inside are forked by ``server`` rather than by
+    ``multiprocessing``'s one server per process (its ``Popen`` asks the module for the connection)."""
+    from multiprocessing import forkserver
+
+    connect = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = server.connect_to_new_process
+    try:
+        yield
+    finally:
+        forkserver.connect_to_new_process = connect
+
+
 # ---------------------------------------------------------------- in each rank
 
 
-def _worker(rank, world_size, backend, store, log, conn):
+def _worker(rank, world_size, backend, store, log, conn, environ):
+    os.environ.clear()  # the starting process's, as a spawned rank inherits it (the server has its own from its start)
+    os.environ.update(environ)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

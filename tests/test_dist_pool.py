@@ -122,3 +122,17 @@ def test_a_hanging_rank_fails_the_test_with_its_stack_within_the_timeout():
 def test_a_body_that_cannot_be_sent_is_refused_before_any_rank_runs():
     with pytest.raises(TypeError, match="module-level function"):
         run_distributed(lambda rank, world_size: None)
+
+
+def _hash_of_a_string(rank, world_size, out_dir):
+    with open(os.path.join(out_dir, str(rank)), "w") as f:
+        f.write(str(hash("spmd")))
+
+
+def test_the_ranks_of_a_pool_are_interpreters_of_their_own(tmp_path):
+    """Ranks are forked from one server per rank index: like the ranks of a real job, they differ in string
+    hash seed, so a rank check or cache key that hangs on ``hash()`` order disagrees between them here too."""
+    if "PYTHONHASHSEED" in os.environ:
+        pytest.skip("PYTHONHASHSEED fixes every interpreter's string hashes")
+    run_distributed(_hash_of_a_string, str(tmp_path))
+    assert len({(tmp_path / str(r)).read_text() for r in range(2)}) == 2
