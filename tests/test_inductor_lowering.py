@@ -390,9 +390,9 @@ def test_inductor_compile_workers_start_before_a_gpu_step_is_traced(monkeypatch)
     seen = []
     monkeypatch.setattr(Lowering, "start", lambda self, device, workers: seen.append(("start", device)))
     transform = spmd.GraphModuleTransformation()
-    original = spmd.GraphModuleTransformation.__call__
-    monkeypatch.setattr(spmd.GraphModuleTransformation, "__call__",
-                        lambda self, gm: seen.append(("transform", None)) or original(self, gm))
+    original = spmd.GraphModuleTransformation.transform
+    monkeypatch.setattr(spmd.GraphModuleTransformation, "transform",
+                        lambda self, gm, mode: seen.append(("transform", None)) or original(self, gm, mode))
     model = MLP(layers=2, dim=8)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     spmd.compile(gm_transformation=transform)(train_step)(model, optim, torch.randn(2, 8))

@@ -174,7 +174,7 @@ class StepDefinition:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
         gm.meta.setdefault(PARALLEL_MODE, self.parallel_mode)  # an override may have built a new graph
         return Traced(gm, traced, state, tuple(created), times, dict(dump.stages), dump.options, self.name,
-                      self.transformation_for(state))
+                      self.transformation_for(state), self.parallel_mode)
 
     def _trace(self, state: StepState, args: tuple, kwargs: dict, zero_grads_for: frozenset) -> TracedStep:
         """The step traced, or the trace an earlier process kept where nothing it stood on changed

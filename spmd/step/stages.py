@@ -25,12 +25,14 @@ from ..checks.step_inputs import runner_for
 from ..compile_times import phase, recording
 from ..errors import SpmdConfigError
 from ..graph_utils import DumpOptions, dump_graphs_to_files, dumping, recording_stages
+from ..parallel.data_parallel import DataParallel
 from ..trace.accumulation import GradPlan
 from ..trace.capture import TracedStep
 from ..trace.step_state import StepState, local_tensor
 from .compiled_step import CompiledStep, first_step_slots, undo_created
 from .iter_graph_module import IterGraphModule
 from .step_cache import StepCache
+from .transformation import GraphModuleTransformation
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,8 @@ class Traced:
     optimizers and tensors it was traced on; ``created``, the optimizer state created for it
     (``spmd.optim.state.CreatedState``, removed again by ``undo``); ``compile_times``, seconds per phase so
     far; ``dumps``, the graphs recorded for a dump (``spmd.graph_utils.dumps``) under ``dump_options``;
-    ``transformation``, the one the step's compile applies (``transform``'s default)."""
+    ``transformation``, the one the step's compile applies (``transform``'s default); ``mode``, the parallel
+    mode that expanded ``graph`` (handed to our transformation with it)."""
 
     graph: fx.GraphModule
     step: TracedStep
@@ -53,6 +56,7 @@ class Traced:
     dump_options: Optional[DumpOptions] = None
     name: str = "train_step"
     transformation: Optional[Callable] = None
+    mode: Optional[DataParallel] = None
 
     def transform(self, transformation: Optional[Callable] = None) -> Transformed:
         """The transform stage: ``transformation`` (e.g. ``spmd.GraphModuleTransformation``; default: the
@@ -69,7 +73,10 @@ class Traced:
         with recording(times), recording_stages(self.dump_options or DumpOptions.resolve()) as dump:
             dump.stages.update(self.dumps)
             with phase("transform"):
-                runner = transformation(self.graph)
+                if isinstance(transformation, GraphModuleTransformation):  # ours: handed the mode, not reading it back
+                    runner = transformation.transform(self.graph, self.mode)
+                else:
+                    runner = transformation(self.graph)
             runner = runner_for(transformation, runner, len(self.graph.graph.find_nodes(op="placeholder")))
         log.info("spmd: %s traced in %.1f s (%d nodes), transformed in %.1f s", self.name, times.get("trace", 0.0),
                  len(self.graph.graph.nodes), time.perf_counter() - start)

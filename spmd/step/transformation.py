@@ -160,7 +160,13 @@ class GraphModuleTransformation:
         return self.pass_managers[mode.mode]
 
     def __call__(self, gm: fx.GraphModule) -> IterGraphModule:
-        manager = self.pass_manager_for(expanded_by(gm))  # refuses before anything is built or dumped
+        """``transform`` for a graph called as a plain ``gm_transformation``: its mode read from the graph."""
+        return self.transform(gm, expanded_by(gm))
+
+    def transform(self, gm: fx.GraphModule, mode: DataParallel) -> IterGraphModule:
+        """The step graph ``gm``, expanded by ``mode``, through ``mode``'s pass pipeline and the user's passes,
+        as an ``IterGraphModule`` that lowers itself on its first call (``Lowering``)."""
+        manager = self.pass_manager_for(mode)  # refuses before anything is built or dumped
         request_dump(self.dump)
         igm = IterGraphModule(gm)
         manager(igm, timer=lambda name: phase(f"passes/{name}"))
