@@ -8,9 +8,10 @@ other side of each comparison here, for the length of the measurement.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from typing import Optional
+from typing import Iterator, Optional
 
 
 def with_lowering(transformation, **changes):
@@ -46,3 +47,17 @@ def agree_across_ranks(train_step, agree: Optional[bool]):
     """
     train_step._calls.agree_across_ranks = agree
     return train_step
+
+
+@contextlib.contextmanager
+def optimizer_list_ops_through_dtensor() -> Iterator[None]:
+    """Within the block, a trace sends sharded parameters' in-place optimizer list ops through DTensor's
+    dispatch instead of running them on the local shards (``spmd.optim.local_shards``), to compare the two
+    graphs."""
+    from .optim.hyperparams import LOCAL_SHARDS
+
+    token = LOCAL_SHARDS.set(False)
+    try:
+        yield
+    finally:
+        LOCAL_SHARDS.reset(token)

@@ -9,6 +9,8 @@ unsharded-memory guard), plus ``spmd.explain``'s list of collectives.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.fx as fx
@@ -133,16 +135,17 @@ def test_the_optimizers_list_ops_traced_on_local_shards_make_the_graph_dtensor_m
 
     import spmd.optim.hyperparams as hyperparams
     import spmd.optim.local_shards as local_shards
+    from spmd._testing import optimizer_list_ops_through_dtensor
 
     def expanded_code(local: bool) -> tuple[list, int]:
-        monkeypatch.setattr(hyperparams.HyperMode, "local_shards", local)
         ran = []
         real = local_shards.on_local_shards
         monkeypatch.setattr(hyperparams, "on_local_shards",
                             lambda *a: ran.append(out := real(*a)) or out)
-        graph = _expanded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                          make_optimizer=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-4, **{impl: True})
-                          ).graph
+        with contextlib.nullcontext() if local else optimizer_list_ops_through_dtensor():
+            graph = _expanded(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                              make_optimizer=lambda model: torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                                                             **{impl: True})).graph
         # torch 2.11's DTensor leaves a dead copy of the fused op (its output metadata, run on empty tensors)
         graph.eliminate_dead_code()
         index = {node: i for i, node in enumerate(graph.nodes)}
@@ -150,6 +153,6 @@ def test_the_optimizers_list_ops_traced_on_local_shards_make_the_graph_dtensor_m
         return ops, sum(out is not NotImplemented for out in ran)
 
     local, on_shards = expanded_code(True)
-    through_dtensor, _ = expanded_code(False)
-    assert on_shards >= 1, "the update ran on the local shards"
+    through_dtensor, on_shards_there = expanded_code(False)
+    assert on_shards >= 1 and on_shards_there == 0, "the update ran on the local shards, and only without the hook"
     assert local == through_dtensor

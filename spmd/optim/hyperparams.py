@@ -34,6 +34,8 @@ own code may read a hyperparameter another way, is not affected by them.
 
 from __future__ import annotations
 
+import contextvars
+
 import functools
 import numbers
 import operator
@@ -99,6 +101,10 @@ def flags(group: dict, items: Optional[list] = None) -> tuple:
 # ``_get_value`` hands it the step counter as a tensor), the foreach step as
 # ``spmd.optim.eager_foreach`` computes it. Others trace their capturable arrangement, the same update
 # computed on tensors (some read a value otherwise: RAdam, ASGD).
+# Sharded parameters' in-place list ops run on their local tensors; False only inside the test hook
+# ``spmd._testing.optimizer_list_ops_through_dtensor``, which compares the two.
+LOCAL_SHARDS: contextvars.ContextVar[bool] = contextvars.ContextVar("spmd_local_shards", default=True)
+
 _EAGER_ARRANGEMENT = (torch.optim.Adam, torch.optim.AdamW)
 
 
@@ -239,11 +245,9 @@ class HyperMode(TorchFunctionMode):
     (``_as_python_numbers``). A hyperparameter input of a dtype other than float64 is such a
     tensor: a Python number enters the trace as float64, a tensor in its own dtype.
 
-    ``local_shards``: sharded parameters' in-place list ops run on their local tensors
-    (``spmd.optim.local_shards``); False sends them through DTensor (to compare the two).
+    Sharded parameters' in-place list ops run on their local tensors (``spmd.optim.local_shards``), unless
+    the test hook ``spmd._testing.optimizer_list_ops_through_dtensor`` sends them through DTensor (to compare).
     """
-
-    local_shards = True
 
     def __init__(self, hypers: dict[int, TracedHyper], state_scalars: list[torch.Tensor]):
         super().__init__()
@@ -314,7 +318,7 @@ class HyperMode(TorchFunctionMode):
         args = _scalars_on_element_devices(func, args)
         rewrite = REWRITES.get(func)
         out = rewrite(func, args, kwargs) if rewrite is not None else NotImplemented
-        if out is NotImplemented and self.local_shards:
+        if out is NotImplemented and LOCAL_SHARDS.get():
             out = on_local_shards(func, args, kwargs)
         if out is NotImplemented:
             out = func(*args, **kwargs)
