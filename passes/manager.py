@@ -14,12 +14,11 @@ the reverse edges ("must come before") are computed where they are needed.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import networkx as nx
 
@@ -159,18 +158,20 @@ class PassManager:
         return [self.passes[i] for i in order]
 
     def __call__(self, gm, pass_args: Optional[dict[Callable, dict]] = None,
-                 timer: Callable[[str], ContextManager] = lambda name: contextlib.nullcontext(),
-                 dump_prefix: Optional[str] = "") -> None:
+                 dump_prefix: Optional[str] = "") -> dict[str, float]:
         """Apply the passes in order: ``p(gm, **pass_args[p])`` (keyword arguments per bare pass, optional).
+        Returns the seconds each pass took, by name (the caller records them as it keeps compile times).
 
-        ``timer(name)`` wraps each pass (e.g. to record compile time). After each pass the
-        graph is offered to an active dump recording (``graph_utils.record_stage``) as
+        After each pass the graph is offered to an active dump recording (``graph_utils.record_stage``) as
         ``dump_prefix + name``; ``dump_prefix=None``: not offered (a graph built only to be read).
         """
         pass_args = pass_args or {}
+        took: dict[str, float] = {}
         for p in self.order:
             name = pass_info(p).name
-            with timer(name):
-                p(gm, **pass_args.get(p, {}))
+            start = time.perf_counter()
+            p(gm, **pass_args.get(p, {}))
+            took[name] = took.get(name, 0.0) + time.perf_counter() - start
             if dump_prefix is not None:
                 record_stage(dump_prefix + name, gm.graph, gm)
+        return took

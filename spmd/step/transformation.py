@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch.fx as fx
 
-from ..compile_times import phase
+from ..compile_times import add as add_times, phase
 from ..errors import SpmdConfigError
 from ..graph_utils import DumpOptions, dumping, request_dump
 from ..graph_utils.memory import memory_profile
@@ -169,7 +169,7 @@ class GraphModuleTransformation:
         manager = self.pass_manager_for(mode)  # refuses before anything is built or dumped
         request_dump(self.dump)
         igm = IterGraphModule(gm)
-        manager(igm, timer=lambda name: phase(f"passes/{name}"))
+        add_times({f"passes/{name}": seconds for name, seconds in manager(igm).items()})
         with phase("passes/finalize"):
             igm.finalize_setup()
         igm.lowering, igm.workers = self.lowering, self.workers
