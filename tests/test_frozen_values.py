@@ -298,6 +298,24 @@ def test_print_and_log_records_happen_on_every_call_and_are_named_once(capsys, c
     assert len(said) == 2 and "prints at" in said[0] and "logs at" in said[1], said
 
 
+def test_an_installed_packages_log_record_is_logged_as_made_and_not_replayed(tmp_path, monkeypatch, caplog):
+    """transformers logs ``warning_once`` records from its model code: said once, as eager says them, and a step
+    with only such records has nothing to replay (its trace can be kept, ``spmd.step.trace_store``)."""
+    installed = tmp_path / "site-packages"
+    installed.mkdir()
+    (installed / "spmd_test_logging_lib.py").write_text(
+        "import logging\n\ndef report(loss):\n    logging.getLogger('lib.models').warning('using %s', 'sdpa')\n"
+        "    return loss\n")
+    monkeypatch.syspath_prepend(str(installed))
+    import spmd_test_logging_lib
+
+    step = spmd.compile()(_step_doing(spmd_test_logging_lib.report))
+    caught = _warnings_of_calls(step, *_model_and_optim())
+    assert [r.getMessage() for r in caplog.records if r.name == "lib.models"] == ["using sdpa"]
+    assert not [w for w in caught if "logs at" in str(w.message)]
+    assert all(not entry.replays for entry in step.cache.values())
+
+
 LOSSES: list = []
 
 

@@ -186,7 +186,7 @@ def _warn_environ(key: str, value: str, frame) -> None:
     """Warn once per place that the step read environment variable ``key`` at trace, where that place is the
     user's own code: an installed library reading its configuration (``TRANSFORMERS_...``) is a read the user
     cannot move, and a kept trace is guarded by the value anyway (``note_environ_read``)."""
-    if _installed(frame):
+    if installed_code(frame):
         return
     warn_at(frame, f"spmd.compile: the step reads the environment variable {key!r} ({value}) while it is traced: "
             "the compiled step keeps what it computed from that value, and later calls do not read it again. Read "
@@ -194,7 +194,7 @@ def _warn_environ(key: str, value: str, frame) -> None:
             "tensor does not).")
 
 
-def _installed(frame) -> bool:
+def installed_code(frame) -> bool:
     """Whether ``frame`` runs code of an installed package (a file under site-packages or dist-packages)."""
     parts = frame.f_code.co_filename.replace("\\", "/").split("/")
     return "site-packages" in parts or "dist-packages" in parts

@@ -6,10 +6,11 @@ where eager has them on every call. ``recording_side_effects`` watches the trace
 code only: torch and spmd pass through, ``host_reads.user_frame``) and decides per kind:
 
 * ``print(...)`` and a logger's records (``logger.info``, ``logging.warning``, ...) without a tensor
-  among their arguments are replayed after each later call, with the text made at trace, and said
+  among their arguments, made by the user's code, are replayed after each later call, with the text made at trace, and said
   once (``RuntimeWarning``, at the call's line): a value that changes between calls is not seen in
   it. With a tensor they are not replayed (its text at trace is a placeholder): the warning says to
-  print the returned value after the step.
+  print the returned value after the step. An installed package's log record (transformers'
+  ``warning_once``) is logged as it is made, at trace, and not replayed: those are mostly said once anyway.
 * ``module.x += c`` / ``-= c`` on a number attribute of one of the step's modules (a counter) is
   replayed as the same increment after each later call; the augmented assignment is read from the
   caller's bytecode, so a plain ``module.x = value`` is never mistaken for one.
@@ -41,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .host_reads import Patches, is_library, user_frame, warn_at, warn_at_line, where
+from .host_reads import Patches, installed_code, is_library, user_frame, warn_at, warn_at_line, where
 from .user_objects import named_references
 
 _PLUMBING = frozenset({"logging", __name__})
@@ -210,7 +211,7 @@ def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[
 
     def log(self, level, msg, args, *rest, **kwargs):
         frame = user_frame(thread, _PLUMBING)
-        if frame is not None:
+        if frame is not None and not installed_code(frame):  # an installed package's record is its own
             if _holds_tensor((msg, args)):
                 warn_at(frame, f"spmd.compile: the step logs a tensor at {where(frame)}: while it is traced the "
                         "tensor has no value, and later calls, which run the compiled graph, log nothing. Return "
