@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import spmd
+from tests import parity
 
 ROOT = Path(spmd.__file__).resolve().parent
 FLOORS = {"graph_utils": 0, "passes": 1, "trace": 2, "parallel": 2, "optim": 2, "lower": 2, "checks": 2,
@@ -77,14 +78,7 @@ def test_a_first_call_never_calls_up_a_floor():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-    @spmd.compile(cache_dir=False)
-    def train_step(model, optim, x):
-        loss = model(x).sum()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss
-
+    train_step = spmd.compile(cache_dir=False)(parity.train_step)
     x = torch.randn(4, 8)
     assert _calls_up_a_floor(lambda: train_step(model, optim, x)) == Counter()
 
