@@ -191,12 +191,27 @@ def autocast_moe_step(model, optim, x, y):
 
 @pytest.mark.parametrize("graph_optimization", [False, True], ids=["aten_fused_op", "opaque_fused_op"])
 def test_fused_adamw_gets_each_expert_gradient_laid_out_as_its_parameter(op_with_a_backward_reading_offsets,
-                                                                          graph_optimization):
+                                                                          graph_optimization, monkeypatch):
     """The GPU zoo's Mixtral setting on the CPU: float32 parameters, bf16 autocast around the forward, fused
     AdamW, Inductor. The experts' weights enter the grouped matmul transposed (as transformers passes them);
     Inductor handed their gradients to the fused kernel as the batched matmul left them, transposed: CUDA's
     kernel refused them ("must have same dtype, device, and layout") and the CPU one updated the experts
-    with a scrambled gradient. With graph optimization the in-place op runs as ``spmd_lowering``'s opaque op."""
+    with a scrambled gradient. With graph optimization the in-place op runs as ``spmd_lowering``'s opaque op.
+
+    The op reaches Inductor with our layout constraint as in a fresh process, where Inductor has not met the
+    opaque op before: its own fallback registration then set the constraint the op's tag names over ours, and
+    the GPU got transposed gradients where the CPU's kernel happened to get them laid out right."""
+    from torch._inductor import lowering
+
+    import spmd.lower.optimizer_layout as optimizer_layout
+    from spmd.lower.opaque_ops import _opaque_ops
+
+    for opaque in _opaque_ops.values():  # as in a fresh process
+        monkeypatch.delitem(lowering.lowerings, opaque, raising=False)
+        monkeypatch.delitem(lowering._maybe_layout_constraints, opaque, raising=False)
+    constrained, constrain = [], optimizer_layout.in_graph_stride_order
+    monkeypatch.setattr(optimizer_layout, "in_graph_stride_order",
+                        lambda fx_node, *a, **k: constrained.append(fx_node.target) or constrain(fx_node, *a, **k))
     torch.manual_seed(0)
     model = TopTwoMoE().float()
     ref = copy.deepcopy(model)
@@ -205,7 +220,8 @@ def test_fused_adamw_gets_each_expert_gradient_laid_out_as_its_parameter(op_with
 
     def transformation(gm):
         traced.extend(gm.graph.nodes)
-        return spmd.GraphModuleTransformation(enable_inductor=True, enable_graph_optimization=graph_optimization)(gm)
+        return spmd.GraphModuleTransformation(enable_inductor=True, enable_graph_optimization=graph_optimization,
+                                              inductor_options={"fx_graph_cache": False})(gm)  # lowered here
 
     step = spmd.compile(gm_transformation=transformation)(autocast_moe_step)
     gen, kernel = torch.Generator().manual_seed(1), KernelArguments()
@@ -223,34 +239,5 @@ def test_fused_adamw_gets_each_expert_gradient_laid_out_as_its_parameter(op_with
         assert grad == param, f"the fused kernel got a gradient {grad} for a parameter {param}"
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):  # a scrambled step moves by ~lr
         assert (p - q).abs().mean() < 0.05 / 10, name
-
-
-def test_an_opaque_fused_op_inductor_first_meets_keeps_the_graphs_layout(op_with_a_backward_reading_offsets,
-                                                                          monkeypatch):
-    """In a process where Inductor has not lowered the opaque fused AdamW op before (each fresh job), its own
-    fallback registration set the constraint the op's tag names over ours, and the GPU got transposed expert
-    gradients: the op must reach Inductor with our layout constraint from the first compile on."""
-    from torch._inductor import lowering
-
-    import spmd.lower.optimizer_layout as optimizer_layout
-    from spmd.lower.opaque_ops import opaque_inplace_op
-
-    opaque = opaque_inplace_op(torch.ops.aten._fused_adamw_.tensor_lr)
-    monkeypatch.delitem(lowering.lowerings, opaque, raising=False)  # as in a fresh process
-    monkeypatch.delitem(lowering._maybe_layout_constraints, opaque, raising=False)
-    constrained = []
-
-    def spy(fx_node, *args, **kwargs):
-        constrained.append(fx_node.target)
-        return optimizer_layout.in_graph_stride_order.__wrapped__(fx_node, *args, **kwargs)
-
-    spy.__wrapped__ = optimizer_layout.in_graph_stride_order
-    monkeypatch.setattr(optimizer_layout, "in_graph_stride_order", spy)
-    torch.manual_seed(0)
-    model = TopTwoMoE().float()
-    optim = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.05), fused=True)
-    lowered = spmd.GraphModuleTransformation(enable_inductor=True, enable_graph_optimization=True,
-                                             inductor_options={"fx_graph_cache": False})  # Inductor lowers it here
-    step = spmd.compile(gm_transformation=lowered, cache_dir=False)(autocast_moe_step)
-    step(model, optim, torch.randn(8, 6), torch.randn(8, 6))
-    assert any("fused_adamw" in str(t) and t.namespace == "spmd_lowering" for t in constrained), constrained
+    namespace = "spmd_lowering" if graph_optimization else "aten"
+    assert any("fused_adamw" in str(t) and t.namespace == namespace for t in constrained), constrained
