@@ -209,7 +209,7 @@ def default_transformation(device_type: str, **settings) -> Callable:
     (``compile_pieces="auto"``), and CUDA graphs where every input of a
     graph is on the GPU (else one warning says which input is not). CPU: our passes, without
     Inductor (BENCHMARKS.md, "The CPU default": the passes make a gloo step faster, while
-    Inductor's C++ compile takes a small model's first call from about 1 s to 15-40 s).
+    Inductor's C++ compile makes a small model's first call many times slower).
     ``GraphModuleTransformation()`` asks for the traced graph as it is. ``settings``: further
     ``GraphModuleTransformation`` settings on top of these (``recompute=False``).
     """
