@@ -4,7 +4,8 @@ The compile cache keeps what Inductor made of a step's graphs, so its key is mad
 function of, taken after the trace and the passes ran in this process: each graph the step runs, node by
 node (op, target, arguments, and the metadata the lowering reads), the contents of every tensor constant
 and nested graph it holds, the facts (shape, stride, dtype, device) of the inputs it is compiled for, the
-``Lowering`` settings and Inductor's configuration, process-wide torch settings, the torch, Triton, Python
+``Lowering`` settings and Inductor's configuration, the torch settings around the call
+(``spmd.step.dependencies.ambient``), the torch, Triton, Python
 and spmd versions (spmd's also by a digest of its source) and the device the kernels are built for.
 
 Whatever the step's Python code read while it was traced (a helper in another module, a config value, the
@@ -35,6 +36,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from ..graph_utils.meta import NAME, ROLE, UNIT
+from .dependencies import ambient
 from .describe import canonical_json, describe, describe_function, tensor_facts
 
 # Node metadata the lowering reads besides values (placeholder roles and names, a collective's unit).
@@ -65,7 +67,7 @@ def lowering_key(graphs: Sequence[tuple[str, fx.GraphModule]], inputs: Sequence[
     return StepKey({
         "versions": versions(),
         "device": device_facts(tensors),
-        "torch settings": torch_settings(),
+        "torch settings": ambient(),
         "lowering": lowering_settings(lowering),
         "graphs": {label: graph_description(gm) for label, gm in graphs},
         "inputs": [tensor_facts(t) for t in tensors],
@@ -186,15 +188,6 @@ def device_facts(tensors: Sequence[torch.Tensor]) -> dict:
         return {"cuda capability": list(torch.cuda.get_device_capability(cuda)),
                 "kernel target": [props.name, props.multi_processor_count]}
     return {"kernel target": [platform.machine(), torch.backends.cpu.get_cpu_capability()]}
-
-
-def torch_settings() -> dict:
-    """Process-wide torch settings Inductor's kernels read: the default dtype, deterministic algorithms,
-    float32 matmul precision and TF32."""
-    return {"default dtype": str(torch.get_default_dtype()),
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "float32 matmul precision": torch.get_float32_matmul_precision(),
-            "tf32": [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]}
 
 
 def lowering_settings(lowering: Any) -> dict:

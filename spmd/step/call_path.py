@@ -25,6 +25,7 @@ from ..trace.step_state import describe_changes, find_modules_and_optimizers, lo
 from .call_signature import Signatures
 from .compiled_step import CompiledStep, LastCall, undo_created
 from .definition import StepDefinition
+from .dependencies import ambient
 from .state_check import StateCheck
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class CallPath:
         self.agree_across_ranks: Optional[bool] = None
         self._agreement: Optional[rank_agreement.Agreement] = None
         self._agreement_resolved = False
+        self._stale: Optional[str] = None  # what changed of the values the last entry's trace read
 
     def prepare_call(self, args: tuple, kwargs: dict) -> tuple[CompiledStep, list, list]:
         """(compiled step, its graph inputs, the state's tensors: parameters, buffers, optimizer state, in graph
@@ -74,11 +76,14 @@ class CallPath:
                          ) -> Optional[tuple[CompiledStep, list, list]]:
         """(entry, graph inputs before the user's tensors, the state's tensors) when this call has the last call's
         signature, else None: the same argument structure and leaf signatures (so the same modules
-        and optimizers), the same objects reached besides (``spmd.trace.step_reach``), and nothing
-        changed in their state (``StateCheck``)."""
+        and optimizers), the same objects reached besides (``spmd.trace.step_reach``), the same torch settings
+        around it (``ambient``), nothing changed in their state (``StateCheck``) nor in the Python values its
+        trace read (``ValueWatch``)."""
         last = self.last_call
-        if last is None or spec != last.spec or last.entry is not self.last_run:
+        if last is None or spec != last.spec or last.entry is not self.last_run or ambient() != last.ambient:
             return None
+        if last.entry.watch is not None and last.entry.watch.changed():
+            return None  # look_up names what changed and traces again
         if list(map(self.signatures.leaf, leaves)) != last.leaf_signatures:
             return None
         objects = reached.objects()
@@ -107,10 +112,15 @@ class CallPath:
             signature = self.signatures.of(state, args, kwargs)
             key = tuple(signature.items())
             candidate = rank_agreement.Candidate(self.cache.get(key), state)
+            stale = candidate.entry is not None and candidate.entry.watch is not None and candidate.entry.watch.changed()
+            if stale:  # a Python value its trace read changed: that trace no longer describes the step
+                candidate = rank_agreement.Candidate(None, state)
+                self._stale = stale
             if candidate.entry is None:
                 state = definition.parallel_mode.prepare(state) or state  # a mode may replace parameters
                 entry, state, created = definition.compile(state, args, kwargs)
                 changes = describe_changes(self.last_signature, signature) if self.last_signature else []
+                changes += [stale] if stale else []
                 candidate = rank_agreement.Candidate(entry, state, fresh=True, retraced="; ".join(changes))
         except Exception as err:
             if group is None:
@@ -138,7 +148,7 @@ class CallPath:
             return entry, [*state.flat_tensors(), *hypers], state.owned_tensors()
         check = StateCheck(state, on_free=self.forget_last_call)
         self.last_call = LastCall(entry, spec, list(map(self.signatures.leaf, leaves)),
-                                  [weakref.ref(o) for o in reached.objects()], check)
+                                  [weakref.ref(o) for o in reached.objects()], check, ambient())
         return entry, [*check.flat, *hypers], check.owned
 
     def forget_last_call(self, _freed: Any = None) -> None:
@@ -181,8 +191,10 @@ class CallPath:
         so); the least recently used entries beyond ``options.cache_size`` are dropped."""
         options, name = self.definition.options, self.definition.name
         self.trace_count += 1
+        stale, self._stale = self._stale, None
         if self.last_signature is not None:
-            changes = describe_changes(self.last_signature, signature) or ["nothing in its signature"]
+            changes = describe_changes(self.last_signature, signature) + ([stale] if stale else [])
+            changes = changes or ["nothing in its signature"]
             # gradients held on entry or not: an accumulation loop's expected second graph (spmd.trace.accumulation)
             level = logging.INFO if all(c.startswith("gradient of ") for c in changes) else logging.WARNING
             log.log(level, "spmd.compile: %s retraced (trace %d): %s", name, self.trace_count, "; ".join(changes))

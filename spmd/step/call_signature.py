@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from ..optim.amp_scaler import GradScaler, scaler_signature
 from ..trace.accumulation import grads_signature
 from ..trace.step_state import StepState, sharding_signature, tensor_signature
+from .dependencies import ambient
 
 
 def input_name(path: tuple) -> str:
@@ -44,6 +45,7 @@ class Signatures:
         """Everything the traced graph specialises on, by name: the state's (``StepState.signature``)
         and the step's own arguments' (``input 2``: shape, dtype, ... of a tensor; value of a number)."""
         sig = state.signature()
+        sig.update(ambient())  # grad mode, autocast, ... around the call (spmd.step.dependencies)
         sig.update(grads_signature(state.param_names, state.params))
         leaves = pytree.tree_flatten_with_path((args, kwargs))[0]
         for path, leaf in leaves:

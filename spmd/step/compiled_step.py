@@ -17,6 +17,7 @@ from ..trace.accumulation import GradPlan
 from ..trace.step_state import StepState
 from .iter_graph_module import IterGraphModule
 from .state_check import StateCheck
+from .value_watch import ValueWatch
 
 
 @dataclass
@@ -40,6 +41,7 @@ class CompiledStep:
     live: dict = field(default_factory=dict)  # output position -> the state's tensor it returns (step_outputs)
     cache_digest: Optional[str] = None  # its key in the compile cache (``spmd.step.cache_key``), where it has one
     replays: list = field(default_factory=list)  # Python side effects run after each call but the first (side_effects)
+    watch: Optional[ValueWatch] = None  # the Python values its trace read (``spmd.step.value_watch``)
     lowered: bool = False  # ``Transformed.lower`` made it: calls only run ``runner``
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
 
@@ -95,6 +97,7 @@ class LastCall:
     leaf_signatures: list
     reached: list
     check: StateCheck
+    ambient: dict  # the torch settings around it (``spmd.step.dependencies.ambient``)
 
 
 def first_step_slots(state: StepState, created: list) -> dict[int, float]:

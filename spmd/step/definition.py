@@ -6,6 +6,7 @@ machinery (``spmd.step.call_path``) asks it for a compiled step when a call's si
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -28,7 +29,9 @@ from ..optim.state import ensure_optimizer_state
 from ..parallel.data_parallel import PARALLEL_MODE, DataParallel
 from ..parallel.grad_check import refuse_untrained_parameters
 from ..trace.accumulation import grads_on_entry
+from ..trace import code_reads
 from ..trace.capture import TracedStep, trace_train_step
+from ..trace.side_effects import counters
 from ..trace.step_reach import Reach, reach
 from ..trace.step_state import StepState, find_modules_and_optimizers
 from .cache_key import function_digest, versions
@@ -40,6 +43,7 @@ from .stages import Traced
 from .step_cache import StepCache, cacheable
 from .trace_store import TraceStore, reuse_on, step_roots, trace_index
 from .transformation import GraphModuleTransformation, default_transformation
+from .value_watch import ValueWatch
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +167,8 @@ class StepDefinition:
                     state = state.again()
                 with phase("trace"):
                     traced = self._trace(state, args, kwargs, zero_grads_for)
+                    watch = ValueWatch.after_trace(self.fn, state.modules, args, kwargs, traced.reads,
+                                                   counted=counters(traced.replays))
                 with phase("expand"):
                     gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order,
                                                    mesh_dims=self.parallel_mode.mesh_dims(state))
@@ -174,7 +180,7 @@ class StepDefinition:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
         gm.meta.setdefault(PARALLEL_MODE, self.parallel_mode)  # an override may have built a new graph
         return Traced(gm, traced, state, tuple(created), times, dict(dump.stages), dump.options, self.name,
-                      self.transformation_for(state), self.parallel_mode)
+                      self.transformation_for(state), self.parallel_mode, watch)
 
     def _trace(self, state: StepState, args: tuple, kwargs: dict, zero_grads_for: frozenset) -> TracedStep:
         """The step traced, or the trace an earlier process kept where nothing it stood on changed
@@ -234,9 +240,12 @@ class _Tracer:
     zero_grads_for: frozenset
 
     def fresh(self) -> TracedStep:
+        """A new trace, with the code it ran where recording that is cheap (its ``ValueWatch`` reads it)."""
         context = functools.partial(self.mode.trace_context, self.state, zero_grads_for=self.zero_grads_for)
-        return trace_train_step(self.fn, self.state, self.args, self.kwargs, context,
-                                found_inf_group=self.mode.process_group())
+        with code_reads.recording() as reads:
+            traced = trace_train_step(self.fn, self.state, self.args, self.kwargs, context,
+                                      found_inf_group=self.mode.process_group())
+        return dataclasses.replace(traced, reads=reads)
 
     def roots(self) -> Any:
         return step_roots(self.fn, self.args, self.kwargs, self.state)

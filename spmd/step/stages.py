@@ -33,6 +33,7 @@ from .compiled_step import CompiledStep, first_step_slots, undo_created
 from .iter_graph_module import IterGraphModule
 from .step_cache import StepCache
 from .transformation import GraphModuleTransformation
+from .value_watch import ValueWatch
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class Traced:
     (``spmd.optim.state.CreatedState``, removed again by ``undo``); ``compile_times``, seconds per phase so
     far; ``dumps``, the graphs recorded for a dump (``spmd.graph_utils.dumps``) under ``dump_options``;
     ``transformation``, the one the step's compile applies (``transform``'s default); ``mode``, the parallel
-    mode that expanded ``graph`` (handed to our transformation with it)."""
+    mode that expanded ``graph`` (handed to our transformation with it); ``watch``, the Python values the trace
+    read (``spmd.step.value_watch``)."""
 
     graph: fx.GraphModule
     step: TracedStep
@@ -57,6 +59,7 @@ class Traced:
     name: str = "train_step"
     transformation: Optional[Callable] = None
     mode: Optional[DataParallel] = None
+    watch: Optional[ValueWatch] = None  # the Python values the trace read, checked before each call
 
     def transform(self, transformation: Optional[Callable] = None) -> Transformed:
         """The transform stage: ``transformation`` (e.g. ``spmd.GraphModuleTransformation``; default: the
@@ -109,7 +112,8 @@ class Transformed:
         step = traced.step
         entry = CompiledStep(self.runner, step.out_spec, traced.graph, compile_times=dict(self.compile_times),
                              first_step=first_step_slots(traced.state, list(traced.created)), grads=step.grads,
-                             dtensors=step.dtensors, replays=step.replays, live=step.live)
+                             dtensors=step.dtensors, replays=step.replays, live=step.live,
+                             watch=traced.watch)
         entry.lowered = True
         if not isinstance(self.runner, IterGraphModule):  # a transformation of the user's lowers it itself
             return entry

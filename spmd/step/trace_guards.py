@@ -71,7 +71,7 @@ def guards_for(reads: CodeReads, roots: Any) -> TraceGuards:
     libraries: dict[str, Optional[str]] = {}
     names: dict[str, tuple[set, set]] = {}
     for code, namespace in reads.codes.items():
-        kind = _kind(code, namespace)
+        kind = code_kind(code, namespace)
         if kind == "user" and _made_by_guarded_code(code, namespace, reads):
             kind = "skip"  # what it runs follows from its maker's code, guarded in turn
         if kind == "skip":
@@ -147,15 +147,21 @@ def fingerprint(value: Any, what: str) -> Any:
 
 @functools.cache
 def _skipped_roots() -> tuple[str, ...]:
-    """Folders whose code the versions cover: torch, spmd's own packages and Python's standard library."""
+    """Folders whose code the versions cover: torch's and spmd's own packages."""
     import spmd
     import spmd.graph_utils
     import spmd.passes
 
-    roots = {os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
+    roots = {os.path.dirname(torch.__file__)}
     # spmd.tools is not among them: its steps (the benchmark's) are user code, which the source digest misses
     roots.update(os.path.dirname(p.__file__) for p in (spmd, spmd.passes, spmd.graph_utils))
     return tuple(os.path.join(r, "") for r in roots)
+
+
+@functools.cache
+def _standard_library_roots() -> tuple[str, ...]:
+    """Python's standard library (in a venv, ``lib/pythonX.Y`` holds ``site-packages`` too: libraries first)."""
+    return tuple(os.path.join(sysconfig.get_paths()[k], "") for k in ("stdlib", "platstdlib"))
 
 
 @functools.cache
@@ -165,8 +171,14 @@ def _library_roots() -> tuple[str, ...]:
     return tuple(os.path.join(p, "") for p in paths)
 
 
-def _kind(code: types.CodeType, namespace: dict) -> str:
-    filename = code.co_filename
+def code_kind(code: types.CodeType, namespace: dict) -> str:
+    """Where ``code`` comes from: "skip" (torch, spmd, the standard library: their versions cover it), "library"
+    (an installed package: its version) or "user" (a source file of the user's, checked by its contents)."""
+    return source_kind(code.co_filename, namespace)
+
+
+def source_kind(filename: str, namespace: dict) -> str:
+    """``code_kind`` of code from ``filename`` run under the globals ``namespace`` (a module's, for a module)."""
     module = namespace.get("__name__") or ""
     if filename.startswith("<frozen") or module.split(".")[0] in sys.stdlib_module_names:
         return "skip"
@@ -177,6 +189,8 @@ def _kind(code: types.CodeType, namespace: dict) -> str:
         return "skip"
     if source.startswith(_library_roots()):
         return "library"
+    if source.startswith(_standard_library_roots()):  # after the libraries: a venv's site-packages lies under it
+        return "skip"
     return "user"
 
 
@@ -190,7 +204,7 @@ def _made_by_guarded_code(code: types.CodeType, namespace: dict, reads: CodeRead
     if caller is None or caller[0] is code:
         return False
     caller_code, caller_namespace = caller
-    kind = _kind(caller_code, caller_namespace)
+    kind = code_kind(caller_code, caller_namespace)
     return kind != "user" or os.path.isfile(caller_code.co_filename)
 
 
@@ -230,7 +244,7 @@ def _file_digest(path: str) -> str:
 # --- values -----------------------------------------------------------------------------------------------------
 
 
-def _is_library_object(obj: Any) -> bool:
+def is_library_object(obj: Any) -> bool:
     top = (getattr(obj, "__module__", None) or "").split(".")[0]
     return top in ("torch", "spmd", "builtins", "numpy") or top in sys.stdlib_module_names
 
@@ -277,7 +291,7 @@ class _Walk:
         if isinstance(v, io.IOBase):
             raise Unguardable(f"{where} is an open file, whose contents spmd cannot check")
         if isinstance(v, types.ModuleType):
-            if _is_library_object(v) or not attributes:
+            if is_library_object(v) or not attributes:
                 return {"module": v.__name__}
             return {"module": v.__name__, "attributes": {a: self.value(getattr(v, a), f"{where}.{a}")
                                                          for a in attributes if hasattr(v, a)}}
@@ -333,11 +347,11 @@ class _Walk:
 
     def _class(self, cls: type, where: str) -> Any:
         described = describe(cls)
-        if _is_library_object(cls) or not isinstance(described, dict):
+        if is_library_object(cls) or not isinstance(described, dict):
             return described
         constants = {}
         for base in cls.__mro__:
-            if _is_library_object(base):
+            if is_library_object(base):
                 continue
             for name, attr in vars(base).items():
                 if not name.startswith("__") and isinstance(attr, (bool, int, float, str, tuple, type(None))):
@@ -345,7 +359,7 @@ class _Walk:
         return {**described, "constants": constants}
 
     def _function(self, fn: Any, where: str) -> Any:
-        if isinstance(fn, types.FunctionType) and not _is_library_object(fn):
+        if isinstance(fn, types.FunctionType) and not is_library_object(fn):
             closure = {}
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                 try:
@@ -375,4 +389,5 @@ class _Walk:
                 "groups": groups, "state": state, "hooks": hooks}
 
 
-__all__ = ["TraceGuards", "Unguardable", "failed_guard", "fingerprint", "guards_for"]
+__all__ = ["TraceGuards", "Unguardable", "code_kind", "failed_guard", "fingerprint", "guards_for", "is_library_object",
+           "source_kind"]

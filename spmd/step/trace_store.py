@@ -34,7 +34,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
@@ -46,8 +45,9 @@ from ..trace import code_reads
 from ..trace.accumulation import LEAVES_GRADS, GradPlan
 from ..trace.capture import TracedStep
 from ..trace.step_state import StepState
-from .cache_key import torch_settings, versions
+from .cache_key import versions
 from .cache_store import CacheStore
+from .dependencies import ambient
 from .describe import canonical_json, describe
 from .trace_guards import TraceGuards, Unguardable, failed_guard, fingerprint, guards_for
 
@@ -181,12 +181,12 @@ class TraceStore:
 
 def trace_index(fn: Callable, parallel_mode: Any, overrides: list) -> dict:
     """What every kept trace of ``fn`` in this process shares (``TraceStore``'s index): the function, the
-    versions (torch's, Python's, spmd's source), torch's settings, grad mode and autocast around the call, the
-    rank and world size, the parallel mode and the module overrides."""
+    versions (torch's, Python's, spmd's source), the torch settings around the call (``ambient``), the rank and
+    world size, the parallel mode and the module overrides (``spmd.step.dependencies`` lists what a step
+    depends on and where each part is checked)."""
     ranked = dist.is_available() and dist.is_initialized()
     return {"format": FORMAT, "step": [getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn))],
-            "versions": versions(), "torch settings": torch_settings(), "grad": torch.is_grad_enabled(),
-            "autocast": [[d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))] for d in ("cpu", "cuda")],
+            "versions": versions(), "torch settings": ambient(),
             "rank": [dist.get_rank(), dist.get_world_size()] if ranked else [0, 1],
             "mode": describe(parallel_mode), "overrides": describe(overrides)}
 

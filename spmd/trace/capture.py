@@ -57,6 +57,7 @@ from .direct_functionalize import functionalize_writes
 from .host_reads import checking_host_reads, user_frame_of, value_read_error
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
 from .block_masks import as_block_masks, holding_traced
+from .code_reads import CodeReads
 from .dist_nn import traceable_collectives
 from .grouped_mm import traceable_grouped_mm
 from .step_outputs import graph_outputs
@@ -87,6 +88,8 @@ class TracedStep:
     live: dict = field(default_factory=dict)  # output position -> the state's tensor returned (``step_outputs``)
     # what it assumed of its optimizers' hyperparameters (``spmd.optim.hyperparams``), also in ``state.learned``
     learned: LearnedFacts = field(default_factory=LearnedFacts)
+    # the code it ran (``spmd.trace.code_reads``) where that was recorded; None for a kept trace reused
+    reads: Optional[CodeReads] = None
 
 
 @contextlib.contextmanager

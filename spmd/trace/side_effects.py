@@ -80,6 +80,12 @@ class Increment:
         self(-1)
 
 
+def counters(replays: list) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of each counter among ``replays`` (``Increment``): its value changes after every
+    call by design, so it is no change a compiled step must be traced again for."""
+    return [(module, r.name) for r in replays if isinstance(r, Increment) and (module := r.ref()) is not None]
+
+
 def undo_side_effects(replays: list) -> None:
     """Take back what the trace that recorded ``replays`` did to the step's modules (its counters' steps), for a
     trace that failed or is done again."""
