@@ -62,3 +62,15 @@ def test_the_root_unit_packs_its_early_gradients_after_its_last_one(monkeypatch)
     assert all(is_pointwise_use(u, lambda op: op is cast) for u in last.users), list(last.users)
     for comm, pack, sources in blocks:  # packs whose gradients come together are left alone
         assert not any(s.target is RUN_AFTER for s in sources), comm.meta[UNIT]
+
+
+def test_the_ordering_copy_gives_its_value_the_shape_the_graph_gives_it():
+    """torch 2.11's Inductor can hand a keepdim reduction (a layer norm's weight gradient, ``(1, 1, 8)``) to the
+    next kernel without its kept dimensions; the ordering copy makes it the graph's shape again, so its size check
+    holds (a GPU fully_shard step failed there). A value of the right shape and layout is copied as it is."""
+    flat = torch.arange(8.0)
+    out = RUN_AFTER(flat, torch.zeros(()), [1, 1, 8])
+    assert out.shape == (1, 1, 8) and torch.equal(out.flatten(), flat)
+    strided = torch.arange(8.0).reshape(2, 4).t()
+    copy = RUN_AFTER(strided, torch.zeros(()), [4, 2])
+    assert copy.stride() == strided.stride() and torch.equal(copy, strided)

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .opaque_ops import RUN_AFTER
+from .opaque_ops import run_after
 
 aten = torch.ops.aten
 
@@ -40,7 +40,7 @@ def order_loss_backward_after_loss(graph: fx.Graph) -> int:
         if loss is None:
             continue
         with graph.inserting_before(node):
-            seed = graph.call_function(RUN_AFTER, (node.args[0], loss))
+            seed = run_after(graph, node.args[0], loss)
         seed.meta.update(node.args[0].meta)
         node.update_arg(0, seed)
         ordered += 1

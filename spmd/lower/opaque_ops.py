@@ -14,9 +14,12 @@ model's embedding; ``keeps_gathered_lookup_whole``).
 ``BERNOULLI`` (defined on import): ATen's ``bernoulli.p``, the mask of a dropout traced on the CPU
 (``keeps_bernoulli_whole``).
 
-``RUN_AFTER`` (defined on import): ``run_after(value, before)`` is a copy of ``value`` that Inductor makes only
-once ``before`` is computed: an ordering edge between two computations with no data between them
-(``spmd.lower.loss_order``).
+``RUN_AFTER`` (defined on import): ``run_after(value, before, shape)`` is a copy of ``value`` that Inductor makes
+only once ``before`` is computed: an ordering edge between two computations with no data between them
+(``spmd.lower.loss_order``, ``spmd.lower.pack_order``; ``run_after`` builds the node). The copy has ``shape``,
+the value's shape in the graph: torch 2.11's Inductor hands a keepdim reduction it computes in a mix-order
+reduction kernel (a layer norm's weight gradient, ``(1, 1, 1024)``) to the next kernel without its kept
+dimensions (``(1024,)``), and the copy's size check failed on the GPU.
 """
 
 from __future__ import annotations
@@ -195,8 +198,16 @@ def keeps_bernoulli_whole(node: fx.Node) -> bool:
             and node.kwargs.get("generator") is None and len(node.args) == 2)
 
 
-_opaque_lib.define("run_after(Tensor value, Tensor before) -> Tensor")
-_opaque_lib.impl("run_after", lambda value, before: value.clone(), "CompositeExplicitAutograd")
-torch.library.register_fake(f"{OPAQUE_NAMESPACE}::run_after", lambda value, before: torch.empty_like(value),
+_opaque_lib.define("run_after(Tensor value, Tensor before, int[] shape) -> Tensor")
+_opaque_lib.impl("run_after", lambda value, before, shape: value.reshape(shape).clone(), "CompositeExplicitAutograd")
+torch.library.register_fake(f"{OPAQUE_NAMESPACE}::run_after", lambda value, before, shape: torch.empty_like(value),
                             lib=_opaque_lib)
 RUN_AFTER = getattr(torch.ops, OPAQUE_NAMESPACE).run_after.default
+
+
+def run_after(graph: fx.Graph, value: fx.Node, before: fx.Node) -> fx.Node:
+    """A ``RUN_AFTER`` node copying ``value`` once ``before`` is computed, at the graph's insertion point, with
+    ``value``'s metadata (its value and tensor facts)."""
+    copy = graph.call_function(RUN_AFTER, (value, before, list(value.meta["val"].shape)))
+    copy.meta.update({k: v for k, v in value.meta.items() if k in ("val", "tensor_meta")})
+    return copy

@@ -25,7 +25,7 @@ import torch.fx as fx
 from ..graph_utils import node_order
 from ..graph_utils.meta import UNIT
 from ..graph_utils.unit_collectives import LAYOUT_OPS, gradient_collectives
-from .opaque_ops import RUN_AFTER
+from .opaque_ops import run_after
 
 aten = torch.ops.aten
 
@@ -65,8 +65,7 @@ def delay_early_pack_inputs(graph: fx.Graph) -> int:
             comm.prepend(node)
         for source in early:
             with graph.inserting_before(min(pack, key=node_order(graph).__getitem__)):
-                copy = graph.call_function(RUN_AFTER, (source, anchor))
-            copy.meta.update({k: v for k, v in source.meta.items() if k in ("val", "tensor_meta")})
+                copy = run_after(graph, source, anchor)
             for user in [u for u in source.users if u in pack]:
                 user.replace_input_with(source, copy)
             delayed += 1

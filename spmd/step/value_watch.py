@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from ..optim.amp_scaler import GradScaler
+from ..trace.block_masks import is_block_mask
 from ..trace.code_reads import CodeReads
 from ..trace.step_reach import global_names, nested_codes
 from .trace_guards import code_kind, is_library_object, source_kind
@@ -143,9 +145,11 @@ def _shown(value: Any) -> str:
 
 
 def _signatures_own(value: Any) -> bool:
-    """Values the step's signature and state check follow, never watched here (and never held: a module, a
-    tensor or an optimizer kept alive by a watch would keep a model's memory alive)."""
-    return isinstance(value, (torch.Tensor, nn.Module, torch.optim.Optimizer)) or callable(getattr(value, "__func__", None))
+    """Values the step's signature and state check follow (tensors, modules, optimizers, GradScalers,
+    flex_attention masks), never watched here (and never held: a module, a tensor or an optimizer kept alive
+    by a watch would keep a model's memory alive); a bound method too (it holds its object)."""
+    return isinstance(value, (torch.Tensor, nn.Module, torch.optim.Optimizer, GradScaler)) or is_block_mask(value) \
+        or callable(getattr(value, "__func__", None))
 
 
 def _holds_signatures_own(container: Any) -> bool:
