@@ -39,6 +39,33 @@ import pytest  # noqa: E402
 from tests.dist import reset_process_state, shutdown_pools  # noqa: E402
 
 
+# The longest tests (each over 20 s on a 2-core machine, most of them several processes), run first: pytest-xdist
+# hands each worker a first block of tests and the rest as workers free up, so long tests left for the end
+# keep one worker busy while the other has nothing left. Tests sharing a module fixture stay together.
+_LONGEST = (
+    "tests/test_piecewise.py::test_fully_shard_compiled_in_pieces_cut_inside_flights_matches_fsdp2",
+    "tests/test_compile_cache.py::test_what_the_code_says_now_runs_after_each_edit_between_restarts",
+    "tests/test_compile_cache.py::test_dumps_are_written_when_the_step_runs_kept_code",
+    "tests/test_bench_compile.py::test_cold_then_warm_runs_on_two_gloo_ranks_compile_once_then_not_at_all",
+    "tests/test_readme.py::test_every_python_block_runs_as_pasted[tensor_parallel0]",
+    "tests/test_bench_tp.py::test_bench_tp_runs_the_cpu_modes_on_4_gloo_ranks",
+    "tests/test_inductor_cache.py::test_a_restarted_process_loads_the_step_from_inductors_fx_graph_cache_and_trains_"
+    "the_same[cpu]",
+    "tests/test_shard_parity.py::test_fully_shard_and_shard_grad_op_match_fsdp2",
+    "tests/test_float64_parity.py::test_pass_pipeline_matches_eager_ddp_in_float64[passes-inductor-fused]",
+    "tests/test_float64_parity.py::test_pass_pipeline_matches_eager_ddp_in_float64[passes-inductor-foreach]",
+    "tests/test_tensor_parallel.py::test_foreach_optimizers_with_tensor_parallel_match_fsdp2",
+    "tests/test_tensor_parallel.py::test_sharded_modes_with_tensor_parallel_match_fsdp2",
+    "tests/test_recompute.py::test_the_default_recompute_adds_no_kernel_under_inductor",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first (``_LONGEST``), the rest in collection order; every worker collects alike."""
+    first = {nodeid: k for k, nodeid in enumerate(_LONGEST)}
+    items.sort(key=lambda item: first.get(item.nodeid, len(first)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _rank_pools():
     yield
