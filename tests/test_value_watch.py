@@ -161,3 +161,25 @@ def test_an_installed_library_is_a_library_even_inside_a_venv():
     assert code_kind(main.__code__, main.__globals__) == "library"
     assert code_kind(dataclasses.fields.__code__, dataclasses.fields.__globals__) == "skip"
     assert code_kind(step.__code__, step.__globals__) == "user"
+
+
+def test_a_value_the_watch_cannot_read_leaves_the_step_compiling_and_says_so(caplog):
+    class Unreadable:
+        @property
+        def __dict__(self):
+            raise RuntimeError("no state to read")
+
+    (_, _), (model, optim) = _pair()
+    model.temperature = Unreadable()  # a name the model's forward reads, holding what the walk cannot read
+
+    def divided(model, optim, x):
+        loss = model.lin(x).pow(2).mean() / 2
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    compiled = spmd.compile(gm_transformation=spmd.GraphModuleTransformation())(divided)
+    with caplog.at_level(logging.WARNING, logger="spmd"):
+        compiled(model, optim, torch.randn(3, 4, dtype=F64))
+    assert "cannot be watched (RuntimeError: no state to read)" in caplog.text

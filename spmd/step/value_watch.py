@@ -190,7 +190,18 @@ class ValueWatch:
                     reads: Optional[CodeReads], counted: Iterable[tuple[Any, str]] = ()) -> "ValueWatch":
         """The watch of a trace of ``fn`` on ``modules`` with these arguments, taken right after it: ``reads``,
         what the trace ran where it was recorded (else the code ``fn`` can reach); ``counted``, the (module,
-        attribute) counters the step replays after every call."""
+        attribute) counters the step replays after every call. An object the walk cannot read leaves the watch
+        empty, said once in the log as a warning: the step still compiles, as before the watch existed."""
+        try:
+            return cls._built(fn, modules, args, kwargs, reads, counted)
+        except Exception as err:  # noqa: BLE001 - a step that compiles must not fail for its watch
+            log.warning("spmd: the Python values the trace read cannot be watched (%s: %s); a change to one of "
+                        "them will not make the step trace again", type(err).__name__, err)
+            return cls()
+
+    @classmethod
+    def _built(cls, fn: Callable, modules: list[nn.Module], args: tuple, kwargs: dict,
+               reads: Optional[CodeReads], counted: Iterable[tuple[Any, str]]) -> "ValueWatch":
         watch = cls()
         if reads is not None:
             ran = list(reads.codes.items())
