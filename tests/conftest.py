@@ -39,7 +39,7 @@ import pytest  # noqa: E402
 from tests.dist import reset_process_state, shutdown_pools  # noqa: E402
 
 
-# The longest tests (each over 20 s on a 2-core machine, most of them several processes), run first: pytest-xdist
+# The longest tests (each over 10 s on a 2-core machine, most of them several processes), run first: pytest-xdist
 # hands each worker a first block of tests and the rest as workers free up, so long tests left for the end
 # keep one worker busy while the other has nothing left. Tests sharing a module fixture stay together.
 _LONGEST = (
@@ -57,6 +57,17 @@ _LONGEST = (
     "tests/test_tensor_parallel.py::test_foreach_optimizers_with_tensor_parallel_match_fsdp2",
     "tests/test_tensor_parallel.py::test_sharded_modes_with_tensor_parallel_match_fsdp2",
     "tests/test_recompute.py::test_the_default_recompute_adds_no_kernel_under_inductor",
+    "tests/test_inductor_lowering.py::test_a_dropout_mask_drawn_on_the_cpu_is_drawn_before_its_readers_and_as_eager_"
+    "draws_it",
+    "tests/test_grouped_mm.py::test_fused_adamw_gets_each_expert_gradient_laid_out_as_its_parameter[aten_fused_op]",
+    "tests/test_optimizers.py::test_every_optimizer_matches_eager_ddp_in_float64",
+    "tests/test_hf_models.py::test_hf_t5_trains_like_eager_in_float64",
+    "tests/test_hf_models.py::test_hf_t5_in_bf16_autocast_is_a_graph_inductor_can_take",
+    "tests/test_tp_checkpoint.py::test_dcp_checkpoints_cross_load_between_spmd_and_fsdp2_with_tensor_parallel",
+    "tests/test_timeline.py::test_record_itermove_on_cpu_profiles_setup_main_cleanup",
+    "tests/test_compile_cache.py::test_ranks_whose_steps_read_their_rank_never_share_a_trace",
+    "tests/test_inductor_lowering.py::test_inductor_compiles_every_graph_of_a_moved_step_before_it_runs",
+    "tests/test_zoo.py::test_spmd_step_matches_eager[t5]",
 )
 
 
