@@ -133,6 +133,18 @@ def test_a_hook_added_after_the_trace_runs_as_in_eager():
     assert compiled.trace_count == 2
 
 
+def test_a_hook_removed_after_the_trace_stops_running_as_in_eager():
+    (eager_model, eager_optim), (model, optim) = _pair()
+    handles = [m.lin.register_forward_hook(lambda mod, args, out: out * 3.0) for m in (eager_model, model)]
+    compiled = _compiled()
+    x = torch.randn(3, 4, dtype=F64)
+    torch.testing.assert_close(compiled(model, optim, x), step(eager_model, eager_optim, x))
+    for handle in handles:
+        handle.remove()  # registers nothing: the hook dict's keys say it
+    torch.testing.assert_close(compiled(model, optim, x), step(eager_model, eager_optim, x), rtol=1e-12, atol=1e-12)
+    assert compiled.trace_count == 2
+
+
 def test_a_closure_variable_the_step_reads_is_watched():
     (eager_model, eager_optim), (model, optim) = _pair()
     weight = 1.0

@@ -176,7 +176,10 @@ class ValueWatch:
         self._kept: list[Any] = []  # per place: the value, or a weak reference to it, or None (held by id only)
         self._cells: list[tuple[Any, int, Any, str]] = []  # (closure cell, id, kept, name)
         self._containers: list[tuple[Any, list, list, str]] = []  # (list or dict, keys, item ids, name)
-        self._hooks: list[tuple[weakref.ref, str, list, str]] = []  # (module, hook dict's key, hook ids, name)
+        # (module, hook dict's key, hook ids, name): the dicts that held hooks after the trace, compared on every
+        # call (a hook removed), and the empty ones, compared when a hook was registered anywhere since
+        self._hooks: list[tuple[weakref.ref, str, list, str]] = []
+        self._empty_hooks: list[tuple[weakref.ref, str, list, str]] = []
         self._hook_serial = _hook_serial()
         self._dirty = False  # a watched object or owner was freed: compare in full
         self._seen: set[int] = set()
@@ -234,7 +237,7 @@ class ValueWatch:
         return watch
 
     def __len__(self) -> int:
-        return len(self._keys) + len(self._cells) + len(self._containers) + len(self._hooks)
+        return len(self._keys) + len(self._cells) + len(self._containers) + len(self._hooks) + len(self._empty_hooks)
 
     # --- building ------------------------------------------------------------------------------------------
 
@@ -296,7 +299,8 @@ class ValueWatch:
 
     def _hook_dict(self, owner: Any, key: str, where: str) -> None:
         """Watch the hooks in ``owner.__dict__[key]`` by their handles' ids (new ones get new ids)."""
-        self._hooks.append((weakref.ref(owner, self._mark_dirty), key, list(vars(owner)[key]), where))
+        ids = list(vars(owner)[key])
+        (self._hooks if ids else self._empty_hooks).append((weakref.ref(owner, self._mark_dirty), key, ids, where))
 
     def _function(self, fn: Any, where: str) -> None:
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -373,12 +377,12 @@ class ValueWatch:
                     return f"{where} changed"
             elif list(map(id, container)) != ids:
                 return f"{where} changed"
-        if _hook_serial() != self._hook_serial or self._dirty:  # a hook registered somewhere: on one of ours?
-            for ref, key, ids, where in self._hooks:
-                owner = ref()
-                if owner is not None and list(vars(owner).get(key, ())) != ids:
-                    return f"the hooks in {where} changed"
-            self._hook_serial = _hook_serial()
+        registered = _hook_serial() != self._hook_serial or self._dirty  # a hook registered somewhere since
+        for ref, key, ids, where in (*self._hooks, *(self._empty_hooks if registered else ())):
+            owner = ref()
+            if owner is not None and list(vars(owner).get(key, ())) != ids:
+                return f"the hooks in {where} changed"
+        self._hook_serial = _hook_serial()
         self._dirty = False
         return None
 
