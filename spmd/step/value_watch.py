@@ -24,7 +24,6 @@ configuration are their own).
 
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import logging
@@ -40,6 +39,7 @@ import torch.nn as nn
 from ..optim.amp_scaler import GradScaler
 from ..trace.block_masks import is_block_mask
 from ..trace.code_reads import CodeReads
+from ..trace.side_effects import VALUE_TYPES, same_value
 from ..trace.step_reach import global_names, nested_codes
 from .trace_guards import code_kind, is_library_object, source_kind
 
@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 
 _MISSING = object()  # an attribute that did not exist when the trace read the place
 _BUDGET = 50_000  # places watched for one step; beyond, deeper values are left unwatched (said in the log)
-_VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
-                torch.layout, torch.memory_format, enum.Enum)
 # a module's entries the signature or the state check already follow
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "training"})
 _STEP_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")  # a module's
@@ -129,18 +127,10 @@ def _cell_value(cell: Any) -> Any:
         return _MISSING
 
 
-def _same_value(old: Any, new: Any) -> bool:
-    """Whether ``new`` stands where ``old`` stood without changing what a trace made of it: an equal number,
-    string or torch value of the same type."""
-    if type(old) is not type(new) or not isinstance(old, _VALUE_TYPES):
-        return False
-    return old == new or (old != old and new != new)  # NaN stands for NaN
-
-
 def _shown(value: Any) -> str:
     if value is _MISSING:
         return "(unset)"
-    text = repr(value) if isinstance(value, _VALUE_TYPES) else f"a {type(value).__name__}"
+    text = repr(value) if isinstance(value, VALUE_TYPES) else f"a {type(value).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -251,7 +241,7 @@ class ValueWatch:
 
     def _keep(self, value: Any) -> Any:
         """What the watch keeps of a value it compares by identity (class docstring)."""
-        if isinstance(value, _VALUE_TYPES) or value is _MISSING:
+        if isinstance(value, VALUE_TYPES) or value is _MISSING:
             return value
         try:
             return weakref.ref(value, self._mark_dirty)
@@ -312,7 +302,7 @@ class ValueWatch:
 
     def _value(self, value: Any, where: str) -> None:
         """Watch what is under ``value`` (its read attributes, its items), once per object."""
-        if isinstance(value, (_VALUE_TYPES, type)) or _signatures_own(value) or value is _MISSING \
+        if isinstance(value, (VALUE_TYPES, type)) or _signatures_own(value) or value is _MISSING \
                 or id(value) in self._seen or self._full():
             return
         self._seen.add(id(value))
@@ -389,7 +379,7 @@ class ValueWatch:
     def _differs(self, kept: Any, new: Any, where: str) -> Optional[str]:
         """Why ``new`` is not what the watch kept (in words), or None where it stands for it."""
         old = kept() if isinstance(kept, weakref.ref) else kept
-        if new is old or _same_value(old, new):
+        if new is old or same_value(old, new):
             return None
         shown = "(freed)" if isinstance(kept, weakref.ref) and old is None else _shown(old)
         return f"{where} changed {shown} -> {_shown(new)}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dis
+import enum
 import functools
 import logging
 import sys
@@ -184,11 +185,19 @@ def watching_containers(fn: Callable, modules: list[nn.Module]) -> Iterator[None
                      "outside it: loss = train_step(...); losses.append(loss).")
 
 
-def _same(old: Any, new: Any) -> bool:
-    """Whether writing ``new`` over ``old`` changes nothing a later call could see (the same object, or an equal
-    number, string or None)."""
-    plain = (int, float, str, bool, type(None))
-    return old is new or (type(old) is type(new) and isinstance(new, plain) and old == new)
+# plain values: one equal to another of the same type stands for it (``same_value``)
+VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
+               torch.layout, torch.memory_format, enum.Enum)
+
+
+def same_value(old: Any, new: Any) -> bool:
+    """Whether ``new`` in place of ``old`` changes nothing a later call could see: the same object, or an equal
+    plain value (``VALUE_TYPES``) of the same type (a NaN for a NaN)."""
+    if old is new:
+        return True
+    if type(old) is not type(new) or not isinstance(old, VALUE_TYPES):
+        return False
+    return old == new or (old != old and new != new)
 
 
 def _print_again(args: tuple, kwargs: dict) -> None:
@@ -245,7 +254,7 @@ def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[
                     "compiled step cannot keep it there (the attribute keeps the value it had before the step). "
                     "Return the tensor from the step instead, or register a buffer and update it in place "
                     f"(self.{name}.copy_(...)), which the graph does on every call.")
-        elif old is _MISSING or not _same(old, value):
+        elif old is _MISSING or not same_value(old, value):
             warn_at(frame, f"spmd.compile: the step sets {what} at {where(frame)} while it is traced: it is set "
                     "once, at trace, and later calls, which run the compiled graph, do not set it again. Set it "
                     "outside the step, or keep it in a buffer updated in place (self.register_buffer(name, tensor), "
