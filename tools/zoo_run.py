@@ -97,7 +97,18 @@ def _torch(spec: Spec, wrap: Callable[[torch.nn.Module], torch.nn.Module], eager
     return step
 
 
-def _spmd(spec: Spec, style: Optional[str]) -> Step:
+def train_step_backward_in_autocast(model, optim, idx, targets, autocast: bool = True):
+    """The zoo's step with ``backward()`` inside the autocast block: the backward's matmuls in the dtypes
+    ``torch.compile``'s default gives them (docs/lowering.md, "Autocast and the backward")."""
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(idx, targets)
+        loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss.detach()
+
+
+def _spmd(spec: Spec, style: Optional[str], step_fn: Callable = train_step) -> Step:
     import spmd
 
     model = spec.model()
@@ -106,7 +117,7 @@ def _spmd(spec: Spec, style: Optional[str]) -> Step:
         mode = spmd.DataParallel(style, wrap_policy=unit_classes(model, spec.entry.unit))
         spmd.shard(model, mode)
     optim = spec.optimizer(model, capturable=True)
-    compiled, wrap_s = timed_wrap(lambda: spmd.compile(parallel_mode=mode)(train_step))
+    compiled, wrap_s = timed_wrap(lambda: spmd.compile(parallel_mode=mode)(step_fn))
 
     def step(x, y, last_train_step=False):
         return compiled(model, optim, x, y, spec.autocast, last_train_step=last_train_step)
@@ -149,6 +160,9 @@ ZOO_MODES: dict[str, ZooMode] = {
     "compile_ro": ZooMode(lambda s: _torch(s, lambda m: torch.compile(m, mode="reduce-overhead")),
                           "torch.compile(model, mode='reduce-overhead'): Inductor and CUDA graphs", cuda_only=True),
     "spmd": ZooMode(lambda s: _spmd(s, None), "@spmd.compile() with nothing else: the whole step, no process group"),
+    "spmd_autocast_backward": ZooMode(lambda s: _spmd(s, None, train_step_backward_in_autocast),
+                                      "@spmd.compile() over a step calling backward() inside its autocast block "
+                                      "(the backward's dtypes torch.compile's default picks)"),
     "spmd_fully_shard": ZooMode(lambda s: _spmd(s, "fully_shard"),
                                 "spmd fully_shard (a unit per repeated block) in a process group of one", group=True),
     "fsdp2_compiled": ZooMode(_fsdp2_compiled, "FSDP2 fully_shard per repeated block, each block torch.compiled, "
