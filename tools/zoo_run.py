@@ -97,18 +97,7 @@ def _torch(spec: Spec, wrap: Callable[[torch.nn.Module], torch.nn.Module], eager
     return step
 
 
-def train_step_backward_in_autocast(model, optim, idx, targets, autocast: bool = True):
-    """The zoo's step with ``backward()`` inside the autocast block: the backward's matmuls in the dtypes
-    ``torch.compile``'s default gives them (docs/lowering.md, "Autocast and the backward")."""
-    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
-        loss = model(idx, targets)
-        loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return loss.detach()
-
-
-def _spmd(spec: Spec, style: Optional[str], step_fn: Callable = train_step) -> Step:
+def _spmd(spec: Spec, style: Optional[str], backward_in_autocast: bool = False) -> Step:
     import spmd
 
     model = spec.model()
@@ -117,10 +106,10 @@ def _spmd(spec: Spec, style: Optional[str], step_fn: Callable = train_step) -> S
         mode = spmd.DataParallel(style, wrap_policy=unit_classes(model, spec.entry.unit))
         spmd.shard(model, mode)
     optim = spec.optimizer(model, capturable=True)
-    compiled, wrap_s = timed_wrap(lambda: spmd.compile(parallel_mode=mode)(step_fn))
+    compiled, wrap_s = timed_wrap(lambda: spmd.compile(parallel_mode=mode)(train_step))
 
     def step(x, y, last_train_step=False):
-        return compiled(model, optim, x, y, spec.autocast, last_train_step=last_train_step)
+        return compiled(model, optim, x, y, spec.autocast, backward_in_autocast, last_train_step=last_train_step)
     step.wrap_s, step.model = wrap_s, model
     step.compile_times = lambda: compiled.compile_times
     step.captures = lambda: getattr(compiled, "cuda_graph_captures", None)
@@ -160,7 +149,7 @@ ZOO_MODES: dict[str, ZooMode] = {
     "compile_ro": ZooMode(lambda s: _torch(s, lambda m: torch.compile(m, mode="reduce-overhead")),
                           "torch.compile(model, mode='reduce-overhead'): Inductor and CUDA graphs", cuda_only=True),
     "spmd": ZooMode(lambda s: _spmd(s, None), "@spmd.compile() with nothing else: the whole step, no process group"),
-    "spmd_autocast_backward": ZooMode(lambda s: _spmd(s, None, train_step_backward_in_autocast),
+    "spmd_autocast_backward": ZooMode(lambda s: _spmd(s, None, backward_in_autocast=True),
                                       "@spmd.compile() over a step calling backward() inside its autocast block "
                                       "(the backward's dtypes torch.compile's default picks)"),
     "spmd_fully_shard": ZooMode(lambda s: _spmd(s, "fully_shard"),
