@@ -19,11 +19,16 @@ readers from values that stay alive anyway (graph inputs, kept values, new small
   2. beside a reader (``Planner.beside_readers``; not with ``recompute="free"``): a value an extern
      kernel reads (a GELU's output, which the next matmul's weight gradient reads), recomputed through
      pointwise ops from values kept anyway, where a backward kernel that inlines pointwise producers
-     reads one of those values too (``gelu_backward`` reads the GELU's input). Inductor computes the
-     two in one kernel: the recompute costs one write of the value. Its inputs must come from extern
-     kernels (a matmul's output): Inductor would fuse a reader of a value a generated kernel made into
-     that forward kernel, computing the recompute in the forward and keeping it, which saves nothing
-     and costs a write (what recomputing LayerNorm outputs from the residual stream does).
+     reads one of those values too (``gelu_backward`` reads the GELU's input; a dropout's backward reads
+     its mask, and attention's dropped-out probabilities are pointwise of the mask and the scores).
+     Inductor computes the two in one kernel: the recompute costs one write of the value. Its inputs
+     come from extern kernels (a matmul's output), or it reads a dropout's mask. Our lowering never
+     fuses a recompute into the forward kernel that made one of its inputs (``spmd.lower.recompute_fusion``:
+     there it would be computed in the forward and kept, saving nothing); still, recomputes from values
+     generated kernels made measured slower on a GPU where they were not a dropout's (Llama's RMSNorm
+     outputs; LayerNorms repeated from the residual stream add a reduction kernel each), while
+     attention's dropped-out probabilities, pointwise of its probabilities and the mask, free the
+     largest activations BERT and T5 keep (BENCHMARKS.md, "Round 20").
   Everything else the backward reads is kept: a recompute that a matmul reads and that fuses with
   nothing costs a kernel and a round trip through memory (torch's "materialized in the backward").
 * ``memory_budget=f`` < 1: from the default, recompute until at most ``f`` times the activation bytes
@@ -125,6 +130,10 @@ class Planner:
         self.substitute = regathered(graph)
         self.gathered = {n for g in unit_gathers(graph) for n in gathered_values(g)}
         self.kept: dict[fx.Node, None] = dict.fromkeys(self.saved)  # ordered set
+        self.aliases: dict[fx.Node, list[fx.Node]] = {}  # a value -> the saved detaches of it (``holds``)
+        for v in self.saved:
+            if v.target in (aten.detach.default, aten.alias.default) and isinstance(v.args[0], fx.Node):
+                self.aliases.setdefault(v.args[0], []).append(v)
         self.recomputed: list[fx.Node] = []
         self.fused: set[fx.Node] = set()
         self.chains: dict[fx.Node, list[fx.Node]] = {}
@@ -142,6 +151,11 @@ class Planner:
                 kind = POINTWISE
             self._kind[node] = kind
         return self._kind[node]
+
+    def holds(self, node: fx.Node) -> bool:
+        """``node``'s value stays alive for the backward: it is kept, or a kept value is autograd's ``detach`` of
+        it (a softmax's output, saved for its backward, is read in the forward as the softmax node itself)."""
+        return node in self.kept or any(alias in self.kept for alias in self.aliases.get(node, ()))
 
     def closure(self, v: fx.Node, allowed: tuple, new_leaves_ok: bool) -> Optional[tuple[list, set, set]]:
         """(nodes ``v``'s recompute repeats, values it would newly keep, kept values it reads), or None.
@@ -169,7 +183,7 @@ class Planner:
                 if a in seen:
                     continue
                 seen.add(a)
-                if a.op in ("placeholder", "get_attr") or (a in self.kept and a is not v):
+                if a.op in ("placeholder", "get_attr") or (a is not v and self.holds(a)):
                     if self.written.get(a, len(self.order)) <= max(self.at[v], self.until.get(v, -1)):
                         return None
                     reads.add(a)
@@ -288,7 +302,10 @@ class Planner:
             if found is None:
                 continue
             inputs = {a for f in found for a in f[2] if a.op != "placeholder"}
-            if not any(self._read_by_fusing_backward(a) for a in inputs) or not all(map(_extern_output, inputs)):
+            if not any(self._read_by_fusing_backward(a) for a in inputs):
+                continue
+            norms = any(self.kind(n) == ROW for f in found for n in f[0])
+            if (norms or not any(map(_dropout_mask, inputs))) and not all(map(_extern_output, inputs)):
                 continue
             for v, f in zip(members, found):
                 self.recompute(v, f)
@@ -334,10 +351,14 @@ class Planner:
         return list(found)
 
 
+def _dropout_mask(node: fx.Node) -> bool:
+    """``node`` is a dropout's mask (``native_dropout``'s second result), which the dropout's backward reads."""
+    return (node.target is operator.getitem and node.args[1] == 1 and isinstance(node.args[0], fx.Node)
+            and node.args[0].target is aten.native_dropout.default)
+
+
 def _extern_output(node: fx.Node) -> bool:
-    """``node``'s storage comes from an extern kernel (a matmul, attention, a collective): Inductor cannot fuse
-    a reader of it into the kernel that made it. A recompute reading a value a generated kernel made could
-    be fused into that forward kernel, computed there and kept, which saves nothing."""
+    """``node``'s storage comes from an extern kernel (a matmul, attention, a collective)."""
     root = storage_root(node)
     while root.target is operator.getitem:
         root = root.args[0]

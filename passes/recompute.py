@@ -10,6 +10,10 @@ not slower; more under a ``memory_budget``); this pass rewrites the graph to mat
 * a softmax the default recomputes is split in the forward into its row statistics and a
   pointwise rest (its decomposition, which Inductor would apply anyway), so the backward repeats
   only the pointwise rest;
+* under Inductor, a dropout's output is written as its input times its mask times ``1 / (1 - p)``
+  (what ATen and Inductor's decomposition compute), a pointwise value of the input and of the mask
+  the backward keeps anyway: the backward can make it again beside the dropout's own backward
+  instead of keeping it (attention's dropped-out probabilities, which the next matmul's backward reads);
 * each recomputed value's chain is inserted right before the node that first reads it. A chain
   the default chose is made again for each stretch of readers with no extern kernel between them
   (so it stays inside the kernels that read it, never a buffer kept across the backward); a chain
@@ -22,6 +26,7 @@ node that reads them, never between a gradient and the collective that sends it.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Optional
 
 import torch
@@ -61,6 +66,33 @@ def _split_softmaxes(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         decompose_node(graph, node, {node.target: decomposition_table[node.target]})
 
 
+def _split_dropouts(graph: fx.Graph) -> None:
+    """Replace each training dropout's output (``native_dropout``'s first result) by its input times its mask
+    times ``1 / (1 - p)``, computed right after the mask: the values ATen's kernel and Inductor's
+    decomposition compute, bit for bit (the input times a 0-or-1 mask is exact, one rounding follows)."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.native_dropout.default:
+            continue
+        x, p, train = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        outputs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        if not train or not 0.0 < p < 1.0 or 0 not in outputs:
+            continue
+        if 1 not in outputs:
+            with graph.inserting_after(node):
+                outputs[1] = graph.call_function(operator.getitem, (node, 1))
+            set_fake_val(outputs[1])
+        with graph.inserting_after(outputs[1]):
+            kept = graph.call_function(aten.mul.Tensor, (outputs[1], x))
+        with graph.inserting_after(kept):
+            scaled = graph.call_function(aten.mul.Tensor, (kept, float(1.0 / (1.0 - p))))
+        for new in (kept, scaled):
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")})
+            set_fake_val(new)
+        outputs[0].replace_all_uses_with(scaled)
+        graph.erase_node(outputs[0])
+
+
 def _regions(graph: fx.Graph, order: dict[fx.Node, int]) -> list[int]:
     """For each node position: how many nodes up to it are neither views nor compiled into a kernel a
     pointwise chain fuses into (extern kernels: matmuls, attention, collectives). Readers of one region
@@ -89,7 +121,7 @@ def _rewrite(graph: fx.Graph, planner: Planner) -> None:
     local: dict[int, dict[fx.Node, fx.Node]] = {}  # region -> its pointwise recomputed nodes
 
     def materialize(x: fx.Node, lo: int, at: int, private: Optional[dict]) -> fx.Node:
-        if x.op in ("placeholder", "get_attr") or x in planner.kept:
+        if x.op in ("placeholder", "get_attr") or planner.holds(x):
             return x
         if x in planner.substitute:
             return planner.substitute[x]
@@ -177,6 +209,8 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
         raise ValueError(f"recompute_activations: memory_budget must be a fraction in (0, 1], got {memory_budget!r}")
     graph = gm.graph
     refuse_after_moves(graph, "recompute_activations", "recomputing values")
+    if lowered_by_inductor:
+        _split_dropouts(graph)
     plan, planner = plan_recompute(graph, memory_budget, beside=not free_only)
     split = planner.split_nodes()
     if split:

@@ -128,7 +128,8 @@ class _ScaledGelu(nn.Module):
 
 @pytest.mark.parametrize("plain", [True, False])
 def test_a_value_recomputed_beside_its_reader_comes_from_an_extern_kernel(plain):
-    """Inductor would fuse a recompute of GELU(h * 2) into the forward kernel that computes h * 2: kept."""
+    """GELU(h) is recomputed beside ``gelu_backward``; GELU(h * 2), whose input a generated kernel made, is kept
+    (recomputes from generated kernels' values measured slower on a GPU; a dropout's are the exception)."""
     torch.manual_seed(0)
     model = _ScaledGelu(plain)
     step, seen = compiled_with_passes([recompute_activations], body=square_mean_step)
@@ -504,3 +505,90 @@ def test_a_value_the_loss_backward_reads_only_for_its_shape_is_neither_saved_nor
     assert log_probs_fp32 not in saved.values(), saved
     assert sorted(saved.values())[-2:] == [32 * 4096 * 4, log_probs_bf16], saved  # the head's weight, read back
     assert default.peak_bytes <= off.peak_bytes, (default.peak_bytes, off.peak_bytes)
+
+
+class _DroppedOutAttention(nn.Module):
+    """Attention layers whose probabilities go through ``native_dropout`` (what a GPU traces ``F.dropout`` to)
+    before the matmul with the values, as BERT's and T5's do."""
+
+    def __init__(self, width=16, layers=2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleList(nn.Linear(width, width, dtype=torch.float64) for _ in range(3))
+                                    for _ in range(layers))
+
+    def forward(self, x):
+        for q, k, v in self.layers:
+            probs = torch.softmax(q(x) @ k(x).transpose(-1, -2), dim=-1)
+            x = x + torch.native_dropout(probs, 0.25, True)[0] @ v(x)
+        return x
+
+
+def test_attention_dropout_is_recomputed_beside_its_backward_and_trains_as_eager():
+    """Under Inductor a dropout's output is its input times its mask times 1/(1-p): the dropped-out probabilities,
+    which the backward's matmul reads, are made again beside the dropout's backward (which reads the mask) instead
+    of kept; Inductor schedules no kernel more for it, and the step computes recompute=False's step bit for bit."""
+    from spmd.tools.inductor_kernels import schedule
+
+    def compiled(recompute):
+        torch.manual_seed(0)
+        model = _DroppedOutAttention()
+        step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True, recompute=recompute))(square_mean_step)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), step
+
+    model, optim, step = compiled(True)
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    runner = step.trace(model, optim, x).transform().runner
+    plan = recompute_plan(runner)
+    probs_bytes = 4 * 8 * 8 * 8
+    assert sorted(plan.recomputed.values()) == [probs_bytes] * 2, plan.recomputed
+    off_model, off_optim, off_step = compiled(False)
+    off = schedule(torch.fx.GraphModule(off_runner := off_step.trace(off_model, off_optim, x).transform().runner,
+                                        off_runner.graph))
+    on = schedule(torch.fx.GraphModule(runner, runner.graph))
+    assert on.generated == off.generated and on.recompute_only == 0 and on.with_recompute == 2, (on, off)
+
+    for k in range(3):  # the same masks as recompute=False's step (the CPU's Inductor draws its own, not eager's)
+        x = torch.randn(4, 8, 16, dtype=torch.float64)
+        torch.manual_seed(100 + k)
+        loss = step(model, optim, x)
+        torch.manual_seed(100 + k)
+        assert torch.equal(loss, off_step(off_model, off_optim, x)), k
+    for p, q in zip(model.parameters(), off_model.parameters()):
+        assert torch.equal(p, q)
+
+
+class _Kernel:
+    """A stand-in for an Inductor scheduler node: the FX nodes it came from, the buffers it writes and reads."""
+
+    def __init__(self, origins, writes=(), reads=()):
+        self.node = type("Op", (), {"origins": origins})()
+        self.writes = list(writes)
+        self.read_writes = type("RW", (), {"reads": [type("Dep", (), {"name": r})() for r in reads]})()
+
+    def get_nodes(self):
+        return [self]
+
+    def get_buffer_names(self):
+        return self.writes
+
+
+def test_a_kernel_of_recomputes_never_fuses_into_the_forward_kernel_that_made_what_it_reads():
+    """``spmd.lower.recompute_fusion``'s rule: a kernel made only of recomputes is not fused with a kernel that
+    computes, from the step's own nodes, a buffer it reads (it would run in the forward and be kept); it may
+    fuse with a backward kernel reading the same buffers, and with a kernel of other recomputes it reads."""
+    from torch.fx import Graph
+
+    from spmd.lower.recompute_fusion import fuses_into_the_forward
+
+    graph = Graph()
+    forward, backward, again, again_too = (graph.placeholder(name) for name in ("fwd", "bwd", "again", "again_too"))
+    again.meta[RECOMPUTE_OF] = again_too.meta[RECOMPUTE_OF] = "fwd"
+    mask_kernel = _Kernel([forward], writes=["mask"])
+    dropout_backward = _Kernel([backward], writes=["grad"], reads=["mask", "grad_out"])
+    recompute = _Kernel([again], writes=["probs"], reads=["mask", "made_again"])
+    other_recompute = _Kernel([again_too], writes=["made_again"])
+    assert fuses_into_the_forward(mask_kernel, recompute) and fuses_into_the_forward(recompute, mask_kernel)
+    assert not fuses_into_the_forward(recompute, dropout_backward)
+    assert not fuses_into_the_forward(other_recompute, recompute)
+    assert not fuses_into_the_forward(mask_kernel, dropout_backward)  # the step's own fusions are Inductor's

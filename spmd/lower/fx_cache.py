@@ -14,9 +14,9 @@ it does not: the definition of a custom op the code names. Ours (``spmd_lowering
 see ``spmd.lower.opaque_ops.opaque_inplace_op``) are defined by spmd, and their schemas
 say which arguments Inductor may treat as written; so their schemas go into the key
 through ``torch.compiler.config.cache_key_tag``. Their Python implementations are looked
-up when the compiled code runs, not baked into it. Nor does it see the fusion rule we patch
-into its scheduler (``spmd.lower.foreach_fusion``) or the layout rule we give its fallbacks
-(``spmd.lower.optimizer_layout``), which the tag names for graphs they apply to.
+up when the compiled code runs, not baked into it. Nor does it see the fusion rules we patch
+into its scheduler (``spmd.lower.foreach_fusion``, ``spmd.lower.recompute_fusion``) or the layout rule
+we give its fallbacks (``spmd.lower.optimizer_layout``), which the tag names for graphs they apply to.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from typing import Iterator
 import torch
 import torch.fx as fx
 
+from ..graph_utils.meta import RECOMPUTE_OF
 from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer
 from .foreach_fusion import FOREACH_FUSION_RULE
 from .optimizer_layout import FUSED_OPTIMIZER_LAYOUT_RULE
+from .recompute_fusion import RECOMPUTE_FUSION_RULE
 
 OPAQUE_NAMESPACE = "spmd_lowering"
 
@@ -53,7 +55,8 @@ def _user_tag() -> str:
 def _cache_key_tag(gm: fx.GraphModule) -> str:
     """The user's ``cache_key_tag`` followed by a digest of our ops' schemas and the names of the rules we
     compile the graph under: for foreach ops the fusion rule (``spmd.lower.foreach_fusion``), for fused
-    optimizer ops (ATen's or ours) the layout rule (``spmd.lower.optimizer_layout``). Code Inductor made
+    optimizer ops (ATen's or ours) the layout rule (``spmd.lower.optimizer_layout``), for recomputed nodes the
+    rule that keeps them in the backward (``spmd.lower.recompute_fusion``). Code Inductor made
     before a rule is not reused. The user's tag alone where none applies."""
     parts = [_user_tag()] if _user_tag() else []
     schemas = opaque_schemas(gm)
@@ -63,6 +66,8 @@ def _cache_key_tag(gm: fx.GraphModule) -> str:
         parts.append(FOREACH_FUSION_RULE)
     if schemas or any(n.op == "call_function" and is_fused_optimizer(n.target) for n in gm.graph.nodes):
         parts.append(FUSED_OPTIMIZER_LAYOUT_RULE)
+    if any(RECOMPUTE_OF in n.meta for n in gm.graph.nodes):
+        parts.append(RECOMPUTE_FUSION_RULE)
     return "|".join(parts)
 
 

@@ -1,8 +1,9 @@
 """An op graph as bytes and back, to hand a piece of a step to another process (``spmd.lower.worker_pool``).
 
 Each node is written as its kind, its name, its target (an op by its qualified name, or ``getitem``)
-and its arguments, with the nodes it reads written as their positions. Metadata is not sent: the
-receiving process propagates fake values from the inputs' ``InputSpec``s itself. A graph calling
+and its arguments, with the nodes it reads written as their positions, and whether it is a recompute
+(``meta[RECOMPUTE_OF]``, which the compile reads: ``spmd.lower.recompute_fusion``). No other metadata is
+sent: the receiving process propagates fake values from the inputs' ``InputSpec``s itself. A graph calling
 anything else (a Python function, a module) is refused with ``NotWireable``; its caller then
 compiles that graph where it is.
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from ..graph_utils.meta import RECOMPUTE_OF
 
 
 class NotWireable(ValueError):
@@ -52,7 +55,7 @@ def to_bytes(graph: fx.Graph) -> bytes:
     rows = []
     for i, node in enumerate(graph.nodes):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(index[n]))
-        rows.append((node.op, node.name, _target_name(node), args, kwargs))
+        rows.append((node.op, node.name, _target_name(node), args, kwargs, node.meta.get(RECOMPUTE_OF)))
         index[node] = i
     try:
         return pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
@@ -74,7 +77,7 @@ def from_bytes(data: bytes) -> fx.GraphModule:
             return {k: resolve(v) for k, v in value.items()}
         return value
 
-    for op, name, target, args, kwargs in pickle.loads(data):
+    for op, name, target, args, kwargs, recompute_of in pickle.loads(data):
         args, kwargs = resolve(args), resolve(kwargs)
         if op == "placeholder":
             node = graph.placeholder(name)
@@ -83,6 +86,8 @@ def from_bytes(data: bytes) -> fx.GraphModule:
         else:
             fn = operator.getitem if target == "getitem" else op_named(target)
             node = graph.create_node(op, fn, args, kwargs, name)
+            if recompute_of is not None:
+                node.meta[RECOMPUTE_OF] = recompute_of
         nodes.append(node)
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)
