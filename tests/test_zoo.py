@@ -95,6 +95,27 @@ def test_a_run_records_what_the_table_shows(tmp_path):
     assert rows[0]["first_losses"] == record["losses"][:3]
 
 
+def test_a_profiled_run_keeps_its_heaviest_kernels_and_the_report_lists_them(tmp_path):
+    """``--profile 2``: after the timed windows, two more steps under torch.profiler; the record keeps the time and
+    number of kernels per step (on the CPU: ATen ops by their own time) and the heaviest by name, which the markdown
+    lists under the table; the capture count covers the timed steps only."""
+    spec("gpt2")
+    out = tmp_path / "cold.json"
+    args = child_args("--child", "gpt2:eager:cold", "--child-out", str(out), "--profile", "2")
+    zoo_run.measure(0, 1, torch.device("cpu"), args)
+    record = json.loads(out.read_text())
+    assert record["status"] == "ok", record.get("traceback")
+    found = record["profile"]
+    assert found["steps"] == 2 and found["ms_per_step"] > 0 and found["kernels_per_step"] >= len(found["top"]) > 0
+    assert all(name.startswith("aten::") and ms > 0 for name, ms, _ in found["top"])
+    assert [ms for _, ms, _ in found["top"]] == sorted((ms for _, ms, _ in found["top"]), reverse=True)
+    assert any(name in ("aten::mm", "aten::addmm", "aten::bmm") for name, _, _ in found["top"]), found["top"]
+    rows = [dict(model="gpt2", mode="eager", cold=record, warm=None)]
+    zoo_report.summarize(rows)
+    text = zoo_report.markdown(rows, args, False, "cpu")
+    assert "**gpt2 eager**: ATen ops (CPU self time)" in text and f"`{found['top'][0][0]}`" in text
+
+
 def test_a_failing_mode_is_a_failed_row_with_its_first_line(tmp_path, monkeypatch):
     """A mode whose build raises writes an error record naming the exception's first line; the table says FAILED."""
     spec("gpt2")

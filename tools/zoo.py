@@ -28,7 +28,8 @@ grouped expert matmuls; not the optimizer or elementwise ops; MFU against the GP
 where known); peak GiB (``max_memory_allocated`` over build, first call, warm-up and the first window,
 above what was allocated before); the first call cold and warm (s); CUDA-graph captures per timed step
 (spmd's ``cuda_graph_captures``; 0 means no step re-captured); the first losses and the largest
-difference of the first three to eager's (flagged beyond bf16 noise).
+difference of the first three to eager's (flagged beyond bf16 noise). ``--profile N`` adds, under the table,
+each cold run's heaviest kernels over N more steps (``zoo_profile``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, default=3, help="timed windows (default 3)")
     p.add_argument("--steps", type=int, default=5, help="steps per window (default 5)")
     p.add_argument("--no-warm", action="store_true", help="skip the warm runs (restarted processes)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed windows, N more steps under torch.profiler: each row's heaviest kernels")
     p.add_argument("--jobs", type=int, default=1, help="processes at once; they take turns to time (default 1)")
     p.add_argument("--timeout-s", type=float, default=420, help="limit per process (default 420)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -93,8 +96,8 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     cuda = torch.cuda.is_available()
     args.size = args.size or ("full" if cuda else "toy")
     args.precision = args.precision or ("bf16" if cuda else "fp32")
-    if min(args.warmup, args.windows - 1, args.steps - 1, args.jobs - 1) < 0:
-        p.error("--windows, --steps and --jobs must be >= 1 and --warmup >= 0")
+    if min(args.warmup, args.windows - 1, args.steps - 1, args.jobs - 1, args.profile) < 0:
+        p.error("--windows, --steps and --jobs must be >= 1, --warmup and --profile >= 0")
     if args.child:
         return run_child(args)
     args.models = _choices(p, args.models, ZOO, "models")
@@ -171,7 +174,7 @@ def _process(args, model: str, mode: str, name: str, caches: str, lock: str, tim
                TORCHINDUCTOR_COMPILE_THREADS=threads)
     cmd = [sys.executable, "-m", "spmd", "zoo", "--child", f"{model}:{mode}:{name}", "--child-out", out,
            "--lock", lock, "--size", args.size, "--precision", args.precision, "--warmup", str(args.warmup),
-           "--windows", str(args.windows), "--steps", str(args.steps)]
+           "--windows", str(args.windows), "--steps", str(args.steps), "--profile", str(args.profile)]
     print(f"spmd zoo: {model} {mode} ({name}) ...", flush=True)
     begin = time.perf_counter()
     try:

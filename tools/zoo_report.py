@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from .bench_report import ATOL, RTOL, console_for_logs, machine_info
+from . import zoo_profile
 from .zoo_models import ZOO
 
 FIRST_LOSSES = 3  # losses compared with eager's
@@ -97,7 +98,9 @@ def markdown(rows: list[dict], args, cuda: bool, device: str) -> str:
     full = args.size == "full"
     sizes = "; ".join(f"{n}: {ZOO[n].what if full else 'a toy config of ' + ZOO[n].what}, batch "
                       f"{ZOO[n].batch if full else ZOO[n].toy_batch}" for n in dict.fromkeys(r["model"] for r in rows))
-    return "\n".join(lines) + f"\n\n{caption(args, cuda, device)}. Models: {sizes}.\n"
+    profiles = zoo_profile.markdown(rows)
+    return ("\n".join(lines) + f"\n\n{caption(args, cuda, device)}. Models: {sizes}.\n"
+            + (f"\n{profiles}\n" if profiles else ""))
 
 
 def report(rows: list[dict], args, cuda: bool) -> None:

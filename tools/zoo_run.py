@@ -249,7 +249,9 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
             for _ in range(args.windows):
                 if run.alive:
                     run.attempt(run.time_round, args.steps)
-        after = captures() if run.alive else None
+            after = captures() if run.alive else None
+            if run.alive and args.profile:  # after the count of captures: the profiled steps are not timed steps
+                record["profile"] = _profile(run, args.profile)
         if before is not None and after is not None:
             record["captures_per_step"] = (after - before) / (2 * args.windows * args.steps)
         if run.alive:
@@ -258,6 +260,16 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
     with open(args.child_out, "w") as f:
         json.dump(record, f)
     return 0
+
+
+def _profile(run: ModeRun, steps: int) -> dict:
+    """``zoo_profile.profile_steps`` over ``steps`` more calls; a profiler failure is noted, the run goes on."""
+    from .zoo_profile import profile_steps
+
+    try:
+        return profile_steps(run.call, run.sync, steps, run.setup.cuda)
+    except Exception as err:  # noqa: BLE001 - a profile is an extra: its failure costs the profile, never the row
+        return dict(error=f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200])
 
 
 def _calls(run: ModeRun, n: int) -> None:
