@@ -1,8 +1,9 @@
 """spmd: compile a whole data-parallel training step into one optimized graph."""
 
-from ._torch_version import warn_if_untested
+from ._torch_version import fix_cpu_flash_attention_fake_dtype, warn_if_untested
 
 warn_if_untested()
+fix_cpu_flash_attention_fake_dtype()
 
 from .api import CompiledTrainStep, compile
 from .compile_options import CompileOptions

@@ -37,6 +37,14 @@ DTENSOR_FOREACH_LISTS_SINCE = (2, 13)
 # Device Propagation for aten.add.Tensor, found two different devices cpu, meta".
 FAKE_DEVICE_MISMATCH_TEXTS = ("Expected all tensors to be on the same device", "found two different devices")
 
+# The logsumexp dtype of CPU flash attention's fake kernel. The kernel returns it in the query's computation
+# dtype (float64 for a float64 query); torch 2.11's fake kernel says float32 whatever the query. A step compiled
+# from fake values in pieces then passed a float64 logsumexp through a float32 buffer, and the backward raised
+# "expected scalar type Double but found Float" (tests/test_piecewise.py). torch 2.13 says the kernel's dtype:
+# ``fix_cpu_flash_attention_fake_dtype``.
+CPU_FLASH_ATTENTION_LSE_DTYPE_SINCE = (2, 13)
+_FIXED_KERNELS: list = []  # the libraries holding the fixed kernels: a registration lives as long as its library
+
 
 def installed() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
@@ -82,3 +90,21 @@ def add_dtensor_list_strategies(ops: Iterable[torch._ops.OpOverload]) -> None:
     for op in ops:
         if not any(op in table for table in tables):
             register_op_strategy(op, schema_info=RuntimeSchemaInfo(needs_pytree=True))(list_pointwise_strategy)
+
+
+def fix_cpu_flash_attention_fake_dtype() -> None:
+    """Before ``CPU_FLASH_ATTENTION_LSE_DTYPE_SINCE``: register, as the fake (Meta) kernel of
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, torch 2.13's, whose logsumexp has the query's
+    computation dtype, as the kernel's does. Once per process; from that version on it does nothing."""
+    if installed() >= CPU_FLASH_ATTENTION_LSE_DTYPE_SINCE or _FIXED_KERNELS:
+        return
+    from torch._prims_common import get_computation_dtype
+
+    def fake(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+        batch, heads, length = query.size(0), query.size(1), query.size(2)
+        logsumexp = torch.empty((batch, length, heads), dtype=get_computation_dtype(query.dtype), device=query.device)
+        return torch.empty_like(query), logsumexp.transpose(1, 2)
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_scaled_dot_product_flash_attention_for_cpu", fake, "Meta", allow_override=True)
+    _FIXED_KERNELS.append(library)

@@ -1,4 +1,5 @@
-"""spmd warns at import only for a torch outside the tested range, and pyproject states that range."""
+"""spmd warns at import only for a torch outside the tested range, pyproject states that range, and what spmd
+fixes in an older tested torch is fixed."""
 
 from __future__ import annotations
 
@@ -62,3 +63,18 @@ def test_every_foreach_list_form_the_rewrites_make_runs_on_dtensors():
             for want, have in zip(plain if in_place else expected, dtensors if in_place else got):
                 assert isinstance(have, DTensor) and have.placements == (Shard(0),), op
                 assert torch.equal(have.to_local(), want), op
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_flash_attentions_fake_kernel_gives_the_logsumexp_the_kernels_dtype(dtype):
+    """With spmd imported, fake CPU flash attention says the logsumexp dtype and layout the kernel returns
+    (torch 2.11's said float32 for a float64 query: ``fix_cpu_flash_attention_fake_dtype``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    query = torch.randn(2, 3, 8, 4, dtype=dtype)
+    _, real = attention(query, query, query, 0.0, True)
+    with FakeTensorMode() as mode:
+        fake_query = mode.from_tensor(query)
+        _, fake = attention(fake_query, fake_query, fake_query, 0.0, True)
+    assert (fake.dtype, fake.shape, fake.stride()) == (real.dtype, real.shape, real.stride())
