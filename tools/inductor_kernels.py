@@ -32,6 +32,7 @@ from spmd.explain import transformed_step
 from spmd.graph_utils.meta import RECOMPUTE_OF
 from spmd.lower.inductor import compile_with_inductor
 from spmd.lower.lowering import example_like
+from spmd.lower.recompute_fusion import kernel_origins
 
 from .memory_estimate import add_shape_arguments, build, fake_group, shape_config
 from .models import GPTConfig
@@ -54,14 +55,6 @@ class Kernels:
 
 class _Scheduled(Exception):
     """Raised from the scheduler once its nodes are fused: nothing is generated or compiled."""
-
-
-def _origins(snode) -> set:
-    found = set()
-    for s in snode.get_nodes():
-        if getattr(s, "node", None) is not None:
-            found |= set(getattr(s.node, "origins", ()) or ())
-    return found
 
 
 def _peak(scheduler) -> Optional[int]:
@@ -115,7 +108,7 @@ def schedule(gm: fx.GraphModule) -> Kernels:
             except Exception:  # noqa: BLE001 - a node Inductor cannot size: count it as moving nothing
                 nbytes = 0
             found.bytes += nbytes
-            origins = _origins(snode)
+            origins = set(kernel_origins(snode))
             again = [o for o in origins if RECOMPUTE_OF in o.meta]
             if again and len(again) == len(origins):
                 found.recompute_only += 1

@@ -27,13 +27,13 @@ from ..graph_utils.meta import RECOMPUTE_OF
 RECOMPUTE_FUSION_RULE = "spmd_recompute_fusion:1"
 
 
-def _origins(snode: Any) -> list:
+def kernel_origins(snode: Any) -> list:
     """The FX nodes a scheduler node (or each node of a fused one) was made from."""
     return [o for sub in snode.get_nodes() for o in (getattr(getattr(sub, "node", None), "origins", None) or ())]
 
 
 def _only_recomputes(snode: Any) -> bool:
-    origins = _origins(snode)
+    origins = kernel_origins(snode)
     return bool(origins) and all(RECOMPUTE_OF in o.meta for o in origins)
 
 
