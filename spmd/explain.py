@@ -76,6 +76,7 @@ PASS_PURPOSE = {
     "keep_ops_whole": "no float32 embedding-gradient buffer, no gathered table kept for the backward, dropout masks "
                       "drawn before they are read",
     "start_loss_backward_after_loss": "the loss gradient is written over the logits: one (tokens, vocab) buffer less",
+    "write_loss_targets_to_memory": "the loss gradient's kernel reads each row's target once, not at every logit",
     "start_packing_after_last_gradient": "a unit's reduce-scatter buffer is not held through its whole backward",
     "free_matmul_inputs_first": "a large input (the LM head's gathered weight) is freed one matmul earlier",
     "remove_one_rank_all_reduces": "on one rank, no all_reduce, wait or bucket copy that computes nothing",

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from spmd.lower import rewrites
 from spmd.lower.inductor import compile_with_inductor
+from spmd.lower.loss_targets import IN_MEMORY
 from spmd.lower.rewrites import prepare_for_inductor
 from spmd.lower.opaque_ops import RUN_AFTER
 
@@ -97,3 +99,48 @@ def test_on_a_gpu_the_loss_gradient_is_written_over_the_logits(cast):
     if not cast:
         _, split, _, _ = _compiled_code("cuda", torch.bfloat16, options={"realize_opcount_threshold": 30}, cast=cast)
         assert vocab_buffers(split) == 2, "the test no longer sees the stored float32 gradient"
+
+
+def _shifted_labels_step(table, hidden, head, idx, labels):
+    """A causal LM's loss as HF's models take it: the labels padded with -100 and shifted by one position."""
+    x = F.embedding(idx, table)
+    logits = torch.tanh(x @ hidden) @ head.t()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets, ignore_index=-100)
+    return (loss, *torch.autograd.grad(loss, (table, hidden, head)))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_shifted_labels_reach_the_loss_gradient_from_memory(device, monkeypatch):
+    """The targets of HF's causal LM loss are computed in the step (padded, shifted labels). Inductor gets them
+    through one ``IN_MEMORY`` node, read by the loss and its gradient, and writes them to an integer buffer of
+    their own, which it does not without the rewrite (it inlines them into each kernel that reads them, the
+    loss gradient's among them); the step's values are eager's."""
+    table, hidden, head, idx, _ = _inputs(device, torch.float64)
+    idx = idx.view(2, TOKENS // 2)
+    labels = torch.randint(0, VOCAB, idx.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    labels[0, 5] = -100
+    args = (table, hidden, head, idx, labels)
+    gm = make_fx(_shifted_labels_step)(*args)
+
+    losses = [n for n in prepare_for_inductor(gm, decompose=False).graph.nodes
+              if n.target in (aten.nll_loss_forward.default, aten.nll_loss_backward.default)]
+    targets = {n.args[1 if n.target is aten.nll_loss_forward.default else 2] for n in losses}
+    assert len(losses) == 2 and len(targets) == 1 and next(iter(targets)).target is IN_MEMORY
+
+    def code_and_outputs():
+        inputs = [a.detach() for a in args]
+        return run_and_get_code(lambda: compile_with_inductor(gm, inputs)[0](*inputs))
+
+    def target_buffers(code: str) -> int:
+        return len(re.findall(rf"empty_strided_{device}\(\({TOKENS}, \), \(1, \), torch\.int64\)", code))
+
+    outputs, (code,) = code_and_outputs()
+    for got, want in zip(outputs, _shifted_labels_step(*args)):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert target_buffers(code) == 1, code
+    monkeypatch.setattr(rewrites, "write_loss_targets_once", lambda graph: 0)
+    _, (inlined,) = code_and_outputs()
+    assert target_buffers(inlined) == 0, "the test no longer sees Inductor inline the targets"

@@ -95,6 +95,18 @@ def test_a_run_records_what_the_table_shows(tmp_path):
     assert rows[0]["first_losses"] == record["losses"][:3]
 
 
+def test_a_warm_run_keeps_where_its_first_call_went(tmp_path):
+    """A warm run (the first call of a restarted process) records its compile phases and torch's compile timers
+    beside the first call's time: where a restarted job's first call goes."""
+    spec("gpt2")
+    out = tmp_path / "warm.json"
+    zoo_run.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:spmd:warm", "--child-out", str(out)))
+    record = json.loads(out.read_text())
+    assert record["status"] == "ok", record.get("traceback")
+    assert record["first_call_s"] > 0 and "median_ms" not in record
+    assert record["compile_times"]["trace"] > 0 and isinstance(record["torch_timings"], dict)
+
+
 def test_a_profiled_run_keeps_its_heaviest_kernels_and_the_report_lists_them(tmp_path):
     """``--profile 2``: after the timed windows, two more steps under torch.profiler; the record keeps the time and
     number of kernels per step (on the CPU: ATen ops by their own time) and the heaviest by name, which the markdown

@@ -33,7 +33,8 @@ def profile_steps(call: Callable[[], None], sync: Callable[[], None], steps: int
     times, counts = collections.Counter(), collections.Counter()
     if cuda:
         for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
+            # a profiler range (``spmd.step``, ``Optimizer.step``) shows on the GPU's timeline too: no kernel
+            if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
                 name = event.name[:NAME_CHARS]
                 times[name] += getattr(event, "device_time_total", 0.0)
                 counts[name] += 1

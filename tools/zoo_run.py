@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from .bench import ModeRun
+from .bench_compile import torch_timings
 from .bench_modes import Setup, timed_wrap, train_step
 from .launch import launch
 from .zoo_models import ZOO, ZooModel, unit_classes
@@ -242,6 +243,10 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
         record["wrap_s"] = getattr(run.step, "wrap_s", 0.0)
         captures = getattr(run.step, "captures", lambda: None)
         record["captures_after_first_call"] = captures()
+        if name == "warm":  # where a restarted process's first call goes (cold runs keep theirs at ``finish``)
+            record["torch_timings"] = torch_timings()
+            if hasattr(run.step, "compile_times"):
+                record["compile_times"] = run.step.compile_times()
     if run.alive and name == "cold":
         with _turn(args.lock):
             run.attempt(_calls, run, args.warmup)

@@ -10,6 +10,7 @@ compiles that graph where it is.
 
 from __future__ import annotations
 
+import importlib
 import operator
 import pickle
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ class _Ref:
 def op_named(name: str) -> torch._ops.OpOverload:
     """The op ``OpOverload.name()`` calls ``name`` (``aten::_fused_adamw_.tensor_lr``)."""
     namespace, _, rest = name.partition("::")
+    if namespace == "prims":  # Inductor's own prims (``inductor_force_stride_order``) exist once it is imported
+        importlib.import_module("torch._inductor.inductor_prims")
     packet, _, overload = rest.partition(".")
     return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
 

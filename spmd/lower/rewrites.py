@@ -29,6 +29,7 @@ from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inpla
 from ..passes import PassManager, graph_optimization_pass, pass_info
 from .decompose_for_inductor import decompose_for_inductor
 from .loss_order import order_loss_backward_after_loss
+from .loss_targets import write_loss_targets_once
 from .matmul_order import run_freeing_matmuls_first
 from .one_rank import drop_one_rank_all_reduces
 from .opaque_ops import (
@@ -143,6 +144,14 @@ def start_loss_backward_after_loss(gm: fx.GraphModule) -> None:
 
 
 @graph_optimization_pass()
+def write_loss_targets_to_memory(gm: fx.GraphModule) -> None:
+    """Give each loss its targets in memory (``spmd.lower.loss_targets``) where they are computed in the step
+    (HF's shifted labels): the loss gradient's kernel then reads each row's target once instead of computing it
+    at every element of the row."""
+    log.debug("spmd: %d loss targets written to memory", write_loss_targets_once(gm.graph))
+
+
+@graph_optimization_pass()
 def start_packing_after_last_gradient(gm: fx.GraphModule) -> None:
     """Start a unit's reduce-scatter buffer once its last gradient exists (``spmd.lower.pack_order``), where
     Inductor would allocate it at the first gradient's cast and hold it through the unit's backward."""
@@ -164,7 +173,7 @@ def remove_one_rank_all_reduces(gm: fx.GraphModule) -> None:
 
 
 @graph_optimization_pass(apply_after=[add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers,
-                                      keep_ops_whole, start_loss_backward_after_loss,
+                                      keep_ops_whole, start_loss_backward_after_loss, write_loss_targets_to_memory,
                                       start_packing_after_last_gradient, free_matmul_inputs_first,
                                       remove_one_rank_all_reduces])
 def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
@@ -174,19 +183,19 @@ def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
 
 
 REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers, keep_ops_whole,
-            start_loss_backward_after_loss, start_packing_after_last_gradient, free_matmul_inputs_first,
-            remove_one_rank_all_reduces, apply_inductor_decompositions)
+            start_loss_backward_after_loss, write_loss_targets_to_memory, start_packing_after_last_gradient,
+            free_matmul_inputs_first, remove_one_rank_all_reduces, apply_inductor_decompositions)
 
 
 def lowering_pipeline(*, lean: Union[bool, str], decompose: bool) -> list:
     """The rewrites Inductor's graph gets, in order: ``lean``'s step counts in place (``"step_counts"``) ->
-    view copies as views -> fused optimizers opaque -> ops kept whole -> loss backward after the loss -> packing
-    after the last gradient -> freeing matmuls first -> ``lean``'s one-rank all_reduces removed
+    view copies as views -> fused optimizers opaque -> ops kept whole -> loss backward after the loss -> loss
+    targets in memory -> packing after the last gradient -> freeing matmuls first -> ``lean``'s one-rank all_reduces removed
     (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
     parts = lean_parts(lean)
     return [*([add_step_counts_in_place] if "step_counts" in parts else []), turn_view_copies_into_views,
-            wrap_fused_optimizers, keep_ops_whole, start_loss_backward_after_loss, start_packing_after_last_gradient,
-            free_matmul_inputs_first, *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
+            wrap_fused_optimizers, keep_ops_whole, start_loss_backward_after_loss, write_loss_targets_to_memory,
+            start_packing_after_last_gradient, free_matmul_inputs_first, *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
             *([apply_inductor_decompositions] if decompose else [])]
 
 
