@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd.lower import rewrites
 from spmd.lower.inductor import compile_with_inductor
-from spmd.lower.loss_targets import IN_MEMORY
+from spmd.lower.loss_targets import in_memory_op
 from spmd.lower.rewrites import prepare_for_inductor
 from spmd.lower.opaque_ops import RUN_AFTER
 
@@ -115,7 +115,7 @@ def _shifted_labels_step(table, hidden, head, idx, labels):
     not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_shifted_labels_reach_the_loss_gradient_from_memory(device, monkeypatch):
     """The targets of HF's causal LM loss are computed in the step (padded, shifted labels). Inductor gets them
-    through one ``IN_MEMORY`` node, read by the loss and its gradient, and writes them to an integer buffer of
+    through one ``in_memory_op`` node, read by the loss and its gradient, and writes them to an integer buffer of
     their own, which it does not without the rewrite (it inlines them into each kernel that reads them, the
     loss gradient's among them); the step's values are eager's."""
     table, hidden, head, idx, _ = _inputs(device, torch.float64)
@@ -128,7 +128,7 @@ def test_shifted_labels_reach_the_loss_gradient_from_memory(device, monkeypatch)
     losses = [n for n in prepare_for_inductor(gm, decompose=False).graph.nodes
               if n.target in (aten.nll_loss_forward.default, aten.nll_loss_backward.default)]
     targets = {n.args[1 if n.target is aten.nll_loss_forward.default else 2] for n in losses}
-    assert len(losses) == 2 and len(targets) == 1 and next(iter(targets)).target is IN_MEMORY
+    assert len(losses) == 2 and len(targets) == 1 and next(iter(targets)).target is in_memory_op()
 
     def code_and_outputs():
         inputs = [a.detach() for a in args]

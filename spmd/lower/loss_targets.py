@@ -10,41 +10,51 @@ where a target in memory is loaded once per row; that kernel took twice torch.co
 returns them to the backward graph.
 
 ``write_loss_targets_once`` hands every ``nll_loss`` forward and backward whose targets are computed in the
-graph the same ``inductor_force_stride_order`` of them, which Inductor writes to a buffer of its own (one
-integer per token). Values are unchanged.
+graph the same ``inductor_force_stride_order`` of them (``in_memory_op``), which Inductor writes to a buffer
+of its own (one integer per token). Values are unchanged.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
-import torch._inductor.inductor_prims  # noqa: F401 - defines prims.inductor_force_stride_order
 import torch.fx as fx
 
 aten = torch.ops.aten
-IN_MEMORY = torch.ops.prims.inductor_force_stride_order.default
 
 # the position of the targets among each loss op's arguments
 TARGET_ARGUMENT = {aten.nll_loss_forward.default: 1, aten.nll_loss_backward.default: 2,
                    aten.nll_loss2d_forward.default: 1, aten.nll_loss2d_backward.default: 2}
 
 
+@functools.cache
+def in_memory_op() -> torch._ops.OpOverload:
+    """``prims.inductor_force_stride_order``, which Inductor lowers by writing its input to a buffer of the given
+    strides (defined by importing Inductor's prims: on first use, since that import takes half a second)."""
+    importlib.import_module("torch._inductor.inductor_prims")
+    return torch.ops.prims.inductor_force_stride_order.default
+
+
 def write_loss_targets_once(graph: fx.Graph) -> int:
     """Give each loss op in ``graph`` whose targets are computed in it (not a graph input) those targets through
-    one ``IN_MEMORY`` node per targets value, strides as they are; returns how many such values there were."""
+    one ``in_memory_op`` node per targets value, strides as they are; returns how many such values there were."""
     in_memory: dict[fx.Node, fx.Node] = {}
+    op = in_memory_op()
     for node in list(graph.nodes):
         position = TARGET_ARGUMENT.get(node.target) if node.op == "call_function" else None
         if position is None or len(node.args) <= position:
             continue
         targets = node.args[position]
-        if not isinstance(targets, fx.Node) or targets.op == "placeholder" or targets.target is IN_MEMORY:
+        if not isinstance(targets, fx.Node) or targets.op == "placeholder" or targets.target is op:
             continue
         value = targets.meta.get("val")
         if not isinstance(value, torch.Tensor):
             continue
         if targets not in in_memory:
             with graph.inserting_after(targets):
-                in_memory[targets] = graph.call_function(IN_MEMORY, (targets, list(value.stride())))
+                in_memory[targets] = graph.call_function(op, (targets, list(value.stride())))
             in_memory[targets].meta.update(targets.meta)
         node.update_arg(position, in_memory[targets])
     return len(in_memory)

@@ -190,12 +190,13 @@ REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_op
 def lowering_pipeline(*, lean: Union[bool, str], decompose: bool) -> list:
     """The rewrites Inductor's graph gets, in order: ``lean``'s step counts in place (``"step_counts"``) ->
     view copies as views -> fused optimizers opaque -> ops kept whole -> loss backward after the loss -> loss
-    targets in memory -> packing after the last gradient -> freeing matmuls first -> ``lean``'s one-rank all_reduces removed
-    (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
+    targets in memory -> packing after the last gradient -> freeing matmuls first -> ``lean``'s one-rank
+    all_reduces removed (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
     parts = lean_parts(lean)
     return [*([add_step_counts_in_place] if "step_counts" in parts else []), turn_view_copies_into_views,
             wrap_fused_optimizers, keep_ops_whole, start_loss_backward_after_loss, write_loss_targets_to_memory,
-            start_packing_after_last_gradient, free_matmul_inputs_first, *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
+            start_packing_after_last_gradient, free_matmul_inputs_first,
+            *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
             *([apply_inductor_decompositions] if decompose else [])]
 
 
