@@ -2,8 +2,7 @@
 
 The pass manager's module is compiled here as ``python -O`` compiles it (``optimize=1``: no asserts,
 ``__debug__`` false) and its ordering checks are exercised from that copy. A fresh ``python -O``
-interpreter would do the same after compiling every module torch imports without their cached bytecode,
-about 15 s on a 2-core machine.
+interpreter would do the same after compiling every module torch imports, whose cached bytecode it cannot use.
 """
 
 from __future__ import annotations

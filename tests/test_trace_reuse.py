@@ -184,7 +184,7 @@ def test_a_reused_trace_brings_back_what_it_assumed_of_the_hyperparameters(tmp_p
 def test_a_librarys_version_is_read_as_every_installed_distribution_maps_it(top):
     """A library the trace ran is guarded by "<distribution> <version>": read from the distribution named as the
     module where it provides it (fast), the same as from the map of every installed distribution to its modules
-    (a tenth of a second), also where the two names differ (``yaml`` from PyYAML, ``PIL`` from pillow)."""
+    (slow: every file list), also where the two names differ (``yaml`` from PyYAML, ``PIL`` from pillow)."""
     import importlib.metadata
 
     from spmd.step import trace_guards

@@ -5,9 +5,8 @@ HF's causal-LM loss pads the labels with ``ignore_index`` and shifts them by one
 condition at each sequence's last position. In a step graph Inductor inlines such a value into every kernel
 that reads it. The loss gradient's kernel loops over the vocabulary twice per row, and with the targets
 inlined it loads the row's target under the pad's condition at every element of the row, inside both loops,
-where a target in memory is loaded once per row; that kernel took twice torch.compile's time on the GPU
-(BENCHMARKS.md, "Round 21"). torch.compile's backward reads the targets from memory: its forward graph
-returns them to the backward graph.
+where a target in memory is loaded once per row (BENCHMARKS.md, "Round 21", measures the kernel both ways).
+torch.compile's backward reads the targets from memory: its forward graph returns them to the backward graph.
 
 ``write_loss_targets_once`` hands every ``nll_loss`` forward and backward whose targets are computed in the
 graph the same ``inductor_force_stride_order`` of them (``in_memory_op``), which Inductor writes to a buffer
@@ -32,7 +31,7 @@ TARGET_ARGUMENT = {aten.nll_loss_forward.default: 1, aten.nll_loss_backward.defa
 @functools.cache
 def in_memory_op() -> torch._ops.OpOverload:
     """``prims.inductor_force_stride_order``, which Inductor lowers by writing its input to a buffer of the given
-    strides (defined by importing Inductor's prims: on first use, since that import takes half a second)."""
+    strides (defined by importing Inductor's prims, which imports Dynamo: on first use, not at ``import spmd``)."""
     importlib.import_module("torch._inductor.inductor_prims")
     return torch.ops.prims.inductor_force_stride_order.default
 

@@ -227,8 +227,8 @@ def _distributions() -> dict:
 def _library_version(top: str) -> Optional[str]:
     """"<distribution> <version>" of the installed distribution that provides the top-level module ``top``, else
     the module's ``__version__``. The distribution named as the module is asked first: mapping every installed
-    distribution to its modules (``packages_distributions``) takes a tenth of a second of a restarted job's
-    first call."""
+    distribution to its modules (``packages_distributions``) reads every distribution's file list, on a
+    restarted job's first call."""
     named = _distribution_named(top)
     if named is not None:
         return f"{named.metadata['Name']} {named.version}"
