@@ -81,9 +81,9 @@ def bf16_lm_step(model, optim, ids, labels=None):
 
 def tiny_llama(**overrides):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      **overrides)
+    config = transformers.LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+                                         **overrides})
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(F64)
 
@@ -334,3 +334,27 @@ def test_hf_llama_bf16_is_captured_once_per_graph_on_the_gpu(caplog):
             step(model, optim, ids)
     assert warm >= 1 and step.cuda_graph_captures == warm, caplog.text
     assert "as a CUDA graph again" not in caplog.text and "without CUDA graphs" not in caplog.text, caplog.text
+
+
+def test_hf_llama_lowered_by_inductor_reads_its_shifted_labels_from_memory_and_trains_like_eager(monkeypatch):
+    """HF's causal-LM loss shifts the labels inside the step; under Inductor the loss reads them through the
+    ``write_loss_targets_to_memory`` rewrite (``spmd.lower.loss_targets``), and the whole step (SGD with momentum)
+    trains as eager does. HF takes the loss over ``logits.float()``, float32 even in a float64 model, and Inductor
+    reduces it in another order than eager: the tolerance is float32's (the rewrite alone changes no value:
+    ``tests/test_loss_lowering.py`` compares its graph with eager's to 1e-12 in float64)."""
+    from spmd.lower import rewrites
+
+    written, write = [], rewrites.write_loss_targets_once
+    monkeypatch.setattr(rewrites, "write_loss_targets_once", lambda graph: written.append(write(graph)) or written[-1])
+    model = tiny_llama(num_hidden_layers=1)
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True))(lm_step)
+    gen = torch.Generator().manual_seed(3)
+    for ids in [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(3)]:
+        loss, ref_loss = step(model, optim, ids), lm_step(ref, ref_optim, ids)
+        assert loss.dtype == torch.float32 and abs(loss.item() - ref_loss.item()) <= 1e-5, (loss, ref_loss)
+    worst = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert worst <= 1e-6, worst
+    assert written == [1], written  # the step graph's one targets value, computed in the step
