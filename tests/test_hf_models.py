@@ -81,9 +81,9 @@ def bf16_lm_step(model, optim, ids, labels=None):
 
 def tiny_llama(**overrides):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-                                         **overrides})
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(**{**shape, **overrides})
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(F64)
 
