@@ -8,6 +8,7 @@ import operator
 
 import pytest
 import torch
+import torch.fx as fx
 
 import spmd
 from spmd.compile_times import recording
@@ -420,6 +421,26 @@ def test_pieces_are_taken_heaviest_first(monkeypatch):
     assert taken == sorted(taken, reverse=True) and taken[0] > taken[-1], taken
 
 
+def test_a_graph_on_the_wire_names_its_memory_formats_not_a_module_that_reaches_them():
+    """A memory format has no module of its own: pickle writes the first loaded module that reaches it, which in
+    a process started by ``multiprocessing`` (``mp.spawn``, ``spmd bench``'s ranks) is ``__mp_main__``, and a
+    worker has none, so every piece failed there and compiled in the sending process. The graph's bytes name
+    only attributes of the modules they name, and read back as the same graph."""
+    import pickletools
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    copy = graph.call_function(torch.ops.aten.clone.default, (x,), {"memory_format": torch.channels_last})
+    empty = graph.call_function(torch.ops.aten.empty_like.default, (x,), {"memory_format": torch.contiguous_format})
+    graph.output((copy, empty))
+    data = graph_wire.to_bytes(graph)
+    strings = [arg for op, arg, _ in pickletools.genops(data) if op.name in ("SHORT_BINUNICODE", "BINUNICODE")]
+    assert not any(s.startswith("torch.") and s.endswith("_format") for s in strings), strings
+    back = graph_wire.from_bytes(data)
+    kwargs = [n.kwargs for n in back.graph.nodes if n.op == "call_function"]
+    assert kwargs == [{"memory_format": torch.channels_last}, {"memory_format": torch.contiguous_format}]
+
+
 def test_a_worker_compiling_for_a_gpu_starts_no_pool_of_kernel_compilers():
     """On a GPU a worker only generates code (the process that loads it compiles the kernels): Inductor, which
     starts its pool of kernel compilers with its first GPU graph, is left one compile thread, so starts none,
@@ -517,7 +538,7 @@ def _fully_shard_in_pieces(rank, world_size):
 
 
 def test_fully_shard_compiled_in_pieces_cut_inside_flights_matches_fsdp2():
-    """Inductor on the CPU, fully_shard's float64 step (a 1-block GPT) in three pieces, shared between each rank and
+    """Inductor on the CPU, fully_shard's float64 step (a 2-block GPT) in pieces, shared between each rank and
     a worker process of its own (which compiles with fake process groups), one cut inside a collective's flight:
     a collective launched in one piece is waited in the next, and the step matches eager FSDP2 to 1e-12 over
     three steps."""

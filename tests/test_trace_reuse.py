@@ -9,6 +9,7 @@ closure value, an environment variable or the state changed. Each case compiles 
 from __future__ import annotations
 
 import copy
+import json
 import importlib
 import logging
 import sys
@@ -192,3 +193,43 @@ def test_a_librarys_version_is_read_as_every_installed_distribution_maps_it(top)
     pytest.importorskip(top)
     (dist, *_) = importlib.metadata.packages_distributions()[top]
     assert trace_guards._library_version(top) == f"{dist} {importlib.metadata.version(dist)}"
+
+
+# A library's object holding, as diffusers' configs do, the names a model left at their defaults, ``list(set -
+# set)`` in the order of that process's string hashes (networkx's graph attributes stand in for the library's
+# object); the same list held by the user's own object; and a list the user wrote in an order of their own.
+_CONFIG_FINGERPRINT = """
+import json
+import networkx
+from spmd.step.trace_guards import fingerprint
+from spmd.step.describe import canonical_json
+
+options = {f"option_{i}": i for i in range(48)}
+given = {f"option_{i}" for i in range(0, 48, 3)}
+defaults = list(set(options) - given)
+library = networkx.Graph(use_default_values=defaults)
+print(json.dumps([defaults, canonical_json(fingerprint(library, "config")),
+                  canonical_json(fingerprint({"use_default_values": defaults}, "mine"))]))
+"""
+
+
+def test_a_list_in_a_sets_order_is_checked_by_its_items_and_a_written_list_by_its_order(tmp_path):
+    """A kept trace's guard over what the step reaches must hold in a restarted process. A list an installed
+    library's object holds, made from a set (diffusers' ``_use_default_values`` in every model's config),
+    comes in another order there, since string hashes are seeded per process: it is checked by its items. A
+    list written in an order, and any list of the user's own objects, is checked in its order.
+
+    Whether a list is in a set's order is read from this process's string hashes: at least 12 distinct strings
+    laid out as a set's table holds them (``trace_guards._in_set_order``)."""
+    import networkx
+
+    from tests.fresh_process import run_python
+
+    from spmd.step.trace_guards import fingerprint
+
+    runs = [json.loads(run_python(["-c", _CONFIG_FINGERPRINT], cwd=tmp_path).stdout) for _ in range(2)]
+    (order, library, mine), (other_order, library_again, mine_again) = runs
+    assert order != other_order and sorted(order) == sorted(other_order)  # two processes, two hash seeds
+    assert library == library_again and mine != mine_again
+    written = [f"loss_{i}" for i in range(32)]  # a list in an order of the user's, reversed: another value
+    assert fingerprint(networkx.Graph(losses=written), "g") != fingerprint(networkx.Graph(losses=written[::-1]), "g")

@@ -2,8 +2,10 @@
 
 Each node is written as its kind, its name, its target (an op by its qualified name, or ``getitem``)
 and its arguments, with the nodes it reads written as their positions, and whether it is a recompute
-(``meta[RECOMPUTE_OF]``, which the compile reads: ``spmd.lower.recompute_fusion``). No other metadata is
-sent: the receiving process propagates fake values from the inputs' ``InputSpec``s itself. A graph calling
+(``meta[RECOMPUTE_OF]``, which the compile reads: ``spmd.lower.recompute_fusion``). A memory format is
+written by its name (``_TorchName``): pickle finds it by searching the loaded modules for one that reaches
+it, and in a process started by ``multiprocessing`` that search picks ``__mp_main__``, which the receiving
+process does not have. No other metadata is sent: the receiving process propagates fake values from the inputs' ``InputSpec``s itself. A graph calling
 anything else (a Python function, a module) is refused with ``NotWireable``; its caller then
 compiles that graph where it is.
 """
@@ -32,6 +34,24 @@ class _Ref:
     index: int
 
 
+@dataclass(frozen=True)
+class _TorchName:
+    """A node argument: ``getattr(torch, name)`` (a memory format)."""
+
+    name: str
+
+
+def _written(value):
+    """``value`` (an argument, nodes already ``_Ref``s) with each memory format as its ``_TorchName``."""
+    if isinstance(value, torch.memory_format):
+        return _TorchName(str(value).removeprefix("torch."))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_written(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _written(v) for k, v in value.items()}
+    return value
+
+
 def op_named(name: str) -> torch._ops.OpOverload:
     """The op ``OpOverload.name()`` calls ``name`` (``aten::_fused_adamw_.tensor_lr``)."""
     namespace, _, rest = name.partition("::")
@@ -57,7 +77,7 @@ def to_bytes(graph: fx.Graph) -> bytes:
     index: dict[fx.Node, int] = {}
     rows = []
     for i, node in enumerate(graph.nodes):
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(index[n]))
+        args, kwargs = _written(fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(index[n])))
         rows.append((node.op, node.name, _target_name(node), args, kwargs, node.meta.get(RECOMPUTE_OF)))
         index[node] = i
     try:
@@ -74,6 +94,8 @@ def from_bytes(data: bytes) -> fx.GraphModule:
     def resolve(value):
         if isinstance(value, _Ref):
             return nodes[value.index]
+        if isinstance(value, _TorchName):
+            return getattr(torch, value.name)
         if isinstance(value, (list, tuple)):
             return type(value)(resolve(v) for v in value)
         if isinstance(value, dict):

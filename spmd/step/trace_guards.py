@@ -12,6 +12,8 @@ the kept trace stands in for a new one:
   its closure, its arguments, the modules, optimizers and scalers it reaches), each walked deeply
   (``fingerprint``): numbers and strings as they are, objects attribute by attribute, a module's parameters
   and an optimizer's state by their shapes and dtypes, never by their contents (those are the graph's inputs);
+  a list of strings that an installed library's object holds in the order a set of them has in this process
+  by its items alone, since that order follows the per-process string hash seed (``_in_set_order``);
 * **the environment** variables the trace read.
 
 A value the walk cannot check (an open file, a lock, a C object without a readable state) makes the trace
@@ -20,6 +22,7 @@ unkept (``Unguardable``, said in the log): it is traced again in every process, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -278,6 +281,71 @@ def _salted_hash(name: str, value: Any) -> bool:
     return isinstance(value, int) and name.lower().endswith("hash")
 
 
+_SET_ORDER_MIN = 12  # strings a list needs before its order may count as a set's (``_in_set_order``)
+_LINEAR_PROBES = 9  # slots after the one it probes that CPython's set table tries next (Objects/setobject.c)
+_PERTURB_SHIFT = 5
+
+
+def _in_set_order(v: Any) -> bool:
+    """Whether ``v``, a list held by an installed library's object, holds at least ``_SET_ORDER_MIN`` distinct
+    strings laid out as a set's table holds them in this process: most likely ``list(some_set)``, whose order
+    follows the per-process string hash seed (diffusers keeps ``list(set(...) - set(...))`` in the config of
+    every model and of the models inside it). Such a list is checked by its items alone, so another process's
+    order of the same items passes.
+
+    A set iterates its table slot by slot, and a string sits at one of the first slots its probe sequence
+    tries (``_candidate_slots``). A list passes when, for a table size a set of that many strings can have,
+    its strings take increasing slots that way, all but one in eight past the first eight (moved by strings
+    the set held before). A list in a fixed order passes by chance (about 1 in 60 at 12 strings, fewer for
+    more), and a list of a user's own object is always checked in its order."""
+    n = len(v) if type(v) is list else 0
+    if n < _SET_ORDER_MIN or not sys.flags.hash_randomization:
+        return False
+    if not all(type(x) is str for x in v) or len(set(v)) != n:
+        return False
+    size = 8
+    while size <= 64 * n:
+        if 3 * size >= 5 * n and _strings_in_slot_order(v, size - 1) >= n - (n - 8) // 8:  # a table is <= 3/5 full
+            return True
+        size *= 2
+    return False
+
+
+def _candidate_slots(x: str, mask: int) -> list[int]:
+    """The slots of a ``mask + 1`` table that a set tries first for ``x``: its hash's slot and the linear probes
+    after it, then those of the first perturbed slot (none linear near the table's end)."""
+    h = hash(x)
+    slot, perturb, slots = h & mask, h & ((1 << 64) - 1), []
+    for _ in range(2):
+        slots.extend(range(slot, slot + (_LINEAR_PROBES if slot + _LINEAR_PROBES <= mask else 0) + 1))
+        perturb >>= _PERTURB_SHIFT
+        slot = (slot * 5 + 1 + perturb) & mask
+    return sorted(set(slots))
+
+
+def _strings_in_slot_order(v: list, mask: int) -> int:
+    """The most strings of ``v``, kept in their order, that can take increasing slots of a ``mask + 1`` table,
+    each one of its ``_candidate_slots``. ``lowest[k]``: the lowest last slot of ``k`` such strings so far."""
+    lowest = [-1]
+    for x in v:
+        candidates = _candidate_slots(x, mask)
+        for k in range(len(lowest) - 1, -1, -1):
+            slot = next((c for c in candidates if c > lowest[k]), None)
+            if slot is None:
+                continue
+            if k + 1 == len(lowest):
+                lowest.append(slot)
+            elif slot < lowest[k + 1]:
+                lowest[k + 1] = slot
+    return len(lowest) - 1
+
+
+def _is_installed_library_class(cls: type) -> bool:
+    module = sys.modules.get(getattr(cls, "__module__", "") or "")
+    source = getattr(module, "__file__", None)
+    return isinstance(source, str) and source_kind(source, vars(module)) == "library"
+
+
 class _Walk:
     """One deep walk (``fingerprint``): shared objects and cycles by reference, at most ``_BUDGET`` objects."""
 
@@ -285,6 +353,7 @@ class _Walk:
         self.seen: dict[int, int] = {}
         self.alive: list = []  # keeps walked objects alive, so their ids stay theirs
         self.count = 0
+        self.in_library = 0  # how many installed libraries' objects the walk is inside (``_in_set_order``)
 
     def value(self, v: Any, where: str, attributes: tuple = ()) -> Any:
         if v is None or isinstance(v, (bool, int, str)):
@@ -317,6 +386,8 @@ class _Walk:
                 return {"module": v.__name__}
             return {"module": v.__name__, "attributes": {a: self.value(getattr(v, a), f"{where}.{a}")
                                                          for a in attributes if hasattr(v, a)}}
+        if self.in_library and _in_set_order(v):
+            return {"list in a set's order": sorted(v)}
         if isinstance(v, (list, tuple)):
             return {type(v).__name__: self._items(v, where)}
         if isinstance(v, (set, frozenset)):
@@ -349,13 +420,24 @@ class _Walk:
                     "fields": {f.name: self.value(getattr(v, f.name), f"{where}.{f.name}") for f in dataclasses.fields(v)}}
         state = self._state(v)
         if state is not None:
-            return {"class": self._class(type(v), where),
-                    "attributes": {k: self.value(x, f"{where}.{k}") for k, x in sorted(state.items())
-                                   if not _salted_hash(k, x)}}
+            with self._inside(type(v)):
+                return {"class": self._class(type(v), where),
+                        "attributes": {k: self.value(x, f"{where}.{k}") for k, x in sorted(state.items())
+                                       if not _salted_hash(k, x)}}
         described = describe(v)  # meshes, groups, scalers, enums and other values spmd already describes
         if isinstance(described, dict) and described.get("repr", "") is None:
             raise Unguardable(f"{where} is a {type(v).__qualname__} whose value spmd cannot check")
         return described
+
+    @contextlib.contextmanager
+    def _inside(self, cls: type):
+        """Walk an object of ``cls``'s state: inside an installed library's object where ``cls`` is one."""
+        library = _is_installed_library_class(cls)
+        self.in_library += library
+        try:
+            yield
+        finally:
+            self.in_library -= library
 
     @staticmethod
     def _state(v: Any) -> Optional[dict]:
@@ -395,11 +477,13 @@ class _Walk:
 
     def _module(self, m: nn.Module, where: str) -> Any:
         attrs = {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
+        modules = {n: self.value(c, f"{where}.{n}") for n, c in m._modules.items()}
+        with self._inside(type(m)):
+            attributes = {k: self.value(v, f"{where}.{k}") for k, v in sorted(attrs.items())}
         return {"class": self._class(type(m), where),
                 "parameters": {n: self.value(p, f"{where}.{n}") for n, p in m._parameters.items()},
                 "buffers": {n: self.value(b, f"{where}.{n}") for n, b in m._buffers.items()},
-                "modules": {n: self.value(c, f"{where}.{n}") for n, c in m._modules.items()},
-                "attributes": {k: self.value(v, f"{where}.{k}") for k, v in sorted(attrs.items())}}
+                "modules": modules, "attributes": attributes}
 
     def _optimizer(self, o: torch.optim.Optimizer, where: str) -> Any:
         groups = [{k: self.value(v, f"{where} group {i} {k}") if k != "params" else len(v) for k, v in g.items()}
