@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -76,18 +75,16 @@ def _bf16_parity(rank, world_size, style, lowering):
     step = spmd.compile(parallel_mode=mode, gm_transformation=transformation)(_step)
     gen = torch.Generator().manual_seed(rank)
     steps = 4
-    # eager graph: the same kernels as FSDP2. Inductor fuses bf16 math differently (and its GEMM choices,
-    # autotuned, may differ between runs on a busy GPU), and Adam's normalisation turns a last-bit difference
-    # in a gradient into up to 2 lr in a step (a sign flip of a tiny update): parameters are bounded by that,
-    # and must agree on average; the bf16 losses within two of their last bits.
-    param_tol = 2 * lr * steps if inductor else 1e-6
-    for i in range(steps):
+    # eager graph: the same kernels as FSDP2. Inductor fuses bf16 math differently, and Adam's
+    # normalisation turns a last-bit difference in a gradient into up to 2 lr in a step (a sign
+    # flip of a tiny update): parameters are bounded by that, and must agree on average.
+    loss_tol, param_tol = (5e-2, 2 * lr * steps) if inductor else (1e-5, 1e-6)
+    for _ in range(steps):
         idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=gen).to(device)
         targets = idx.roll(-1, 1)
         ours, theirs = step(model, optim, idx, targets), _step(ref, ref_optim, idx, targets).detach()
         assert ours.dtype == theirs.dtype == torch.bfloat16
-        loss_tol = 2 * _bf16_ulp(theirs.item()) if inductor else 1e-5
-        torch.testing.assert_close(ours.float(), theirs.float(), atol=loss_tol, rtol=0, msg=lambda m: f"step {i}: {m}")
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=loss_tol, rtol=0)
     assert _replayed_as_cuda_graph(step) == default
     mine, ref_params = full_params(model), full_params(ref)
     for name in mine:
@@ -96,11 +93,6 @@ def _bf16_parity(rank, world_size, style, lowering):
     assert diffs.mean().item() <= (lr / 20 if inductor else 1e-7), f"mean |difference| {diffs.mean().item():.3g}"
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.placements == q.placements and p.to_local().shape == q.to_local().shape, name
-
-
-def _bf16_ulp(x: float) -> float:
-    """The distance between ``x`` and the next bfloat16 away from zero (8 significant bits)."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
 
 
 @contextlib.contextmanager
