@@ -245,6 +245,33 @@ def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+def test_on_a_gpu_a_collective_over_several_ranks_keeps_every_cut_outside_its_flight(monkeypatch):
+    """On a GPU, fully_shard's step cut inside a collective's flight trained other parameters than FSDP2's on two
+    ranks (BENCHMARKS.md, "Round 22"): there, where a collective spans more than one rank, no cut falls inside a
+    flight, however uneven the pieces come out; on the CPU, and with one rank, cuts may."""
+    import types
+
+    from torch.distributed import distributed_c10d
+
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    long_flight = _flight_graph(10, 200, 10)  # an even split only inside the flight
+    (position,) = piece_plan._cut_positions(long_flight, 2)
+    assert _inside_a_flight(long_flight, position)
+    (position,) = piece_plan._cut_positions(long_flight, 2, False)  # the only cuts outside: 10 against 210
+    assert not _inside_a_flight(long_flight, position)
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 20)
+    with single_process_group():
+        gm, inputs = _fully_shard_graph(monkeypatch)
+        on_gpu = [types.SimpleNamespace(device=torch.device("cuda", 0)) for _ in inputs]
+        assert piece_plan.flights_may_cross(gm.graph, inputs) and piece_plan.flights_may_cross(gm.graph, on_gpu)
+        monkeypatch.setattr(distributed_c10d, "_get_group_size_by_name", lambda name: 2)
+        assert piece_plan.flights_may_cross(gm.graph, inputs) and not piece_plan.flights_may_cross(gm.graph, on_gpu)
+        monkeypatch.setattr(piece_plan, "flights_may_cross", lambda graph, inputs: False)
+        made = piece_plan.cut(gm, 4, inputs)
+        assert made is not None and len(made[0]) >= 2
+        assert _flights_across_cuts(made[0], made[2]) == 0
+
+
 def test_a_graph_that_writes_a_value_it_made_is_not_cut():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")

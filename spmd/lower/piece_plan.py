@@ -7,7 +7,8 @@ processes of their own) and runs as its pieces in turn (``PiecePlan``, ``run_pie
 
 Where a cut may go, and what crosses it:
 
-* anywhere in node order, a collective's flight included: a collective launched in one piece and
+* anywhere in node order, a collective's flight included (but on a GPU, where a collective spans
+  several ranks: ``flights_may_cross``): a collective launched in one piece and
   waited in a later one crosses the cuts between them as its unwaited result (functional collectives
   keep their work by the result's storage, so the later piece's ``wait_tensor`` finds it), and its
   input crosses to the waiting piece with it. Inductor keeps a collective's input alive, unwritten and
@@ -54,7 +55,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..graph_utils.nodes import is_comm_node, is_wait_node, waited_collective
+from ..graph_utils.nodes import comm_group_name, is_comm_node, is_wait_node, waited_collective
 from ..graph_utils.optimizer_ops import written_inputs
 
 aten = torch.ops.aten
@@ -275,10 +276,31 @@ def _write_anchors(body: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     return anchors
 
 
-def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
+def flights_may_cross(graph: fx.Graph, inputs: Sequence[Any]) -> bool:
+    """Whether a cut may fall inside a collective's flight in ``graph`` (example inputs ``inputs``): not on a GPU
+    where a collective spans more than one rank. There, fully_shard's bf16 step cut inside a flight trained
+    other parameters than FSDP2's, while the same step cut outside every flight, or not cut, matched
+    (BENCHMARKS.md, "Round 22"; the cause is not found yet). With one rank (its collectives are copies) and on
+    the CPU the cut inside a flight matches."""
+    if not any(getattr(getattr(x, "device", None), "type", None) == "cuda" for x in inputs):
+        return True
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    for node in graph.nodes:
+        if is_comm_node(node):
+            name = comm_group_name(node)
+            try:
+                if name is None or _get_group_size_by_name(name) > 1:
+                    return False
+            except (KeyError, RuntimeError, ValueError):  # a group this process cannot size: as if it spans ranks
+                return False
+    return True
+
+
+def _cut_positions(body: list[fx.Node], count: int, flights_may_cross: bool = True) -> list[int]:
     """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, making the weightiest piece as light as
     it can be (``_balanced``); all outside every collective's flight (from the collective to its wait)
-    where that makes it at most ``FLIGHT_SLACK`` heavier."""
+    where that makes it at most ``FLIGHT_SLACK`` heavier, or always where ``flights_may_cross`` is False."""
     index = {n: i for i, n in enumerate(body)}
     blocked = [False] * len(body)
     in_flight = [False] * len(body)
@@ -308,6 +330,8 @@ def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
         return []
     anywhere = _balanced([i for i in range(len(body)) if not blocked[i]], cumulative, count)
     outside = _balanced([i for i in range(len(body)) if not blocked[i] and not in_flight[i]], cumulative, count)
+    if not flights_may_cross:
+        return outside[0]
     return outside[0] if outside[1] <= anywhere[1] * (1 + FLIGHT_SLACK) else anywhere[0]
 
 
@@ -360,7 +384,7 @@ def cut(gm: fx.GraphModule, count: int, inputs: Sequence[Any]
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     body = [n for n in nodes if n.op == "call_function"]
-    positions = _cut_positions(body, count)
+    positions = _cut_positions(body, count, flights_may_cross(gm.graph, inputs))
     if not positions:
         return None
     piece_of: dict[fx.Node, int] = {}

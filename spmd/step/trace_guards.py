@@ -22,6 +22,7 @@ unkept (``Unguardable``, said in the log): it is traced again in every process, 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import enum
@@ -282,6 +283,7 @@ def _salted_hash(name: str, value: Any) -> bool:
 
 
 _SET_ORDER_MIN = 12  # strings a list needs before its order may count as a set's (``_in_set_order``)
+_SET_ORDER_MAX = 4096  # strings beyond which a list is compared in order (a config's list made from a set is short)
 _LINEAR_PROBES = 9  # slots after the one it probes that CPython's set table tries next (Objects/setobject.c)
 _PERTURB_SHIFT = 5
 
@@ -299,7 +301,7 @@ def _in_set_order(v: Any) -> bool:
     the set held before). A list in a fixed order passes by chance (about 1 in 60 at 12 strings, fewer for
     more), and a list of a user's own object is always checked in its order."""
     n = len(v) if type(v) is list else 0
-    if n < _SET_ORDER_MIN or not sys.flags.hash_randomization:
+    if not _SET_ORDER_MIN <= n <= _SET_ORDER_MAX or not sys.flags.hash_randomization:
         return False
     if not all(type(x) is str for x in v) or len(set(v)) != n:
         return False
@@ -325,14 +327,12 @@ def _candidate_slots(x: str, mask: int) -> list[int]:
 
 def _strings_in_slot_order(v: list, mask: int) -> int:
     """The most strings of ``v``, kept in their order, that can take increasing slots of a ``mask + 1`` table,
-    each one of its ``_candidate_slots``. ``lowest[k]``: the lowest last slot of ``k`` such strings so far."""
+    each one of its ``_candidate_slots``. ``lowest[k]``: the lowest last slot of ``k`` such strings so far (a
+    longest increasing subsequence; a string's slots are tried largest first, so it extends one chain only)."""
     lowest = [-1]
     for x in v:
-        candidates = _candidate_slots(x, mask)
-        for k in range(len(lowest) - 1, -1, -1):
-            slot = next((c for c in candidates if c > lowest[k]), None)
-            if slot is None:
-                continue
+        for slot in reversed(_candidate_slots(x, mask)):
+            k = bisect.bisect_left(lowest, slot) - 1  # the longest chain that ends below ``slot``
             if k + 1 == len(lowest):
                 lowest.append(slot)
             elif slot < lowest[k + 1]:
@@ -340,7 +340,9 @@ def _strings_in_slot_order(v: list, mask: int) -> int:
     return len(lowest) - 1
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_installed_library_class(cls: type) -> bool:
+    """Whether ``cls`` is defined in an installed library's module (site-packages; torch's and spmd's are not)."""
     module = sys.modules.get(getattr(cls, "__module__", "") or "")
     source = getattr(module, "__file__", None)
     return isinstance(source, str) and source_kind(source, vars(module)) == "library"
