@@ -1,7 +1,7 @@
 """The persistent compile cache (``spmd.step.step_cache``, ``spmd.step.cache_key``, ``spmd.step.cache_store``):
 every process traces its step and runs the passes, the user's included, and takes from the cache only the
 Inductor code kept for the graphs that made. Written as a user meets it: fresh processes sharing one cache
-directory, the code or a value changed between them, each compared with the cache off (float64, 1e-12).
+directory, the code or a value changed between them, each compared with what eager computes (float64, 1e-12).
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def restarts(tmp_path_factory) -> dict:
     """One user's jobs between restarts, sharing one cache directory, each JSON report by name (the edits test
     checks the sequence, the dumps test the restart that dumps): the first job; a restart with nothing changed
     and dumps on (``SPMD_DUMP_DIR``, into ``dump``); then after each edit (the loss helper in another module, a
-    config value read inside the step, the user's pass) a job with the cache and one with it off."""
+    config value read inside the step, the user's pass) a job with the cache, and beside it what the code says
+    now, run eagerly here (``_eager_job``)."""
     root = tmp_path_factory.mktemp("restarts")
     user, cache = root / "user", root / "cache"
     _write_user_files(user)
@@ -131,19 +132,40 @@ def restarts(tmp_path_factory) -> dict:
     env = {**fresh_inductor_env(root / "inductor"), "SPMD_DUMP_DIR": str(root / "dump")}
     jobs["again"] = _run_user_job(user, cache, env=env)  # nothing changed: the kept code runs, and dumps
 
-    _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"))  # the loss helper edited
-    jobs["edited"], jobs["edited off"] = _run_user_job(user, cache), _run_user_job(user, "off")
+    edited = _HELPERS.replace("** 2", "** 2 + (out - y).abs()")
+    _write_user_files(user, helper=edited)  # the loss helper edited
+    jobs["edited"], jobs["edited eager"] = _run_user_job(user, cache), _eager_job(edited)
     jobs["scaled"] = _run_user_job(user, cache, scale=0.5)  # a config value read inside the step
-    jobs["scaled off"] = _run_user_job(user, "off", scale=0.5)
-    _write_user_files(user, helper=_HELPERS.replace("** 2", "** 2 + (out - y).abs()"), offset=3.0)  # the pass edited
-    jobs["offset"], jobs["offset off"] = _run_user_job(user, cache, scale=0.5), _run_user_job(user, "off", scale=0.5)
+    jobs["scaled eager"] = _eager_job(edited, scale=0.5)
+    _write_user_files(user, helper=edited, offset=3.0)  # the pass edited
+    jobs["offset"], jobs["offset eager"] = _run_user_job(user, cache, scale=0.5), _eager_job(edited, 0.5, 3.0)
     return jobs
+
+
+def _eager_job(helper: str, scale: float = 1.0, offset: float = 0.0) -> dict:
+    """What the user's training script (``_TRAIN``) computes, run eagerly in this process: its loss helper's
+    source, its config value, and its pass, which adds ``offset`` to the loss the step returns."""
+    namespace: dict = {}
+    exec(helper, namespace)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8, dtype=torch.float64, generator=gen), torch.randn(4, 1, dtype=torch.float64, generator=gen)
+        loss = namespace["loss"](model(x), y) * scale
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item() + offset)
+    return {"losses": losses, "params": [p.tolist() for p in model.parameters()]}
 
 
 @needs_cpp
 def test_what_the_code_says_now_runs_after_each_edit_between_restarts(restarts):
     """A helper edited in another module, a config value changed, a user's pass edited: each restarted job
-    trains what its code says now (as with the cache off), runs the user's pass, and reuses the kept code
+    trains what its code says now (as eager runs it), runs the user's pass, and reuses the kept code
     only where nothing the graphs depend on changed."""
     first, again = restarts["first"], restarts["again"]
     assert "lower/step/inductor_compile_fx" in first["phases"]
@@ -154,13 +176,13 @@ def test_what_the_code_says_now_runs_after_each_edit_between_restarts(restarts):
 
     edited, scaled, offset = restarts["edited"], restarts["scaled"], restarts["offset"]
     assert "trace/reused" not in edited["phases"]  # the kept trace ran the old helper
-    _same_training(edited, restarts["edited off"])
+    _same_training(edited, restarts["edited eager"])
     assert edited["losses"] != first["losses"]
     assert "trace/reused" not in scaled["phases"]  # a config value read inside the step
-    _same_training(scaled, restarts["scaled off"])
+    _same_training(scaled, restarts["scaled eager"])
     assert scaled["losses"] != edited["losses"]
     assert "trace/reused" in offset["phases"] and offset["pass_calls"] == 1  # the trace is kept; the pass runs anew
-    _same_training(offset, restarts["offset off"])
+    _same_training(offset, restarts["offset eager"])
     assert offset["losses"][0] == pytest.approx(scaled["losses"][0] + 3.0, abs=1e-12)
     assert len(CacheStore(restarts["cache"]).entries()) == 4  # one entry per distinct set of graphs
 

@@ -4,6 +4,7 @@ here or in a worker process."""
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import pytest
@@ -534,7 +535,7 @@ def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():
 
 def _fully_shard_in_pieces(rank, world_size):
     from spmd.lower import piece_compile
-    from tests.shard_helpers import batches, block_policy, fsdp2_twin, gpt, max_param_diff, optimizer, plain_step
+    from tests.shard_helpers import CFG, batches, block_policy, fsdp2_twin, max_param_diff, optimizer, plain_step
 
     made = []
     cut = piece_compile.cut
@@ -546,7 +547,8 @@ def _fully_shard_in_pieces(rank, world_size):
     min_weight, piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT = piece_plan.MIN_PIECE_WEIGHT, kept, 40  # a tiny step cut in pieces
     slack, piece_plan.FLIGHT_SLACK = piece_plan.FLIGHT_SLACK, -1.0  # the most even cut, in flight or not
     try:
-        model = gpt(n_layer=2)
+        torch.manual_seed(0)  # rows that split evenly: both ranks trace one graph, and compile its kernels once
+        model = GPT(dataclasses.replace(CFG, vocab_size=38)).double()
         ref = fsdp2_twin(model)
         mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
         spmd.shard(model, mode)
@@ -565,7 +567,8 @@ def _fully_shard_in_pieces(rank, world_size):
 
 
 def test_fully_shard_compiled_in_pieces_cut_inside_flights_matches_fsdp2():
-    """Inductor on the CPU, fully_shard's float64 step (a 2-block GPT) in pieces, shared between each rank and
+    """Inductor on the CPU, fully_shard's float64 step (a 2-block GPT whose rows split evenly over the ranks, so
+    both trace one graph and Inductor compiles each kernel once) in pieces, shared between each rank and
     a worker process of its own (which compiles with fake process groups), one cut inside a collective's flight:
     a collective launched in one piece is waited in the next, and the step matches eager FSDP2 to 1e-12 over
     three steps."""
