@@ -5,9 +5,9 @@ and its arguments, with the nodes it reads written as their positions, and wheth
 (``meta[RECOMPUTE_OF]``, which the compile reads: ``spmd.lower.recompute_fusion``). A memory format is
 written by its name (``_TorchName``): pickle finds it by searching the loaded modules for one that reaches
 it, and in a process started by ``multiprocessing`` that search picks ``__mp_main__``, which the receiving
-process does not have. No other metadata is sent: the receiving process propagates fake values from the inputs' ``InputSpec``s itself. A graph calling
-anything else (a Python function, a module) is refused with ``NotWireable``; its caller then
-compiles that graph where it is.
+process does not have. No other metadata is sent: the receiving process propagates fake values from the
+inputs' ``InputSpec``s itself. A graph calling anything else (a Python function, a module) is refused with
+``NotWireable``; its caller then compiles that graph where it is.
 """
 
 from __future__ import annotations

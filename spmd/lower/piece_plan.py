@@ -297,10 +297,10 @@ def flights_may_cross(graph: fx.Graph, inputs: Sequence[Any]) -> bool:
     return True
 
 
-def _cut_positions(body: list[fx.Node], count: int, flights_may_cross: bool = True) -> list[int]:
+def _cut_positions(body: list[fx.Node], count: int, across_flights: bool = True) -> list[int]:
     """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, making the weightiest piece as light as
     it can be (``_balanced``); all outside every collective's flight (from the collective to its wait)
-    where that makes it at most ``FLIGHT_SLACK`` heavier, or always where ``flights_may_cross`` is False."""
+    where that makes it at most ``FLIGHT_SLACK`` heavier, or always where ``across_flights`` is False."""
     index = {n: i for i, n in enumerate(body)}
     blocked = [False] * len(body)
     in_flight = [False] * len(body)
@@ -330,7 +330,7 @@ def _cut_positions(body: list[fx.Node], count: int, flights_may_cross: bool = Tr
         return []
     anywhere = _balanced([i for i in range(len(body)) if not blocked[i]], cumulative, count)
     outside = _balanced([i for i in range(len(body)) if not blocked[i] and not in_flight[i]], cumulative, count)
-    if not flights_may_cross:
+    if not across_flights:
         return outside[0]
     return outside[0] if outside[1] <= anywhere[1] * (1 + FLIGHT_SLACK) else anywhere[0]
 
