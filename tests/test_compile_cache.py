@@ -55,6 +55,19 @@ def offset_the_loss(gm):
     output.args = ((shifted, *output.args[0][1:]),)
 """
 
+# The user's model, optimizer and three steps of ``train_step``: the training script's end, and the eager
+# reference's (``_eager_job``).
+_LOOP = """
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+gen = torch.Generator().manual_seed(1)
+losses = []
+for _ in range(3):
+    x, y = torch.randn(4, 8, dtype=torch.float64, generator=gen), torch.randn(4, 1, dtype=torch.float64, generator=gen)
+    losses.append(train_step(model, optim, x, y).item())
+"""
+
 _TRAIN = """
 import json, sys, types
 sys.path.insert(0, sys.argv[1])
@@ -82,14 +95,7 @@ def train_step(model, optim, x, y):
     return loss
 
 
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
-optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-gen = torch.Generator().manual_seed(1)
-losses = []
-for _ in range(3):
-    x, y = torch.randn(4, 8, dtype=torch.float64, generator=gen), torch.randn(4, 1, dtype=torch.float64, generator=gen)
-    losses.append(train_step(model, optim, x, y).item())
+""" + _LOOP + """
 print(json.dumps({"losses": losses, "params": [p.tolist() for p in model.parameters()],
                   "phases": sorted(train_step.compile_times), "trace_count": train_step.trace_count,
                   "pass_calls": len(user_passes.CALLS)}))
@@ -145,20 +151,19 @@ def restarts(tmp_path_factory) -> dict:
 def _eager_job(helper: str, scale: float = 1.0, offset: float = 0.0) -> dict:
     """What the user's training script (``_TRAIN``) computes, run eagerly in this process: its loss helper's
     source, its config value, and its pass, which adds ``offset`` to the loss the step returns."""
-    namespace: dict = {}
-    exec(helper, namespace)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(3):
-        x, y = torch.randn(4, 8, dtype=torch.float64, generator=gen), torch.randn(4, 1, dtype=torch.float64, generator=gen)
-        loss = namespace["loss"](model(x), y) * scale
+    helpers: dict = {}
+    exec(helper, helpers)
+
+    def train_step(model, optim, x, y):
+        loss = helpers["loss"](model(x), y) * scale
         loss.backward()
         optim.step()
         optim.zero_grad()
-        losses.append(loss.item() + offset)
+        return loss + offset
+
+    namespace = {"torch": torch, "train_step": train_step}
+    exec(_LOOP, namespace)
+    losses, model = namespace["losses"], namespace["model"]
     return {"losses": losses, "params": [p.tolist() for p in model.parameters()]}
 
 
