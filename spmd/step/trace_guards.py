@@ -298,8 +298,8 @@ def _in_set_order(v: Any) -> bool:
     A set iterates its table slot by slot, and a string sits at one of the first slots its probe sequence
     tries (``_candidate_slots``). A list passes when, for a table size a set of that many strings can have,
     its strings take increasing slots that way, all but one in eight past the first eight (moved by strings
-    the set held before). A list in a fixed order passes by chance (about 1 in 60 at 12 strings, fewer for
-    more), and a list of a user's own object is always checked in its order."""
+    the set held before). A list in a fixed order passes only by chance, less often the longer it is
+    (BENCHMARKS.md, "Round 22"), and a list of a user's own object is always checked in its order."""
     n = len(v) if type(v) is list else 0
     if not _SET_ORDER_MIN <= n <= _SET_ORDER_MAX or not sys.flags.hash_randomization:
         return False
