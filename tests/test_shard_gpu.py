@@ -44,11 +44,10 @@ def _replayed_as_cuda_graph(step) -> bool:
 
 
 def _bf16_parity(rank, world_size, style, lowering):
-    if lowering == "default_in_pieces":  # a graph this small cut too: with one rank inside a collective's flight
+    if lowering == "default_in_pieces":  # a graph this small cut too, with a collective in flight across a cut
         with _pieces_in_flight() as made:
             _bf16_parity(rank, world_size, style, "default")
-        # with several, every cut outside (spmd.lower.piece_plan.flights_may_cross: BENCHMARKS.md, "Round 22")
-        assert made and (_flights_across_cuts(*made[0]) >= 1 if world_size == 1 else _flights_across_cuts(*made[0]) == 0)
+        assert made and _flights_across_cuts(*made[0]) >= 1
         return
     device = torch.device("cuda", rank)
     mesh = init_device_mesh("cuda", (world_size,))
@@ -123,8 +122,9 @@ def test_bf16_mixed_precision_matches_fsdp2_on_gpus(style, lowering):
 
 
 def test_fully_shard_cut_inside_flights_replays_as_a_cuda_graph_and_matches_fsdp2():
-    """The default lowering (Inductor in pieces, CUDA graphs) with the step cut in pieces, all captured in one CUDA
-    graph: it matches FSDP2 as above. With one rank a gather or reduce-scatter is launched in one piece and waited
-    in a later one; with two, no cut falls inside a collective's flight (such cuts trained other parameters than
-    FSDP2's there: BENCHMARKS.md, "Round 22")."""
+    """The default lowering (Inductor in pieces, CUDA graphs) with the step cut in pieces, a gather or reduce-scatter
+    launched in one piece and waited in a later one, all captured in one CUDA graph: it matches FSDP2 as above. On
+    two GPUs with torch 2.11 one rank's cut also falls between ``nll_loss_backward``, which Inductor returns in
+    float32, and the piece that reads it as bfloat16 (``spmd.lower.piece_plan.run_pieces`` casts it:
+    BENCHMARKS.md, "Round 23")."""
     run_distributed(_bf16_parity, "fully_shard", "default_in_pieces", world_size=WORLD_SIZE, backend="nccl")

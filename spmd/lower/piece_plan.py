@@ -7,8 +7,7 @@ processes of their own) and runs as its pieces in turn (``PiecePlan``, ``run_pie
 
 Where a cut may go, and what crosses it:
 
-* anywhere in node order, a collective's flight included (but on a GPU, where a collective spans
-  several ranks: ``flights_may_cross``): a collective launched in one piece and
+* anywhere in node order, a collective's flight included: a collective launched in one piece and
   waited in a later one crosses the cuts between them as its unwaited result (functional collectives
   keep their work by the result's storage, so the later piece's ``wait_tensor`` finds it), and its
   input crosses to the waiting piece with it. Inductor keeps a collective's input alive, unwritten and
@@ -55,7 +54,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..graph_utils.nodes import comm_group_name, is_comm_node, is_wait_node, waited_collective
+from ..graph_utils.nodes import is_comm_node, is_wait_node, waited_collective
 from ..graph_utils.optimizer_ops import written_inputs
 
 aten = torch.ops.aten
@@ -112,6 +111,7 @@ class PiecePlan:
     makes: tuple[tuple[int, ...], ...]
     drops: tuple[tuple[int, ...], ...]
     shapes: tuple[tuple[Optional[tuple[int, ...]], ...], ...] = ()  # each made value's shape (None: not a tensor)
+    dtypes: tuple[tuple[Optional[torch.dtype], ...], ...] = ()  # each made value's dtype (None: not a tensor)
 
     def __len__(self) -> int:
         return len(self.takes)
@@ -121,14 +121,23 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
     """One callable (Inductor's boxed convention: called on a list of the graph's inputs, which it
     clears) that runs ``pieces`` (each in that convention) as ``plan`` says.
 
-    A piece's output that comes back in another shape than its graph gives it, with as many elements,
-    is viewed in that shape before a later piece reads it: torch 2.11's Inductor returns the result of a
-    keepdim reduction it computes in a mix-order reduction kernel without its kept dimension (a layer
-    norm's weight gradient, ``(1, n)`` returned as ``(n,)``; fixed in pytorch#177782), which inside one
-    graph no kernel notices but which the next piece's input check refuses. Which outputs need it is
-    found on each piece's first run."""
+    A piece's output that comes back otherwise than its graph gives it is made so before a later piece
+    reads it, which was compiled for what the graph gives (which outputs need it is found on each piece's
+    first run):
+
+    * in another shape with as many elements, it is viewed in the graph's shape: torch 2.11's Inductor
+      returns the result of a keepdim reduction it computes in a mix-order reduction kernel without its
+      kept dimension (a layer norm's weight gradient, ``(1, n)`` returned as ``(n,)``; fixed in
+      pytorch#177782), which inside one graph no kernel notices but which the next piece's input check
+      refuses;
+    * in another dtype, it is cast to the graph's: torch 2.11's Inductor rewrites a scatter into a constant
+      tensor (``nll_loss_backward``'s one-hot gradient) as a ``where`` in float32 whatever the tensor's
+      dtype (fixed in torch 2.13), which inside one graph only computes in more precision, but which the
+      next piece, compiled for bfloat16, read as bfloat16 bits: fully_shard's bf16 step trained on
+      garbage gradients on the rank whose cut fell there (BENCHMARKS.md, "Round 23"). Inductor checks
+      the size and stride of each input it reads, not its dtype."""
     steps = list(zip(pieces, plan.takes, plan.makes, plan.drops))
-    reshapes: list[Optional[list[tuple[int, tuple[int, ...]]]]] = [None] * len(steps)  # learned per piece
+    fixes: list[Optional[list[tuple[int, Optional[tuple[int, ...]], Optional[torch.dtype]]]]] = [None] * len(steps)
 
     def run(args: list) -> list:
         values = dict(enumerate(args))
@@ -139,35 +148,51 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
             for i in drops:
                 del values[i]
             result = piece(inputs)
-            if reshapes[p] is None:
-                reshapes[p] = _misshapen(result, plan.shapes[p] if plan.shapes else (), p)
-            if reshapes[p]:
+            if fixes[p] is None:
+                fixes[p] = _unlike_their_graph(result, plan.shapes[p] if plan.shapes else (),
+                                               plan.dtypes[p] if plan.dtypes else (), p)
+            if fixes[p]:
                 result = list(result)
-                for k, shape in reshapes[p]:
-                    result[k] = result[k].view(shape)
+                for k, shape, dtype in fixes[p]:
+                    if shape is not None:
+                        result[k] = result[k].view(shape)
+                    if dtype is not None:
+                        result[k] = result[k].to(dtype)
             values.update(zip(makes, result))
         return result
 
     return run
 
 
-def _misshapen(outputs: Sequence[Any], shapes: Sequence[Optional[tuple[int, ...]]], piece: int
-               ) -> list[tuple[int, tuple[int, ...]]]:
-    """(index, shape its graph gives it) for each of piece ``piece``'s ``outputs`` that came back in another
-    shape with as many elements; an output with another number of elements is an error."""
+def _unlike_their_graph(outputs: Sequence[Any], shapes: Sequence[Optional[tuple[int, ...]]],
+                        dtypes: Sequence[Optional[torch.dtype]], piece: int
+                        ) -> list[tuple[int, Optional[tuple[int, ...]], Optional[torch.dtype]]]:
+    """(index, shape its graph gives it or None, dtype its graph gives it or None) for each of piece
+    ``piece``'s ``outputs`` that came back in another shape with as many elements, or in another dtype; an
+    output with another number of elements is an error."""
     found = []
-    for k, (out, shape) in enumerate(zip(outputs, shapes)):
-        if shape is None or not isinstance(out, torch.Tensor) or tuple(out.shape) == shape:
+    for k, out in enumerate(outputs):
+        if not isinstance(out, torch.Tensor):
             continue
-        if out.numel() != math.prod(shape):
+        shape = shapes[k] if k < len(shapes) else None
+        dtype = dtypes[k] if k < len(dtypes) else None
+        reshape = shape is not None and tuple(out.shape) != shape
+        if reshape and out.numel() != math.prod(shape):
             raise RuntimeError(f"spmd: piece {piece} of a graph compiled in pieces returned output {k} with shape "
                                f"{tuple(out.shape)} where its graph gives {shape}: Inductor compiled the piece "
                                "wrongly. Compile the step whole (spmd.GraphModuleTransformation(enable_inductor=True, "
                                "compile_pieces=1) as gm_transformation) and report this.")
-        log.info("spmd: piece %d's output %d came back with shape %s where its graph gives %s (Inductor's "
-                 "mix-order reduction dropped a kept dimension); it is viewed in its graph's shape",
-                 piece, k, tuple(out.shape), shape)
-        found.append((k, shape))
+        recast = dtype is not None and out.dtype != dtype
+        if reshape:
+            log.info("spmd: piece %d's output %d came back with shape %s where its graph gives %s (Inductor's "
+                     "mix-order reduction dropped a kept dimension); it is viewed in its graph's shape",
+                     piece, k, tuple(out.shape), shape)
+        if recast:
+            log.info("spmd: piece %d's output %d came back as %s where its graph gives %s (an Inductor rewrite "
+                     "changed its dtype); it is cast to its graph's dtype before a later piece reads it",
+                     piece, k, out.dtype, dtype)
+        if reshape or recast:
+            found.append((k, shape if reshape else None, dtype if recast else None))
     return found
 
 
@@ -276,31 +301,10 @@ def _write_anchors(body: list[fx.Node]) -> dict[fx.Node, fx.Node]:
     return anchors
 
 
-def flights_may_cross(graph: fx.Graph, inputs: Sequence[Any]) -> bool:
-    """Whether a cut may fall inside a collective's flight in ``graph`` (example inputs ``inputs``): not on a GPU
-    where a collective spans more than one rank. There, fully_shard's bf16 step cut inside a flight trained
-    other parameters than FSDP2's, while the same step cut outside every flight, or not cut, matched
-    (BENCHMARKS.md, "Round 22"; the cause is not found yet). With one rank (its collectives are copies) and on
-    the CPU the cut inside a flight matches."""
-    if not any(getattr(getattr(x, "device", None), "type", None) == "cuda" for x in inputs):
-        return True
-    from torch.distributed.distributed_c10d import _get_group_size_by_name
-
-    for node in graph.nodes:
-        if is_comm_node(node):
-            name = comm_group_name(node)
-            try:
-                if name is None or _get_group_size_by_name(name) > 1:
-                    return False
-            except (KeyError, RuntimeError, ValueError):  # a group this process cannot size: as if it spans ranks
-                return False
-    return True
-
-
-def _cut_positions(body: list[fx.Node], count: int, across_flights: bool = True) -> list[int]:
+def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
     """Indices ``i`` of ``body`` to cut after, at most ``count - 1``, making the weightiest piece as light as
     it can be (``_balanced``); all outside every collective's flight (from the collective to its wait)
-    where that makes it at most ``FLIGHT_SLACK`` heavier, or always where ``across_flights`` is False."""
+    where that makes it at most ``FLIGHT_SLACK`` heavier."""
     index = {n: i for i, n in enumerate(body)}
     blocked = [False] * len(body)
     in_flight = [False] * len(body)
@@ -330,8 +334,6 @@ def _cut_positions(body: list[fx.Node], count: int, across_flights: bool = True)
         return []
     anywhere = _balanced([i for i in range(len(body)) if not blocked[i]], cumulative, count)
     outside = _balanced([i for i in range(len(body)) if not blocked[i] and not in_flight[i]], cumulative, count)
-    if not across_flights:
-        return outside[0]
     return outside[0] if outside[1] <= anywhere[1] * (1 + FLIGHT_SLACK) else anywhere[0]
 
 
@@ -384,7 +386,7 @@ def cut(gm: fx.GraphModule, count: int, inputs: Sequence[Any]
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     body = [n for n in nodes if n.op == "call_function"]
-    positions = _cut_positions(body, count, flights_may_cross(gm.graph, inputs))
+    positions = _cut_positions(body, count)
     if not positions:
         return None
     piece_of: dict[fx.Node, int] = {}
@@ -488,6 +490,7 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
         graphs[p].output(tuple(envs[p][n] for n in exports[p]))
     makes = [tuple(value_id[n] for n in exports[p]) for p in range(count - 1)] + [()]
     shapes = [tuple(_shape_of(n) for n in exports[p]) for p in range(count - 1)] + [()]
+    dtypes = [tuple(_dtype_of(n) for n in exports[p]) for p in range(count - 1)] + [()]
     last_use: dict[int, int] = {}
     for p, taken in enumerate(takes):
         for i in taken:
@@ -498,12 +501,17 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
         g.eliminate_dead_code()
         g.lint()
         modules.append(fx.GraphModule(gm, g))
-    return modules, specs, PiecePlan(tuple(map(tuple, takes)), tuple(makes), tuple(drops), tuple(shapes))
+    return modules, specs, PiecePlan(tuple(map(tuple, takes)), tuple(makes), tuple(drops), tuple(shapes), tuple(dtypes))
 
 
 def _shape_of(node: fx.Node) -> Optional[tuple[int, ...]]:
     val = node.meta.get("val")
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _dtype_of(node: fx.Node) -> Optional[torch.dtype]:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 class _nothing:
