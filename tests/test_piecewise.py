@@ -570,8 +570,8 @@ def test_a_piece_output_returned_without_its_kept_dimension_is_viewed_in_its_gra
         assert out.shape == (1, 4) and torch.equal(out, torch.full((1, 4), 6.0))
     assert seen == [(1, 4), (1, 4)]
     wrong = piece_plan.run_pieces(plan, [lambda args: [args[0].sum()], second])
-    with pytest.raises(RuntimeError, match=r"returned output 0 with shape \(\) where its graph gives \(1, 4\).*"
-                                           r"compile_pieces=1"):
+    with pytest.raises(RuntimeError, match=r"piece 0's output 0 .* came back with shape \(\) where its graph gives "
+                                           r"\(1, 4\).*compile_pieces=1"):
         wrong([torch.ones(3, 4)])
 
 
@@ -597,6 +597,18 @@ def test_a_piece_output_returned_in_another_dtype_is_cast_to_its_graphs_before_a
         (out,) = run([torch.ones(4, dtype=torch.bfloat16)])
         assert out.dtype == torch.bfloat16 and torch.equal(out, torch.full((4,), 4.0, dtype=torch.bfloat16))
     assert seen == [torch.bfloat16, torch.bfloat16]
+    # a whole graph's outputs too (a step's parts are graphs of their own, each compiled for what the one before
+    # hands it as its graph says): in the dtype the graph gives
+    from spmd.lower.inductor import _positional
+
+    gm = torch.fx.symbolic_trace(lambda x: (x * 3, x.sum()))
+    output = gm.graph.output_node()
+    for node, val in zip(output.args[0], (torch.ones(4, dtype=torch.bfloat16), torch.ones((), dtype=torch.float64))):
+        node.meta["val"] = val
+    run = _positional(lambda args: [args[0].float() * 3, args[0].double().sum()], gm)
+    for _ in range(2):
+        tripled, total = run(torch.ones(4, dtype=torch.bfloat16))
+        assert tripled.dtype == torch.bfloat16 and total.dtype == torch.float64 and total.item() == 4
 
 
 def test_a_cut_records_the_shape_of_each_value_crossing_it(monkeypatch):

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from .._torch_version import INDUCTOR_OPTION_SINCE, installed as installed_torch, tested_range
 from ..compile_times import phase
@@ -50,7 +51,7 @@ from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
 from .inductor_code import KeptCode, code_of, load_kept
 from .opaque_ops import wrapped_ops
 from .rewrites import apply_inductor_decompositions, prepare_for_inductor
-from .piece_plan import cut_obstacle
+from .piece_plan import as_their_graph_gives, cut_obstacle
 from .piece_compile import compile_in_pieces
 from .worker_pool import Worker
 
@@ -157,10 +158,17 @@ def start_compile_workers() -> None:
     AsyncCompile.wakeup()
 
 
-def _positional(compiled: Callable[[list], Any]) -> Callable:
-    """``compiled`` (Inductor's boxed convention: called on a list, which it may clear) called positionally."""
+def _positional(compiled: Callable[[list], Any], gm: fx.GraphModule) -> Callable:
+    """``compiled`` (Inductor's boxed convention: called on a list, which it may clear) called positionally, its
+    outputs in the dtypes ``gm``'s graph gives them (``as_their_graph_gives``): a step's parts run as separate
+    graphs (``spmd.step.iter_graph_module``), each compiled for the values the one before hands it as its graph
+    says, and the user's outputs are as eager's."""
+    outputs = [n.meta.get("val") if isinstance(n, fx.Node) else None
+               for n in pytree.tree_leaves(gm.graph.output_node().args[0])]
+    conform = as_their_graph_gives((), [v.dtype if isinstance(v, torch.Tensor) else None for v in outputs], "output")
+
     def run(*args):
-        return compiled(list(args))
+        return conform(compiled(list(args)))
 
     return run
 
@@ -227,12 +235,12 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
         loaded = load_kept(kept, device, label) if kept is not None else None
         if loaded is not None:
             log.info("spmd: loaded the %s graph's kept Inductor code in %.1f s", label, time.perf_counter() - start)
-            return _positional(loaded), kept
+            return _positional(loaded, gm), kept
         with phase(f"lower/{label}/inductor_prepare"):
             prepared = prepare_for_inductor(gm, decompose=pieces < 2, lean=lean)
         made = _in_pieces(prepared, example_inputs, label, pieces, fx_cache, config, workers) if pieces > 1 else None
         if made is not None:
-            return _positional(made[0]), made[1]
+            return _positional(made[0], gm), made[1]
         if pieces > 1:
             with phase(f"lower/{label}/inductor_prepare"):
                 apply_inductor_decompositions(prepared)
@@ -244,4 +252,4 @@ def compile_with_inductor(gm: fx.GraphModule, example_inputs: Sequence[torch.Ten
     if code is None:
         log.info("spmd: the %s graph's Inductor code cannot be kept beside a cached step (it needs more than its "
                  "module: constants or script objects held on the side); a restart compiles it again", label)
-    return _positional(compiled), code
+    return _positional(compiled, gm), code

@@ -119,25 +119,12 @@ class PiecePlan:
 
 def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Callable[[list], list]:
     """One callable (Inductor's boxed convention: called on a list of the graph's inputs, which it
-    clears) that runs ``pieces`` (each in that convention) as ``plan`` says.
-
-    A piece's output that comes back otherwise than its graph gives it is made so before a later piece
-    reads it, which was compiled for what the graph gives (which outputs need it is found on each piece's
-    first run):
-
-    * in another shape with as many elements, it is viewed in the graph's shape: torch 2.11's Inductor
-      returns the result of a keepdim reduction it computes in a mix-order reduction kernel without its
-      kept dimension (a layer norm's weight gradient, ``(1, n)`` returned as ``(n,)``; fixed in
-      pytorch#177782), which inside one graph no kernel notices but which the next piece's input check
-      refuses;
-    * in another dtype, it is cast to the graph's: torch 2.11's Inductor rewrites a scatter into a constant
-      tensor (``nll_loss_backward``'s one-hot gradient) as a ``where`` in float32 whatever the tensor's
-      dtype (fixed in torch 2.13), which inside one graph only computes in more precision, but which the
-      next piece, compiled for bfloat16, read as bfloat16 bits: fully_shard's bf16 step trained on
-      garbage gradients on the rank whose cut fell there (BENCHMARKS.md, "Round 23"). Inductor checks
-      the size and stride of each input it reads, not its dtype."""
+    clears) that runs ``pieces`` (each in that convention) as ``plan`` says. A piece's output that comes back
+    in another shape or dtype than its graph gives it is made so before a later piece, compiled for what the
+    graph gives, reads it (``as_their_graph_gives``)."""
     steps = list(zip(pieces, plan.takes, plan.makes, plan.drops))
-    fixes: list[Optional[list[tuple[int, Optional[tuple[int, ...]], Optional[torch.dtype]]]]] = [None] * len(steps)
+    conform = [as_their_graph_gives(plan.shapes[p] if plan.shapes else (), plan.dtypes[p] if plan.dtypes else (),
+                                    f"piece {p}'s output") for p in range(len(steps))]
 
     def run(args: list) -> list:
         values = dict(enumerate(args))
@@ -147,29 +134,56 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
             inputs = [values[i] for i in takes]
             for i in drops:
                 del values[i]
-            result = piece(inputs)
-            if fixes[p] is None:
-                fixes[p] = _unlike_their_graph(result, plan.shapes[p] if plan.shapes else (),
-                                               plan.dtypes[p] if plan.dtypes else (), p)
-            if fixes[p]:
-                result = list(result)
-                for k, shape, dtype in fixes[p]:
-                    if shape is not None:
-                        result[k] = result[k].view(shape)
-                    if dtype is not None:
-                        result[k] = result[k].to(dtype)
+            result = conform[p](piece(inputs))
             values.update(zip(makes, result))
         return result
 
     return run
 
 
+def as_their_graph_gives(shapes: Sequence[Optional[tuple[int, ...]]], dtypes: Sequence[Optional[torch.dtype]],
+                         what: str) -> Callable[[Sequence[Any]], Sequence[Any]]:
+    """What makes a compiled graph's outputs as its graph gives them (``shapes``, ``dtypes``: each output's, None
+    where not a tensor or not known), for the code that reads them next, compiled for what the graph gives. Which
+    outputs need it is found on the first call. ``what``: the outputs in words, for the log (``"piece 2's output"``).
+
+    * An output in another shape with as many elements is viewed in the graph's shape: torch 2.11's Inductor
+      returns the result of a keepdim reduction it computes in a mix-order reduction kernel without its kept
+      dimension (a layer norm's weight gradient, ``(1, n)`` returned as ``(n,)``; fixed in pytorch#177782),
+      which inside one graph no kernel notices but which the next piece's input check refuses. Another number
+      of elements is an error.
+    * An output in another dtype is cast to the graph's: torch 2.11's Inductor rewrites a scatter into a
+      constant tensor (``nll_loss_backward``'s one-hot gradient) as a ``where`` in float32, whatever the
+      tensor's dtype (fixed in torch 2.13). Inside one graph that only computes in more precision; across a
+      cut, the next piece, compiled for bfloat16, read float32 bits as bfloat16, and fully_shard's bf16 step
+      trained on garbage gradients on the rank whose cut fell there (BENCHMARKS.md, "Round 23"). Inductor
+      checks the size and stride of each input it reads, not its dtype."""
+    fixes: Optional[list[tuple[int, Optional[tuple[int, ...]], Optional[torch.dtype]]]] = None
+
+    def conform(outputs: Sequence[Any]) -> Sequence[Any]:
+        nonlocal fixes
+        if fixes is None:
+            fixes = _unlike_their_graph(outputs, shapes, dtypes, what)
+        if not fixes:
+            return outputs
+        outputs = list(outputs)
+        for k, shape, dtype in fixes:
+            if shape is not None:
+                outputs[k] = outputs[k].view(shape)
+            if dtype is not None:
+                outputs[k] = outputs[k].to(dtype)
+        return outputs
+
+    return conform
+
+
 def _unlike_their_graph(outputs: Sequence[Any], shapes: Sequence[Optional[tuple[int, ...]]],
-                        dtypes: Sequence[Optional[torch.dtype]], piece: int
+                        dtypes: Sequence[Optional[torch.dtype]], what: str
                         ) -> list[tuple[int, Optional[tuple[int, ...]], Optional[torch.dtype]]]:
-    """(index, shape its graph gives it or None, dtype its graph gives it or None) for each of piece
-    ``piece``'s ``outputs`` that came back in another shape with as many elements, or in another dtype; an
-    output with another number of elements is an error."""
+    """(index, shape its graph gives it or None, dtype its graph gives it or None) for each of ``outputs`` that
+    came back in another shape with as many elements, or in another dtype (see ``as_their_graph_gives``)."""
+    if any(len(given) not in (0, len(outputs)) for given in (shapes, dtypes)):
+        return []  # not output for output as the graph describes them: nothing to compare them with
     found = []
     for k, out in enumerate(outputs):
         if not isinstance(out, torch.Tensor):
@@ -178,19 +192,18 @@ def _unlike_their_graph(outputs: Sequence[Any], shapes: Sequence[Optional[tuple[
         dtype = dtypes[k] if k < len(dtypes) else None
         reshape = shape is not None and tuple(out.shape) != shape
         if reshape and out.numel() != math.prod(shape):
-            raise RuntimeError(f"spmd: piece {piece} of a graph compiled in pieces returned output {k} with shape "
-                               f"{tuple(out.shape)} where its graph gives {shape}: Inductor compiled the piece "
-                               "wrongly. Compile the step whole (spmd.GraphModuleTransformation(enable_inductor=True, "
+            raise RuntimeError(f"spmd: {what} {k} of a graph compiled by Inductor came back with shape "
+                               f"{tuple(out.shape)} where its graph gives {shape}: Inductor compiled it wrongly. "
+                               "Compile the step whole (spmd.GraphModuleTransformation(enable_inductor=True, "
                                "compile_pieces=1) as gm_transformation) and report this.")
         recast = dtype is not None and out.dtype != dtype
         if reshape:
-            log.info("spmd: piece %d's output %d came back with shape %s where its graph gives %s (Inductor's "
-                     "mix-order reduction dropped a kept dimension); it is viewed in its graph's shape",
-                     piece, k, tuple(out.shape), shape)
+            log.info("spmd: %s %d came back with shape %s where its graph gives %s (Inductor's mix-order "
+                     "reduction dropped a kept dimension); it is viewed in its graph's shape",
+                     what, k, tuple(out.shape), shape)
         if recast:
-            log.info("spmd: piece %d's output %d came back as %s where its graph gives %s (an Inductor rewrite "
-                     "changed its dtype); it is cast to its graph's dtype before a later piece reads it",
-                     piece, k, out.dtype, dtype)
+            log.info("spmd: %s %d came back as %s where its graph gives %s (an Inductor rewrite changed its "
+                     "dtype); it is cast to its graph's dtype", what, k, out.dtype, dtype)
         if reshape or recast:
             found.append((k, shape if reshape else None, dtype if recast else None))
     return found
