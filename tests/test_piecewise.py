@@ -506,7 +506,7 @@ def test_a_worker_stands_in_fake_groups_of_each_size_under_each_name():
     assert done.stdout.split() == ["2", "1", "2"]
 
 
-def _fully_shard_in_pieces(rank, world_size):
+def _fully_shard_in_pieces(rank, world_size, cache_dir):
     from spmd.lower import piece_compile
     from tests.shard_helpers import CFG, batches, block_policy, fsdp2_twin, max_param_diff, optimizer, plain_step
 
@@ -527,25 +527,29 @@ def _fully_shard_in_pieces(rank, world_size):
         spmd.shard(model, mode)
         optim, ref_optim = optimizer(model, "adamw"), optimizer(ref, "adamw")
         lowering = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True, compile_pieces=2)
-        step = spmd.compile(parallel_mode=mode, gm_transformation=lowering)(plain_step)
+        # the compile cache on: one rank compiles the pieces for the job, the other runs the code it made
+        step = spmd.compile(parallel_mode=mode, gm_transformation=lowering, cache_dir=cache_dir)(plain_step)
         for idx, targets in batches(rank, 3):
             ours, theirs = step(model, optim, idx, targets), plain_step(ref, ref_optim, idx, targets)
             assert (ours - theirs).abs().item() <= 1e-12, (ours, theirs)
         assert max_param_diff(model, ref) <= 1e-12
     finally:
         piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT, piece_plan.FLIGHT_SLACK = cut, min_weight, slack
-    (modules, _, plan), = made
-    weights = [sum(map(piece_plan._weight, m.graph.nodes)) for m in modules]
-    assert len(modules) >= 2 and _flights_across_cuts(modules, plan) >= 1, weights
+    import torch.distributed as dist
+
+    cuts = [None] * world_size
+    dist.all_gather_object(cuts, [(len(m), _flights_across_cuts(m, p)) for m, _, p in made])
+    (pieces, flights), = [c for rank_cuts in cuts for c in rank_cuts]  # one rank cut the step for both
+    assert pieces >= 2 and flights >= 1, cuts
 
 
-def test_fully_shard_compiled_in_pieces_cut_inside_flights_matches_fsdp2():
+def test_fully_shard_compiled_in_pieces_cut_inside_flights_matches_fsdp2(tmp_path):
     """Inductor on the CPU, fully_shard's float64 step (a 2-block GPT whose rows split evenly over the ranks, so
-    both trace one graph and Inductor compiles each kernel once) in pieces, shared between each rank and
-    a worker process of its own (which compiles with fake process groups), one cut inside a collective's flight:
-    a collective launched in one piece is waited in the next, and the step matches eager FSDP2 to 1e-12 over
-    three steps."""
-    run_distributed(_fully_shard_in_pieces)
+    both trace one graph) in pieces, shared between the compiling rank and a worker process of its own (which
+    compiles with fake process groups), one cut inside a collective's flight: a collective launched in one
+    piece is waited in the next. With the compile cache on, one rank compiles the step for the job and the other
+    runs the pieces' code it made; on both the step matches eager FSDP2 to 1e-12 over three steps."""
+    run_distributed(_fully_shard_in_pieces, str(tmp_path))
 
 
 def test_a_piece_output_returned_without_its_kept_dimension_is_viewed_in_its_graphs_shape():
