@@ -155,9 +155,8 @@ def as_their_graph_gives(shapes: Sequence[Optional[tuple[int, ...]]], dtypes: Se
     * An output in another dtype is cast to the graph's: torch 2.11's Inductor rewrites a scatter into a
       constant tensor (``nll_loss_backward``'s one-hot gradient) as a ``where`` in float32, whatever the
       tensor's dtype (fixed in torch 2.13). Inside one graph that only computes in more precision; across a
-      cut, the next piece, compiled for bfloat16, read float32 bits as bfloat16, and fully_shard's bf16 step
-      trained on garbage gradients on the rank whose cut fell there (BENCHMARKS.md, "Round 23"). Inductor
-      checks the size and stride of each input it reads, not its dtype."""
+      cut, the next piece, compiled for bfloat16, would read float32 bits as bfloat16, since Inductor checks
+      the size and stride of each input it reads, not its dtype (BENCHMARKS.md, "Round 23")."""
     fixes: Optional[list[tuple[int, Optional[tuple[int, ...]], Optional[torch.dtype]]]] = None
 
     def conform(outputs: Sequence[Any]) -> Sequence[Any]:
