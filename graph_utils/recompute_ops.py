@@ -113,6 +113,8 @@ def recompute_kind(node: fx.Node) -> tuple[Optional[str], str]:
         return COMPUTE, "compute-intensive"
     if packet in recomputable or packet in _OURS_CHEAP or op.is_view or view_of_copy_op(op) is not None:
         return CHEAP, "memory-bound"
+    if op in _inductor_pointwise():
+        return CHEAP, "Inductor's pointwise prim"
     return None, "not in the recomputable list"
 
 
@@ -163,11 +165,27 @@ def is_view_like(node: fx.Node) -> bool:
 
 def is_pointwise(node: fx.Node) -> bool:
     """An op ``recompute_kind`` allows whose every output element reads the same element of its inputs
-    (``Tag.pointwise``, a cast or copy, or a view): Inductor inlines it into the kernel that reads it."""
+    (``Tag.pointwise``, a cast or copy, a view, or one of Inductor's pointwise prims): Inductor inlines it into
+    the kernel that reads it."""
     if recompute_kind(node)[0] != CHEAP:
         return False
     op = node.target
-    return is_view_like(node) or op in _COPIES or torch.Tag.pointwise in op.tags
+    return is_view_like(node) or op in _COPIES or torch.Tag.pointwise in op.tags or op in _inductor_pointwise()
+
+
+@functools.lru_cache(maxsize=1)
+def _inductor_pointwise() -> frozenset:
+    """Inductor's prims that are pointwise without saying so in their tags: max pooling's decomposition turns each
+    int8 offset into the int64 index of the same position (``_low_memory_max_pool_offsets_to_indices``)."""
+    import torch._inductor.inductor_prims  # noqa: F401 - defines them
+
+    return frozenset({torch.ops.prims._low_memory_max_pool_offsets_to_indices.default})
+
+
+# Ops whose operands Inductor reads in a kernel it generates, so a pointwise producer of one is inlined there: max
+# pooling's backward reads its indices so (in its lowering's kernel; where torch decomposes it instead, in the copy
+# that lays the indices out for a scatter_add).
+_INLINING_KERNELS = frozenset({aten.max_pool2d_with_indices_backward.default})
 
 
 def fuses_into(node: fx.Node) -> bool:
@@ -180,7 +198,7 @@ def fuses_into(node: fx.Node) -> bool:
     kind = recompute_kind(node)[0]
     if kind == COMPUTE:
         return False
-    if kind == CHEAP:
+    if kind == CHEAP or op in _INLINING_KERNELS:
         return True
     return isinstance(op, torch._ops.OpOverload) and op in _inductor_decompositions() and _flop_formula(op) is None
 

@@ -11,11 +11,13 @@ readers from values that stay alive anyway (graph inputs, kept values, new small
      whose every backward reader is compiled by Inductor into a kernel the chain is inlined into
      (``recompute_ops.fuses_into``), where that kernel then reads no more bytes than it read before
      (the chain's inputs against the kept value, inputs under an eighth of its size not counted) and
-     less memory stays alive. A softmax is pointwise
-     from its row statistics (``recompute_ops.SPLITTABLE``): with autocast, the float32 log-softmax of
-     the loss is recomputed from the bf16 logits, its row maximum and its sum of exponentials inside
-     the kernel that computes the logits' gradient (Inductor inlines it there anyway; the graph, run
-     op by op or estimated, then holds no float32 copy of the logits either).
+     less memory stays alive. Max pooling's int64 indices are one: under Inductor they are its int8
+     offsets turned into positions (``passes.recompute`` splits the pooling as Inductor's decomposition
+     does), made again where the pooling's backward reads them, as torch.compile's partitioner does.
+     A softmax is pointwise from its row statistics (``recompute_ops.SPLITTABLE``): with autocast, the
+     float32 log-softmax of the loss is recomputed from the bf16 logits, its row maximum and its sum of
+     exponentials inside the kernel that computes the logits' gradient (Inductor inlines it there
+     anyway; the graph, run op by op or estimated, then holds no float32 copy of the logits either).
   2. beside a reader (``Planner.beside_readers``; not with ``recompute="free"``): a value an extern
      kernel reads (a GELU's output, which the next matmul's weight gradient reads), recomputed through
      pointwise ops from values kept anyway, where a backward kernel that inlines pointwise producers
@@ -192,13 +194,18 @@ class Planner:
                         return None
                 elif a.op != "call_function":
                     return None
-                elif self.kind(a) in allowed:
+                elif self.kind(a) in allowed and not self._unpacks_unrepeated(a, allowed):
                     stack.append(a)
                 elif new_leaves_ok and a not in self.gathered and a not in self.written and tensor_bytes(a):
                     leaves.add(a)
                 else:
                     return None
         return nodes, leaves, reads
+
+    def _unpacks_unrepeated(self, a: fx.Node, allowed: tuple) -> bool:
+        """``a`` is an element of the result of an op a chain of ``allowed`` kinds does not repeat (max pooling's
+        int8 offsets, beside its values): a leaf of the chain, as that op's result would be were it one tensor."""
+        return a.target is operator.getitem and isinstance(a.args[0], fx.Node) and self.kind(a.args[0]) not in allowed
 
     def recompute(self, v: fx.Node, found: tuple) -> None:
         """Stop keeping ``v`` (``found``: its ``closure``); keep its new leaves instead.

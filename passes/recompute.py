@@ -14,6 +14,11 @@ not slower; more under a ``memory_budget``); this pass rewrites the graph to mat
   (what ATen and Inductor's decomposition compute), a pointwise value of the input and of the mask
   the backward keeps anyway: the backward can make it again beside the dropout's own backward
   instead of keeping it (attention's dropped-out probabilities, which the next matmul's backward reads);
+* under Inductor, a max pooling whose indices its backward reads is replaced by Inductor's
+  decomposition of it (the values and int8 offsets within each window, then a pointwise op that turns
+  the offsets into int64 indices), which lowering applies to it anyway: the indices, 8 times the
+  offsets' bytes, are then made again where the pooling's backward reads them instead of kept from
+  the forward to the backward (as torch.compile's partitioner keeps the offsets);
 * each recomputed value's chain is inserted right before the node that first reads it. A chain
   the default chose is made again for each stretch of readers with no extern kernel between them
   (so it stays inside the kernels that read it, never a buffer kept across the backward); a chain
@@ -91,6 +96,21 @@ def _split_dropouts(graph: fx.Graph) -> None:
             set_fake_val(new)
         outputs[0].replace_all_uses_with(scaled)
         graph.erase_node(outputs[0])
+
+
+def _split_max_pools(graph: fx.Graph) -> None:
+    """Replace each max pooling whose indices are read by Inductor's decomposition of it (values and int8 offsets,
+    then ``_low_memory_max_pool_offsets_to_indices``), which lowering applies to it anyway: the values computed do
+    not change. A pooling whose window Inductor leaves to its fallback (over 25 elements) stays as it is."""
+    import torch._inductor.lowering  # noqa: F401 - the decomposition asks it whether the pooling falls back
+    from torch._inductor.decomposition import select_decomp_table
+
+    op = torch.ops.aten.max_pool2d_with_indices.default
+    table = select_decomp_table()
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is op and op in table and any(
+                u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users):
+            decompose_node(graph, node, {op: table[op]})
 
 
 def _regions(graph: fx.Graph, order: dict[fx.Node, int]) -> list[int]:
@@ -211,6 +231,7 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     refuse_after_moves(graph, "recompute_activations", "recomputing values")
     if lowered_by_inductor:
         _split_dropouts(graph)
+        _split_max_pools(graph)
     plan, planner = plan_recompute(graph, memory_budget, beside=not free_only)
     split = planner.split_nodes()
     if split:

@@ -553,6 +553,50 @@ def test_attention_dropout_is_recomputed_beside_its_backward_and_the_step_comput
         assert torch.equal(p, q)
 
 
+class _PooledConvNet(nn.Module):
+    """A convolution, batch norm and ReLU under a 3x3 max pooling, as a ResNet's stem, then a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, dtype=torch.float64),
+                                  nn.BatchNorm2d(8, dtype=torch.float64), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        self.head = nn.Linear(8 * 8 * 8, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.head(self.stem(x).flatten(1))
+
+
+def test_max_pooling_keeps_its_int8_offsets_and_makes_its_indices_again_in_its_backward():
+    """Under Inductor a max pooling's int64 indices are its int8 offsets turned into positions (Inductor's
+    decomposition): the step keeps the offsets from the forward to the backward and makes the indices again right
+    before the pooling's backward, which alone reads them (torch.compile's partitioner keeps the offsets too), and
+    computes recompute=False's step bit for bit."""
+    def compiled(recompute):
+        torch.manual_seed(0)
+        model = _PooledConvNet()
+        step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True, recompute=recompute))(square_mean_step)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), step
+
+    model, optim, step = compiled(True)
+    off_model, off_optim, off_step = compiled(False)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    runner = step.trace(model, optim, x).transform().runner
+    plan, nodes = recompute_plan(runner), {n.name: n for n in runner.graph.nodes}
+    pooled = 2 * 8 * 8 * 8
+    offsets = [name for name in plan.kept if nodes[name].meta["val"].dtype == torch.int8]
+    assert [plan.kept[name] for name in offsets] == [pooled], plan.kept
+    to_indices = torch.ops.prims._low_memory_max_pool_offsets_to_indices.default
+    again = [n for n in _again(runner.graph) if n.target is to_indices]
+    assert len(again) == 1 and plan.recomputed[again[0].meta[RECOMPUTE_OF]] == pooled * 8, plan.recomputed
+    assert [u.target for u in again[0].users] == [aten.max_pool2d_with_indices_backward.default]
+    for k in range(3):
+        x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+        assert torch.equal(step(model, optim, x), off_step(off_model, off_optim, x)), k
+    for p, q in zip(model.parameters(), off_model.parameters()):
+        assert torch.equal(p, q)
+
+
 class _Kernel:
     """A stand-in for an Inductor scheduler node: the FX nodes it came from, the buffers it writes and reads."""
 

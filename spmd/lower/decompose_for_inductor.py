@@ -50,6 +50,8 @@ def decompose_for_inductor(graph: fx.Graph, table: Optional[dict] = None) -> Non
     nodes' ``meta["val"]`` come from a fake mode of their own: propagate again before
     reading values across the graph.
     """
+    import torch._inductor.lowering  # noqa: F401 - decompositions consult it (max pooling's, whether it falls back)
+
     if table is None:
         from torch._inductor.decomposition import select_decomp_table
 
