@@ -11,10 +11,16 @@ Inductor cache (FX graphs and compiled C++ kernels), which starts empty each ses
 a test compile the same kernels, and through the shared cache one rank compiles each kernel
 while the other waits for it, so with a single compile thread a 2-rank test compiles on one
 core. spmd's own compile cache is off (``SPMD_CACHE_DIR=""``) so each test compiles what it tests;
-the compile-cache tests give their own directory. Inductor takes the vector instruction sets the CPU's
-flags list as usable (``TORCHINDUCTOR_VEC_ISA_OK=1``) instead of building and loading a probe library per
-instruction set, which costs every process that compiles into an empty Inductor cache about 10 s (the
-tests that restart a job start several such processes). These settings, except the compile cache's, can be
+the compile-cache tests give their own directory.
+
+Inductor's CPU kernels are written without vector instructions (``TORCHINDUCTOR_VEC_ISA_OK=0``): compiling a
+kernel that uses ``at::vec`` takes g++ about 1.6 times as long, and compiling kernels is the suite's largest single
+cost (a few hundred of them; torch 2.15, this 2-core machine: 452 s for the suite against 503 s, with the gold linker
+below in both). What spmd does to a graph does not depend on how Inductor writes a kernel's loops; one test keeps
+the vectorized kernels (the ``vectorized_cpu_kernels`` fixture) and checks that it got them. The setting also spares
+each process that compiles into an empty Inductor cache the probe library it would otherwise build per
+instruction set (about 10 s; the tests that restart a job start several such processes). The kernels are linked
+by GNU gold where it is installed (``_link_with_gold``). These settings, except the compile cache's, can be
 overridden from the environment.
 """
 
@@ -32,7 +38,27 @@ os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
 # step it meant to trace): tests that use the cache name their own directory
 os.environ["SPMD_CACHE_DIR"] = ""
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(min(2, os.cpu_count() or 1)))
-os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")  # the CPU's vector ISAs from its flags, unprobed (see above)
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # scalar CPU kernels, unprobed (see above)
+
+
+def _link_with_gold() -> str | None:
+    """A folder whose ``ld`` is GNU gold, named to g++ by ``COMPILER_PATH`` (where g++ looks for its linker
+    first); None where gold is not installed, the environment names its own ``COMPILER_PATH``, or the compiler
+    is not GCC's.
+
+    Inductor links every CPU kernel it compiles against libtorch (libtorch_cpu is about 450 MB in torch's CUDA
+    build); the default linker reads it in about 0.28 s a kernel, gold in 0.11, of about 0.8 s for the
+    kernel's whole compile. The suite compiles a few hundred kernels. The library made is the same code."""
+    gold = shutil.which("ld.gold")
+    if gold is None or "COMPILER_PATH" in os.environ or os.environ.get("CXX", "g++") != "g++":
+        return None
+    folder = tempfile.mkdtemp(prefix="spmd_tests_ld_")
+    os.symlink(gold, os.path.join(folder, "ld"))
+    os.environ["COMPILER_PATH"] = folder
+    return folder
+
+
+_GOLD_FOLDER = _link_with_gold()
 
 import pytest  # noqa: E402
 
@@ -88,6 +114,21 @@ def pytest_unconfigure(config):
     workers, which inherit the environment, share it (one compile of each kernel for both)."""
     if _OWN_CACHE:
         shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    if _GOLD_FOLDER is not None:
+        shutil.rmtree(_GOLD_FOLDER, ignore_errors=True)
+
+
+@pytest.fixture
+def vectorized_cpu_kernels():
+    """Inductor writes this test's CPU kernels with the vector instruction sets the CPU's flags list, as it does
+    outside the suite (the suite's default is scalar kernels, see above); scalar again after it."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()  # computed once per process, under the setting it met first
+    with inductor_config.patch({"cpp.vec_isa_ok": True}):
+        yield
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -123,7 +123,8 @@ def test_a_one_rank_reduce_stays_where_its_result_is_written_or_its_input_is_a_g
         assert drop_one_rank_all_reduces(_reduce_graph(dist.group.WORLD.group_name, False, False)) == 0
 
 
-def test_one_rank_step_through_inductor_matches_eager_in_float64():
+def test_one_rank_step_through_inductor_matches_eager_in_float64(vectorized_cpu_kernels):
+    """One rank's replicate step through Inductor, with the vectorized CPU kernels users get, matches eager."""
     torch.manual_seed(0)
     model = MLP(layers=3, dim=8).double()
     reference = copy.deepcopy(model)
@@ -150,6 +151,7 @@ def test_one_rank_step_through_inductor_matches_eager_in_float64():
         assert len(find_node(entry.graph.graph, is_all_reduce)) >= 2, "the test needs several buckets"
     assert "all_reduce" not in code and "wait_tensor" not in code
     assert "spmd_lowering.foreach_add_Scalar" in code and "spmd_lowering.fused_adamw" in code
+    assert "at::vec::Vectorized<double>" in code, "the kernels are meant to be vectorized here"
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-10, rtol=1e-10)
 
