@@ -194,18 +194,13 @@ class Planner:
                         return None
                 elif a.op != "call_function":
                     return None
-                elif self.kind(a) in allowed and not self._unpacks_unrepeated(a, allowed):
+                elif self.kind(a) in allowed and not _unpacks_unrepeated(a, self.kind, allowed):
                     stack.append(a)
                 elif new_leaves_ok and a not in self.gathered and a not in self.written and tensor_bytes(a):
                     leaves.add(a)
                 else:
                     return None
         return nodes, leaves, reads
-
-    def _unpacks_unrepeated(self, a: fx.Node, allowed: tuple) -> bool:
-        """``a`` is an element of the result of an op a chain of ``allowed`` kinds does not repeat (max pooling's
-        int8 offsets, beside its values): a leaf of the chain, as that op's result would be were it one tensor."""
-        return a.target is operator.getitem and isinstance(a.args[0], fx.Node) and self.kind(a.args[0]) not in allowed
 
     def recompute(self, v: fx.Node, found: tuple) -> None:
         """Stop keeping ``v`` (``found``: its ``closure``); keep its new leaves instead.
@@ -356,6 +351,12 @@ class Planner:
         """The softmaxes (``SPLITTABLE``) in the default's chains: split in the forward, they become pointwise."""
         found = {n: None for v in self.recomputed if v in self.fused for n in self.chains[v] if self.kind(n) == SPLIT}
         return list(found)
+
+
+def _unpacks_unrepeated(a: fx.Node, kind, allowed: tuple) -> bool:
+    """``a`` is an element of the result of an op a chain of ``allowed`` kinds does not repeat (max pooling's int8
+    offsets, beside its values): a leaf of the chain, as that op's result would be were it one tensor."""
+    return a.target is operator.getitem and isinstance(a.args[0], fx.Node) and kind(a.args[0]) not in allowed
 
 
 def _dropout_mask(node: fx.Node) -> bool:
