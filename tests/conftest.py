@@ -13,15 +13,14 @@ while the other waits for it, so with a single compile thread a 2-rank test comp
 core. spmd's own compile cache is off (``SPMD_CACHE_DIR=""``) so each test compiles what it tests;
 the compile-cache tests give their own directory.
 
-Inductor's CPU kernels are written without vector instructions (``TORCHINDUCTOR_VEC_ISA_OK=0``): compiling a
-kernel that uses ``at::vec`` takes g++ about 1.6 times as long, and compiling kernels is the suite's largest single
-cost (a few hundred of them; torch 2.15, this 2-core machine: 452 s for the suite against 503 s, with the gold linker
-below in both). What spmd does to a graph does not depend on how Inductor writes a kernel's loops; one test keeps
-the vectorized kernels (the ``vectorized_cpu_kernels`` fixture) and checks that it got them. The setting also spares
-each process that compiles into an empty Inductor cache the probe library it would otherwise build per
-instruction set (about 10 s; the tests that restart a job start several such processes). The kernels are linked
-by GNU gold where it is installed (``_link_with_gold``). These settings, except the compile cache's, can be
-overridden from the environment.
+Inductor's CPU kernels are written without vector instructions (``TORCHINDUCTOR_VEC_ISA_OK=0``): g++ compiles a
+kernel without ``at::vec`` in a good deal less time, and compiling kernels is the suite's largest single cost (a few
+hundred of them; BENCHMARKS.md, "Round 24", has the figures). What spmd does to a graph does not depend on how
+Inductor writes a kernel's loops; one test keeps the vectorized kernels (the ``vectorized_cpu_kernels`` fixture) and
+checks that it got them. The setting also spares each process that compiles into an empty Inductor cache the probe
+library it would otherwise build per instruction set (the tests that restart a job start several such processes).
+The kernels are linked by GNU gold where it is installed (``_link_with_gold``). These settings, except the compile
+cache's, can be overridden from the environment.
 """
 
 from __future__ import annotations
@@ -46,9 +45,9 @@ def _link_with_gold() -> str | None:
     first); None where gold is not installed, the environment names its own ``COMPILER_PATH``, or the compiler
     is not GCC's.
 
-    Inductor links every CPU kernel it compiles against libtorch (libtorch_cpu is about 450 MB in torch's CUDA
-    build); the default linker reads it in about 0.28 s a kernel, gold in 0.11, of about 0.8 s for the
-    kernel's whole compile. The suite compiles a few hundred kernels. The library made is the same code."""
+    Inductor links every CPU kernel it compiles against libtorch, whose CPU library is several hundred MB in
+    torch's CUDA build: gold reads it in well under half the default linker's time, a good part of each kernel's
+    compile (BENCHMARKS.md, "Round 24"). The library made is the same code."""
     gold = shutil.which("ld.gold")
     if gold is None or "COMPILER_PATH" in os.environ or os.environ.get("CXX", "g++") != "g++":
         return None
