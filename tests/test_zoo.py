@@ -61,9 +61,9 @@ def test_spmd_step_matches_eager(model):
     assert_trains_as_eager(model, "spmd")
 
 
-def test_the_step_calling_backward_inside_autocast_matches_eager():
-    """The zoo's spmd_autocast_backward mode builds and, where autocast is off (the CPU's float64), trains as eager."""
-    assert_trains_as_eager("gpt2", "spmd_autocast_backward")
+def test_the_step_with_eagers_backward_dtypes_matches_eager():
+    """The zoo's spmd_exact mode builds and, where autocast is off (the CPU's float64), trains as eager."""
+    assert_trains_as_eager("gpt2", "spmd_exact")
 
 
 def test_fully_shard_in_a_group_of_one_matches_eager():

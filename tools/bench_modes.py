@@ -22,7 +22,6 @@ suite's ``shard`` part).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -88,15 +87,11 @@ class Setup:
         return self.args.mp == "autocast" and not self.args.no_autocast
 
 
-def train_step(model, optim, idx, targets, autocast: bool = True, backward_in_autocast: bool = False):
-    """The step every mode runs (eagerly, under torch.compile, or under spmd.compile). ``backward_in_autocast``:
-    the backward under the forward's autocast too, the dtypes ``torch.compile``'s default gives its backward
-    (docs/lowering.md, "Autocast and the backward")."""
+def train_step(model, optim, idx, targets, autocast: bool = True):
+    """The step every mode runs (eagerly, under torch.compile, or under spmd.compile)."""
     with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = model(idx, targets)
-    with (torch.autocast(idx.device.type, dtype=torch.bfloat16) if autocast and backward_in_autocast
-          else contextlib.nullcontext()):
-        loss.backward()
+    loss.backward()
     optim.step()
     optim.zero_grad()
     return loss.detach()

@@ -82,23 +82,28 @@ class Spec:
 Step = Callable[..., torch.Tensor]
 
 
-def _torch(spec: Spec, wrap: Callable[[torch.nn.Module], torch.nn.Module], eager_backward: bool = False) -> Step:
-    """``eager_backward``: AOT autograd traces the backward without autocast, as eager runs it here (the step
-    calls ``backward`` outside the autocast block); by default it traces it under the forward's autocast
+def _eager_backward_dtypes() -> contextlib.AbstractContextManager:
+    """The backward traced without autocast, as eager runs it here (the step calls ``backward`` outside its
+    autocast block). By default ``torch.compile`` and spmd trace each op's backward under its forward's autocast
     (``torch._functorch.config.backward_pass_autocast``), so a float32 matmul's gradients are bf16 matmuls."""
+    return torch._functorch.config.patch(backward_pass_autocast="off")
+
+
+def _torch(spec: Spec, wrap: Callable[[torch.nn.Module], torch.nn.Module], eager_backward: bool = False) -> Step:
+    """``eager_backward``: the backward in eager's dtypes (``_eager_backward_dtypes``)."""
     model = spec.model()
     optim = spec.optimizer(model)
     wrapped, wrap_s = timed_wrap(lambda: wrap(model))
-    backward_as_eager = torch._functorch.config.patch(backward_pass_autocast="off") if eager_backward else None
 
     def step(x, y, last_train_step=False):
-        with backward_as_eager or contextlib.nullcontext():
+        with _eager_backward_dtypes() if eager_backward else contextlib.nullcontext():
             return train_step(wrapped, optim, x, y, spec.autocast)
     step.wrap_s, step.model = wrap_s, model
     return step
 
 
-def _spmd(spec: Spec, style: Optional[str], backward_in_autocast: bool = False) -> Step:
+def _spmd(spec: Spec, style: Optional[str], eager_backward: bool = False) -> Step:
+    """``eager_backward``: the backward in eager's dtypes (``_eager_backward_dtypes``)."""
     import spmd
 
     model = spec.model()
@@ -110,7 +115,8 @@ def _spmd(spec: Spec, style: Optional[str], backward_in_autocast: bool = False) 
     compiled, wrap_s = timed_wrap(lambda: spmd.compile(parallel_mode=mode)(train_step))
 
     def step(x, y, last_train_step=False):
-        return compiled(model, optim, x, y, spec.autocast, backward_in_autocast, last_train_step=last_train_step)
+        with _eager_backward_dtypes() if eager_backward else contextlib.nullcontext():
+            return compiled(model, optim, x, y, spec.autocast, last_train_step=last_train_step)
     step.wrap_s, step.model = wrap_s, model
     step.compile_times = lambda: compiled.compile_times
     step.captures = lambda: getattr(compiled, "cuda_graph_captures", None)
@@ -150,9 +156,8 @@ ZOO_MODES: dict[str, ZooMode] = {
     "compile_ro": ZooMode(lambda s: _torch(s, lambda m: torch.compile(m, mode="reduce-overhead")),
                           "torch.compile(model, mode='reduce-overhead'): Inductor and CUDA graphs", cuda_only=True),
     "spmd": ZooMode(lambda s: _spmd(s, None), "@spmd.compile() with nothing else: the whole step, no process group"),
-    "spmd_autocast_backward": ZooMode(lambda s: _spmd(s, None, backward_in_autocast=True),
-                                      "@spmd.compile() over a step calling backward() inside its autocast block "
-                                      "(the backward's dtypes torch.compile's default picks)"),
+    "spmd_exact": ZooMode(lambda s: _spmd(s, None, eager_backward=True),
+                          "@spmd.compile() with the backward's dtypes as eager's (backward_pass_autocast='off')"),
     "spmd_fully_shard": ZooMode(lambda s: _spmd(s, "fully_shard"),
                                 "spmd fully_shard (a unit per repeated block) in a process group of one", group=True),
     "fsdp2_compiled": ZooMode(_fsdp2_compiled, "FSDP2 fully_shard per repeated block, each block torch.compiled, "

@@ -10,7 +10,8 @@ the state: parameters, buffers,        the signature, then ``StateCheck`` on a  
 optimizer state and settings           repeated call                                never contents)
 the torch settings around the call     ``ambient`` (in the signature)               ``ambient`` (in the trace index)
 (grad mode, autocast, default dtype,
-determinism, matmul precision)
+determinism, matmul precision, the
+backward's autocast)
 Python values the trace read: globals  the trace's ``ValueWatch``                   the trace's guards, by value
 of the user's code, closures, module
 attributes and what they hold, hooks
@@ -28,13 +29,16 @@ from __future__ import annotations
 
 import torch
 
+from ..trace.backward_autocast import setting as backward_autocast_setting
+
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def ambient() -> dict[str, str]:
     """The process and thread settings around a call that a trace or a lowering specialises on, by name, as
     text: grad and inference mode, autocast (per device: off, or its dtype), the default dtype, deterministic
-    algorithms, float32 matmul precision and TF32. Cheap (a few calls): read on every call."""
+    algorithms, float32 matmul precision, TF32, and the backward's autocast (``spmd.trace.backward_autocast``).
+    Cheap (a few calls): read on every call."""
     return {
         "grad mode": "on" if torch.is_grad_enabled() else "off",
         "inference mode": "on" if torch.is_inference_mode_enabled() else "off",
@@ -44,6 +48,7 @@ def ambient() -> dict[str, str]:
         "deterministic algorithms": str(torch.are_deterministic_algorithms_enabled()),
         "float32 matmul precision": torch.get_float32_matmul_precision(),
         "tf32": f"matmul {torch.backends.cuda.matmul.allow_tf32}, cudnn {torch.backends.cudnn.allow_tf32}",
+        "backward autocast": str(backward_autocast_setting()),
     }
 
 

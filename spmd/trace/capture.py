@@ -56,6 +56,7 @@ from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_gra
 from .direct_functionalize import functionalize_writes
 from .host_reads import checking_host_reads, user_frame_of, value_read_error
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
+from .backward_autocast import backward_autocast
 from .block_masks import as_block_masks, holding_traced
 from .code_reads import CodeReads
 from .dist_nn import traceable_collectives
@@ -362,6 +363,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             stack.enter_context(mode_context(params))
             scaler_tensors = state_tensors[n_state - len(SCALER_TENSORS) * len(state.scalers):]  # they come last
             stack.enter_context(traced_scalers(state.scalers, scaler_tensors, found_inf_group))
+            stack.enter_context(backward_autocast())  # each op's backward under its forward's, as torch.compile's
             out = fn(*call_args, **call_kwargs)
             refuse_rebound({name: traced[i] for (name, _, _), (_, i) in zip(state.held, state.held_slots)},
                            reach(fn, args, kwargs))
