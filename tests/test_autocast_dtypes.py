@@ -197,3 +197,40 @@ def test_an_unknown_backward_autocast_setting_is_refused_by_name():
         with pytest.raises(SpmdConfigError, match="backward_pass_autocast names the device type 'nowhere'"):
             model = Attention()
             spmd.compile()(step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 16, 32), False)
+
+
+class CompilesInside(nn.Module):
+    """A layer that calls ``torch.compile`` inside its forward, as torch's flex_attention does on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return torch.compile(lambda t: t * 2 + 1, backend="eager", fullgraph=True)(h).pow(2).mean()
+
+
+def test_a_torch_compile_inside_the_model_traces_without_seeing_the_autocast_notes():
+    """Dynamo traces the torch function modes it meets: the one noting each node's autocast steps aside there
+    (it failed with "Tensor with grad_fn()" first, on flex_attention on a GPU). The step trains as eager."""
+
+    def autocast_step(model, optim, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is never cast: eager's values exactly
+            loss = model(x)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.detach()
+
+    torch.manual_seed(0)
+    model, x = CompilesInside(), torch.randn(4, 8, dtype=torch.float64)
+    reference = CompilesInside()
+    reference.load_state_dict(model.state_dict())
+    compiled = spmd.compile()(autocast_step)
+    optim, reference_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    for _ in range(2):
+        torch.testing.assert_close(compiled(model, optim, x), autocast_step(reference, reference_optim, x),
+                                   rtol=0, atol=1e-12)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)

@@ -95,6 +95,8 @@ class _FormingState(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():  # Dynamo traces the modes it meets (torch's flex_attention on a
+            return func(*args, **kwargs)           # GPU compiles its op inside the step): nothing to note there
         self._note(pytree.tree_leaves((args, kwargs)))  # nodes made by code no mode saw (a custom Function)
         out = func(*args, **kwargs)
         self._note(pytree.tree_leaves(out))
