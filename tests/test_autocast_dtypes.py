@@ -43,13 +43,19 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, d)).float().pow(2).mean()
 
 
-def step(model, optim, x, backward_in_autocast: bool):
+def forward_and_backward(model, x, backward_in_autocast: bool) -> torch.Tensor:
+    """``model(x)`` in bf16 autocast, its ``backward`` inside the autocast block or after it."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(x)
         if backward_in_autocast:
             loss.backward()
     if not backward_in_autocast:
         loss.backward()
+    return loss
+
+
+def step(model, optim, x, backward_in_autocast: bool):
+    loss = forward_and_backward(model, x, backward_in_autocast)
     optim.step()
     optim.zero_grad()
     return loss.detach()
@@ -88,13 +94,8 @@ def _torch_compile_matmuls(model: nn.Module, x: torch.Tensor, backward_in_autoca
         return make_boxed_func(gm.forward)
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = compiled(x)
-        if backward_in_autocast:
-            loss.backward()
-    if not backward_in_autocast:
-        loss.backward()
+    forward_and_backward(torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)), x,
+                         backward_in_autocast)
     torch._dynamo.reset()
     return sum((graph_matmuls(gm.graph) for gm in graphs), collections.Counter())
 
@@ -163,18 +164,10 @@ def test_an_op_run_with_autocast_off_keeps_its_backward_in_float32():
     torch.manual_seed(0)
     model, x = FloatHead(), torch.randn(4, 8)
 
-    def head_step(model, optim, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss.detach()
-
     with _EagerMatmuls() as eager:
-        head_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), x)
+        step(model, torch.optim.SGD(model.parameters(), lr=1e-3), x, False)
     assert eager.seen[("mm.default", (torch.float32, torch.float32))] == 2
-    entry = spmd.compile()(head_step).lower(model, torch.optim.SGD(model.parameters(), lr=1e-3), x)
+    entry = spmd.compile()(step).lower(model, torch.optim.SGD(model.parameters(), lr=1e-3), x, False)
     assert graph_matmuls(entry.graph.graph) == eager.seen
 
 
@@ -213,24 +206,17 @@ class CompilesInside(nn.Module):
 
 def test_a_torch_compile_inside_the_model_traces_without_seeing_the_autocast_notes():
     """Dynamo traces the torch function modes it meets: the one noting each node's autocast steps aside there
-    (it failed with "Tensor with grad_fn()" first, on flex_attention on a GPU). The step trains as eager."""
-
-    def autocast_step(model, optim, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is never cast: eager's values exactly
-            loss = model(x)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        return loss.detach()
+    (it failed with "Tensor with grad_fn()" first, on flex_attention on a GPU). The step trains as eager (float64,
+    which autocast never casts)."""
 
     torch.manual_seed(0)
     model, x = CompilesInside(), torch.randn(4, 8, dtype=torch.float64)
     reference = CompilesInside()
     reference.load_state_dict(model.state_dict())
-    compiled = spmd.compile()(autocast_step)
+    compiled = spmd.compile()(step)
     optim, reference_optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
     for _ in range(2):
-        torch.testing.assert_close(compiled(model, optim, x), autocast_step(reference, reference_optim, x),
+        torch.testing.assert_close(compiled(model, optim, x, False), step(reference, reference_optim, x, False),
                                    rtol=0, atol=1e-12)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
