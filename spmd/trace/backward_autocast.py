@@ -24,6 +24,7 @@ settings a compiled step depends on (``spmd.step.dependencies.ambient``).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -82,7 +83,7 @@ def _fixed_state(value: Any) -> AutocastState:
     return tuple(state[d] for d in devices)
 
 
-class _FormingState(TorchFunctionMode):
+class _NotingAutocast(TorchFunctionMode):
     """Notes, for each autograd node made under it, the autocast state it was made in, and hooks the node so
     that its backward runs in ``fixed`` (when given) or in that state."""
 
@@ -90,7 +91,8 @@ class _FormingState(TorchFunctionMode):
         super().__init__()
         self.fixed = fixed
         self.seen: dict[Any, AutocastState] = {}  # node -> its state; holds the nodes so their identity stays
-        self.saved: list[tuple[AutocastState, bool]] = []
+        # per thread (the autograd engine runs a device's nodes on that device's thread): what a pre-hook replaced
+        self.saved = threading.local()
         self.hooks: list = []  # removed when the trace is over: a node's hook holds this mode, which holds the node
 
     def __torch_function__(self, func: Callable, types, args=(), kwargs=None):
@@ -120,14 +122,19 @@ class _FormingState(TorchFunctionMode):
     def _enter(self, state: AutocastState) -> Callable:
         def enter(grad_outputs):
             # autocast's cache of casts outlives this node (nothing here leaves an autocast block): keep it off
-            self.saved.append((current_state(), torch.is_autocast_cache_enabled()))
+            self._stack().append((current_state(), torch.is_autocast_cache_enabled()))
             torch.set_autocast_cache_enabled(False)
             _apply(state)
         return enter
 
+    def _stack(self) -> list[tuple[AutocastState, bool]]:
+        if not hasattr(self.saved, "stack"):
+            self.saved.stack = []
+        return self.saved.stack
+
     def _leave(self, grad_inputs, grad_outputs) -> None:
-        if self.saved:
-            state, cache = self.saved.pop()
+        if self._stack():
+            state, cache = self._stack().pop()
             _apply(state)
             torch.set_autocast_cache_enabled(cache)
 
@@ -145,7 +152,7 @@ def backward_autocast() -> Iterator[None]:
     value = setting()
     fixed = None if value == "same_as_forward" else _fixed_state(value)
     before, cache = current_state(), torch.is_autocast_cache_enabled()
-    mode = _FormingState(fixed)
+    mode = _NotingAutocast(fixed)
     try:
         with mode:
             yield
