@@ -29,7 +29,8 @@ where known); peak GiB (``max_memory_allocated`` over build, first call, warm-up
 above what was allocated before); the first call cold and warm (s); CUDA-graph captures per timed step
 (spmd's ``cuda_graph_captures``; 0 means no step re-captured); the first losses and the largest
 difference of the first three to eager's (flagged beyond bf16 noise). ``--profile N`` adds, under the table,
-each cold run's heaviest kernels over N more steps (``zoo_profile``).
+each cold run's heaviest kernels over N more steps and, for a model profiled in several modes on a GPU,
+its kernel time by kind side by side (``zoo_profile``).
 """
 
 from __future__ import annotations
