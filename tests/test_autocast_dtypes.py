@@ -185,11 +185,16 @@ def test_a_changed_backward_autocast_setting_traces_the_step_again():
     assert compiled.trace_count == 2
 
 
-def test_an_unknown_backward_autocast_setting_is_refused_by_name():
+def test_an_unknown_backward_autocast_setting_is_refused_by_name_and_changes_nothing():
+    model = Attention()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
     with torch._functorch.config.patch(backward_pass_autocast=[{"device_type": "nowhere"}]):
         with pytest.raises(SpmdConfigError, match="backward_pass_autocast names the device type 'nowhere'"):
-            model = Attention()
-            spmd.compile()(step)(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 16, 32), False)
+            spmd.compile()(step)(model, optim, torch.randn(2, 16, 32), False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert not optim.state and all(p.grad is None for p in model.parameters())
+    assert not torch.is_autocast_enabled("cpu")  # the thread's autocast as it was
 
 
 class CompilesInside(nn.Module):

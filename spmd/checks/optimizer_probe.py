@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.optim.optimizer import _get_capturable_supported_devices
 
 from ..compile_times import recording
-from ..errors import SpmdCompileError
+from ..errors import SpmdCompileError, SpmdConfigError
 from ..optim.hyperparams import LearnedFacts, flags, group_signature, hyper_items
 from ..optim.state import ensure_optimizer_state
 from ..trace.capture import capture_train_step
@@ -224,6 +224,8 @@ def _difference(optim: torch.optim.Optimizer, learned: LearnedFacts) -> str | No
     try:
         traced_params = _probe_params(n, device)
         traced = _traced_run(_copy(optim, traced_params), traced_params, weights, learned)
+    except SpmdConfigError:  # a setting of the user's (the backward's autocast), not the optimizer, is wrong
+        raise
     except Exception as err:
         return f"its step cannot be traced ({type(err).__name__}: {_first_line(err)})"
     eager_params = _probe_params(n, device)

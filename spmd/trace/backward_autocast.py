@@ -24,6 +24,7 @@ settings a compiled step depends on (``spmd.step.dependencies.ambient``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Iterator, Optional
 
@@ -45,6 +46,7 @@ def setting() -> Any:
     return getattr(functorch_config, "backward_pass_autocast", "same_as_forward")
 
 
+@functools.cache
 def _device_types() -> tuple[str, ...]:
     return tuple(d for d in ("cpu", "cuda", "xpu", "hpu", "mps") if torch.amp.is_autocast_available(d))
 
@@ -90,7 +92,7 @@ class _NotingAutocast(TorchFunctionMode):
     def __init__(self, fixed: Optional[AutocastState]):
         super().__init__()
         self.fixed = fixed
-        self.seen: dict[Any, AutocastState] = {}  # node -> its state; holds the nodes so their identity stays
+        self.seen: set = set()  # the nodes hooked already; holding them keeps each one's Python object the same
         # per thread (the autograd engine runs a device's nodes on that device's thread): what a pre-hook replaced
         self.saved = threading.local()
         self.hooks: list = []  # removed when the trace is over: a node's hook holds this mode, which holds the node
@@ -114,7 +116,7 @@ class _NotingAutocast(TorchFunctionMode):
             if node is None or node in self.seen:
                 continue
             state = state or (self.fixed or current_state())
-            self.seen[node] = state
+            self.seen.add(node)
             if type(node).__name__ != "AccumulateGrad":  # a leaf's accumulation computes nothing autocast casts
                 self.hooks += [node.register_prehook(self._enter(state)), node.register_hook(self._leave)]
             frontier.extend(next_node for next_node, _ in node.next_functions)
