@@ -189,6 +189,56 @@ def test_a_cut_falls_inside_a_collectives_flight_where_that_balances_the_pieces_
     assert not _inside_a_flight(written, position)
 
 
+def _gradient_then_its_matmuls(x, w, h):
+    """In small, BERT's loss gradient over its logits (rows of 1001 float32, not 16-byte aligned) and the two
+    matmuls that read it: the input gradient and, through a transpose, the weight gradient."""
+    gradient = torch.softmax(x @ w, -1) * 3
+    return gradient @ w.t(), gradient.t() @ h
+
+
+def _gradient_also_flattened(x, w, h):
+    """The same, the gradient also read as one row (a view no padded rows can give)."""
+    gradient = torch.softmax(x @ w, -1) * 3
+    return gradient @ w.t(), gradient.t() @ h, gradient.view(-1).cumsum(0)
+
+
+@pytest.mark.parametrize("step,devices,padded", [(_gradient_then_its_matmuls, frozenset({"cpu"}), True),
+                                                 (_gradient_then_its_matmuls, frozenset({"cuda"}), False),
+                                                 (_gradient_also_flattened, frozenset({"cpu"}), False)])
+def test_a_value_whose_rows_inductor_would_pad_crosses_a_cut_padded_and_reads_back_as_itself(monkeypatch, step,
+                                                                                          devices, padded):
+    """A cut between a value with unaligned rows and the matmuls reading it: the value's piece writes it into
+    padded rows (Inductor pads the rows of its own buffers, not of a piece's outputs, and BERT's weight-gradient
+    GEMM read its vocabulary gradient 2-element aligned), the next piece's matmuls read the unpadded view of
+    them with padded strides, the pieces compute what the whole graph does, and the graph cut is left as it was.
+    Only on a device whose matmuls want aligned rows (the GPU; here the CPU stands in for it), and not where a
+    view of the value merges its rows (it crosses unpadded then)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(piece_plan, "PADDED_DEVICES", devices)
+    monkeypatch.setattr(piece_plan, "PADDED_MIN_BYTES", 0)
+    torch.manual_seed(0)
+    x, w, h = torch.randn(64, 32), torch.randn(32, 1001), torch.randn(64, 16)
+    gm = make_fx(step, tracing_mode="fake")(x, w, h)
+    before = str(gm.graph)
+    body = [n for n in gm.graph.nodes if n.op == "call_function"]
+    gradient = next(n for n in body if n.target is torch.ops.aten.mul.Tensor)
+    monkeypatch.setattr(piece_plan, "_cut_positions", lambda body_, count: [body_.index(gradient)])
+    modules, specs, plan = piece_plan.cut(gm, 2, [x, w, h])
+    assert str(gm.graph) == before
+    crossing = [s for s in specs[1] if isinstance(s, piece_plan.InputSpec) and s.shape[0] == 64 and s.shape[1] > 32]
+    assert [s.shape for s in crossing] == [(64, 1004 if padded else 1001)]
+    if padded:  # both matmuls read the unpadded rows through a slice of the padded buffer
+        matmuls = [n for n in modules[1].graph.nodes if n.target is torch.ops.aten.mm.default]
+        assert len(matmuls) == 2
+        for mm in matmuls:
+            read = next(a for a in mm.args if a.meta["val"].shape[-1] == 1001 or a.meta["val"].shape[0] == 1001)
+            assert 1004 in read.meta["val"].stride(), read.meta["val"].stride()
+    whole = gm(x, w, h)
+    pieces = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])([x, w, h])
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+
+
 def _fully_shard_graph(monkeypatch):
     """The prepared step graph of a 2-block GPT under fully_shard (one unit per block, AdamW), as Inductor gets it,
     and its inputs for the step's first call."""

@@ -28,6 +28,11 @@ Where a cut may go, and what crosses it:
   aliases an argument) is made again from its base in the piece that reads it, and an in-place op's
   result is read as the tensor it wrote, so no two values that cross a cut share memory behind
   Inductor's back;
+* a large GPU value whose rows are not 16 bytes long, read by a matmul beyond a cut, crosses it padded
+  (``_pad_rows_across_cuts``): Inductor pads the rows of the buffers it allocates inside a piece, but keeps a
+  piece's inputs and outputs as the graph lays them out, so the matmul would read it misaligned (BERT's loss
+  gradient over its 30522-word vocabulary ran a 2-element-aligned GEMM: BENCHMARKS.md, "Round 25"). Its
+  producing piece writes it into padded rows, and every reader reads the unpadded view of them;
 * a graph that writes anything but its own inputs is not cut: a piece could then not see a write
   to a value another piece holds.
 
@@ -68,6 +73,13 @@ _RANGE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 # How much heavier (a share of its weight) the weightiest piece may come out when every cut is kept outside
 # the collectives' flights, and those cuts still be taken over cuts inside: they keep no input past its wait.
 FLIGHT_SLACK = 0.02
+# Rows of a multiple of this many bytes are what a GPU matmul reads at full speed; Inductor pads to it.
+ALIGNED_ROW_BYTES = 16
+# Values smaller than this cross a cut as they are: padding them gains too little.
+PADDED_MIN_BYTES = 16 << 20
+# The devices whose matmuls want aligned rows.
+PADDED_DEVICES = frozenset({"cuda"})
+_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
 
 
 @dataclass(frozen=True)
@@ -412,7 +424,12 @@ def cut(gm: fx.GraphModule, count: int, inputs: Sequence[Any]
             piece_of[node] = piece_of[node.args[0]]
     for write, anchor in _write_anchors(body).items():  # a state write with the value it writes
         piece_of[write] = piece_of[anchor]
-    return _build(nodes, placeholders, piece_of, len(positions) + 1, inputs, gm)
+    padded = _pad_rows_across_cuts(gm.graph, piece_of)
+    try:
+        return _build(list(gm.graph.nodes), placeholders, piece_of, len(positions) + 1, inputs, gm)
+    finally:  # ``gm`` is left as it came
+        for node, pad, rows, remade in padded:
+            _unpad(gm.graph, node, pad, rows, remade)
 
 
 def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.Node, int], count: int,
@@ -514,6 +531,91 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
         g.lint()
         modules.append(fx.GraphModule(gm, g))
     return modules, specs, PiecePlan(tuple(map(tuple, takes)), tuple(makes), tuple(drops), tuple(shapes), tuple(dtypes))
+
+
+def _row_padding(value: Any) -> int:
+    """How many elements padding ``value``'s rows to ``ALIGNED_ROW_BYTES`` adds to each: a large contiguous
+    tensor on a device of ``PADDED_DEVICES`` whose rows are not aligned, else 0."""
+    if not (isinstance(value, torch.Tensor) and value.device.type in PADDED_DEVICES and value.dim() >= 2
+            and value.is_contiguous() and value.numel() * value.element_size() >= PADDED_MIN_BYTES):
+        return 0
+    per_row = max(ALIGNED_ROW_BYTES // value.element_size(), 1)
+    return -value.size(-1) % per_row
+
+
+def _matmul_readers(node: fx.Node) -> list[fx.Node]:
+    """The matmuls reading ``node``'s value, directly or through views of it."""
+    found, frontier = [], list(node.users)
+    while frontier:
+        user = frontier.pop()
+        if user.target in _MATMULS:
+            found.append(user)
+        elif _is_view(user):
+            frontier.extend(user.users)
+    return found
+
+
+def _pad_rows_across_cuts(graph: fx.Graph, piece_of: dict[fx.Node, int]) -> list[tuple[fx.Node, fx.Node, fx.Node, dict]]:
+    """Each value a matmul in a later piece reads whose rows Inductor would pad in a buffer of its own
+    (``_row_padding``), made by a kernel Inductor generates (not a matmul's result, which padding would
+    copy), written into padded rows in its piece: ``constant_pad_nd`` of it, and the unpadded ``slice`` of
+    that, which every reader reads instead (so its producer writes the padded buffer, nothing else holds
+    its rows, and the slice, a view, is made again from the padded buffer in each piece reading it).
+    The views of the value are views of the slice now, with its strides: their fake values are made again.
+    Returns each (value, its padded buffer, the slice its readers read, the fake values the views had), for
+    ``cut`` to put back as they were."""
+    done = []
+    outputs = set(pytree.tree_leaves(next(iter(reversed(graph.nodes))).args))
+    for node in [n for n in graph.nodes if n.op == "call_function" and n in piece_of and n not in outputs]:
+        val = node.meta.get("val")
+        extra = _row_padding(val)
+        if not extra or node.target in _MATMULS or _is_view(node) or node.target is operator.getitem or \
+                not any(piece_of.get(r, -1) > piece_of[node] for r in _matmul_readers(node)):
+            continue
+        with graph.inserting_after(node):
+            padded = graph.call_function(aten.constant_pad_nd.default, (node, [0, extra], 0.0))
+        with graph.inserting_after(padded):
+            rows = graph.call_function(aten.slice.Tensor, (padded, val.dim() - 1, 0, val.size(-1)))
+        node.replace_all_uses_with(rows, delete_user_cb=lambda user: user is not padded)
+        remade: dict[fx.Node, Any] = {}
+        try:
+            with val.fake_mode if hasattr(val, "fake_mode") else _nothing():
+                padded.meta["val"] = torch.constant_pad_nd(val, [0, extra], 0.0)
+                rows.meta["val"] = padded.meta["val"][..., :val.size(-1)]
+                _remake_views_of(rows, remade)
+        except (RuntimeError, ValueError):  # a view merging the rows with another dimension cannot read padded rows
+            _unpad(graph, node, padded, rows, remade)
+            continue
+        piece_of[padded] = piece_of[rows] = piece_of[node]
+        done.append((node, padded, rows, remade))
+        log.info("spmd: %s (%s rows of %d) crosses a cut to a matmul; its rows are padded by %d",
+                 node.name, val.dtype, val.size(-1), extra)
+    return done
+
+
+def _unpad(graph: fx.Graph, node: fx.Node, padded: fx.Node, rows: fx.Node, remade: dict[fx.Node, Any]) -> None:
+    """``_pad_rows_across_cuts``'s rewrite of ``node`` taken out: its readers read it again, its views have the
+    fake values they had."""
+    for view, val in remade.items():
+        view.meta["val"] = val
+    rows.replace_all_uses_with(node)
+    graph.erase_node(rows)
+    graph.erase_node(padded)
+
+
+def _remake_views_of(node: fx.Node, had: dict[fx.Node, Any]) -> None:
+    """The fake values of the views of ``node``, through views of views, made again from its own (under the
+    fake mode active here); the values they had are put in ``had``."""
+    frontier = [u for u in node.users if _is_view(u)]
+    while frontier:
+        view = frontier.pop()
+        if view in had:
+            continue
+        had[view] = view.meta.get("val")
+        args, kwargs = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a,
+                                       (view.args, view.kwargs))
+        view.meta["val"] = view.target(*args, **kwargs)
+        frontier.extend(u for u in view.users if _is_view(u))
 
 
 def _shape_of(node: fx.Node) -> Optional[tuple[int, ...]]:
