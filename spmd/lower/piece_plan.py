@@ -37,8 +37,8 @@ Where a cut may go, and what crosses it:
   to a value another piece holds.
 
 What a cut costs when the step runs: Inductor fuses nothing across it, a value crossing it is kept in
-the layout the trace gave it, and a collective waited beyond it keeps its input until the end of the
-waiting piece rather than until the wait. The cuts fall where the weightiest piece, by its count of
+the layout the trace gave it (but for rows padded for a matmul, above), and a collective waited beyond it
+keeps its input until the end of the waiting piece rather than until the wait. The cuts fall where the weightiest piece, by its count of
 computing nodes, is lightest (it sets how long the pieces take to compile side by side), so there are
 few and each crosses the values live there anyway. Replayed as one CUDA graph (``spmd.lower.cudagraphs``
 captures the pieces run in turn), a collective launched in one piece and waited in another is captured
