@@ -602,6 +602,35 @@ def test_fully_shard_compiled_in_pieces_cut_inside_flights_matches_fsdp2(tmp_pat
     run_distributed(_fully_shard_in_pieces, str(tmp_path))
 
 
+def test_a_value_a_piece_reads_last_is_freed_while_that_piece_runs():
+    """Nothing but the pieces' table of values holds a piece's outputs while the next piece runs, so the piece
+    that reads one last frees it as it goes (Inductor's code deletes an input after its last read), as the whole
+    graph's code would. The runner had kept the last piece's outputs until the next one returned: on a GPU,
+    BERT's 954 MiB loss gradient lived through the first layer's backward, at the step's peak (BENCHMARKS.md,
+    "Round 26")."""
+    import weakref
+
+    plan = piece_plan.PiecePlan(takes=((0,), (1,), (2,)), makes=((1,), (2,), ()), drops=((0,), (1,), (2,)))
+    freed_inside = []
+
+    def first(args):
+        x = args.pop()
+        return [x * 2]
+
+    def second(args):  # as Inductor's code: the list cleared, the input deleted after its last read
+        (gradient,) = args
+        args.clear()
+        read = weakref.ref(gradient)
+        out = gradient + 1
+        del gradient
+        freed_inside.append(read() is None)
+        return [out]
+
+    (out,) = piece_plan.run_pieces(plan, [first, second, lambda args: [args.pop() * 3]])([torch.ones(4)])
+    assert torch.equal(out, torch.full((4,), 9.0))
+    assert freed_inside == [True]
+
+
 def test_a_piece_output_returned_without_its_kept_dimension_is_viewed_in_its_graphs_shape():
     """torch 2.11's Inductor returns a keepdim reduction it computes in a mix-order reduction kernel without
     its kept dimension (GPT 1.3B fully_shard on a GPU: a layer norm's weight gradient ``(1, 2048)`` came back
