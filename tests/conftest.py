@@ -21,6 +21,10 @@ checks that it got them. The setting also spares each process that compiles into
 library it would otherwise build per instruction set (the tests that restart a job start several such processes).
 The kernels are linked by GNU gold where it is installed (``_link_with_gold``). These settings, except the compile
 cache's, can be overridden from the environment.
+
+This module imports no torch: under ``-n 2`` the controlling process, which runs no test, loads it before it starts
+the workers, and torch's imports (about 2.5 s) and its finalization at exit (2-4 s) would each add to the run's
+wall time. The fixtures import ``tests.dist`` (and with it torch) when a worker first uses them.
 """
 
 from __future__ import annotations
@@ -60,8 +64,6 @@ def _link_with_gold() -> str | None:
 _GOLD_FOLDER = _link_with_gold()
 
 import pytest  # noqa: E402
-
-from tests.dist import reset_process_state, shutdown_pools  # noqa: E402
 
 
 # The longest tests (each over 10 s on a 2-core machine, most of them several processes), run first: pytest-xdist
@@ -104,6 +106,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _rank_pools():
+    from tests.dist import shutdown_pools
+
     yield
     shutdown_pools()
 
@@ -133,4 +137,6 @@ def vectorized_cpu_kernels():
 @pytest.fixture(autouse=True)
 def _clean_torch_state():
     """Each test starts without Dynamo caches, with grad mode on and fixed seeds (ranks do the same)."""
+    from tests.dist import reset_process_state
+
     reset_process_state()
