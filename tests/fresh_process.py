@@ -147,6 +147,7 @@ while True:
         replies.write(json.dumps({"pid": pid, "status": os.waitstatus_to_exitcode(status)}) + "\n")
 for pid in children:  # the test process left: so do its children
     os.killpg(pid, 9)
+os._exit(0)  # nothing to flush or clean: torch's finalization would only keep the closing test process waiting
 """
 
 
@@ -200,9 +201,13 @@ class _Server:
             else:
                 self._ended[reply["pid"]] = reply["status"]
 
-    def close(self) -> None:
+    def close_input(self) -> None:
+        """Tell the server to leave (it exits once its input closes)."""
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
+
+    def close(self) -> None:
+        self.close_input()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -261,6 +266,10 @@ class Started:
 
 @atexit.register
 def _close_servers() -> None:
-    while _servers:
-        for server in _servers.popitem()[1]:
-            server.close()
+    """Every server's input closed first, then each waited for: they leave side by side."""
+    servers = [server for pair in _servers.values() for server in pair]
+    _servers.clear()
+    for server in servers:
+        server.close_input()
+    for server in servers:
+        server.close()
