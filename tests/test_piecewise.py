@@ -606,7 +606,7 @@ def test_a_value_a_piece_reads_last_is_freed_while_that_piece_runs():
     """Nothing but the pieces' table of values holds a piece's outputs while the next piece runs, so the piece
     that reads one last frees it as it goes (Inductor's code deletes an input after its last read), as the whole
     graph's code would. The runner had kept the last piece's outputs until the next one returned: on a GPU,
-    BERT's 954 MiB loss gradient lived through the first layer's backward, at the step's peak (BENCHMARKS.md,
+    BERT's loss gradient lived through the first layer's backward, at the step's peak (BENCHMARKS.md,
     "Round 26")."""
     import weakref
 

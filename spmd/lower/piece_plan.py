@@ -31,20 +31,20 @@ Where a cut may go, and what crosses it:
 * a large GPU value whose rows are not 16 bytes long, read by a matmul beyond a cut, crosses it padded
   (``_pad_rows_across_cuts``): Inductor pads the rows of the buffers it allocates inside a piece, but keeps a
   piece's inputs and outputs as the graph lays them out, so the matmul would read it misaligned (BERT's loss
-  gradient over its 30522-word vocabulary ran a 2-element-aligned GEMM: BENCHMARKS.md, "Round 25"). Its
+  gradient over its vocabulary read that way: BENCHMARKS.md, "Round 25" and "Round 26"). Its
   producing piece writes it into padded rows, and every reader reads the unpadded view of them;
 * a graph that writes anything but its own inputs is not cut: a piece could then not see a write
   to a value another piece holds.
 
-What a cut costs when the step runs: Inductor fuses nothing across it, a value crossing it is kept in
-the layout the trace gave it (but for rows padded for a matmul, above), and a collective waited beyond it
-keeps its input until the end of the waiting piece rather than until the wait. The cuts fall where the weightiest piece, by its count of
-computing nodes, is lightest (it sets how long the pieces take to compile side by side), so there are
-few and each crosses the values live there anyway. Replayed as one CUDA graph (``spmd.lower.cudagraphs``
-captures the pieces run in turn), a collective launched in one piece and waited in another is captured
-as in the whole graph: the capture records launches on streams and the wait's stream dependency, and
-sees nothing of the calls between pieces, while the values held across them keep their memory out of
-the capture's reuse.
+What a cut costs when the step runs: Inductor fuses nothing across it, a value crossing it is kept in the
+layout the trace gave it (but for rows padded for a matmul, above), and a collective waited beyond it keeps
+its input until the end of the waiting piece rather than until the wait. The cuts fall where the weightiest
+piece, by its count of computing nodes, is lightest (it sets how long the pieces take to compile side by
+side), so there are few and each crosses the values live there anyway. Replayed as one CUDA graph
+(``spmd.lower.cudagraphs`` captures the pieces run in turn), a collective launched in one piece and waited in
+another is captured as in the whole graph: the capture records launches on streams and the wait's stream
+dependency, and sees nothing of the calls between pieces, while the values held across them keep their memory
+out of the capture's reuse.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ import torch.utils._pytree as pytree
 
 from ..graph_utils.nodes import is_comm_node, is_wait_node, waited_collective
 from ..graph_utils.optimizer_ops import written_inputs
+from .matmul_order import MATMULS
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -79,7 +80,6 @@ ALIGNED_ROW_BYTES = 16
 PADDED_MIN_BYTES = 16 << 20
 # The devices whose matmuls want aligned rows.
 PADDED_DEVICES = frozenset({"cuda"})
-_MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,8 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
                 return outputs
             values.update(zip(makes, outputs))
             # nothing but ``values`` holds a piece's outputs while the next runs: the piece reading one last
-            # frees it as it goes (held here, BERT's 954 MiB loss gradient lived through the next piece)
+            # frees it as it goes (held here, BERT's loss gradient lived through the next piece:
+            # BENCHMARKS.md, "Round 26")
             del outputs
         return []
 
@@ -552,14 +553,15 @@ def _matmul_readers(node: fx.Node) -> list[fx.Node]:
     found, frontier = [], list(node.users)
     while frontier:
         user = frontier.pop()
-        if user.target in _MATMULS:
+        if user.target in MATMULS:
             found.append(user)
         elif _is_view(user):
             frontier.extend(user.users)
     return found
 
 
-def _pad_rows_across_cuts(graph: fx.Graph, piece_of: dict[fx.Node, int]) -> list[tuple[fx.Node, fx.Node, fx.Node, dict]]:
+def _pad_rows_across_cuts(graph: fx.Graph, piece_of: dict[fx.Node, int]
+                          ) -> list[tuple[fx.Node, fx.Node, fx.Node, dict]]:
     """Each value a matmul in a later piece reads whose rows Inductor would pad in a buffer of its own
     (``_row_padding``), made by a kernel Inductor generates (not a matmul's result, which padding would
     copy), written into padded rows in its piece: ``constant_pad_nd`` of it, and the unpadded ``slice`` of
@@ -573,7 +575,7 @@ def _pad_rows_across_cuts(graph: fx.Graph, piece_of: dict[fx.Node, int]) -> list
     for node in [n for n in graph.nodes if n.op == "call_function" and n in piece_of and n not in outputs]:
         val = node.meta.get("val")
         extra = _row_padding(val)
-        if not extra or node.target in _MATMULS or _is_view(node) or node.target is operator.getitem or \
+        if not extra or node.target in MATMULS or _is_view(node) or node.target is operator.getitem or \
                 not any(piece_of.get(r, -1) > piece_of[node] for r in _matmul_readers(node)):
             continue
         with graph.inserting_after(node):
