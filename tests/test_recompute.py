@@ -553,6 +553,39 @@ def test_attention_dropout_is_recomputed_beside_its_backward_and_the_step_comput
         assert torch.equal(p, q)
 
 
+def test_a_dropout_mask_the_backward_reads_is_kept_in_bool_not_as_its_float32_draw(monkeypatch):
+    """Inductor draws a dropout's mask as a float32 buffer and compares it wherever the mask is read: in a
+    whole-step graph the backward's comparison kept that draw from the forward to the backward. The lowering
+    keeps the bool mask instead (as torch.compile's forward graph returns it), and the step computes the same."""
+    import spmd.lower.rewrites as rewrites
+    from spmd.tools.inductor_kernels import schedule
+
+    def compiled(keep_bool):
+        if not keep_bool:
+            monkeypatch.setattr(rewrites, "keep_dropout_masks_as_bool", lambda graph: 0)
+        torch.manual_seed(0)
+        model = _DroppedOutAttention(layers=2)
+        step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True))(square_mean_step)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8, 16, dtype=torch.float64)
+        runner = step.trace(model, optim, x).transform().runner
+        between = schedule(torch.fx.GraphModule(runner, runner.graph)).read_by_others
+        losses = []
+        for k in range(2):
+            torch.manual_seed(100 + k)
+            losses.append(step(model, optim, x))
+        return between, losses, list(model.parameters())
+
+    probs = 4 * 8 * 8
+    kept, losses, params = compiled(True)
+    assert sorted(str(d) for d, n in kept if n == probs and d != torch.float64) == ["torch.bool"] * 2, kept
+    before, before_losses, before_params = compiled(False)
+    assert sorted(str(d) for d, n in before if n == probs and d != torch.float64) == ["torch.float32"] * 2, before
+    assert all(map(torch.equal, losses, before_losses))
+    assert all(map(torch.equal, params, before_params))
+
+
 class _PooledConvNet(nn.Module):
     """A convolution, batch norm and ReLU under a 3x3 max pooling, as a ResNet's stem, then a linear head."""
 

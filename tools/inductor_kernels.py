@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -51,6 +51,8 @@ class Kernels:
     recompute_only_bytes: int = 0
     with_recompute: int = 0  # generated kernels holding recomputed nodes and others
     peak: Optional[int] = None  # scheduled buffers' liveness peak, inputs included (None where unavailable)
+    # (dtype, elements) of each buffer a kernel other than the one writing it reads: what lives between kernels
+    read_by_others: list = field(default_factory=list)
 
 
 class _Scheduled(Exception):
@@ -89,6 +91,15 @@ def _peak(scheduler) -> Optional[int]:
     return peak
 
 
+def _read_by_others(scheduler) -> list[tuple[torch.dtype, int]]:
+    """(dtype, elements) of each scheduled buffer that a fused kernel other than its writer reads."""
+    writers = {buf.get_name(): snode for snode in scheduler.nodes for buf in snode.get_outputs()}
+    read = {dep.name for snode in scheduler.nodes for dep in snode.read_writes.reads
+            if writers.get(dep.name, snode) is not snode}
+    return [(buf.node.get_dtype(), int(buf.node.get_numel())) for name, buf in scheduler.name_to_buf.items()
+            if name in read]
+
+
 def schedule(gm: fx.GraphModule) -> Kernels:
     """``gm`` lowered through Inductor (CPU) up to fused kernels; nothing is generated."""
     import torch._inductor.scheduler as inductor_scheduler
@@ -116,6 +127,7 @@ def schedule(gm: fx.GraphModule) -> Kernels:
             elif again:
                 found.with_recompute += 1
         found.peak = _peak(scheduler)
+        found.read_by_others = _read_by_others(scheduler)
         raise _Scheduled
 
     inputs = [example_like(n) for n in gm.graph.nodes if n.op == "placeholder"]

@@ -28,6 +28,7 @@ from ..graph_utils.nodes import view_of_copy_op
 from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inplace, written_inputs
 from ..passes import PassManager, graph_optimization_pass, pass_info
 from .decompose_for_inductor import decompose_for_inductor
+from .dropout_masks import keep_dropout_masks_as_bool
 from .loss_order import order_loss_backward_after_loss
 from .loss_targets import write_loss_targets_once
 from .matmul_order import run_freeing_matmuls_first
@@ -137,6 +138,14 @@ def keep_ops_whole(gm: fx.GraphModule) -> None:
 
 
 @graph_optimization_pass()
+def keep_dropout_masks_in_bool(gm: fx.GraphModule) -> None:
+    """Make each dropout mask the backward reads a bool buffer of its own (``spmd.lower.dropout_masks``), where
+    Inductor would keep the float32 random draw it compares from the forward to the backward, four times the
+    bytes (torch.compile keeps the mask: it is an output of its forward graph)."""
+    log.debug("spmd: %d dropout masks kept as bool", keep_dropout_masks_as_bool(gm.graph))
+
+
+@graph_optimization_pass()
 def start_loss_backward_after_loss(gm: fx.GraphModule) -> None:
     """Start each ``nll_loss_backward`` after its loss is computed (``spmd.lower.loss_order``), so the loss
     gradient is written over the logits instead of beside them."""
@@ -173,8 +182,8 @@ def remove_one_rank_all_reduces(gm: fx.GraphModule) -> None:
 
 
 @graph_optimization_pass(apply_after=[add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers,
-                                      keep_ops_whole, start_loss_backward_after_loss, write_loss_targets_to_memory,
-                                      start_packing_after_last_gradient, free_matmul_inputs_first,
+                                      keep_ops_whole, keep_dropout_masks_in_bool, start_loss_backward_after_loss,
+                                      write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first,
                                       remove_one_rank_all_reduces])
 def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
     """Apply Inductor's decompositions node by node (``spmd.lower.decompose_for_inductor``), what AOT autograd's
@@ -183,19 +192,20 @@ def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
 
 
 REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers, keep_ops_whole,
-            start_loss_backward_after_loss, write_loss_targets_to_memory, start_packing_after_last_gradient,
+            keep_dropout_masks_in_bool, start_loss_backward_after_loss, write_loss_targets_to_memory, start_packing_after_last_gradient,
             free_matmul_inputs_first, remove_one_rank_all_reduces, apply_inductor_decompositions)
 
 
 def lowering_pipeline(*, lean: Union[bool, str], decompose: bool) -> list:
     """The rewrites Inductor's graph gets, in order: ``lean``'s step counts in place (``"step_counts"``) ->
-    view copies as views -> fused optimizers opaque -> ops kept whole -> loss backward after the loss -> loss
-    targets in memory -> packing after the last gradient -> freeing matmuls first -> ``lean``'s one-rank
-    all_reduces removed (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
+    view copies as views -> fused optimizers opaque -> ops kept whole -> dropout masks kept in bool -> loss
+    backward after the loss -> loss targets in memory -> packing after the last gradient -> freeing matmuls
+    first -> ``lean``'s one-rank all_reduces removed (``"one_rank"``) -> Inductor's decompositions
+    (``decompose``)."""
     parts = lean_parts(lean)
     return [*([add_step_counts_in_place] if "step_counts" in parts else []), turn_view_copies_into_views,
-            wrap_fused_optimizers, keep_ops_whole, start_loss_backward_after_loss, write_loss_targets_to_memory,
-            start_packing_after_last_gradient, free_matmul_inputs_first,
+            wrap_fused_optimizers, keep_ops_whole, keep_dropout_masks_in_bool, start_loss_backward_after_loss,
+            write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first,
             *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
             *([apply_inductor_decompositions] if decompose else [])]
 
