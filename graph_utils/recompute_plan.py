@@ -307,7 +307,7 @@ class Planner:
             if not any(self._read_by_fusing_backward(a) for a in inputs):
                 continue
             norms = any(self.kind(n) == ROW for f in found for n in f[0])
-            if (norms or not any(map(_dropout_mask, inputs))) and not all(map(_extern_output, inputs)):
+            if (norms or not any(map(is_dropout_mask, inputs))) and not all(map(_extern_output, inputs)):
                 continue
             for v, f in zip(members, found):
                 self.recompute(v, f)
@@ -359,7 +359,7 @@ def _unpacks_unrepeated(a: fx.Node, kind, allowed: tuple) -> bool:
     return a.target is operator.getitem and isinstance(a.args[0], fx.Node) and kind(a.args[0]) not in allowed
 
 
-def _dropout_mask(node: fx.Node) -> bool:
+def is_dropout_mask(node: fx.Node) -> bool:
     """``node`` is a dropout's mask (``native_dropout``'s second result), which the dropout's backward reads."""
     return (node.target is operator.getitem and node.args[1] == 1 and isinstance(node.args[0], fx.Node)
             and node.args[0].target is aten.native_dropout.default)

@@ -5,8 +5,8 @@ own, and the comparison, a cheap pointwise op, is inlined into every kernel that
 ``torch.compile`` the mask is an output of the forward graph, so the bool mask is what the backward
 keeps and the draw lives only inside the forward's kernel. In a whole-step graph nothing makes the mask
 a buffer: the dropout's backward (and a recomputed dropout output) compare the draw again, so the
-float32 draw is kept from the forward to the backward, four times the mask's bytes. Attention dropout
-draws one per attention probability (T5 at batch 32, sequence 512: 256 MiB a layer instead of 64).
+float32 draw is kept from the forward to the backward, four times the mask's bytes: for attention
+dropout, one float32 number per attention probability of every layer (BENCHMARKS.md, "Round 27").
 
 ``keep_dropout_masks_as_bool`` passes such a mask through ``inductor_force_stride_order`` with its own
 contiguous strides: an identity on its values, which Inductor lowers by realizing the mask into a
@@ -21,18 +21,15 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..graph_utils.recompute_plan import is_dropout_mask
+
 aten = torch.ops.aten
 
 
 def _masks_read_by_a_backward(graph: fx.Graph) -> list[fx.Node]:
     """The masks (``native_dropout``'s output 1) that a ``native_dropout_backward`` reads."""
-    masks = []
-    for node in graph.find_nodes(op="call_function", target=aten.native_dropout.default):
-        for user in node.users:
-            if (user.target is operator.getitem and user.args[1] == 1
-                    and any(u.target is aten.native_dropout_backward.default for u in user.users)):
-                masks.append(user)
-    return masks
+    return [n for n in graph.find_nodes(op="call_function", target=operator.getitem)
+            if is_dropout_mask(n) and any(u.target is aten.native_dropout_backward.default for u in n.users)]
 
 
 def keep_dropout_masks_as_bool(graph: fx.Graph) -> int:
