@@ -18,13 +18,18 @@ def test_the_capture_is_fenced_by_releasing_the_matmul_workspaces(monkeypatch):
     events = []
 
     @contextlib.contextmanager
-    def graph(g, capture_error_mode=None):
+    def graph(g, pool=None, capture_error_mode=None):
         events.append("capture begins")
         yield
         events.append("capture ends")
 
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(cudagraphs, "release_matmul_workspaces", lambda: events.append("release"))
 
@@ -34,7 +39,7 @@ def test_the_capture_is_fenced_by_releasing_the_matmul_workspaces(monkeypatch):
 
     runner = CudaGraphRunner(step, persistent=[True], num_user_outputs=0)
     runner._capture((torch.ones(2),))
-    assert events == ["release", "capture begins", "step", "capture ends", "release"]
+    assert events == ["release", "capture begins", "step", "capture ends", "replay", "release"]
 
     def failing(x):
         raise RuntimeError("not capturable")

@@ -1,10 +1,10 @@
-"""Mixture-of-experts grouped matmuls trace with shapes that do not depend on the routing (``spmd.trace.grouped_mm``).
+"""Mixture-of-experts grouped matmuls trace as spmd's own ops, the library's loop over the experts (``spmd.trace.grouped_mm``).
 
 transformers up to 5.17 registers for its ``transformers::grouped_mm_fallback`` op a Python backward that
 loops over ``offs.tolist()``; under a trace that reads a fake tensor's values and the step was refused.
 Here that backward is registered on the op for the length of a test (as 5.17 does, without installing a
 second transformers), and a small top-2 MoE trains under ``spmd.compile`` as it does eagerly, float64,
-several steps.
+several steps; on a GPU, as CUDA graphs with the loops run between them (``spmd.lower.cudagraph_segments``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def loop_grouped_mm(input, weight, offs):
 @pytest.mark.parametrize("rows,offsets", [
     (9, [2, 2, 7, 8]),  # an expert with no rows, a row past the last offset
     (9, [0, 0, 9, 9]),  # every row one expert's
-    (10, [1, 2, 3, 9]),  # a block of rows meets three experts
+    (10, [1, 2, 3, 9]),  # three experts of one row each, then a long run
     (7, [0, 0, 0, 0]),  # no row routed
     (1, [0, 1, 1, 1]),
 ])
@@ -54,8 +54,8 @@ def test_grouped_mm_computes_the_loops_values_and_gradients(rows, offsets):
         out = fn(xx, ww, offs)
         out.backward(grad)
         results.append((out.detach(), xx.grad, ww.grad))
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=0, atol=TOL)
+    for got, expected in zip(results[1], results[0]):  # the loop's matmuls, bit for bit
+        assert torch.equal(got, expected)
     past = offsets[-1]  # rows past the last offset: no value, no gradient
     assert not results[1][0][past:].any() and not results[1][1][past:].any()
 
@@ -135,8 +135,8 @@ def moe_step(model, optim, x, y):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_a_moe_whose_grouped_mm_backward_reads_offsets_trains_as_eager(op_with_a_backward_reading_offsets, device):
-    """On a GPU through spmd.compile()'s default there (Inductor, CUDA graphs): no host read is left in the
-    graph, so after the first calls no step captures again."""
+    """On a GPU through spmd.compile()'s default there (Inductor, CUDA graphs): the step is captured once, as
+    five graphs with the two forward and two backward expert loops run between them, and never again."""
     torch.manual_seed(0)
     model = TopTwoMoE().to(device)
     ref, initial = copy.deepcopy(model), model.up.detach().clone()
@@ -154,6 +154,9 @@ def test_a_moe_whose_grouped_mm_backward_reads_offsets_trains_as_eager(op_with_a
     assert isinstance(torch.ops.transformers.grouped_mm_fallback, torch._ops.OpOverloadPacket)  # put back
     if device == "cuda":
         assert captures[2] >= 1 and captures[-1] == captures[2], captures
+        (entry,) = step.cache.values()
+        (runner,) = entry.runner._runners.values()
+        assert len(runner.graph.calls) == 4 and len(runner.graph.graphs) == 5
 
 
 def test_without_the_traceable_form_the_backward_reading_offsets_is_refused(op_with_a_backward_reading_offsets,

@@ -36,7 +36,8 @@ class _Replay:
 
 
 class CpuGraphRunner(CudaGraphRunner):
-    """``CudaGraphRunner`` on the CPU: the capture holds the inputs as the real one does and counts."""
+    """``CudaGraphRunner`` on the CPU: the capture holds the inputs as the real one does, runs the step once
+    (as the real one does, graph by graph) and counts."""
 
     def _check_inputs(self, args: tuple) -> None:
         pass
@@ -45,6 +46,7 @@ class CpuGraphRunner(CudaGraphRunner):
         self.static_inputs = [a if p else a.clone() for a, p in zip(args, self.persistent)]
         self.pointers = [a.data_ptr() for a, p in zip(args, self.persistent) if p]
         self.graph = _Replay(self)
+        self.graph.replay()
         self.captures += 1
 
 

@@ -1,4 +1,4 @@
-"""Replay a compiled step (or setup/main/cleanup part) as one CUDA graph.
+"""Replay a compiled step (or setup/main/cleanup part) as a CUDA graph.
 
 A training step launches hundreds of kernels; at small batch sizes the CPU cannot
 launch them as fast as the GPU runs them. A CUDA graph launches them all at once.
@@ -9,7 +9,9 @@ storage must stay put; a moved one is detected and the graph is captured again).
 The batch, and values carried between iterations, are copied into static buffers
 before each replay. The hyperparameter tensors (lr, betas, ...) are persistent too:
 ``spmd.compile`` fills them in place when a value changes. NCCL collectives are captured with the rest (the process
-group's communicator exists by then: the first call runs uncaptured, as warm-up).
+group's communicator exists by then: the first call runs uncaptured, as warm-up). An op sized on the host
+(a mixture-of-experts loop over each expert's row count) runs eagerly between graphs captured before and after
+it (``spmd.lower.cudagraph_segments``); a step without one is one graph.
 
 cuBLAS keeps a scratch workspace per stream and a captured matmul keeps using the one it was captured
 with. A workspace made outside this graph's memory pool (by an earlier capture on the same stream, whose
@@ -31,6 +33,7 @@ import torch.fx as fx
 from ..compile_times import phase
 from ..errors import SpmdCompileError
 from ..graph_utils.meta import NAME, ROLE, Role
+from .cudagraph_segments import CudaGraphSegments
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ class CudaGraphRunner:
         self.persistent = [p or u for p, u in zip(persistent, self.unread)]
         self.num_user_outputs = num_user_outputs
         self.label = label
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.graph: Optional[CudaGraphSegments] = None
         self.static_inputs: list = []
         self.static_outputs: tuple = ()
         self.pointers: list[int] = []
@@ -122,16 +125,18 @@ class CudaGraphRunner:
                      for i, o in enumerate(self.static_outputs))
 
     def _capture(self, args: tuple) -> None:
+        """Capture ``fn`` on this call's inputs, which become the static ones; the capture runs the step once
+        (``CudaGraphSegments``), so this call's outputs are the static outputs as they are now."""
         self.static_inputs = [a if p else a.clone() for a, p in zip(args, self.persistent)]
         self.pointers = [a.data_ptr() for a, p in zip(args, self.persistent) if p]
-        graph = torch.cuda.CUDAGraph()
+        graph = CudaGraphSegments()
         torch.cuda.synchronize()
         release_matmul_workspaces()  # the capture's cuBLAS workspace is then made in the graph's own pool
         try:
             # thread_local: the NCCL watchdog thread keeps querying events during capture
-            with phase(f"cudagraph/{self.label}/capture"), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.static_outputs = tuple(self.fn(*self.static_inputs))
-        except Exception as e:  # capture records work and runs none: nothing of the user's changed
+            with phase(f"cudagraph/{self.label}/capture"):
+                self.static_outputs = graph.capture(self.fn, self.static_inputs)
+        except Exception as e:  # capture records work and runs none of the user's state writes: nothing changed
             self.static_inputs, self.static_outputs = [], ()
             if self.fall_back:
                 log.warning("spmd: the %s graph runs without CUDA graphs: its capture failed (%s: %s)", self.label,
@@ -147,7 +152,8 @@ class CudaGraphRunner:
             release_matmul_workspaces()  # the graph keeps its workspace; later matmuls make their own
         self.graph = graph
         self.captures += 1
-        log.info("spmd: captured the %s graph as a CUDA graph (capture #%d)", self.label, self.captures)
+        log.info("spmd: captured the %s graph as %d CUDA graph(s) (capture #%d)", self.label, len(graph.graphs),
+                 self.captures)
 
     def __call__(self, *args):
         if self.uncaptured:
@@ -163,12 +169,10 @@ class CudaGraphRunner:
                     "(copy_) to keep the captured graph.", self.label, self.captures + 1, self._moved_inputs(args))
             self.graph = None
         if self.graph is None:
-            self._capture(args)  # this call's inputs are the static ones: no copies needed
-            if self.uncaptured:
-                return tuple(self.fn(*args))
-        else:
-            for static, a, p in zip(self.static_inputs, args, self.persistent):
-                if not p and static.data_ptr() != a.data_ptr():
-                    static.copy_(a)
+            self._capture(args)  # this call's inputs are the static ones, and the capture ran the step
+            return tuple(self.fn(*args)) if self.uncaptured else self._outputs()
+        for static, a, p in zip(self.static_inputs, args, self.persistent):
+            if not p and static.data_ptr() != a.data_ptr():
+                static.copy_(a)
         self.graph.replay()
         return self._outputs()

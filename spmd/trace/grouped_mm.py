@@ -1,4 +1,4 @@
-"""Mixture-of-experts grouped matmuls traced with shapes that do not depend on the routing.
+"""Mixture-of-experts grouped matmuls as ops of spmd's own, whose loop over the experts a trace can hold.
 
 A MoE layer sorts its ``S`` (token, expert) rows by expert and multiplies each expert's run of rows by
 that expert's weight: ``out[offs[e-1]:offs[e]] = input[offs[e-1]:offs[e]] @ weight[e]``. Where
@@ -7,15 +7,16 @@ custom op, ``transformers::grouped_mm_fallback``, which loops over the experts w
 Its forward is opaque to a trace, but the Python backward that transformers up to 5.17 registers for
 it runs that loop under the tracer, where ``offs`` is a fake tensor with no values, and the trace
 stops (``transformers/integrations/moe.py``, ``_grouped_mm_fallback_backward``). Transformers 5.24
-makes the backward a second opaque op, which traces but reads ``offs`` on the host at every call of
-the compiled step (a device sync, and no CUDA graph can hold it).
+makes the backward a second opaque op, which traces, but neither can run inside a CUDA graph.
 
 ``traceable_grouped_mm`` points ``torch.ops.transformers.grouped_mm_fallback``, for the length of the
-trace, at ``grouped_mm``, which computes the loop's values with shapes that depend only on the
-arguments' (a few tiles of rows per expert, one batched matmul, about a quarter more than the loop's
-matmul work), so its backward is plain ops and no host read is left. ``torch._grouped_mm``, which
-does only the loop's work, is traceable in bfloat16 only (its fake kernel refuses other dtypes, and
-for those CUDA's kernel copies ``offs`` to the host too); transformers calls it directly there.
+trace, at ``spmd_moe::grouped_mm``: the same loop, matmul for matmul, with an opaque backward
+(``spmd_moe::grouped_mm_backward``, transformers' loop too). Both compute through
+``spmd.trace.host_sized_ops.run_host_sized``: eagerly they are the loop; inside the CUDA graph capture of
+a step (``spmd.lower.cudagraph_segments``) each runs between two graphs, so the step replays as CUDA graphs
+with the experts' exact matmul work and one host read per op. ``torch._grouped_mm``, which does the same
+work in one kernel, is traceable in bfloat16 only (its fake kernel refuses other dtypes, and for those
+CUDA's kernel copies ``offs`` to the host too); transformers calls it directly there.
 """
 
 from __future__ import annotations
@@ -25,70 +26,79 @@ from typing import Callable, Iterator
 
 import torch
 
+from .host_sized_ops import run_host_sized
 
-BLOCKS_PER_EXPERT = 4  # row blocks per expert: the tiles do about (1 + 1 / 4) times the loop's matmul work
+NAMESPACE = "spmd_moe"
+
+
+def _loop(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Each expert's run of rows times its weight, as transformers' fallback computes it; rows from
+    ``offs[-1]`` on are zero."""
+    output = torch.zeros(input.size(0), weight.size(2), device=input.device, dtype=input.dtype)
+    start = 0
+    for expert, end in enumerate(offs.tolist()):  # the one host read
+        if end > start:
+            torch.mm(input[start:end], weight[expert], out=output[start:end])
+        start = end
+    return output
+
+
+def _loop_backward(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                   grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``_loop`` in ``input`` and ``weight``, as transformers' backward computes them (each
+    expert's weight gradient one matmul over its rows, laid out as ``weight``)."""
+    grad_input, grad_weight = torch.zeros_like(input), torch.zeros_like(weight)
+    start = 0
+    for expert, end in enumerate(offs.tolist()):
+        if end > start:
+            torch.mm(grad_output[start:end], weight[expert].T, out=grad_input[start:end])
+            torch.mm(input[start:end].T, grad_output[start:end], out=grad_weight[expert])
+        start = end
+    return grad_input, grad_weight
+
+
+@torch.library.custom_op(f"{NAMESPACE}::grouped_mm", mutates_args=())
+def _grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return run_host_sized(_loop, input, weight, offs)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                         grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_host_sized(_loop_backward, input, weight, offs, grad_output)
+
+
+@_grouped_mm.register_fake
+def _(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return input.new_empty(input.size(0), weight.size(2))
+
+
+@_grouped_mm_backward.register_fake
+def _(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+      grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(input), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_output: torch.Tensor):
+    input, weight, offs = ctx.saved_tensors
+    grad_input, grad_weight = _grouped_mm_backward(input, weight, offs, grad_output)
+    return grad_input, grad_weight, None
+
+
+_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
 def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``input`` (S, K) rows grouped by the cumulative counts ``offs`` (E,), times ``weight`` (E, K, N): (S, N).
 
     Row ``r`` with ``offs[e-1] <= r < offs[e]`` is ``input[r] @ weight[e]``; rows from ``offs[-1]`` on are
-    zero. Differentiable in ``input`` and ``weight``; no shape depends on the values of ``offs``. Computed in
-    the arguments' dtype under autocast too, as the library op and ``torch._grouped_mm`` compute.
-
-    The rows are cut into ``B = BLOCKS_PER_EXPERT * E`` blocks of ``ceil(S / B)``; since they are sorted by
-    expert, the (block, expert) pairs that meet number at most ``B + E - 1`` (a block's experts are a run,
-    and neighbouring blocks share at most the one at their border). Each such tile multiplies its block by
-    its expert's weight and keeps the rows that expert owns: one batched matmul of about
-    ``1 + 1 / BLOCKS_PER_EXPERT`` times the loop's work. A row's value is the one matmul row the loop
-    computes (the other tiles of its block add exact zeros). The tiles' weights are gathered for the
-    matmul and gathered again in the backward, never kept (``_TileMatmul``).
-    """
-    rows, experts = input.size(0), weight.size(0)
-    block = max(1, -(-rows // (BLOCKS_PER_EXPERT * experts)))
-    blocks = max(1, -(-rows // block))
-    tiles, device = blocks + experts - 1, input.device
-    # each row's expert: how many offsets are <= its index (``experts`` past offs[-1], padding included)
-    expert_of = (torch.arange(blocks * block, device=device, dtype=offs.dtype).unsqueeze(1) >= offs).sum(1)
-    by_block = expert_of.view(blocks, block)
-    first, count = by_block[:, 0], (by_block[:, -1].clamp(max=experts - 1) - by_block[:, 0] + 1).clamp(min=0)
-    end = count.cumsum(0)  # the tiles of block b are end[b] - count[b] .. end[b] - 1
-    tile = torch.arange(tiles, device=device)
-    tile_block = (tile.unsqueeze(1) >= end).sum(1)  # ``blocks`` for the spare tiles past the last one
-    used = tile_block < blocks
-    tile_block = tile_block.clamp(max=blocks - 1)
-    tile_expert = (first[tile_block] + tile - (end - count)[tile_block]).clamp(0, experts - 1)
-    owned = used.unsqueeze(1) & (by_block[tile_block] == tile_expert.unsqueeze(1))  # (tiles, block)
-    padded = torch.cat([input, input.new_zeros(blocks * block - rows, input.size(1))]).view(blocks, block, -1)
-    device_type = device.type
-    with (torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type)
-          else contextlib.nullcontext()):
-        products = torch.where(owned.unsqueeze(2), _TileMatmul.apply(padded[tile_block], weight, tile_expert), 0)
-    out = input.new_zeros(blocks, block, weight.size(2)).index_add(0, tile_block, products)
-    return out.view(blocks * block, -1)[:rows]
-
-
-class _TileMatmul(torch.autograd.Function):
-    """``bmm(tile_rows, weight[tile_expert])`` that keeps ``weight``, not its gathered copy, for the backward.
-
-    The gathered weights are ``tiles x K x N``, several times the experts' own: kept for the backward they
-    were the MoE step's largest saved tensors. Gathering them again costs one read of each tile's weight.
-    An expert's gradient is the sum of its tiles' (an ``index_add``: on a GPU in no fixed order, a float
-    reassociation of the loop's one matmul).
-    """
-
-    @staticmethod
-    def forward(ctx, tile_rows: torch.Tensor, weight: torch.Tensor, tile_expert: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(tile_rows, weight, tile_expert)
-        return torch.bmm(tile_rows, weight.index_select(0, tile_expert))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        tile_rows, weight, tile_expert = ctx.saved_tensors
-        grad_rows = torch.bmm(grad, weight.index_select(0, tile_expert).transpose(1, 2))
-        grad_tiles = torch.bmm(tile_rows.transpose(1, 2), grad)
-        grad_weight = torch.zeros_like(weight).index_add(0, tile_expert, grad_tiles)
-        return grad_rows, grad_weight, None
+    zero. Differentiable in ``input`` and ``weight``, computed in the arguments' dtype under autocast too, as
+    the library op and ``torch._grouped_mm`` compute."""
+    return torch.ops.spmd_moe.grouped_mm(input, weight, offs)
 
 
 # Library ops with ``grouped_mm``'s contract (arguments input, weight, offs) whose autograd or kernel

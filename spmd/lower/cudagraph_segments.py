@@ -1,0 +1,145 @@
+"""A step captured as CUDA graphs in turn, with the ops sized on the host run eagerly between them.
+
+An op sized by device values read on the host (``spmd.trace.host_sized_ops``: a mixture-of-experts loop
+over each expert's row count) cannot be captured: its host read syncs, and each call launches other
+kernels. ``CudaGraphSegments.capture`` runs the step's code once with a handler for those ops installed.
+The capture begins a graph; at each such op it ends the graph and replays it (so the op's arguments hold
+their values), runs the op eagerly, and begins the next graph. The op's results are handed to the code
+that follows as tensors allocated in the next graph's memory pool, and the op's eager results are copied
+into them just before that graph first replays. ``replay`` then replays the graphs in order and, between
+two of them, runs the op again on the same memory and copies its results in.
+
+What makes this sound: all graphs share one memory pool and replay in the order they were captured, so
+a tensor's memory holds at each point of the replays what it held at that point of the capture (the
+pattern CUDA graphs document for captures that share a pool). An op's arguments were live when it was
+called, and its result buffers were free when they were allocated, so nothing captured reads them in
+between. The op's arguments and results are described by their addresses and layouts, not held: a held
+tensor would keep its memory from every later graph in the pool, as torch.compile's CUDA graph trees
+describe the outputs they do not own.
+
+With no such op the capture is one graph, as a plain ``torch.cuda.graph`` capture. The capture executes
+the step once (each graph is replayed right after it is captured), so its caller does not replay it
+again. A step whose graphs write the user's state at the end (spmd's step graphs defer those writes to
+their end) leaves that state untouched when a later graph's capture fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..trace.host_sized_ops import host_sized_ops_handled_by
+from .piece_plan import InputSpec
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a tensor lies on the device (its storage's address and size, its layout in it), to be viewed
+    again without holding it."""
+
+    pointer: int
+    nbytes: int
+    spec: InputSpec
+
+    @staticmethod
+    def of(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        storage = value.untyped_storage()
+        return _Place(storage.data_ptr(), storage.nbytes(), InputSpec.of(value))
+
+    def view(self) -> torch.Tensor:
+        """A tensor over this memory that does not own it (freeing it frees nothing)."""
+        spec = self.spec
+        if not self.nbytes:
+            return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
+        storage = torch._C._construct_storage_from_data_pointer(self.pointer, spec.device, self.nbytes)
+        return torch.empty(0, dtype=spec.dtype, device=spec.device).set_(storage, spec.storage_offset, spec.shape,
+                                                                         spec.stride)
+
+
+def _view(value: Any) -> Any:
+    return value.view() if isinstance(value, _Place) else value
+
+
+@dataclass(frozen=True)
+class _HostSizedCall:
+    """One call of a host-sized op between two graphs: what it computes, from where, into where."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    results: tuple[_Place, ...]
+
+    def run(self) -> None:
+        with torch.no_grad():
+            computed = pytree.tree_leaves(self.fn(*[_view(a) for a in self.args]))
+            for place, value in zip(self.results, computed):
+                place.view().copy_(value)
+
+
+class CudaGraphSegments:
+    """The CUDA graphs of one capture, and the host-sized op calls between them (see the module docstring)."""
+
+    def __init__(self, capture_error_mode: str = "thread_local"):
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[_HostSizedCall] = []
+        self.capture_error_mode = capture_error_mode
+        self._pool = torch.cuda.graph_pool_handle()
+        self._open: Optional[tuple[torch.cuda.CUDAGraph, torch.cuda.graph]] = None
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, value) before the next replay
+
+    def capture(self, fn: Callable[..., Sequence[Any]], args: Sequence[Any]) -> tuple:
+        """Capture ``fn(*args)``, executing it once; its outputs (tensors in the pool, overwritten by each replay)."""
+        self._begin()
+        try:
+            with host_sized_ops_handled_by(self._host_sized):
+                outputs = tuple(fn(*args))
+        except BaseException:
+            if self._open is not None:
+                _, context = self._open
+                self._open = None
+                with contextlib.suppress(Exception):
+                    context.__exit__(*sys.exc_info())
+            raise
+        self._end()
+        return outputs
+
+    def replay(self) -> None:
+        """Run the step again: each graph in turn, each host-sized op between the graphs it came between."""
+        for index, graph in enumerate(self.graphs):
+            if index:
+                self.calls[index - 1].run()
+            graph.replay()
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        context = torch.cuda.graph(graph, pool=self._pool, capture_error_mode=self.capture_error_mode)
+        context.__enter__()
+        self._open = (graph, context)
+
+    def _end(self) -> None:
+        """End the open graph and run it, the host-sized results it reads copied in first."""
+        graph, context = self._open
+        self._open = None
+        context.__exit__(None, None, None)
+        self.graphs.append(graph)
+        for buffer, value in self._copies:
+            buffer.copy_(value)
+        self._copies = []
+        graph.replay()
+
+    def _host_sized(self, fn: Callable[..., Any], args: tuple) -> Any:
+        self._end()  # the arguments now hold their values
+        with torch.no_grad():
+            computed = fn(*args)
+        leaves, spec = pytree.tree_flatten(computed)
+        self._begin()
+        buffers = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in leaves]
+        self._copies = list(zip(buffers, leaves))
+        self.calls.append(_HostSizedCall(fn, tuple(_Place.of(a) for a in args), tuple(_Place.of(b) for b in buffers)))
+        return pytree.tree_unflatten(buffers, spec)
