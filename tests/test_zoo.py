@@ -66,10 +66,12 @@ def test_the_step_with_eagers_backward_dtypes_matches_eager():
     assert_trains_as_eager("gpt2", "spmd_exact")
 
 
-def test_fully_shard_in_a_group_of_one_matches_eager():
-    """The zoo's spmd_fully_shard mode (a unit per decoder layer) in a process group of one trains Llama as eager."""
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
+def test_fully_shard_in_a_group_of_one_matches_eager(model):
+    """The zoo's spmd_fully_shard mode (a unit per decoder layer) in a process group of one trains Llama, and the
+    MoE whose experts' loops run outside the graph's CUDA graphs on a GPU, as eager."""
     with single_process_group():
-        assert_trains_as_eager("llama", "spmd_fully_shard")
+        assert_trains_as_eager(model, "spmd_fully_shard")
 
 
 def child_args(*argv: str):
