@@ -6,7 +6,7 @@ compute-intensive ops (matmuls, attention, convolutions) and any op with a FLOP 
 ``COMPUTE``, repeated only under a memory budget. Our graphs add two facts of their own:
 copying views (``t_copy``, ``view_copy``: views once lowered) and every view
 (``split_with_sizes``, which unpacks a gathered parameter buffer) are cheap,
-and ``native_layer_norm``, ``_log_softmax`` and ``_softmax`` are cheap: torch's partitioner sees
+and ``native_layer_norm``, ``native_group_norm``, ``_log_softmax`` and ``_softmax`` are cheap: torch's partitioner sees
 them decomposed, their outputs pointwise from their input and a small reduction, and repeating
 the op from that input is the same memory-bound work, bit for bit the forward's.
 
@@ -43,11 +43,12 @@ FLOPS_PER_BYTE = 300  # a GPU's matmul throughput over its memory bandwidth: a F
 _ATTENTION = frozenset({"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
                         "_flash_attention_forward", "_efficient_attention_forward"})
-_OURS_CHEAP = frozenset({aten.native_layer_norm, aten._log_softmax, aten._softmax, aten._unsafe_view, aten.detach_copy,
-                         aten.split_with_sizes})
-# A softmax is its row statistics (max, sum of exponentials: reductions, small) and a pointwise rest:
-# split in the forward (``passes.recompute``), the rest is recomputed inside the kernel that reads it.
-SPLITTABLE = frozenset({aten._log_softmax.default, aten._softmax.default})
+_OURS_CHEAP = frozenset({aten.native_layer_norm, aten.native_group_norm, aten._log_softmax, aten._softmax,
+                         aten._unsafe_view, aten.detach_copy, aten.split_with_sizes})
+# A softmax is its row statistics (max, sum of exponentials: reductions, small) and a pointwise rest; a group norm
+# its groups' mean and reciprocal deviation and a pointwise rest: split in the forward (``passes.recompute``), the
+# rest is recomputed inside the kernel that reads it.
+SPLITTABLE = frozenset({aten._log_softmax.default, aten._softmax.default, aten.native_group_norm.default})
 _COPIES = frozenset({aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default})
 
 

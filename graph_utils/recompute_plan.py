@@ -18,6 +18,10 @@ readers from values that stay alive anyway (graph inputs, kept values, new small
      float32 log-softmax of the loss is recomputed from the bf16 logits, its row maximum and its sum of
      exponentials inside the kernel that computes the logits' gradient (Inductor inlines it there
      anyway; the graph, run op by op or estimated, then holds no float32 copy of the logits either).
+     A group norm is pointwise from its groups' statistics likewise: a diffusion UNet's float32 group
+     norm outputs, which SiLU's backward reads, are made again there. A chain goes back as far as
+     pointwise ops go, or, where that would read more than the value, only as far as the value's own
+     op: the float32 copy an autocast norm makes of a bf16 value is made again from the bf16 value.
   2. beside a reader (``Planner.beside_readers``; not with ``recompute="free"``): a value an extern
      kernel reads (a GELU's output, which the next matmul's weight gradient reads), recomputed through
      pointwise ops from values kept anyway, where a backward kernel that inlines pointwise producers
@@ -142,7 +146,8 @@ class Planner:
         self._kind: dict[fx.Node, Optional[str]] = {}
 
     def kind(self, node: fx.Node) -> Optional[str]:
-        """``recompute_ops.recompute_kind``, its CHEAP ops told apart: POINTWISE, SPLIT (a softmax) or CHEAP."""
+        """``recompute_ops.recompute_kind``, its CHEAP ops told apart: POINTWISE, SPLIT (a softmax, a group norm)
+        or CHEAP."""
         if node not in self._kind:
             kind = recompute_kind(node)[0]
             if kind == CHEAP and node.target in SPLITTABLE:
@@ -159,7 +164,8 @@ class Planner:
         it (a softmax's output, saved for its backward, is read in the forward as the softmax node itself)."""
         return node in self.kept or any(alias in self.kept for alias in self.aliases.get(node, ()))
 
-    def closure(self, v: fx.Node, allowed: tuple, new_leaves_ok: bool) -> Optional[tuple[list, set, set]]:
+    def closure(self, v: fx.Node, allowed: tuple, new_leaves_ok: bool,
+                shallow: bool = False) -> Optional[tuple[list, set, set]]:
         """(nodes ``v``'s recompute repeats, values it would newly keep, kept values it reads), or None.
 
         Its inputs are graph inputs, kept values, forward-gathered parameters the backward gathers
@@ -167,6 +173,10 @@ class Planner:
         stable value that is no gathered parameter (kept from now on). A chain repeats at most
         ``_MAX_COMPUTE`` compute-intensive ops: about one transformer block's matmuls and attention,
         so recomputing through other recomputed values never repeats block after block.
+
+        The chain goes back through every op of ``allowed`` kinds; ``shallow``: it repeats only ``v``'s own
+        op and the views it reads through, every other value it reads is kept (a float32 cast of a bfloat16
+        value, repeated from the bfloat16 value, where going further back would read several values).
         """
         limit = _BUDGET_LIMIT if COMPUTE in allowed else _FUSED_LIMIT
         nodes, leaves, reads, seen, stack = [], set(), set(), {v}, [v]
@@ -194,7 +204,8 @@ class Planner:
                         return None
                 elif a.op != "call_function":
                     return None
-                elif self.kind(a) in allowed and not _unpacks_unrepeated(a, self.kind, allowed):
+                elif self.kind(a) in allowed and not _unpacks_unrepeated(a, self.kind, allowed) and (
+                        not shallow or is_view_like(a)):
                     stack.append(a)
                 elif new_leaves_ok and a not in self.gathered and a not in self.written and tensor_bytes(a):
                     leaves.add(a)
@@ -229,11 +240,12 @@ class Planner:
             groups.setdefault(storage_root(k), []).append(k)
         return groups
 
-    def _closures(self, members: list[fx.Node], allowed: tuple, new_leaves_ok: bool = True) -> Optional[list[tuple]]:
+    def _closures(self, members: list[fx.Node], allowed: tuple, new_leaves_ok: bool = True,
+                  shallow: bool = False) -> Optional[list[tuple]]:
         """Each of ``members``' ``closure`` with none of them kept (they are recomputed together), or None."""
         for v in members:
             del self.kept[v]
-        found = [self.closure(v, allowed, new_leaves_ok) for v in members]
+        found = [self.closure(v, allowed, new_leaves_ok, shallow) for v in members]
         self.kept.update(dict.fromkeys(members))
         return None if any(f is None for f in found) else found
 
@@ -257,27 +269,40 @@ class Planner:
 
     def default_policy(self) -> None:
         """Recompute each kept storage whose values are pointwise chains read only by kernels that inline
-        them, where those kernels then read no more bytes than the storage, and less stays alive."""
+        them, where those kernels then read no more bytes than the storage, and less stays alive.
+
+        Each chain goes back as far as pointwise ops go; where that reads more than the storage, only the
+        storage's own ops are repeated (``closure``'s ``shallow``): an autocast's float32 copy of a bfloat16
+        activation, which a norm's backward reads, is made again from the bfloat16 value, kept instead at
+        half the bytes, as torch.compile's partitioner keeps it (the residual stream before it is several
+        values, each read by a matmul)."""
         groups = self._groups()
         kept_roots = set(groups)
         for root, members in groups.items():
             if root.op == "placeholder" or not all(self.read_only_by_fusing_kernels(v) for v in members):
                 continue
-            found = self._closures(members, FUSED)
-            if found is None:
+            for shallow in (False, True):
+                found = self._closures(members, FUSED, shallow=shallow)
+                if found is not None and self._pays(root, found, kept_roots):
+                    break
+            else:
                 continue
             leaves = {a for f in found for a in f[1]}
-            size = tensor_bytes(root)
-            # what the readers' kernels read instead of the value; inputs under an eighth of its size (row
-            # statistics, biases) do not count, so splitting a softmax does not change the decision
-            read = sum(b for b in map(tensor_bytes, leaves | {a for f in found for a in f[2]}) if 8 * b > size)
-            if read > size or self._freed(root, leaves, kept_roots) <= 0:
-                continue
             for v, f in zip(members, found):
                 self.recompute(v, f)
                 self.fused.add(v)
             kept_roots.discard(root)
             kept_roots |= {storage_root(a) for a in leaves}
+
+    def _pays(self, root: fx.Node, found: list[tuple], kept_roots) -> bool:
+        """Whether recomputing ``root``'s storage through ``found`` (its members' closures) leaves the kernels
+        that read it reading no more bytes than the storage, and less memory alive."""
+        leaves = {a for f in found for a in f[1]}
+        size = tensor_bytes(root)
+        # what the readers' kernels read instead of the value; inputs under an eighth of its size (row
+        # statistics, biases) do not count, so splitting a softmax does not change the decision
+        read = sum(b for b in map(tensor_bytes, leaves | {a for f in found for a in f[2]}) if 8 * b > size)
+        return read <= size and self._freed(root, leaves, kept_roots) > 0
 
     def _read_by_fusing_backward(self, a: fx.Node) -> bool:
         """A backward node that inlines pointwise producers reads ``a`` (through views)."""
@@ -348,7 +373,8 @@ class Planner:
                 self.recompute(v, f)
 
     def split_nodes(self) -> list[fx.Node]:
-        """The softmaxes (``SPLITTABLE``) in the default's chains: split in the forward, they become pointwise."""
+        """The softmaxes and group norms (``SPLITTABLE``) in the default's chains: split in the forward, they
+        become pointwise."""
         found = {n: None for v in self.recomputed if v in self.fused for n in self.chains[v] if self.kind(n) == SPLIT}
         return list(found)
 

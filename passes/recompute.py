@@ -7,9 +7,9 @@ collectives. ``graph_utils.recompute_plan`` decides what is kept and what is rec
 default only pointwise chains Inductor inlines into the kernels that read them, so the step is
 not slower; more under a ``memory_budget``); this pass rewrites the graph to match:
 
-* a softmax the default recomputes is split in the forward into its row statistics and a
-  pointwise rest (its decomposition, which Inductor would apply anyway), so the backward repeats
-  only the pointwise rest;
+* a softmax or group norm the default recomputes is split in the forward into its row (group)
+  statistics and a pointwise rest (its decomposition, which Inductor would apply anyway), so the
+  backward repeats only the pointwise rest;
 * under Inductor, a dropout's output is written as its input times its mask times ``1 / (1 - p)``
   (what ATen and Inductor's decomposition compute), a pointwise value of the input and of the mask
   the backward keeps anyway: the backward can make it again beside the dropout's own backward
@@ -62,13 +62,17 @@ def recompute_plan(gm) -> Optional[RecomputePlan]:
     return vars(gm).get(PLAN_ATTR)
 
 
-def _split_softmaxes(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Replace each softmax in ``nodes`` by torch's decomposition of it (row max, sum of exponentials,
-    pointwise rest), which Inductor applies to it anyway: the values computed do not change."""
+def _split_rows(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Replace each softmax or group norm in ``nodes`` by its decomposition (row statistics or each group's
+    mean and reciprocal deviation, then a pointwise rest), which Inductor applies to it anyway: the values
+    computed do not change. A group norm takes Inductor's own decomposition, a softmax torch's."""
     from torch._decomp import decomposition_table
+    from torch._inductor.decomposition import select_decomp_table
 
+    inductors = select_decomp_table()
     for node in nodes:
-        decompose_node(graph, node, {node.target: decomposition_table[node.target]})
+        table = inductors if node.target is torch.ops.aten.native_group_norm.default else decomposition_table
+        decompose_node(graph, node, {node.target: table[node.target]})
 
 
 def _split_dropouts(graph: fx.Graph) -> None:
@@ -211,8 +215,8 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
 
     Before: a step graph whose collectives and waits are placed (no cross-iteration moves).
     After: the graph computes the same values; each recomputed value's chain sits right before
-    backward users that read it (nodes marked ``meta[RECOMPUTE_OF]``); a softmax the default
-    recomputes is computed from its row statistics in the forward too; collectives and waits keep
+    backward users that read it (nodes marked ``meta[RECOMPUTE_OF]``); a softmax or group norm the
+    default recomputes is computed from its row statistics in the forward too; collectives and waits keep
     their order. The decision is left on ``gm`` (``recompute_plan``). A budget recompute cannot meet
     leaves the step at the smallest activation memory it found, and one warning names the estimated
     peak (``graph_utils.memory``, counted as Inductor compiles the step with ``lowered_by_inductor``;
@@ -235,7 +239,7 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     plan, planner = plan_recompute(graph, memory_budget, beside=not free_only)
     split = planner.split_nodes()
     if split:
-        _split_softmaxes(graph, split)
+        _split_rows(graph, split)
         plan, planner = plan_recompute(graph, memory_budget, beside=not free_only)
     _rewrite(graph, planner)
     graph.lint()

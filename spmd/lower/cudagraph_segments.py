@@ -13,9 +13,9 @@ What makes this sound: all graphs share one memory pool and replay in the order 
 a tensor's memory holds at each point of the replays what it held at that point of the capture (the
 pattern CUDA graphs document for captures that share a pool). An op's arguments were live when it was
 called, and its result buffers were free when they were allocated, so nothing captured reads them in
-between. The op's arguments and results are described by their addresses and layouts, not held: a held
-tensor would keep its memory from every later graph in the pool, as torch.compile's CUDA graph trees
-describe the outputs they do not own.
+between. The op's arguments and results are kept as views made from their addresses and layouts, which own
+none of the memory: a held tensor would keep its memory from every later graph in the pool, as
+torch.compile's CUDA graph trees describe the outputs they do not own.
 
 With no such op the capture is one graph, as a plain ``torch.cuda.graph`` capture. The capture executes
 the step once (each graph is replayed right after it is captured), so its caller does not replay it
@@ -64,22 +64,29 @@ class _Place:
 
 
 def _view(value: Any) -> Any:
-    return value.view() if isinstance(value, _Place) else value
+    """A tensor argument or result as a view of its memory that owns none of it; anything else as it is."""
+    return _Place.of(value).view() if isinstance(value, torch.Tensor) else value
 
 
 @dataclass(frozen=True)
 class _HostSizedCall:
-    """One call of a host-sized op between two graphs: what it computes, from where, into where."""
+    """One call of a host-sized op between two graphs: what it computes, from where, into where. The
+    arguments and results are views of the pool's memory made once at capture (``of``), owning none of it,
+    so every replay reuses them and none keeps its memory from a later graph."""
 
     fn: Callable[..., Any]
     args: tuple
-    results: tuple[_Place, ...]
+    results: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def of(fn: Callable[..., Any], args: tuple, results: Sequence[torch.Tensor]) -> "_HostSizedCall":
+        return _HostSizedCall(fn, tuple(map(_view, args)), tuple(map(_view, results)))
 
     def run(self) -> None:
         with torch.no_grad():
-            computed = pytree.tree_leaves(self.fn(*[_view(a) for a in self.args]))
-            for place, value in zip(self.results, computed):
-                place.view().copy_(value)
+            computed = pytree.tree_leaves(self.fn(*self.args))
+            for result, value in zip(self.results, computed):
+                result.copy_(value)
 
 
 class CudaGraphSegments:
@@ -141,5 +148,5 @@ class CudaGraphSegments:
         self._begin()
         buffers = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in leaves]
         self._copies = list(zip(buffers, leaves))
-        self.calls.append(_HostSizedCall(fn, tuple(_Place.of(a) for a in args), tuple(_Place.of(b) for b in buffers)))
+        self.calls.append(_HostSizedCall.of(fn, args, buffers))
         return pytree.tree_unflatten(buffers, spec)
