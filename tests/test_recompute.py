@@ -8,7 +8,6 @@ parameters at the end to 1e-12.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 
 import pytest
@@ -633,8 +632,8 @@ def test_max_pooling_keeps_its_int8_offsets_and_makes_its_indices_again_in_its_b
 
 
 class _ResidualNormNet(nn.Module):
-    """A block of a diffusion UNet's shape with the casts CUDA's autocast makes (``low``: the convolutions' and
-    the linear layer's dtype, ``high``: the norms'): a group norm and SiLU in ``high`` before each of two
+    """A block of a diffusion UNet's shape with casts as CUDA's autocast makes them (``low``: the convolutions' and
+    the linear layer's dtype, bf16 there; ``high``: the norms', float32 there): a group norm and SiLU in ``high`` before each of two
     convolutions in ``low``, a residual add in ``low``, then a layer norm in ``high`` before a linear layer, as
     a transformer block inside the UNet reads the residual stream."""
 
@@ -660,45 +659,50 @@ class _ResidualNormNet(nn.Module):
         return (x + t.reshape(b, height, width, c).permute(0, 3, 1, 2)).to(high)
 
 
-@pytest.mark.parametrize("low", [torch.bfloat16, torch.float64], ids=["bf16_autocast_casts", "float64"])
-def test_norms_read_a_bfloat16_residual_and_make_their_float32_copies_and_group_norm_outputs_again(low):
-    """Under Inductor, a norm's float32 copy of a bfloat16 value, which only the norm's backward reads, is made
-    again there from the bfloat16 value, kept instead at half the bytes; a group norm is split as Inductor
-    decomposes it, and its output, which SiLU's backward reads, is made again from its input and its groups'
-    statistics. No activation-sized float32 value is kept (torch.compile's partitioner keeps none either).
-    With the casts the step computes recompute=False's bit for bit; in float64 it trains as eager."""
-    high = torch.float32 if low is torch.bfloat16 else torch.float64
+def _norm_net_step(low: torch.dtype, high: torch.dtype):
+    """(model, optimizer, step) for ``_ResidualNormNet``: the default pipeline, lowered by Inductor."""
+    torch.manual_seed(0)
+    model = _ResidualNormNet(low, high)
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True))(square_mean_step)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), step
 
-    def compiled(recompute):
-        torch.manual_seed(0)
-        model = _ResidualNormNet(low, high)
-        step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
-            enable_graph_optimization=True, enable_inductor=True, recompute=recompute))(square_mean_step)
-        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), step
 
-    model, optim, step = compiled(True)
-    x = torch.randn(2, 8, 8, 8).to(low)
+def test_norms_make_their_float32_copies_and_group_norm_outputs_again_in_the_backward():
+    """Under Inductor with CUDA autocast's casts, the float32 copy a norm makes of a bf16 value, which only the
+    norm's backward reads, is made again there from the bf16 value, kept instead at half the bytes; a group norm
+    is split as Inductor decomposes it, and its float32 output, which SiLU's backward reads, is made again from
+    its input and its groups' statistics. No activation-sized float32 value is kept (torch.compile's
+    partitioner keeps none either)."""
+    model, optim, step = _norm_net_step(torch.bfloat16, torch.float32)
+    x = torch.randn(2, 8, 8, 8, dtype=torch.bfloat16)
     runner = step.trace(model, optim, x).transform().runner
     plan, nodes = recompute_plan(runner), {n.name: n for n in runner.graph.nodes}
     kept = {name: nodes[name].meta["val"] for name in plan.kept}
+    assert not [n for n, v in kept.items() if v.dtype == torch.float32 and v.numel() >= x.numel()], plan.kept
+    assert any(v.dtype == torch.bfloat16 and v.shape == x.shape and nodes[n].target is aten.add.Tensor
+               for n, v in kept.items()), plan.kept  # the residual, for the layer norm's backward
     assert not [n for n in runner.graph.nodes if n.target is aten.native_group_norm.default]  # split
     silu_inputs = [n.args[1] for n in runner.graph.nodes if n.target is aten.silu_backward.default]
     assert len(silu_inputs) == 2 and all(RECOMPUTE_OF in a.meta for a in silu_inputs), silu_inputs
-    if low is torch.bfloat16:  # no float32 activation kept; the residual stream is kept in bf16 for the norms
-        assert not [n for n, v in kept.items() if v.dtype == high and v.numel() >= x.numel()], plan.kept
-        assert any(v.dtype == low and v.shape == x.shape and nodes[n].target is aten.add.Tensor
-                   for n, v in kept.items()), plan.kept
-        ref, ref_optim, ref_step = compiled(False)
-    else:
-        ref = copy.deepcopy(model)
-        ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        ref_step = functools.partial(eager_step, loss_fn=lambda out: out.square().mean())
-    atol = 0 if low is torch.bfloat16 else 1e-10
+
+
+def test_a_group_norm_split_and_made_again_in_the_backward_trains_as_eager_in_float64():
+    """The same block in float64 (no casts): its group norms split, their outputs made again in SiLU's backward,
+    the step lowered by Inductor trains as eager to 1e-10."""
+    model, optim, step = _norm_net_step(torch.float64, torch.float64)
+    ref = copy.deepcopy(model)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    runner = step.trace(model, optim, torch.randn(2, 8, 8, 8, dtype=torch.float64)).transform().runner
+    silu_inputs = [n.args[1] for n in runner.graph.nodes if n.target is aten.silu_backward.default]
+    assert len(silu_inputs) == 2 and all(RECOMPUTE_OF in a.meta for a in silu_inputs), silu_inputs
     for k in range(3):
-        x = torch.randn(2, 8, 8, 8).to(low)
-        torch.testing.assert_close(step(model, optim, x), ref_step(ref, ref_optim, x), rtol=0, atol=atol)
+        x = torch.randn(2, 8, 8, 8, dtype=torch.float64)
+        torch.testing.assert_close(step(model, optim, x),
+                                   eager_step(ref, ref_optim, x, loss_fn=lambda out: out.square().mean()),
+                                   rtol=0, atol=1e-10)
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=atol)
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
 
 
 class _Kernel:
