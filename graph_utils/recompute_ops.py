@@ -47,8 +47,10 @@ _OURS_CHEAP = frozenset({aten.native_layer_norm, aten.native_group_norm, aten._l
                          aten._unsafe_view, aten.detach_copy, aten.split_with_sizes})
 # A softmax is its row statistics (max, sum of exponentials: reductions, small) and a pointwise rest; a group norm
 # its groups' mean and reciprocal deviation and a pointwise rest: split in the forward (``passes.recompute``), the
-# rest is recomputed inside the kernel that reads it.
+# rest is recomputed inside the kernel that reads it. A group norm only where Inductor compiles the step (it
+# decomposes it so anyway); run op by op, its split would be several kernels where ATen runs one.
 SPLITTABLE = frozenset({aten._log_softmax.default, aten._softmax.default, aten.native_group_norm.default})
+SPLITTABLE_OP_BY_OP = frozenset({aten._log_softmax.default, aten._softmax.default})
 _COPIES = frozenset({aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default})
 
 

@@ -65,7 +65,8 @@ from .nodes import is_comm_node, is_wait_node, node_order, tensor_bytes, wait_of
 from .optimizer_ops import written_inputs
 from .phases import gradient_seeds, saved_for_backward, storage_root
 from .recompute_ops import (
-    CHEAP, COMPUTE, SPLITTABLE, fuses_into, is_pointwise, is_view_like, recompute_cost, recompute_kind,
+    CHEAP, COMPUTE, SPLITTABLE, SPLITTABLE_OP_BY_OP, fuses_into, is_pointwise, is_view_like, recompute_cost,
+    recompute_kind,
 )
 from .unit_collectives import gathered_values, unit_gathers
 
@@ -116,7 +117,8 @@ class Planner:
     (the nodes its recompute repeats); ``readers``: each saved value's backward readers.
     """
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, splittable: frozenset = SPLITTABLE):
+        self.splittable = splittable  # the ops a recompute may split (``SPLITTABLE``; op by op, fewer)
         self.readers = saved_for_backward(graph)
         self.saved = list(self.readers)
         self.order = node_order(graph)
@@ -150,7 +152,7 @@ class Planner:
         or CHEAP."""
         if node not in self._kind:
             kind = recompute_kind(node)[0]
-            if kind == CHEAP and node.target in SPLITTABLE:
+            if kind == CHEAP and node.target in self.splittable:
                 kind = SPLIT
             elif kind == CHEAP and node.target in _ROW_OPS:
                 kind = ROW
@@ -400,11 +402,12 @@ def _extern_output(node: fx.Node) -> bool:
                                            or is_wait_node(root))
 
 
-def plan_recompute(graph: fx.Graph, memory_budget: Optional[float] = None,
-                   beside: bool = True) -> tuple[RecomputePlan, Planner]:
+def plan_recompute(graph: fx.Graph, memory_budget: Optional[float] = None, beside: bool = True,
+                   lowered_by_inductor: bool = False) -> tuple[RecomputePlan, Planner]:
     """Decide which saved values to recompute (see the module docstring); the graph is not changed.
-    ``beside=False``: only the free recomputes (``Planner.default_policy``), none beside readers."""
-    planner = Planner(graph)
+    ``beside=False``: only the free recomputes (``Planner.default_policy``), none beside readers;
+    ``lowered_by_inductor=False``: the step runs op by op, so no group norm is split (``SPLITTABLE_OP_BY_OP``)."""
+    planner = Planner(graph, SPLITTABLE if lowered_by_inductor else SPLITTABLE_OP_BY_OP)
     planner.default_policy()
     if beside:
         planner.beside_readers()

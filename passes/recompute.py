@@ -7,9 +7,9 @@ collectives. ``graph_utils.recompute_plan`` decides what is kept and what is rec
 default only pointwise chains Inductor inlines into the kernels that read them, so the step is
 not slower; more under a ``memory_budget``); this pass rewrites the graph to match:
 
-* a softmax or group norm the default recomputes is split in the forward into its row (group)
-  statistics and a pointwise rest (its decomposition, which Inductor would apply anyway), so the
-  backward repeats only the pointwise rest;
+* a softmax (under Inductor also a group norm) the default recomputes is split in the forward into
+  its row (group) statistics and a pointwise rest (its decomposition, which Inductor would apply
+  anyway), so the backward repeats only the pointwise rest;
 * under Inductor, a dropout's output is written as its input times its mask times ``1 / (1 - p)``
   (what ATen and Inductor's decomposition compute), a pointwise value of the input and of the mask
   the backward keeps anyway: the backward can make it again beside the dropout's own backward
@@ -236,11 +236,13 @@ def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: 
     if lowered_by_inductor:
         _split_dropouts(graph)
         _split_max_pools(graph)
-    plan, planner = plan_recompute(graph, memory_budget, beside=not free_only)
+    plan, planner = plan_recompute(graph, memory_budget, beside=not free_only,
+                                   lowered_by_inductor=lowered_by_inductor)
     split = planner.split_nodes()
     if split:
         _split_rows(graph, split)
-        plan, planner = plan_recompute(graph, memory_budget, beside=not free_only)
+        plan, planner = plan_recompute(graph, memory_budget, beside=not free_only,
+                                       lowered_by_inductor=lowered_by_inductor)
     _rewrite(graph, planner)
     graph.lint()
     if not plan.met:

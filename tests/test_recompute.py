@@ -632,10 +632,10 @@ def test_max_pooling_keeps_its_int8_offsets_and_makes_its_indices_again_in_its_b
 
 
 class _ResidualNormNet(nn.Module):
-    """A block of a diffusion UNet's shape with casts as CUDA's autocast makes them (``low``: the convolutions' and
-    the linear layer's dtype, bf16 there; ``high``: the norms', float32 there): a group norm and SiLU in ``high`` before each of two
-    convolutions in ``low``, a residual add in ``low``, then a layer norm in ``high`` before a linear layer, as
-    a transformer block inside the UNet reads the residual stream."""
+    """A block of a diffusion UNet's shape with casts as CUDA's autocast makes them (``low``: the convolutions'
+    and the linear layer's dtype, bf16 there; ``high``: the norms', float32 there): a group norm and SiLU in
+    ``high`` before each of two convolutions in ``low``, a residual add in ``low``, then a layer norm in ``high``
+    before a linear layer, as a transformer block inside the UNet reads the residual stream."""
 
     def __init__(self, low: torch.dtype, high: torch.dtype, channels: int = 8):
         super().__init__()
@@ -659,12 +659,12 @@ class _ResidualNormNet(nn.Module):
         return (x + t.reshape(b, height, width, c).permute(0, 3, 1, 2)).to(high)
 
 
-def _norm_net_step(low: torch.dtype, high: torch.dtype):
-    """(model, optimizer, step) for ``_ResidualNormNet``: the default pipeline, lowered by Inductor."""
+def _norm_net_step(low: torch.dtype, high: torch.dtype, inductor: bool = True):
+    """(model, optimizer, step) for ``_ResidualNormNet``: the default pipeline, lowered by Inductor or not."""
     torch.manual_seed(0)
     model = _ResidualNormNet(low, high)
     step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
-        enable_graph_optimization=True, enable_inductor=True))(square_mean_step)
+        enable_graph_optimization=True, enable_inductor=inductor))(square_mean_step)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), step
 
 
@@ -673,7 +673,8 @@ def test_norms_make_their_float32_copies_and_group_norm_outputs_again_in_the_bac
     norm's backward reads, is made again there from the bf16 value, kept instead at half the bytes; a group norm
     is split as Inductor decomposes it, and its float32 output, which SiLU's backward reads, is made again from
     its input and its groups' statistics. No activation-sized float32 value is kept (torch.compile's
-    partitioner keeps none either)."""
+    partitioner keeps none either). A step run op by op (no Inductor) keeps its group norms whole: split, each
+    would be several kernels."""
     model, optim, step = _norm_net_step(torch.bfloat16, torch.float32)
     x = torch.randn(2, 8, 8, 8, dtype=torch.bfloat16)
     runner = step.trace(model, optim, x).transform().runner
@@ -685,6 +686,9 @@ def test_norms_make_their_float32_copies_and_group_norm_outputs_again_in_the_bac
     assert not [n for n in runner.graph.nodes if n.target is aten.native_group_norm.default]  # split
     silu_inputs = [n.args[1] for n in runner.graph.nodes if n.target is aten.silu_backward.default]
     assert len(silu_inputs) == 2 and all(RECOMPUTE_OF in a.meta for a in silu_inputs), silu_inputs
+    model, optim, step = _norm_net_step(torch.bfloat16, torch.float32, inductor=False)
+    runner = step.trace(model, optim, x).transform().runner
+    assert len([n for n in runner.graph.nodes if n.target is aten.native_group_norm.default]) == 2
 
 
 def test_a_group_norm_split_and_made_again_in_the_backward_trains_as_eager_in_float64():
