@@ -8,7 +8,7 @@ backward can recompute the rest inside the kernel that reads it.
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -27,6 +27,20 @@ def tensor_args(node: fx.Node) -> Optional[list[fx.Node]]:
     if any(not isinstance(n.meta.get("val"), torch.Tensor) for n in nodes):
         return None
     return nodes
+
+
+def _leaf_key(leaf: Any) -> Any:
+    """A hashable stand-in for one argument: a tensor node's metadata, or the constant itself."""
+    if isinstance(leaf, fx.Node):
+        val = leaf.meta.get("val")
+        return ("tensor", tuple(val.shape), val.stride(), val.dtype, val.device)
+    return ("const", type(leaf), repr(leaf))
+
+
+def decomposition_key(node: fx.Node) -> tuple:
+    """What ``node``'s decomposition depends on: its op, its tensor arguments' metadata and its constants.
+    Nodes with one key share one ``trace_decomposition`` (a UNet's 45 group norms have a handful)."""
+    return (node.target, *(_leaf_key(a) for a in pytree.tree_leaves((node.args, node.kwargs))))
 
 
 def trace_decomposition(node: fx.Node, table: dict, mode: FakeTensorMode) -> Optional[fx.GraphModule]:
@@ -148,14 +162,22 @@ def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, args: list[fx.No
     return new
 
 
-def decompose_node(graph: fx.Graph, node: fx.Node, table: dict) -> Optional[list[fx.Node]]:
+def decompose_node(graph: fx.Graph, node: fx.Node, table: dict,
+                   traced: Optional[dict] = None) -> Optional[list[fx.Node]]:
     """Replace ``node`` by its decomposition through ``table``, every new node's ``meta["val"]`` made from
     the graph's own fake values (``set_fake_val``). Returns the new nodes in graph order, or None where
-    the node cannot be decomposed (then nothing is changed)."""
+    the node cannot be decomposed (then nothing is changed). ``traced``: the caller's decompositions by
+    ``decomposition_key``, reused and added to (one ``table`` per op over its lifetime)."""
     args = tensor_args(node)
     if args is None:
         return None
-    sub = trace_decomposition(node, table, FakeTensorMode())
+    key = decomposition_key(node) if traced is not None else None
+    if traced is None or key not in traced:
+        sub = trace_decomposition(node, table, FakeTensorMode())
+        if traced is not None:
+            traced[key] = sub
+    else:
+        sub = traced[key]
     new = splice(graph, node, sub, args) if sub is not None else None
     for n in new or ():
         set_fake_val(n)

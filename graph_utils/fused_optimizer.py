@@ -170,7 +170,8 @@ def _adam_block(optim: fx.Node) -> FusedAdamBlock:
     if is_inplace(optim.target):
         return FusedAdamBlock(optim)
     lists = _getitems(optim)
-    outputs = [[_getitems(lists.get(k)).get(i) for i in range(len(optim.args[k]))] for k in range(5)]
+    items = [_getitems(lists.get(k)) for k in range(5)]
+    outputs = [[items[k].get(i) for i in range(len(optim.args[k]))] for k in range(5)]
     return FusedAdamBlock(optim, outputs, [[_write_back(o) for o in out] for out in outputs])
 
 

@@ -70,9 +70,10 @@ def _split_rows(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     from torch._inductor.decomposition import select_decomp_table
 
     inductors = select_decomp_table()
+    traced: dict = {}  # one trace per op and argument layout
     for node in nodes:
         table = inductors if node.target is torch.ops.aten.native_group_norm.default else decomposition_table
-        decompose_node(graph, node, {node.target: table[node.target]})
+        decompose_node(graph, node, {node.target: table[node.target]}, traced)
 
 
 def _split_dropouts(graph: fx.Graph) -> None:
@@ -111,10 +112,11 @@ def _split_max_pools(graph: fx.Graph) -> None:
 
     op = torch.ops.aten.max_pool2d_with_indices.default
     table = select_decomp_table()
+    traced: dict = {}  # one trace per argument layout
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is op and op in table and any(
                 u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users):
-            decompose_node(graph, node, {op: table[op]})
+            decompose_node(graph, node, {op: table[op]}, traced)
 
 
 def _regions(graph: fx.Graph, order: dict[fx.Node, int]) -> list[int]:

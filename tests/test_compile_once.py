@@ -9,6 +9,7 @@ compiled in it is loaded by every later asker: each test here trains a step no o
 from __future__ import annotations
 
 import copy
+import datetime
 import dataclasses
 import time
 
@@ -201,3 +202,16 @@ def _two_gpus(rank, world_size, cache_dir):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_on_two_gpus_one_rank_compiles_and_the_other_runs_its_code_on_its_own_gpu(tmp_path):
     run_distributed(_two_gpus, str(tmp_path), backend="nccl")
+
+
+def test_a_compiled_step_larger_than_the_stores_largest_value_reaches_the_waiting_rank_whole():
+    """c10d's libuv store drops a client that sends one value over 8 MiB (a GPT 124M step's entry is 12 MiB,
+    which hung two GPUs until the job's timeout): the entry travels in parts and arrives checksummed."""
+    from spmd.step.job_compile import PART_BYTES, Claim
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=20), use_libuv=True)
+    entry = torch.randint(0, 256, (2 * PART_BYTES + 12345,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    Claim(store, "large", 0, rank=0, compiler=0).publish(entry)
+    published = Claim(store, "large", 0, rank=1, compiler=0).wait(20, "the large step")
+    assert published.parts == 3 and published.entry() == entry

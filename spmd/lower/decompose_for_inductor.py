@@ -19,24 +19,15 @@ untouched users were traced for it (``graph_utils.decompose_node.trace_decomposi
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import SpmdCompileError
-from ..graph_utils.decompose_node import splice, tensor_args, trace_decomposition
+from ..graph_utils.decompose_node import decomposition_key, splice, tensor_args, trace_decomposition
 
 log = logging.getLogger(__name__)
-
-
-def _leaf_key(leaf: Any) -> Any:
-    """A hashable stand-in for one argument: a tensor node's metadata, or the constant itself."""
-    if isinstance(leaf, fx.Node):
-        val = leaf.meta.get("val")
-        return ("tensor", tuple(val.shape), val.stride(), val.dtype, val.device)
-    return ("const", type(leaf), repr(leaf))
 
 
 def decompose_for_inductor(graph: fx.Graph, table: Optional[dict] = None) -> None:
@@ -66,7 +57,7 @@ def decompose_for_inductor(graph: fx.Graph, table: Optional[dict] = None) -> Non
         if args is None:
             counts["kept"] += 1
             continue
-        key = (node.target, *(_leaf_key(a) for a in pytree.tree_leaves((node.args, node.kwargs))))
+        key = decomposition_key(node)
         if key not in traced:
             try:
                 traced[key] = trace_decomposition(node, table, mode)

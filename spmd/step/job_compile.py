@@ -7,7 +7,8 @@ rank to claim a key compiles it and posts the outcome; every other rank that nee
 that post and loads the compiled step from it. Ranks whose keys differ each claim and compile their own.
 
 Per key the store holds (under ``spmd/compile/<digest>/``): a generation number, and per generation the
-rank that claimed it, the outcome and the stored entry's bytes (``spmd.step.cache_store``). The outcome
+rank that claimed it, the outcome and the stored entry's bytes (``spmd.step.cache_store``), in parts of at
+most ``PART_BYTES`` (c10d's libuv store, the default, drops a client that sends one value over 8 MiB). The outcome
 is ``ok`` with the entry's checksum (a waiter that finds that entry in its own cache directory, one the
 ranks share, reads it there; others take the bytes from the store), ``none`` (the step was compiled but
 cannot be kept: each waiter compiles its own), or ``error`` with the compiling rank's error, which each
@@ -36,6 +37,7 @@ from ..errors import SpmdCompileError
 log = logging.getLogger(__name__)
 
 PREFIX = "spmd/compile"
+PART_BYTES = 4 << 20  # half of the libuv store's largest value (MAX_PAYLOAD_LEN, 8 MiB)
 
 
 def job_store(group: Optional[dist.ProcessGroup]) -> Optional[dist.Store]:
@@ -68,8 +70,11 @@ class Claim:
         if entry is None:
             self._post({"status": "none", "reason": reason})
             return
-        self.store.set(self._key("entry"), entry)
-        self._post({"status": "ok", "checksum": hashlib.sha256(entry).hexdigest(), "size": len(entry)})
+        parts = range(0, len(entry), PART_BYTES)
+        for index, start in enumerate(parts):
+            self.store.set(self._key(f"entry/{index}"), entry[start:start + PART_BYTES])
+        self._post({"status": "ok", "checksum": hashlib.sha256(entry).hexdigest(), "size": len(entry),
+                    "parts": len(parts)})
 
     def fail(self, err: BaseException) -> None:
         """Post that compiling failed with ``err``, then start a new generation (a later attempt compiles)."""
@@ -105,7 +110,7 @@ class Claim:
             log.info("spmd: rank %d compiled %s but could not keep it (%s); compiling it here too", outcome["rank"],
                      what, outcome["reason"])
             return None
-        return Published(self, outcome["checksum"], outcome["size"])
+        return Published(self, outcome["checksum"], outcome["size"], outcome["parts"])
 
 
 @dataclass
@@ -115,10 +120,11 @@ class Published:
     claim: Claim
     checksum: str
     size: int
+    parts: int
 
     def entry(self) -> bytes:
         """The entry's bytes, from the job's store (``SpmdCompileError`` where they do not match the checksum)."""
-        data = self.claim.store.get(self.claim._key("entry"))
+        data = b"".join(self.claim.store.get(self.claim._key(f"entry/{index}")) for index in range(self.parts))
         if hashlib.sha256(data).hexdigest() != self.checksum:
             raise SpmdCompileError(f"spmd.compile: the compiled step rank {self.claim.compiler} posted reached rank "
                                    f"{self.claim.rank} damaged ({len(data)} of {self.size} bytes); compile on every "
