@@ -115,7 +115,10 @@ def _target(node: fx.Node) -> str:
     return name
 
 
-def _arguments(args: Any) -> str:
+def _arguments(args: Any) -> Any:
+    """A node's arguments as a JSON-able value: nodes by name, every other leaf as a value. Left as a structure
+    (the key's digest serializes it with the rest): serializing each node's arguments apart took most of the
+    time a large graph's key took."""
     def value(a: Any) -> Any:
         if isinstance(a, fx.Node):
             return f"%{a.name}"
@@ -125,7 +128,18 @@ def _arguments(args: Any) -> str:
             return a
         return {"class": type(a).__name__, "repr": repr(a)} if " at 0x" not in repr(a) else _opaque(a)
 
-    return canonical_json(describe(map_aggregate(args, value)))
+    return _plain(map_aggregate(args, value))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` (leaves already described) with its tuples and lists as lists, its dicts as dicts of strings."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _plain(v) for k, v in value.items()}
+        return describe(value)
+    return value
 
 
 def _opaque(value: Any) -> Any:
