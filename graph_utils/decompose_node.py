@@ -39,7 +39,7 @@ def _leaf_key(leaf: Any) -> Any:
 
 def decomposition_key(node: fx.Node) -> tuple:
     """What ``node``'s decomposition depends on: its op, its tensor arguments' metadata and its constants.
-    Nodes with one key share one ``trace_decomposition`` (a UNet's 45 group norms have a handful)."""
+    Nodes with one key share one ``trace_decomposition`` (a model's repeated blocks repeat their keys)."""
     return (node.target, *(_leaf_key(a) for a in pytree.tree_leaves((node.args, node.kwargs))))
 
 
@@ -171,13 +171,11 @@ def decompose_node(graph: fx.Graph, node: fx.Node, table: dict,
     args = tensor_args(node)
     if args is None:
         return None
-    key = decomposition_key(node) if traced is not None else None
-    if traced is None or key not in traced:
-        sub = trace_decomposition(node, table, FakeTensorMode())
-        if traced is not None:
-            traced[key] = sub
-    else:
-        sub = traced[key]
+    traced = {} if traced is None else traced
+    key = decomposition_key(node)
+    if key not in traced:
+        traced[key] = trace_decomposition(node, table, FakeTensorMode())
+    sub = traced[key]
     new = splice(graph, node, sub, args) if sub is not None else None
     for n in new or ():
         set_fake_val(n)

@@ -205,8 +205,9 @@ def test_on_two_gpus_one_rank_compiles_and_the_other_runs_its_code_on_its_own_gp
 
 
 def test_a_compiled_step_larger_than_the_stores_largest_value_reaches_the_waiting_rank_whole():
-    """c10d's libuv store drops a client that sends one value over 8 MiB (a GPT 124M step's entry is 12 MiB,
-    which hung two GPUs until the job's timeout): the entry travels in parts and arrives checksummed."""
+    """c10d's libuv store drops a client that sends one value over its largest payload (a real step's entry once
+    hung two GPUs until the job's timeout; BENCHMARKS.md, "Round 31"): the entry travels in parts and arrives
+    checksummed."""
     from spmd.step.job_compile import PART_BYTES, Claim
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=20), use_libuv=True)

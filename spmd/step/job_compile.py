@@ -37,7 +37,7 @@ from ..errors import SpmdCompileError
 log = logging.getLogger(__name__)
 
 PREFIX = "spmd/compile"
-PART_BYTES = 4 << 20  # half of the libuv store's largest value (MAX_PAYLOAD_LEN, 8 MiB)
+PART_BYTES = 4 << 20  # well under the largest value c10d's libuv store accepts (its MAX_PAYLOAD_LEN)
 
 
 def job_store(group: Optional[dist.ProcessGroup]) -> Optional[dist.Store]:
