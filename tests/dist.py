@@ -37,7 +37,8 @@ A body must leave the default process group initialized.
 Failures: an exception on any rank fails the test with that rank's traceback (and the other
 ranks' when they fail too); a rank that dies fails it with its exit code; ranks that have not
 returned within ``timeout`` seconds (a hang, e.g. mismatched collectives; default
-``SPMD_TEST_TIMEOUT`` or 300) fail it with the Python stack of each rank still running. After
+``SPMD_TEST_TIMEOUT`` or 300) fail it with the Python stack of each rank still running, its native
+stacks where gdb is installed, and the tests the pool ran before (a hang can be an earlier test's doing). After
 any failure the pool is killed and the next test starts a new one, so a broken test cannot
 break or hang the rest. Each rank's stdout and stderr (C++ included) go to a file; the lines a
 test wrote are printed by the test (pytest shows them with the failure, or with ``-s``).
@@ -55,7 +56,9 @@ import logging
 import os
 import pickle
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -74,6 +77,9 @@ DEFAULT_TIMEOUT_S = 300.0
 _STARTUP_TIMEOUT_S = 180.0  # start a rank server (import torch), fork, rendezvous
 _GRACE_S = 3.0  # after one rank fails, how long the others may take to report their own failure
 _OUTPUT_TAIL = 60  # lines of each rank's output quoted in a hang's message
+_NATIVE_FRAMES = 10  # frames of each thread's native stack quoted in a hang's message (where gdb is installed)
+_NATIVE_STACKS_AFTER_S = 30.0  # a hang with a shorter timeout is a test's own, made on purpose: no gdb for it
+_HISTORY = 12  # the tests a pool ran last, named in a hang's message
 
 
 class DistributedTestFailure(AssertionError):
@@ -122,6 +128,7 @@ class _Pool:
 
     def __init__(self, world_size: int, backend: str):
         self.world_size, self.backend, self.broken = world_size, backend, False
+        self.history: list[str] = []  # the tests this pool's ranks ran, in order (a hang may be an earlier test's)
         self._dir = tempfile.TemporaryDirectory(prefix=f"spmd_ranks{world_size}_")
         self.logs = [os.path.join(self._dir.name, f"rank{r}.log") for r in range(world_size)]
         ctx = mp.get_context("spawn" if backend == "nccl" else "forkserver")
@@ -150,6 +157,7 @@ class _Pool:
             self._collect(_STARTUP_TIMEOUT_S, "start", [0] * self.world_size)
             self._started = True
         offsets = [self._size(r) for r in range(self.world_size)]
+        self.history.append(os.environ.get("PYTEST_CURRENT_TEST", "?").removesuffix(" (call)"))
         for conn in self.conns:
             conn.send_bytes(task)
         self._collect(timeout, "run the test", offsets)
@@ -185,11 +193,14 @@ class _Pool:
                     errors[rank] = error
         if not errors and not pending:
             return
+        native = {}
         if pending and not errors:  # a hang: each rank still running dumps its Python stacks into its log
             for rank in pending:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.procs[rank].pid, signal.SIGUSR1)
             time.sleep(0.5)
+            if timeout >= _NATIVE_STACKS_AFTER_S:
+                native = {rank: _native_stacks(self.procs[rank].pid) for rank in pending}
         outputs = [self._output(r, offsets[r]) for r in range(self.world_size)]
         self.kill()
         self._echo(outputs)
@@ -198,11 +209,13 @@ class _Pool:
             raise DistributedTestFailure(f"{len(errors)} of {self.world_size} ranks failed to {what} "
                                          f"(the ranks' output is in the captured stdout).\n{message}")
         tails = "\n".join(f"---- rank {r} output (last {_OUTPUT_TAIL} lines; stacks at the end) ----\n"
-                          + "\n".join(outputs[r].splitlines()[-_OUTPUT_TAIL:])
+                          + "\n".join(outputs[r].splitlines()[-_OUTPUT_TAIL:]) + native.get(r, "")
                           for r in sorted(pending))
+        earlier = "\n".join(f"  {name}" for name in self.history[-_HISTORY - 1:-1]) or "  (none)"
         raise DistributedTestFailure(
             f"ranks {sorted(pending)} did not {what} within {timeout:.0f} s (a hang: e.g. ranks calling different "
-            f"collectives, or a rank waiting for a peer that failed silently); the pool was killed.\n{tails}")
+            f"collectives, or a rank waiting for a peer that failed silently); the pool was killed.\n"
+            f"The tests these ranks ran before, oldest first:\n{earlier}\n{tails}")
 
     def _size(self, rank: int) -> int:
         return os.path.getsize(self.logs[rank]) if os.path.exists(self.logs[rank]) else 0
@@ -243,6 +256,35 @@ class _Pool:
         for conn in self.conns:
             conn.close()
         self._dir.cleanup()
+
+
+def _native_stacks(pid: int) -> str:
+    """The native stacks of process ``pid``'s threads, their top ``_NATIVE_FRAMES`` frames above libc's waiting, read by gdb;
+    "" where gdb is not installed or cannot attach. A hang inside C++ (a collective's wait, a lock, the GIL)
+    shows there what the Python stacks cannot: what each thread, torch's and gloo's included, waits on."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return ""
+    try:
+        out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", f"thread apply all bt {_NATIVE_FRAMES + 8}"],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines, kept = [], 0
+    for line in out.splitlines():
+        if line.startswith("Thread "):
+            lines.append(line[:200])
+            kept = 0
+        elif line.startswith("#") and kept < _NATIVE_FRAMES and not any(s in line for s in _WAIT_INTERNALS):
+            lines.append(line[:200])
+            kept += 1
+    return "\n---- native stacks (gdb) ----\n" + "\n".join(lines) if lines else ""
+
+
+# Frames that say a thread waits or runs Python, not on what: libc's (futex, condition variable) and CPython's
+# interpreter (the Python stacks above say where in Python)
+_WAIT_INTERNALS = ("./nptl/", "../sysdeps/", "futex", "at Python/", "at ./Python/", "at Objects/", "at ./Objects/",
+                   "at ./Include/", "at ./Modules/")
 
 
 # What a rank imports before its first test, made once by each rank server (tests.fresh_process's servers

@@ -116,6 +116,7 @@ def test_a_hanging_rank_fails_the_test_with_its_stack_within_the_timeout():
     with pytest.raises(DistributedTestFailure, match=r"ranks \[0, 1\] did not run the test within 2 s") as failure:
         run_distributed(_hang_on_rank_1, timeout=2)
     assert "_hang_on_rank_1" in str(failure.value), "the hung ranks' stacks are not in the message"
+    assert "The tests these ranks ran before, oldest first:" in str(failure.value)
     run_distributed(_expect_clean, os.getcwd())
 
 
