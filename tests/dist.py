@@ -259,9 +259,10 @@ class _Pool:
 
 
 def _native_stacks(pid: int) -> str:
-    """The native stacks of process ``pid``'s threads, their top ``_NATIVE_FRAMES`` frames above libc's waiting, read by gdb;
-    "" where gdb is not installed or cannot attach. A hang inside C++ (a collective's wait, a lock, the GIL)
-    shows there what the Python stacks cannot: what each thread, torch's and gloo's included, waits on."""
+    """The native stacks of process ``pid``'s threads, read by gdb: each thread's top ``_NATIVE_FRAMES`` frames
+    above libc's waiting; "" where gdb is not installed or cannot attach. A hang inside C++ (a collective's wait,
+    a lock, the GIL) shows there what the Python stacks cannot: what each thread, torch's and gloo's included,
+    waits on."""
     gdb = shutil.which("gdb")
     if gdb is None:
         return ""
