@@ -43,6 +43,28 @@ def first_reader_before(value: fx.Node, target: fx.Node, order: dict[fx.Node, in
     return first if first is not None and order[first] < order[target] else None
 
 
+def eliminate_dead_nodes(graph: fx.Graph) -> bool:
+    """Erase the pure nodes nothing reads, and the nodes only they read, as ``graph.eliminate_dead_code()``
+    does (without its lint); whether any node was erased. A graph that reads a subgraph (a ``GraphModule``
+    its owning module holds, read by ``get_attr``) gets torch's, which cleans the subgraph too.
+
+    torch's asks every node whether it is impure, which on a whole-step graph of tens of thousands of
+    nodes costs a good part of a second per call; this asks only the nodes without readers, then the
+    inputs each erased node leaves without readers."""
+    owner = graph.owning_module
+    if owner is not None and any(isinstance(getattr(owner, n.target, None), fx.GraphModule)
+                                 for n in graph.find_nodes(op="get_attr")):
+        return graph.eliminate_dead_code()
+    dead = [n for n in graph.nodes if not n.users and not n.is_impure()]
+    erased = bool(dead)
+    while dead:
+        node = dead.pop()
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        dead.extend(a for a in inputs if not a.users and not a.is_impure())
+    return erased
+
+
 def get_output(graph: fx.Graph) -> fx.Node:
     """The graph's output node."""
     for node in reversed(graph.nodes):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import networkx as nx
 
-from ..graph_utils import record_stage
+from ..graph_utils import eliminate_dead_nodes, record_stage
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,9 @@ def _names(passes: Iterable[GraphPass]) -> str:
 
 
 def _lint_and_eliminate_dead_code(graph) -> None:
-    """``graph.lint()``, then ``graph.eliminate_dead_code()`` where it can remove a node.
-
-    Dead code elimination asks every node whether it is impure, which on a whole-step graph costs more
-    than the lint; it removes nodes only from a pure node nobody reads (the rest follow from those) or
-    inside a subgraph (a ``get_attr``), so where neither exists the graph is left as it would leave it.
-    """
+    """``graph.lint()``, then the pure nodes nothing reads erased (``graph_utils.eliminate_dead_nodes``)."""
     graph.lint()
-    if any(n.op == "get_attr" or (not n.users and not n.is_impure()) for n in graph.nodes):
-        graph.eliminate_dead_code()  # lints again first, as torch's DCE does
+    eliminate_dead_nodes(graph)
 
 
 def graph_optimization_pass(prerequisites: Sequence[GraphPass] = (), apply_after: Sequence[GraphPass] = ()):

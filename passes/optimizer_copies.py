@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..graph_utils import WAIT_OP, node_order, set_fake_val
+from ..graph_utils import WAIT_OP, eliminate_dead_nodes, node_order, set_fake_val
 from ..graph_utils.meta import ROLE, Role
 from ..graph_utils.optimizer_ops import inplace_of, written_args
 
@@ -222,7 +222,7 @@ def remove_copy_from_optimizer(gm) -> None:
         igm.finalize_setup()
     """
     graph = gm.graph
-    graph.eliminate_dead_code()  # unused outputs (e.g. fused Adam's new grads) must not count as readers
+    eliminate_dead_nodes(graph)  # unused outputs (e.g. fused Adam's new grads) must not count as readers
     ops, root_of, copies = _plan(graph)
     to_erase = set(copies)
     for op in ops:

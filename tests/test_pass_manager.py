@@ -179,3 +179,40 @@ def test_a_pass_leaves_its_dead_code_removed_and_writes_kept():
         gm.finalize_setup()
         (y,) = gm(x, buf)
         assert torch.equal(y, x + 1) and torch.equal(buf, x * 2)
+
+
+def test_dead_nodes_are_erased_as_torchs_dead_code_elimination_erases_them():
+    """``graph_utils.eliminate_dead_nodes`` (which asks only nodes without readers whether they are pure)
+    leaves the same nodes as torch's ``eliminate_dead_code``: dead chains go, including nodes that only dead
+    nodes read; writes, random draws and unread inputs stay."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.graph_utils import eliminate_dead_nodes
+
+    def step(x, buf):
+        buf.copy_(x * 2)
+        y = torch.relu(x) + 1
+        return (y.sum(),)
+
+    def with_dead_code():
+        gm = make_fx(step)(torch.randn(4), torch.zeros(4))
+        graph = gm.graph
+        x = next(iter(graph.find_nodes(op="placeholder")))
+        relu = next(n for n in graph.nodes if n.target is torch.ops.aten.relu.default)
+        out = next(iter(graph.find_nodes(op="output")))
+        with graph.inserting_before(out):
+            shared = graph.call_function(torch.ops.aten.sin.default, (relu,))  # read only by the two below
+            graph.call_function(torch.ops.aten.neg.default, (shared,))
+            cos = graph.call_function(torch.ops.aten.cos.default, (x,))
+            graph.call_function(torch.ops.aten.mul.Tensor, (shared, cos))
+            graph.call_function(torch.ops.aten.rand_like.default, (x,))  # random: kept
+            graph.call_function(torch.ops.aten.add_.Tensor, (graph.call_function(torch.ops.aten.clone.default, (x,)), 1))
+        return gm
+
+    theirs, ours = with_dead_code(), with_dead_code()
+    assert theirs.graph.eliminate_dead_code() and eliminate_dead_nodes(ours.graph)
+    names = [n.name for n in ours.graph.nodes]
+    assert names == [n.name for n in theirs.graph.nodes]
+    assert not any(n.startswith(("sin", "neg", "cos")) for n in names) and any(n.startswith("rand_like") for n in names)
+    assert not eliminate_dead_nodes(ours.graph)  # nothing left to erase

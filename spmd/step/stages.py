@@ -10,11 +10,12 @@ with the code the compile cache keeps where it is given one (``spmd.step.step_ca
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ class Traced:
         writes = not dumping()  # inside an enabled recording, its opener writes the dump
         with recording(times), recording_stages(self.dump_options or DumpOptions.resolve()) as dump:
             dump.stages.update(self.dumps)
-            with phase("transform"):
+            with phase("transform"), _collector_paused():
                 if isinstance(transformation, GraphModuleTransformation):  # ours: handed the mode, not reading it back
                     runner = transformation.transform(self.graph, self.mode)
                 else:
@@ -133,6 +134,23 @@ class Transformed:
             entry.compile_times.update(found.times)
             cache.keep(found, self.runner)
         return entry
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (back on after it, where it was on).
+
+    A transform makes and erases tens of thousands of nodes on a large step, so the collector runs many
+    times, each time walking the whole heap, the traced graph and the model included (BENCHMARKS.md,
+    "Round 33"). What the block leaves behind is collected after it, as usual."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def graph_inputs(state: StepState, hypers: list, grads: GradPlan, args: tuple, kwargs: dict) -> list:
