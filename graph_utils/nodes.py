@@ -48,9 +48,10 @@ def eliminate_dead_nodes(graph: fx.Graph) -> bool:
     does (without its lint); whether any node was erased. A graph that reads a subgraph (a ``GraphModule``
     its owning module holds, read by ``get_attr``) gets torch's, which cleans the subgraph too.
 
-    torch's asks every node whether it is impure, which on a whole-step graph of tens of thousands of
-    nodes costs a good part of a second per call; this asks only the nodes without readers, then the
-    inputs each erased node leaves without readers."""
+    torch's asks every node of the graph whether it is impure, a check that looks the op up in several of
+    torch's registries and is the larger part of a pass's clean-up on a whole-step graph (BENCHMARKS.md,
+    "Round 33"); this asks only the nodes without readers, then the inputs each erased node leaves without
+    readers."""
     owner = graph.owning_module
     if owner is not None and any(isinstance(getattr(owner, n.target, None), fx.GraphModule)
                                  for n in graph.find_nodes(op="get_attr")):
