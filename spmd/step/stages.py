@@ -138,19 +138,18 @@ class Transformed:
 
 @contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (back on after it, where it was on).
+    """Python's cyclic garbage collector off for the block, and back as it was after it.
 
-    A transform makes and erases tens of thousands of nodes on a large step, so the collector runs many
-    times, each time walking the whole heap, the traced graph and the model included (BENCHMARKS.md,
-    "Round 33"). What the block leaves behind is collected after it, as usual."""
-    if not gc.isenabled():
-        yield
-        return
+    A transform makes and erases tens of thousands of nodes on a large step, so the collector would run
+    many times, each time walking the whole heap, the traced graph and the model included. What the block
+    leaves behind is collected after it, as usual."""
+    was_on = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if was_on:
+            gc.enable()
 
 
 def graph_inputs(state: StepState, hypers: list, grads: GradPlan, args: tuple, kwargs: dict) -> list:
