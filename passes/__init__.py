@@ -5,6 +5,7 @@ Takes the expanded graph from ``spmd.parallel``; hands the optimized graph to ``
 """
 
 from .comm_fusion import comm_fusion_with_concat, plan_buckets
+from .duplicate_computations import merge_duplicate_computations
 from .comm_wait import placed_by_mode, schedule_comm_wait, schedule_tensor_parallel_comms
 from ..graph_utils.foreach_chains import ForeachChain, foreach_chains, split_foreach_chain
 from ..graph_utils.fused_optimizer import (
@@ -31,7 +32,7 @@ from .state_writes import defer_state_writes, early_writes
 __all__ = [
     "ForeachAddBlock", "ForeachChain", "IterationGraph", "IterMoveError", "PassOrderError", "foreach_chains", "split_foreach_chain", "FusedAdamBlock", "FusedOptimizerBlock", "PassManager", "applied_passes",
     "comm_fusion_with_concat", "defer_last_bucket", "find_all_descendants", "first_parameter_reader",
-    "get_all_fused_optimizer_blocks",
+    "get_all_fused_optimizer_blocks", "merge_duplicate_computations",
     "graph_optimization_pass", "iter_move_grads_and_optimizers", "pass_info", "plan_buckets",
     "remove_copy_from_optimizer", "placed_by_mode", "schedule_comm_wait", "schedule_tensor_parallel_comms", "split_fused_optimizer", "split_fused_optimizer_parts",
     "split_optimizer_per_bucket",

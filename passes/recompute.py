@@ -46,6 +46,7 @@ from ..graph_utils.recompute_plan import FUSED, Planner, RecomputePlan, plan_rec
 
 from .comm_fusion import comm_fusion_with_concat
 from .comm_wait import schedule_comm_wait
+from .duplicate_computations import merge_duplicate_computations
 from .iteration import refuse_after_moves
 from .manager import graph_optimization_pass
 from .shard_prefetch import prefetch_unit_gathers
@@ -208,8 +209,8 @@ def _first_node(args) -> list[fx.Node]:
     return nodes[:1]
 
 
-@graph_optimization_pass(apply_after=[comm_fusion_with_concat, schedule_comm_wait, prefetch_unit_gathers,
-                                      schedule_reduce_scatter_waits, defer_state_writes])
+@graph_optimization_pass(apply_after=[merge_duplicate_computations, comm_fusion_with_concat, schedule_comm_wait,
+                                      prefetch_unit_gathers, schedule_reduce_scatter_waits, defer_state_writes])
 def recompute_activations(gm, memory_budget: Optional[float] = None, free_only: bool = False,
                           lowered_by_inductor: bool = False, warn: bool = True) -> None:
     """Recompute forward values in the backward instead of keeping them (see the module docstring and

@@ -56,6 +56,8 @@ class Plan:
 # Why each built-in pass is in its pipeline: what the step gains from it. What a pass does is
 # the first sentence of its docstring (``pass_summary``); a user's pass shows only that.
 PASS_PURPOSE = {
+    "merge_duplicate_computations": "a value the step's code computes twice (autocast's casts of one input for each "
+                                    "projection) is computed, and kept for the backward, once",
     "schedule_tensor_parallel_comms": "tensor-parallel collectives (and clipping's) start as soon as their input "
                                       "exists and are waited for only where their result is read",
     "comm_fusion_with_concat": "fewer, larger all_reduces: each collective's fixed latency is paid once per bucket",

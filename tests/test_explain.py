@@ -31,11 +31,12 @@ def test_explain_reports_known_buckets_and_touches_nothing():
     assert plan.params == 4 * (32 * 32 + 32) and plan.param_bytes == plan.params * 4
     assert [b.bytes for b in plan.buckets] == [32 * 32 * 4 + 32 * 4] * 4
     assert all(b.gradients == 2 for b in plan.buckets)
-    assert [r["pass"] for r in plan.passes] == ["schedule_tensor_parallel_comms", "comm_fusion_with_concat",
-                                                 "schedule_comm_wait", "split_optimizer_per_bucket",
+    assert [r["pass"] for r in plan.passes] == ["merge_duplicate_computations", "schedule_tensor_parallel_comms",
+                                                 "comm_fusion_with_concat", "schedule_comm_wait",
+                                                 "split_optimizer_per_bucket",
                                                  "remove_copy_from_optimizer", "defer_state_writes",
                                                  "recompute_activations"]
-    assert plan.passes[2]["prerequisites"] == ["comm_fusion_with_concat"]
+    assert plan.passes[3]["prerequisites"] == ["comm_fusion_with_concat"]
     assert all(b.wait_distance > 1 for b in plan.buckets)
     assert not step.cache, "explain must not compile or run a step"
     assert not optim.state, "optimizer state created for the trace must be removed"

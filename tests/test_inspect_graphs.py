@@ -54,10 +54,11 @@ def dump(tmp_path_factory):
 def test_dump_dir_env_var_dumps_a_function_wrapping_graph_module_transformation(dump):
     folder, seen = dump
     stems = [s.stem for s in load_dump(str(folder))]
-    passes = ["schedule_tensor_parallel_comms", "comm_fusion_with_concat", "schedule_comm_wait",
-              "split_optimizer_per_bucket", "remove_copy_from_optimizer", "defer_state_writes", "recompute_activations"]
+    passes = ["merge_duplicate_computations", "schedule_tensor_parallel_comms", "comm_fusion_with_concat",
+              "schedule_comm_wait", "split_optimizer_per_bucket", "remove_copy_from_optimizer", "defer_state_writes",
+              "recompute_activations"]
     assert stems == ["00_traced"] + [f"{i:02d}_{p}" for i, p in enumerate(passes, 1)] + [
-        "08_setup", "09_main", "10_cleanup"]
+        "09_setup", "10_main", "11_cleanup"]
     assert _json(folder, "00_traced")["nodes"] == seen["traced"]["nodes"]  # the graph as traced, not as edited
 
 
@@ -151,9 +152,9 @@ def test_cli_prints_table_diff_node_and_exits_2_on_bad_input(dump, tmp_path, cap
     monkeypatch.setenv("COLUMNS", "200")
     assert cli.main(["inspect", str(folder)]) == 0
     out = capsys.readouterr().out
-    assert "00_traced" in out and "10_cleanup" in out
-    assert cli.main(["inspect", str(folder), "--diff", "0", "2"]) == 0
-    assert "00_traced → 02_comm_fusion_with_concat" in capsys.readouterr().out
+    assert "00_traced" in out and "11_cleanup" in out
+    assert cli.main(["inspect", str(folder), "--diff", "0", "3"]) == 0
+    assert "00_traced → 03_comm_fusion_with_concat" in capsys.readouterr().out
     for args, words in [((str(tmp_path / "missing"),), "no dump folder"),
                         ((str(folder), "--diff", "0", "nosuchstage"), "no stage"),
                         ((str(folder), "--node", "nosuchnode"), "no node"),
@@ -196,8 +197,8 @@ def test_dump_of_a_step_reading_a_constant_tensor_dumps_every_stage_and_trains_a
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
     stems = sorted(p.stem for p in tmp_path.glob("*.py"))
-    assert stems[0] == "00_traced" and stems[-3:] == ["08_setup", "09_main", "10_cleanup"] and len(stems) == 11
-    assert "_tensor_constant0" in (tmp_path / "02_comm_fusion_with_concat.py").read_text()
+    assert stems[0] == "00_traced" and stems[-3:] == ["09_setup", "10_main", "11_cleanup"] and len(stems) == 12
+    assert "_tensor_constant0" in (tmp_path / "03_comm_fusion_with_concat.py").read_text()
 
 
 def test_dump_shows_an_attribute_found_nowhere_by_name_with_a_warning(tmp_path):

@@ -76,7 +76,7 @@ def test_the_mode_is_asked_for_its_pipeline_not_the_graph(group):
     gm = traced.graph
     assert gm.meta[PARALLEL_MODE] is mode
     pipeline = spmd.GraphModuleTransformation(bucket_size_mb=3.0, optimizer_parts=1).pipelines[mode.mode]
-    assert [getattr(p, "keywords", {}) for p in pipeline][1] == {"bucket_size_mb": 3.0}  # after schedule_tensor_parallel_comms
+    assert [getattr(p, "keywords", {}) for p in pipeline][2] == {"bucket_size_mb": 3.0}  # comm_fusion_with_concat
     assert "split_optimizer_per_bucket" not in [getattr(p, "func", p).__name__ for p in pipeline]
 
 

@@ -122,8 +122,9 @@ def test_explain_lists_every_collective_with_phase_and_unit(group):
                     ("reduce_scatter", "backward", BLOCK0), ("reduce_scatter", "backward", ROOT)]
     # (on 2 ranks clip_grad_norm_ adds ("all_reduce", "optimizer", None): tests/test_shard_parity.py)
     assert all(c["bytes"] > 0 for c in plan.collectives)
-    assert [r["pass"] for r in plan.passes][:4] == ["schedule_tensor_parallel_comms", "prefetch_unit_gathers",
-                                                    "schedule_reduce_scatter_waits", "split_optimizer_per_unit"]
+    assert [r["pass"] for r in plan.passes][:5] == ["merge_duplicate_computations", "schedule_tensor_parallel_comms",
+                                                    "prefetch_unit_gathers", "schedule_reduce_scatter_waits",
+                                                    "split_optimizer_per_unit"]
     assert not optim.state and not step.cache
 
 

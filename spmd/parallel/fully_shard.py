@@ -48,8 +48,8 @@ from ..errors import SpmdCompileError
 from ..graph_utils import is_comm_node, is_wait_node
 from ..graph_utils.meta import CARRIES, KEEP, PHASE, UNIT
 from ..passes import (
-    defer_state_writes, guard_unsharded_memory, prefetch_unit_gathers, recompute_activations,
-    remove_copy_from_optimizer, schedule_reduce_scatter_waits, schedule_tensor_parallel_comms,
+    defer_state_writes, guard_unsharded_memory, merge_duplicate_computations, prefetch_unit_gathers,
+    recompute_activations, remove_copy_from_optimizer, schedule_reduce_scatter_waits, schedule_tensor_parallel_comms,
     split_optimizer_per_unit,
 )
 from ..trace.step_state import StepState
@@ -68,15 +68,14 @@ PASS_SETTINGS = ("prefetch_units", "memory_budget", "recompute")
 
 def pass_pipeline(*, prefetch_units: int, memory_budget: Optional[float], recompute: Union[bool, str],
                   lowered_by_inductor: bool) -> list:
-    """A sharded mode's passes, its settings bound: tensor-parallel collectives issued early and waited
-    late, gathers prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed, one optimizer
-    update per unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at once),
-    optimizer copy removal, state writes after the last collective (a step that fails changes nothing),
-    recompute in the backward (``memory_budget``; only what costs no extra traffic with
-    ``recompute="free"``, none with ``recompute=False``; ``lowered_by_inductor``: what Inductor fuses into
-    its readers is free)."""
-    return [schedule_tensor_parallel_comms, functools.partial(prefetch_unit_gathers, depth=prefetch_units),
-            schedule_reduce_scatter_waits,
+    """A sharded mode's passes, its settings bound: duplicate computations merged, tensor-parallel collectives
+    issued early and waited late, gathers prefetched ``prefetch_units`` units ahead, reduce-scatter waits placed,
+    one optimizer update per unit, the unsharded-memory check (at most 1 + ``prefetch_units`` units gathered at
+    once), optimizer copy removal, state writes after the last collective (a step that fails changes nothing),
+    recompute in the backward (``memory_budget``; only what costs no extra traffic with ``recompute="free"``, none
+    with ``recompute=False``; ``lowered_by_inductor``: what Inductor fuses into its readers is free)."""
+    return [merge_duplicate_computations, schedule_tensor_parallel_comms,
+            functools.partial(prefetch_unit_gathers, depth=prefetch_units), schedule_reduce_scatter_waits,
             split_optimizer_per_unit, functools.partial(guard_unsharded_memory, max_unsharded=1 + prefetch_units),
             remove_copy_from_optimizer, defer_state_writes,
             *([functools.partial(recompute_activations, memory_budget=memory_budget, free_only=recompute == "free",

@@ -32,8 +32,8 @@ from ..graph_utils import set_fake_val
 from ..graph_utils.nodes import node_order
 from ..graph_utils.meta import GRAD_OF, SYNCED_BUFFERS
 from ..passes import (
-    comm_fusion_with_concat, defer_state_writes, recompute_activations, remove_copy_from_optimizer,
-    schedule_comm_wait, schedule_tensor_parallel_comms, split_optimizer_per_bucket,
+    comm_fusion_with_concat, defer_state_writes, merge_duplicate_computations, recompute_activations,
+    remove_copy_from_optimizer, schedule_comm_wait, schedule_tensor_parallel_comms, split_optimizer_per_bucket,
 )
 from ..trace.accumulation import LEAVES_GRADS
 from ..trace.step_state import BUFFER, local_tensor
@@ -49,14 +49,14 @@ PASS_SETTINGS = ("bucket_size_mb", "optimizer_parts", "memory_budget", "recomput
 
 def pass_pipeline(*, bucket_size_mb: float, optimizer_parts: int, memory_budget: Optional[float],
                   recompute: Union[bool, str], lowered_by_inductor: bool) -> list:
-    """Replicate's passes, its settings bound: tensor-parallel collectives issued early and waited late ->
-    comm fusion into ``bucket_size_mb`` buckets -> comm-wait scheduling -> optimizer split per trailing
-    bucket into at most ``optimizer_parts`` ops (none for 1) -> optimizer copy removal -> state writes
-    after the last collective (a step that fails changes nothing) -> recompute in the backward
-    (``memory_budget``; only what costs no extra traffic with ``recompute="free"``, none with
-    ``recompute=False``; ``lowered_by_inductor``: what Inductor fuses into its readers is free)."""
+    """Replicate's passes, its settings bound: duplicate computations merged -> tensor-parallel collectives issued
+    early and waited late -> comm fusion into ``bucket_size_mb`` buckets -> comm-wait scheduling -> optimizer split
+    per trailing bucket into at most ``optimizer_parts`` ops (none for 1) -> optimizer copy removal -> state writes
+    after the last collective (a step that fails changes nothing) -> recompute in the backward (``memory_budget``;
+    only what costs no extra traffic with ``recompute="free"``, none with ``recompute=False``;
+    ``lowered_by_inductor``: what Inductor fuses into its readers is free)."""
     split = [functools.partial(split_optimizer_per_bucket, max_parts=optimizer_parts)] if optimizer_parts > 1 else []
-    return [schedule_tensor_parallel_comms,
+    return [merge_duplicate_computations, schedule_tensor_parallel_comms,
             functools.partial(comm_fusion_with_concat, bucket_size_mb=bucket_size_mb), schedule_comm_wait,
             *split, remove_copy_from_optimizer, defer_state_writes,
             *([functools.partial(recompute_activations, memory_budget=memory_budget, free_only=recompute == "free",

@@ -1,0 +1,146 @@
+"""Merging duplicate computations: a pure op applied twice to the same arguments is one value.
+
+Traced code computes some values more than once. CUDA's autocast casts an op's input for every op
+that reads it: a norm's float32 output read by the query, key and value projections is cast to
+bfloat16 three times, a cross-attention's text context once per projection of every block. Each
+copy is a buffer of its own, and each is kept for the backward (its projection's weight gradient
+reads it). ``merge_duplicate_nodes`` keeps the first and points the readers of the others at it, as
+torch.compile's partitioner does on its joint graph before it decides what to keep.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .nodes import node_order
+from .optimizer_ops import written_args, written_inputs
+from .phases import storage_root
+
+_NAMESPACES = ("aten", "prims")
+_SPMD_META = "spmd_"
+
+
+def merge_duplicate_nodes(graph: fx.Graph) -> int:
+    """Replace every node that computes what an earlier node computes (the same op on the same arguments)
+    by that earlier node, and erase it; the number of nodes erased.
+
+    Merged are ``getitem`` and the aten and prims ops that read a node, write none of their arguments, draw
+    no random numbers and have no side effect, carrying the same spmd metadata (a gradient's tags, a gather's
+    phase) and the same result type. A view merges with its twin always: both alias one storage, so they
+    read the same at any time. Any other op merges only where nothing writes its result in place and no
+    node between the two writes the storage of one of its arguments: the later one would compute
+    another value. A value the graph returns stays a node of its own. Same values; the graph is linted
+    by the caller.
+
+    Example::
+
+        merged = merge_duplicate_nodes(gm.graph)
+        gm.recompile()
+    """
+    order = node_order(graph)
+    writes: dict[fx.Node, list[int]] = defaultdict(list)  # storage root -> positions of in-place writes, ascending
+    for node in graph.nodes:
+        for written in written_inputs(node):
+            writes[_root(written)].append(order[node])
+    earlier: dict[tuple, list[fx.Node]] = defaultdict(list)  # (op, the nodes it reads) -> nodes so far
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not node.all_input_nodes:  # a constant (a scalar tensor, an arange) is
+            continue  # cheaper made where it is read than read from one place by distant parts of the graph
+        same_inputs = earlier[(node.target, tuple(node.all_input_nodes))]
+        twin = next((e for e in reversed(same_inputs) if _same_call(e, node)), None)  # the nearest first
+        if twin is None or not _may_merge(node, twin, writes, order):
+            same_inputs.append(node)
+            continue
+        node.replace_all_uses_with(twin)
+        graph.erase_node(node)
+        merged += 1
+    return merged
+
+
+def _same_call(a: fx.Node, b: fx.Node) -> bool:
+    """``a`` and ``b`` call one op on equal arguments, carry the same spmd metadata and the same result type."""
+    return (a.args == b.args and a.kwargs == b.kwargs and _same_value(a.args, b.args)  # == first: it is fast
+            and _same_value(a.kwargs, b.kwargs) and _spmd_meta(a) == _spmd_meta(b)
+            and _result_type(a) == _result_type(b))
+
+
+def _may_merge(node: fx.Node, twin: fx.Node, writes: dict[fx.Node, list[int]], order: dict) -> bool:
+    """``node`` may read as ``twin`` (which it repeats): both pure, ``node`` not returned, and, unless a view,
+    neither written in place and no argument's storage written between them."""
+    if not (_pure(node) and _pure(twin)) or any(u.op == "output" for u in node.users):
+        return False
+    return _is_view(node) or not (node in writes or twin in writes or _written_between(node, twin, writes, order))
+
+
+def _pure(node: fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        return True
+    return (isinstance(target, torch._ops.OpOverload) and target.namespace in _NAMESPACES
+            and not written_args(target) and torch.Tag.nondeterministic_seeded not in target.tags
+            and not node.is_impure())
+
+
+def _is_view(node: fx.Node) -> bool:
+    """``node``'s result aliases its first argument's storage: a view op, or an element of a view op's list."""
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and source.op == "call_function" and _is_view(source)
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _root(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node`` shares, through views and elements of split-like views."""
+    while True:
+        node = storage_root(node)
+        if not (node.target is operator.getitem and _is_view(node)):
+            return node
+        node = node.args[0]
+
+
+def _written_between(node: fx.Node, twin: fx.Node, writes: dict[fx.Node, list[int]], order: dict) -> bool:
+    """Some node after ``twin`` and before ``node`` writes the storage of one of ``node``'s arguments."""
+    for arg in node.all_input_nodes:
+        positions = writes.get(_root(arg), ())
+        if bisect.bisect_left(positions, order[node]) > bisect.bisect_right(positions, order[twin]):
+            return True
+    return False
+
+
+def _spmd_meta(node: fx.Node) -> dict:
+    return {k: v for k, v in node.meta.items() if k.startswith(_SPMD_META)}
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """``a`` and ``b`` (equal by ``==``) are the same argument: ``==`` takes ``1``, ``1.0`` and ``True`` (another
+    result dtype) for one another, and ``0.0`` for ``-0.0``."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return all(map(_same_value, a, b))
+    if isinstance(a, dict):
+        return all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, float):
+        return math.copysign(1.0, a) == math.copysign(1.0, b)
+    if isinstance(a, slice):
+        return _same_value((a.start, a.stop, a.step), (b.start, b.stop, b.step))
+    return True
+
+
+def _result_type(node: fx.Node) -> Any:
+    """Shape, stride and dtype of ``node``'s tensor result(s) as recorded by tracing (None where unrecorded)."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
+        if isinstance(v, (list, tuple)):
+            return tuple(one(x) for x in v)
+        return type(v).__name__
+    return one(node.meta.get("val"))
