@@ -33,11 +33,11 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
 
     Merged are ``getitem`` and the aten and prims ops that read a node, write none of their arguments, draw
     no random numbers and have no side effect, carrying the same spmd metadata (a gradient's tags, a gather's
-    phase) and the same result type. A view merges with its twin always: both alias one storage, so they
-    read the same at any time. Any other op merges only where nothing writes its result in place and no
-    node between the two writes the storage of one of its arguments: the later one would compute
-    another value. A value the graph returns stays a node of its own. Same values; the graph is linted
-    by the caller.
+    phase) and the same result type. A view merges with its twin unless a node changes a shape or storage in
+    place (``t_``, ``set_``) where the two would differ: a write of values reaches both, as they alias one
+    storage. Any other op merges only where nothing writes its result in place and no node between the two
+    writes the storage of one of its arguments: the later one would compute another value. A value the graph
+    returns stays a node of its own. Same values; the graph is linted by the caller.
 
     Example::
 
@@ -45,10 +45,10 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
         gm.recompile()
     """
     order = node_order(graph)
-    writes: dict[fx.Node, list[int]] = defaultdict(list)  # storage root -> positions of in-place writes, ascending
+    writes = _Writes()
     for node in graph.nodes:
         for written in written_inputs(node):
-            writes[_root(written)].append(order[node])
+            writes.add(node, written, order[node])
     earlier: dict[tuple, list[fx.Node]] = defaultdict(list)  # (op, the nodes it reads) -> nodes so far
     merged = 0
     for node in list(graph.nodes):
@@ -72,12 +72,34 @@ def _same_call(a: fx.Node, b: fx.Node) -> bool:
             and _result_type(a) == _result_type(b))
 
 
-def _may_merge(node: fx.Node, twin: fx.Node, writes: dict[fx.Node, list[int]], order: dict) -> bool:
-    """``node`` may read as ``twin`` (which it repeats): both pure, ``node`` not returned, and, unless a view,
-    neither written in place and no argument's storage written between them."""
+class _Writes:
+    """The graph's in-place writes by storage root: every write (``data``), and apart those that change a
+    tensor's shape, strides or storage rather than its values (``torch.Tag.inplace_view``: ``t_``, ``set_``,
+    ``resize_``; ``meta``), with the nodes such an op changes directly."""
+
+    def __init__(self):
+        self.data: dict[fx.Node, list[int]] = defaultdict(list)  # root -> positions, ascending
+        self.meta: dict[fx.Node, list[int]] = defaultdict(list)
+        self.meta_changed: set[fx.Node] = set()
+
+    def add(self, node: fx.Node, written: fx.Node, position: int) -> None:
+        root = _root(written)
+        self.data[root].append(position)
+        if torch.Tag.inplace_view in getattr(node.target, "tags", ()):
+            self.meta[root].append(position)
+            self.meta_changed.add(written)
+
+
+def _may_merge(node: fx.Node, twin: fx.Node, writes: _Writes, order: dict) -> bool:
+    """``node`` may read as ``twin`` (which it repeats): both pure and ``node`` not returned; a view when neither
+    has its shape changed in place and no argument's shape or storage is changed between them (a write of values
+    changes both views alike); any other op when neither is written in place and no argument's storage is written
+    between them."""
     if not (_pure(node) and _pure(twin)) or any(u.op == "output" for u in node.users):
         return False
-    return _is_view(node) or not (node in writes or twin in writes or _written_between(node, twin, writes, order))
+    if _is_view(node):
+        return not ({node, twin} & writes.meta_changed or _written_between(node, twin, writes.meta, order))
+    return not (node in writes.data or twin in writes.data or _written_between(node, twin, writes.data, order))
 
 
 def _pure(node: fx.Node) -> bool:

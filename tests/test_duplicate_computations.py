@@ -66,6 +66,39 @@ def test_repeated_casts_merge_and_random_draws_writes_between_and_other_result_t
         assert theirs.dtype == ours.dtype and torch.equal(theirs, ours)
 
 
+def test_views_merge_across_a_write_of_values_but_not_across_a_change_of_storage_offset():
+    """Row 0 of a tensor before and after ``as_strided_`` moves it one row on in its storage are two values of
+    one shape and stride; before and after a write of values (``mul_``) row 0 is one view, which sees the
+    write either way."""
+
+    def step(p, q):
+        first_row = p.select(0, 0) * 2
+        p.as_strided_((3, 3), (3, 1), 3)
+        second_row = p.select(0, 0) * 3
+        before, q_2, after = q.select(0, 0) * 2, q.mul_(2), q.select(0, 0) * 3
+        return first_row, second_row, before, after
+
+    def inputs():
+        return torch.arange(12.0).view(4, 3)[:3], torch.arange(9.0).view(3, 3)  # p: 3 rows of a 4-row storage
+
+    def traced():  # reading p and q themselves after the writes, as a step's code does
+        gm = make_fx(step)(*inputs())
+        for write in [n for n in gm.graph.nodes if n.target in (aten.as_strided_.default, aten.mul_.Tensor)]:
+            write.replace_all_uses_with(write.args[0])
+        gm.recompile()
+        return gm
+
+    gm = traced()
+    assert merge_duplicate_nodes(gm.graph) == 1
+    gm.graph.lint()
+    gm.recompile()
+    assert _count(gm.graph, aten.select.int) == 3
+    theirs, ours = traced()(*inputs()), gm(*inputs())
+    assert torch.equal(theirs[1], torch.tensor([9.0, 12.0, 15.0]))  # the row after the move, times 3
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a, b)
+
+
 class _TwoBranches(nn.Module):
     """Both branches read ``tanh(x)``, written twice as a user would."""
 
