@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..compile_times import phase
+from .autotune_choices import chosen_configs, loaded_namespace, pin_loaded
 from .graph_wire import op_named
 from .opaque_ops import opaque_inplace_op
 from .piece_plan import PiecePlan, run_pieces
@@ -45,6 +46,8 @@ class InductorCode:
     wrapped_ops: tuple = ()  # names of the ops the code calls as ``spmd_lowering`` ops (defined before loading)
     cuda_index: Optional[int] = None  # the CUDA device the source names (None: it runs on the CPU)
     triton_kernels: Optional[bytes] = None  # its compiled Triton kernels (``spmd.lower.triton_kernels``)
+    # (kernel name, config) each Triton kernel ran after the first run (``spmd.lower.autotune_choices``)
+    autotuned: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,9 @@ def load_code(code: InductorCode, phase: Callable[[str], Any]) -> Callable[[list
         key, path = PyCodeCache.write(code.source)
     with phase("module"):
         module = PyCodeCache.load_by_key_path(key, path, list(code.linemap))
+    pinned = pin_loaded(vars(module), dict(code.autotuned))
+    if pinned:
+        log.info("spmd: %d kernels launch the config autotuning chose before, without benchmarking again", pinned)
     return align_inputs_from_check_idxs(module.call, list(code.inputs_to_check), OrderedSet(code.mutated_inputs))
 
 
@@ -155,7 +161,8 @@ def load_kept(code: KeptCode, device: torch.device, label: str) -> Optional[Call
         with phase(f"lower/{label}/inductor_code_load"):
             if code.triton_kernels is not None and device.type == "cuda":
                 with phase(f"lower/{label}/inductor_code_load/triton_kernels"):
-                    launched = emit_triton_kernels(code.triton_kernels, code.cuda_index, device.index)
+                    launched = emit_triton_kernels(code.triton_kernels, code.cuda_index, device.index,
+                                                   dict(code.autotuned))
                 log.info("spmd: %d of the %s graph's kernels are launched as compiled before", launched, label)
             code = relocated(code, device.index if device.type == "cuda" else None)
             for name in code.wrapped_ops:  # the code calls them by name: define them first
@@ -165,3 +172,23 @@ def load_kept(code: KeptCode, device: torch.device, label: str) -> Optional[Call
         log.warning("spmd: the kept Inductor code of the %s graph did not load (%s: %s); compiling it again",
                     label, type(err).__name__, err)
         return None
+
+
+def with_autotuned(codes: dict[str, KeptCode], device: torch.device) -> dict[str, KeptCode]:
+    """``codes`` (by graph label, as a step's lowering made them and it ran them once on ``device``) with the
+    Triton config each kernel of their loaded modules runs now (``InductorCode.autotuned``), so a restart
+    launches the same configs (``load_kept``). CPU code, and code whose module this process does not hold,
+    stays as it is."""
+    def tuned(code: KeptCode) -> KeptCode:
+        if isinstance(code, PiecewiseCode):
+            return replace(code, pieces=tuple(tuned(piece) for piece in code.pieces))
+        if code.cuda_index is None or device.type != "cuda":
+            return code
+        try:
+            namespace = loaded_namespace(relocated(code, device.index).source)
+        except NotRelocatable:
+            return code
+        chosen = chosen_configs(namespace) if namespace is not None else ()
+        return replace(code, autotuned=chosen) if chosen else code
+
+    return {label: tuned(code) for label, code in codes.items()}

@@ -24,6 +24,8 @@ import pickle
 from dataclasses import replace
 from typing import Iterator, Optional
 
+from .autotune_choices import pin_bundled
+
 log = logging.getLogger(__name__)
 
 
@@ -61,11 +63,12 @@ def _collected(bundler: type) -> list:
         return []
 
 
-def emit(bundle: bytes, compiled_on: int, running_on: int) -> int:
+def emit(bundle: bytes, compiled_on: int, running_on: int, chosen: Optional[dict] = None) -> int:
     """Write ``bundle`` (from ``collecting``, made on CUDA device ``compiled_on``) back into Triton's cache
     for device ``running_on`` and, where the two are the same, into the table the module's kernels are
-    looked up in. Returns how many kernels will be launched without Triton (0 where the bundle does not
-    load)."""
+    looked up in, each kernel named in ``chosen`` (kernel name -> config, ``spmd.lower.autotune_choices``)
+    with only that config's binary. Returns how many kernels will be launched without Triton (0 where the
+    bundle does not load)."""
     bundler = _bundler()
     if bundler is None:
         return 0
@@ -76,6 +79,10 @@ def emit(bundle: bytes, compiled_on: int, running_on: int) -> int:
         if running_on != compiled_on:
             loaded = replace(loaded, static_autotuners=[],
                              kernel_artifacts=[replace(a, device=running_on) for a in loaded.kernel_artifacts])
+        pinned = pin_bundled(loaded.static_autotuners, chosen or {})
+        if pinned:
+            log.info("spmd: %d kept kernels launch the config autotuning chose before, without benchmarking again",
+                     pinned)
         with config.patch(bundle_triton_into_fx_graph_cache=True):
             meta = bundler.read_and_emit(loaded)
     except Exception as err:  # noqa: BLE001 - a bundle that does not load is compiled as without it

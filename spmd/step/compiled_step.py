@@ -44,6 +44,7 @@ class CompiledStep:
     watch: Optional[ValueWatch] = None  # the Python values its trace read (``spmd.step.value_watch``)
     lowered: bool = False  # ``Transformed.lower`` made it: calls only run ``runner``
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
+    kept_in: Any = None  # where its code is kept (``spmd.step.step_cache.KeptIn``), told once it ran
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -75,9 +76,13 @@ class CompiledStep:
         return self.hyper_tensors
 
     def finished_run(self) -> None:
-        """Called after a call ran the step: the first step's values are used up."""
+        """Called after a call ran the step: the first step's values are used up, and the compile cache keeps
+        what the run autotuned (``KeptIn.after_first_run``)."""
         self.ran = True
         self.first_step = {}
+        if self.kept_in is not None:
+            kept_in, self.kept_in = self.kept_in, None
+            kept_in.after_first_run(self.runner)
 
     def flush(self) -> None:
         """Run the work this graph deferred to its next iteration, if any (no next iteration follows)."""

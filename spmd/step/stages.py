@@ -26,13 +26,14 @@ from ..checks.step_inputs import runner_for
 from ..compile_times import phase, recording
 from ..errors import SpmdConfigError
 from ..graph_utils import DumpOptions, dump_graphs_to_files, dumping, recording_stages
+from ..lower.compile_graph import device_of
 from ..parallel.data_parallel import DataParallel
 from ..trace.accumulation import GradPlan
 from ..trace.capture import TracedStep
 from ..trace.step_state import StepState, local_tensor
 from .compiled_step import CompiledStep, first_step_slots, undo_created
 from .iter_graph_module import IterGraphModule
-from .step_cache import StepCache
+from .step_cache import KeptIn, StepCache
 from .transformation import GraphModuleTransformation
 from .value_watch import ValueWatch
 
@@ -133,6 +134,7 @@ class Transformed:
             entry.cache_digest = found.digest
             entry.compile_times.update(found.times)
             cache.keep(found, self.runner)
+            entry.kept_in = KeptIn(cache, found, device_of(inputs))
         return entry
 
 

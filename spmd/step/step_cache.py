@@ -12,7 +12,8 @@ have different keys and each lowers its own. An entry whose kept code did not al
 to load) is stored again with the code compiled in its place.
 
 An entry is ``{"code", "compiled_for"}``: the Inductor code by graph label, and what ``spmd cache list``
-shows of it.
+shows of it. After the step's first run on a GPU, the rank that stored the entry stores it again with the
+Triton config each kernel was autotuned to (``keep_autotuned``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
+from ..lower.inductor_code import with_autotuned
 from . import job_compile
 from .cache_key import StepKey, Undescribable, lowering_key
 from .cache_store import CacheStore, decode, encode
@@ -67,6 +70,25 @@ class Found:
     @property
     def digest(self) -> Optional[str]:
         return self.key.digest if self.key is not None else None
+
+
+@dataclass(frozen=True)
+class KeptIn:
+    """Where a lowered step's code is kept (``cache``), the lookup it was lowered from (``found``) and the device
+    it runs on: what ``StepCache.keep_autotuned`` needs after the step's first run."""
+
+    cache: "StepCache"
+    found: Found
+    device: torch.device
+
+    def after_first_run(self, runner: Any) -> None:
+        """Keep the Triton configs ``runner``'s first run was autotuned to; a failure is logged, never raised (the
+        step ran; only a restart's benchmarking is not spared)."""
+        try:
+            self.cache.keep_autotuned(self.found, runner, self.device)
+        except Exception as err:  # noqa: BLE001 - the entry stays as stored before the run
+            log.warning("spmd: the autotuned kernel configs of %s are not kept (%s: %s)", self.cache.name,
+                        type(err).__name__, err)
 
 
 @dataclass
@@ -118,6 +140,18 @@ class StepCache:
         stored = self._save(found.key, runner)
         if found.claim is not None:
             found.claim.publish(stored, "" if stored is not None else "the entry could not be encoded")
+
+    def keep_autotuned(self, found: Found, runner: IterGraphModule, device: torch.device) -> None:
+        """After ``runner`` (lowered from ``found``) first ran on ``device``: the Triton config each of its kernels
+        was autotuned to kept with its code (``spmd.lower.inductor_code.with_autotuned``), so a restarted process
+        launches those without benchmarking them again. Stored by the rank that stored the code, where the
+        choices are not kept already; a rank that loaded another rank's code leaves the entry to it."""
+        if found.key is None or (found.claim is not None and not found.claim.compiles):
+            return
+        tuned = with_autotuned(runner.inductor_code, device)
+        if tuned != runner.inductor_code:
+            runner.inductor_code = tuned
+            self._save(found.key, runner)
 
     def failed(self, found: Found, err: BaseException) -> None:
         """Lowering from ``found`` failed with ``err``: the ranks that wait for this one are told."""
