@@ -6,6 +6,8 @@ first tests run on stand-ins of Inductor's ``CachingAutotuner`` holding what its
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -79,6 +81,69 @@ def test_a_bundled_kernel_keeps_only_its_chosen_configs_binary():
     assert pin_bundled(bundled, chosen) == 1
     assert [[r.config.kwargs["XBLOCK"] for r in b.kernel.compile_results] for b in bundled] == [[128], [64, 128],
                                                                                                 [64, 128]]
+
+
+def _module_source(*blocks: int) -> str:
+    """An Inductor-like module defining one kernel ``k`` made with a launcher per XBLOCK in ``blocks`` (as
+    loading leaves a kernel not launched yet, or after its first launch where there is one), and ``call``."""
+    return textwrap.dedent(f"""
+        from types import SimpleNamespace
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        k = CachingAutotuner.__new__(CachingAutotuner)
+        k.configs, k.compile_results = [], []
+        k.launchers = [SimpleNamespace(config=SimpleNamespace(kwargs={{"XBLOCK": b}}, num_warps=4, num_stages=1))
+                       for b in {list(blocks)}]
+        def call(args):
+            return [len(k.launchers)]
+    """)
+
+
+def test_code_run_once_keeps_its_kernels_choices_and_loads_cut_to_them():
+    """``with_autotuned`` reads the choices from the module this process loaded for the code (found by its
+    source, also for a graph compiled in pieces), and ``load_code`` cuts the kernels of code that keeps them;
+    CPU code and code whose module is not loaded stay as they are."""
+    from spmd.lower.inductor_code import InductorCode, PiecewiseCode, load_code, with_autotuned
+    from spmd.lower.piece_plan import PiecePlan
+
+    def run(code: InductorCode) -> int:
+        return load_code(code, lambda part: contextlib.nullcontext())([])[0]
+
+    ran = InductorCode(_module_source(256), (), (), (), cuda_index=0)
+    assert run(ran) == 1  # loaded here: its kernel runs one config
+    unloaded = InductorCode(_module_source(128) + "# never loaded\n", (), (), (), cuda_index=0)
+    cpu = InductorCode(_module_source(256), (), (), ())
+    pieces = PiecewiseCode((ran, unloaded), PiecePlan(takes=((0,), (1,)), makes=((1,), ()), drops=((0,), (1,))))
+    codes = with_autotuned({"step": ran, "cpu": cpu, "pieces": pieces}, torch.device("cuda", 0))
+    chosen = (("k", "XBLOCK=256,num_warps=4,num_stages=1"),)
+    assert codes["step"].autotuned == chosen and codes["pieces"].pieces[0].autotuned == chosen
+    assert codes["pieces"].pieces[1] is unloaded and codes["cpu"] is cpu
+    assert with_autotuned({"step": ran}, torch.device("cpu"))["step"] is ran
+    # code keeping its choice, loaded again where its kernel has three candidates: cut to the chosen one
+    three = InductorCode(_module_source(128, 256, 512), (), (), (), cuda_index=0)
+    assert run(three) == 3
+    assert run(dataclasses.replace(three, source=three.source + "# loaded again\n", autotuned=chosen)) == 1
+
+
+def test_the_entry_is_stored_again_with_the_choices_by_the_rank_that_stored_it_and_only_once(tmp_path):
+    from spmd.lower.inductor_code import InductorCode, load_code
+    from spmd.step.cache_key import StepKey
+    from spmd.step.step_cache import Found, KeptIn, StepCache
+
+    code = InductorCode(_module_source(64) + "# stored\n", (), (), (), cuda_index=0)
+    load_code(code, lambda part: contextlib.nullcontext())  # the first run's module, its kernel autotuned
+    cache = StepCache(CacheStore(tmp_path), "train_step")
+    key = StepKey({"versions": {"torch": torch.__version__}, "device": "cuda", "inputs": []})
+    waited = SimpleNamespace(inductor_code={"step": code})  # a rank that loaded the code another rank posted
+    KeptIn(cache, Found(key, claim=SimpleNamespace(compiles=False)), torch.device("cuda", 0)).after_first_run(waited)
+    assert waited.inductor_code == {"step": code} and cache.store.load(key.digest) is None
+    runner = SimpleNamespace(inductor_code={"step": code})
+    kept_in = KeptIn(cache, Found(key), torch.device("cuda", 0))
+    kept_in.after_first_run(runner)
+    stored = cache.store.load(key.digest)["code"]["step"]
+    assert stored.autotuned == (("k", "XBLOCK=64,num_warps=4,num_stages=1"),) and runner.inductor_code["step"] == stored
+    written = cache.store.path(key.digest).stat().st_mtime_ns
+    kept_in.after_first_run(runner)  # the choices are kept already: nothing is written
+    assert cache.store.path(key.digest).stat().st_mtime_ns == written
 
 
 # One process's training on the GPU: 3 float32 steps of an MLP whose pointwise and reduction kernels Inductor
