@@ -140,6 +140,7 @@ def test_the_entry_is_stored_again_with_the_choices_by_the_rank_that_stored_it_a
     kept_in = KeptIn(cache, Found(key), torch.device("cuda", 0))
     kept_in.after_first_run(runner)
     stored = cache.store.load(key.digest)["code"]["step"]
+    assert cache.store.load(key.digest)["compiled_for"]["autotuned kernels"] == 1  # what ``spmd cache list`` shows
     assert stored.autotuned == (("k", "XBLOCK=64,num_warps=4,num_stages=1"),) and runner.inductor_code["step"] == stored
     written = cache.store.path(key.digest).stat().st_mtime_ns
     kept_in.after_first_run(runner)  # the choices are kept already: nothing is written

@@ -49,11 +49,15 @@ def cacheable(runner: Any) -> Optional[str]:
 
 
 def compiled_for(name: str, key: StepKey, code: dict) -> dict:
-    """What ``spmd cache list`` shows of an entry: the step, the torch it was compiled with, the device and
-    the graphs whose Inductor code it keeps (``code``: by graph label)."""
+    """What ``spmd cache list`` shows of an entry: the step, the torch it was compiled with, the device, the
+    graphs whose Inductor code it keeps (``code``: by graph label) and, once its first run on a GPU chose them,
+    how many kernels keep their autotuned config (``keep_autotuned``)."""
     described = key.description
-    return {"step": name, "torch": described["versions"].get("torch"), "device": described.get("device"),
-            "tensors": len(described.get("inputs", [])), "inductor code": sorted(code)}
+    shown = {"step": name, "torch": described["versions"].get("torch"), "device": described.get("device"),
+             "tensors": len(described.get("inputs", [])), "inductor code": sorted(code)}
+    tuned = sum(len(getattr(piece, "autotuned", ())) for kept in code.values()
+                for piece in getattr(kept, "pieces", (kept,)))
+    return {**shown, "autotuned kernels": tuned} if tuned else shown
 
 
 @dataclass(frozen=True)
