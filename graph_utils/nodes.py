@@ -45,17 +45,13 @@ def first_reader_before(value: fx.Node, target: fx.Node, order: dict[fx.Node, in
 
 def eliminate_dead_nodes(graph: fx.Graph) -> bool:
     """Erase the pure nodes nothing reads, and the nodes only they read, as ``graph.eliminate_dead_code()``
-    does (without its lint); whether any node was erased. A graph that reads a subgraph (a ``GraphModule``
-    its owning module holds, read by ``get_attr``) gets torch's, which cleans the subgraph too.
+    does (without its lint), then do the same in each subgraph the graph reads (a ``GraphModule`` its owning
+    module holds, read by ``get_attr``), as torch's does; whether any node was erased.
 
     torch's asks every node of the graph whether it is impure, a check that looks the op up in several of
     torch's registries and is the larger part of a pass's clean-up on a whole-step graph (BENCHMARKS.md,
-    "Round 33"); this asks only the nodes without readers, then the inputs each erased node leaves without
-    readers."""
-    owner = graph.owning_module
-    if owner is not None and any(isinstance(getattr(owner, n.target, None), fx.GraphModule)
-                                 for n in graph.find_nodes(op="get_attr")):
-        return graph.eliminate_dead_code()
+    "Round 33"), and lints the graph first, another walk over every node; this asks only the nodes without
+    readers, then the inputs each erased node leaves without readers."""
     dead = [n for n in graph.nodes if not n.users and not n.is_impure()]
     erased = bool(dead)
     while dead:
@@ -63,6 +59,13 @@ def eliminate_dead_nodes(graph: fx.Graph) -> bool:
         inputs = node.all_input_nodes
         graph.erase_node(node)
         dead.extend(a for a in inputs if not a.users and not a.is_impure())
+    owner = graph.owning_module
+    if owner is not None:
+        for name in dict.fromkeys(n.target for n in graph.find_nodes(op="get_attr")):
+            sub = getattr(owner, name, None) if isinstance(name, str) and "." not in name else None
+            if isinstance(sub, fx.GraphModule) and eliminate_dead_nodes(sub.graph):
+                sub.recompile()
+                erased = True
     return erased
 
 

@@ -134,9 +134,26 @@ def vectorized_cpu_kernels():
     cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
+def _structured_trace_log_off() -> None:
+    """Torch's structured trace log (``torch.__trace``, what ``TORCH_TRACE`` writes for tlparse) without handlers,
+    so that ``trace_structured`` returns at once, as it does in a process that logs no trace.
+
+    That log never propagates and is always at DEBUG, and pytest's logging plugin attaches its capture handlers
+    to every logger that does not propagate, at each phase of each test: with them, every fake tensor the
+    trace made and every graph Inductor compiled wrote a record with a captured Python stack, which pytest then
+    kept (a few percent of the suite's time). Made to propagate, it is passed over; the suite writes no trace."""
+    import logging
+
+    trace_log = logging.getLogger("torch.__trace")
+    trace_log.propagate = True
+    trace_log.handlers.clear()
+
+
 @pytest.fixture(autouse=True)
 def _clean_torch_state():
-    """Each test starts without Dynamo caches, with grad mode on and fixed seeds (ranks do the same)."""
+    """Each test starts without Dynamo caches, with grad mode on and fixed seeds (ranks do the same), and
+    without the structured trace log's handlers (``_structured_trace_log_off``)."""
     from tests.dist import reset_process_state
 
+    _structured_trace_log_off()
     reset_process_state()

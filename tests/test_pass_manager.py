@@ -181,6 +181,44 @@ def test_a_pass_leaves_its_dead_code_removed_and_writes_kept():
         assert torch.equal(y, x + 1) and torch.equal(buf, x * 2)
 
 
+def test_a_users_pass_that_breaks_the_graph_is_named_before_the_next_pass_and_spmds_are_checked_at_the_end():
+    """A pass that leaves a malformed graph (a node reading one defined after it): a user's pass fails the check
+    right after it runs, so the next pass never runs; spmd's own passes are checked once, by the manager after
+    its last pass, and a pass called on its own, outside a manager, is checked after it runs, whoever wrote it."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ran = []
+
+    def break_order(gm) -> None:  # moves the graph's first computation after the last one, which reads it
+        computing = [n for n in gm.graph.nodes if n.op == "call_function"]
+        computing[-1].append(computing[0])
+        ran.append("break")
+
+    def after(gm) -> None:
+        ran.append("after")
+
+    users = graph_optimization_pass()(break_order)
+    ours = graph_optimization_pass()(functools.wraps(break_order)(lambda gm: break_order(gm)))
+    ours.pass_info.fn.__module__ = "spmd.passes.an_own_pass"  # as spmd's own passes are declared
+    later = graph_optimization_pass()(after)
+
+    def module():
+        return IterGraphModule(make_fx(lambda x: (torch.relu(x) * 2 + 1,))(torch.randn(3)))
+
+    with pytest.raises(RuntimeError, match="used before"):
+        PassManager([users, later])(module())
+    assert ran == ["break"]
+    ran.clear()
+    with pytest.raises(RuntimeError, match="used before"):
+        PassManager([ours, later])(module())
+    assert ran == ["break", "after"]  # checked once, after the last pass
+    for own_pass in (users, ours):
+        ran.clear()
+        with pytest.raises(RuntimeError, match="used before"):
+            own_pass(module())
+
+
 def test_dead_nodes_are_erased_as_torchs_dead_code_elimination_erases_them():
     """``graph_utils.eliminate_dead_nodes`` (which asks only nodes without readers whether they are pure)
     leaves the same nodes as torch's ``eliminate_dead_code``: dead chains go, including nodes that only dead
@@ -216,3 +254,37 @@ def test_dead_nodes_are_erased_as_torchs_dead_code_elimination_erases_them():
     assert names == [n.name for n in theirs.graph.nodes]
     assert not any(n.startswith(("sin", "neg", "cos")) for n in names) and any(n.startswith("rand_like") for n in names)
     assert not eliminate_dead_nodes(ours.graph)  # nothing left to erase
+
+
+def test_dead_nodes_in_subgraphs_are_erased_as_torchs_dead_code_elimination_erases_them():
+    """A graph that reads subgraphs (``torch.cond``'s branches, held by its module and read by ``get_attr``):
+    ``eliminate_dead_nodes`` erases the dead nodes of the graph and of each subgraph it reads, as torch's
+    ``eliminate_dead_code`` does, leaving the same nodes, and the module computes what it did."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.graph_utils import eliminate_dead_nodes
+
+    def step(x):
+        return (torch.cond(x.sum() > 0, lambda t: t.sin() + 1, lambda t: t.cos() * 2, (x,)),)
+
+    def with_dead_code():
+        gm = make_fx(step)(torch.randn(4))
+        for graph in (gm.graph, gm.true_graph_0.graph, gm.false_graph_0.graph):
+            x = next(iter(graph.find_nodes(op="placeholder")))
+            with graph.inserting_before(next(iter(graph.find_nodes(op="output")))):
+                graph.call_function(torch.ops.aten.neg.default, (graph.call_function(torch.ops.aten.exp.default, (x,)),))
+        return gm
+
+    def names(gm):
+        return [[n.name for n in g.nodes] for g in (gm.graph, gm.true_graph_0.graph, gm.false_graph_0.graph)]
+
+    theirs, ours = with_dead_code(), with_dead_code()
+    before = names(ours)
+    assert theirs.graph.eliminate_dead_code() and eliminate_dead_nodes(ours.graph)
+    assert names(ours) == names(theirs) != before
+    assert not any(name.startswith(("exp", "neg")) for graph_names in names(ours) for name in graph_names)
+    assert not eliminate_dead_nodes(ours.graph)  # nothing left to erase
+    ours.recompile()
+    x = torch.randn(4)
+    assert torch.equal(ours(x)[0], step(x)[0])
