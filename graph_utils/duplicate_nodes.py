@@ -54,7 +54,7 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or not node.all_input_nodes:  # a constant (a scalar tensor, an arange) is
             continue  # cheaper made where it is read than read from one place by distant parts of the graph
-        same_inputs = earlier[(node.target, tuple(node.all_input_nodes))]
+        same_inputs = earlier[_call_key(node)]
         twin = next((e for e in reversed(same_inputs) if _same_call(e, node)), None)  # the nearest first
         if twin is None or not _may_merge(node, twin, writes, order):
             same_inputs.append(node)
@@ -63,6 +63,14 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
         graph.erase_node(node)
         merged += 1
     return merged
+
+
+def _call_key(node: fx.Node) -> tuple:
+    """What two nodes ``_same_call`` accepts share: the op and the nodes it reads, and for a ``getitem`` its index
+    too, so the ``getitem``s of a foreach op's hundreds of results are not each compared with all the others."""
+    if node.target is operator.getitem and len(node.args) == 2 and isinstance(node.args[1], int):
+        return (operator.getitem, node.args[0], node.args[1])
+    return (node.target, tuple(node.all_input_nodes))
 
 
 def _same_call(a: fx.Node, b: fx.Node) -> bool:

@@ -3,6 +3,8 @@ that cannot change what the step computes."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,6 +66,28 @@ def test_repeated_casts_merge_and_random_draws_writes_between_and_other_result_t
         outs.append(module(*[a.clone() for a in args]))
     for theirs, ours in zip(*outs):
         assert theirs.dtype == ours.dtype and torch.equal(theirs, ours)
+
+
+def test_the_results_of_a_repeated_foreach_op_merge_by_index():
+    """A foreach op repeated on the same tensors: the second's results (``getitem`` by index) merge into the first's,
+    each into the one of its own index, and the graph computes what it did (a ``getitem`` is compared only with those of
+    its own index, so the hundreds of results of one op are not each compared with all the others)."""
+    tensors = [torch.randn(3) for _ in range(40)]
+
+    def step(*ts):
+        once, twice = torch._foreach_mul(list(ts), 2.0), torch._foreach_mul(list(ts), 2.0)
+        return [a + b * 3 for a, b in zip(once, twice)]
+
+    gm = make_fx(step)(*tensors)
+    assert _count(gm.graph, aten._foreach_mul.Scalar) == 2
+    assert merge_duplicate_nodes(gm.graph) == 1 + 40  # the op and each of its results
+    gm.graph.lint()
+    gm.recompile()
+    assert _count(gm.graph, aten._foreach_mul.Scalar) == 1
+    indices = [n.args[1] for n in gm.graph.nodes if n.target is operator.getitem]
+    assert sorted(indices) == list(range(40))
+    for ours, eager in zip(gm(*tensors), step(*tensors)):
+        assert torch.equal(ours, eager)
 
 
 def test_views_merge_across_a_write_of_values_but_not_across_a_change_of_storage_offset():
