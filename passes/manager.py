@@ -79,7 +79,7 @@ def _names(passes: Iterable[GraphPass]) -> str:
     return ", ".join(pass_info(p).name for p in passes)
 
 
-def is_spmds_own(fn: Callable) -> bool:
+def _is_spmds_own(fn: Callable) -> bool:
     """Whether ``fn`` is one of spmd's own passes (defined in the ``spmd`` package), not a user's."""
     return (getattr(fn, "__module__", None) or "").split(".")[0] == "spmd"
 
@@ -127,7 +127,7 @@ def graph_optimization_pass(prerequisites: Sequence[GraphPass] = (), apply_after
             fn(gm, *args, **kwargs)
             graph = getattr(gm, "graph", None)
             if graph is not None and hasattr(graph, "lint"):
-                _clean_up(graph, lint=not (_in_manager(gm) and is_spmds_own(fn)))
+                _clean_up(graph, lint=not (_in_manager(gm) and _is_spmds_own(fn)))
                 gm.recompile()
             done.append(run_pass)
             log.debug("pass %s took %.3fs", info.name, time.perf_counter() - start)
