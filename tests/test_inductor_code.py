@@ -170,3 +170,46 @@ def test_code_compiled_for_one_gpu_is_moved_to_another_and_refused_where_it_name
         relocated(InductorCode(_CUDA_SOURCE + "torch.cuda.set_device(7)", (), (), (), (), 2), 0)
     with pytest.raises(NotRelocatable, match="compiled for the CPU"):
         relocated(InductorCode("def call(args): pass", (), (), ()), 0)
+
+
+def test_a_kept_modules_bytecode_is_written_beside_it_and_loaded_without_compiling_its_source(tmp_path, monkeypatch):
+    """``keep_bytecode`` writes a kept module's bytecode into ``__pycache__`` beside its source in Inductor's cache; a
+    process that loads the module then runs that bytecode without compiling the source, and one that finds no
+    bytecode compiles the source and writes it (Inductor's own loader compiles the source on every load)."""
+    import contextlib
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+    from pathlib import Path
+
+    from torch._inductor.codecache import PyCodeCache
+
+    from spmd.lower.inductor_code import keep_bytecode, load_code
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # as many containers set it: kept all the same
+    code = InductorCode(f"# {tmp_path.name}\ndef call(args):\n    (x,) = args\n    args.clear()\n    return (x * 2,)\n",
+                        (), (), ())
+    keep_bytecode({"main": code})
+    _, path = PyCodeCache.write(code.source)
+    bytecode = Path(importlib.util.cache_from_source(path))
+    assert bytecode.is_file()
+
+    compiled = []
+    source_to_code = importlib.machinery.SourceFileLoader.source_to_code
+    monkeypatch.setattr(importlib.machinery.SourceFileLoader, "source_to_code",
+                        lambda self, *args, **kwargs: compiled.append(path) or source_to_code(self, *args, **kwargs))
+
+    def load_as_a_restart():
+        getattr(PyCodeCache, "modules_no_attr", {}).pop(path, None)  # a new process has not loaded it
+        return load_code(code, lambda part: contextlib.nullcontext())
+
+    assert torch.equal(load_as_a_restart()([torch.ones(3)])[0], torch.full((3,), 2.0))
+    assert compiled == []  # the kept bytecode ran
+    assert PyCodeCache.modules_no_attr[path].key == PyCodeCache.write(code.source)[0]  # recorded as Inductor does
+
+    os.remove(bytecode)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert torch.equal(load_as_a_restart()([torch.ones(3)])[0], torch.full((3,), 2.0))
+    assert compiled == [path] and bytecode.is_file()  # compiled from the source, and kept for the next

@@ -6,6 +6,8 @@ through Triton's cache on a GPU and Inductor's C++ cache on the CPU, so a machin
 loads them in a moment and one whose caches are cold compiles them again, correctly. Keeping that module
 in the compile cache, keyed by the graph, spares a restart everything after its trace: preparing the graph for Inductor,
 propagating fake values, the joint-graph passes, Inductor's lowering, scheduling and code generation.
+Its bytecode is kept beside its source in Inductor's cache (``keep_bytecode``), so loading it compiles no
+Python either (Inductor's own loader compiles a module's source on every load).
 
 A graph whose compiled form needs more than its module (constants held on the side, script objects) is
 not kept: ``code_of`` returns None and the graph is compiled on each restart, as before.
@@ -18,9 +20,14 @@ the device is rewritten, and code that names a device in a form not known here i
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import logging
+import py_compile
 import re
+import sys
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -143,11 +150,60 @@ def load_code(code: InductorCode, phase: Callable[[str], Any]) -> Callable[[list
     with phase("write"):
         key, path = PyCodeCache.write(code.source)
     with phase("module"):
-        module = PyCodeCache.load_by_key_path(key, path, list(code.linemap))
+        module = _load_module(PyCodeCache, key, path, list(code.linemap))
     pinned = pin_loaded(vars(module), dict(code.autotuned))
     if pinned:
         log.info("spmd: %d kernels launch the config autotuning chose before, without benchmarking again", pinned)
     return align_inputs_from_check_idxs(module.call, list(code.inputs_to_check), OrderedSet(code.mutated_inputs))
+
+
+def _module_name(key: str) -> str:
+    return f"torch._inductor.runtime.compile_tasks.{key}"  # the name Inductor's own loader gives the module
+
+
+def _load_module(code_cache: Any, key: str, path: str, linemap: list) -> ModuleType:
+    """The module Inductor's code cache (``code_cache``: ``PyCodeCache``) wrote at ``path``, loaded and recorded
+    as its ``load_by_key_path`` does, but with its code object from Python's import machinery
+    (``SourceFileLoader.get_code``): it reads the bytecode kept in ``__pycache__`` beside the source
+    (``keep_bytecode``) instead of compiling the source again, and keeps it there where it compiles. Inductor's
+    loader compiles the source on every load: for a large step's modules, that was a good part of a restart's
+    loading. A module this process loaded already is returned as it is, as Inductor does."""
+    loaded = getattr(code_cache, "modules_no_attr", None)
+    if isinstance(loaded, dict) and path in loaded:
+        return loaded[path]
+    name = _module_name(key)
+    bytecode = importlib.machinery.SourceFileLoader(name, path).get_code(name)
+    module = ModuleType(name)
+    module.__file__ = path
+    module.key = key
+    exec(bytecode, vars(module))
+    sys.modules[name] = module
+    # Inductor's bookkeeping, as its loader keeps it, where this torch has it (a module's line map for its
+    # errors, and its modules by path, which ``autotune_choices.loaded_namespace`` reads)
+    if isinstance(getattr(code_cache, "linemaps", None), dict):
+        code_cache.linemaps[path] = list(zip(*linemap))
+    if isinstance(loaded, dict):
+        loaded[path] = module
+    if isinstance(getattr(code_cache, "modules", None), list):
+        code_cache.modules.append(module)
+    return module
+
+
+def keep_bytecode(codes: dict[str, KeptCode]) -> None:
+    """Compile each module of ``codes`` (by graph label, as the compile cache keeps them) into its bytecode in
+    ``__pycache__`` beside its source in Inductor's cache, where a restarted process that loads it finds it
+    (``_load_module``). Called where the code is kept. Written also where Python writes no bytecode for
+    imports (``PYTHONDONTWRITEBYTECODE``, set in many containers): it is a cache's file, as Inductor's compiled
+    kernels beside it are. A module whose bytecode cannot be written is loaded from its source."""
+    from torch._inductor.codecache import PyCodeCache
+
+    for code in codes.values():
+        for piece in code.pieces if isinstance(code, PiecewiseCode) else (code,):
+            try:
+                _, path = PyCodeCache.write(piece.source)
+                py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True)
+            except Exception as err:  # noqa: BLE001 - only a restart's loading is not spared
+                log.info("spmd: a kept module's bytecode is not written (%s: %s)", type(err).__name__, err)
 
 
 def load_kept(code: KeptCode, device: torch.device, label: str) -> Optional[Callable[[list], Any]]:

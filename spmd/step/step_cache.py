@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..lower.inductor_code import with_autotuned
+from ..lower.inductor_code import keep_bytecode, with_autotuned
 from . import job_compile
 from .cache_key import StepKey, Undescribable, lowering_key
 from .cache_store import CacheStore, decode, encode
@@ -141,6 +141,7 @@ class StepCache:
         of it), and post it to the ranks that wait for this one."""
         if found.key is None or (found.kept is not None and runner.inductor_code == found.kept):
             return
+        keep_bytecode(runner.inductor_code)  # a restart here then loads the modules without compiling them
         stored = self._save(found.key, runner)
         if found.claim is not None:
             found.claim.publish(stored, "" if stored is not None else "the entry could not be encoded")
