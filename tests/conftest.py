@@ -66,42 +66,44 @@ _GOLD_FOLDER = _link_with_gold()
 import pytest  # noqa: E402
 
 
-# The longest tests (each over 10 s on a 2-core machine, most of them several processes), run first: pytest-xdist
-# hands each worker a first block of tests and the rest as workers free up, so long tests left for the end
-# keep one worker busy while the other has nothing left. Tests sharing a module fixture stay together.
-_LONGEST = (
-    "tests/test_piecewise.py::test_fully_shard_compiled_in_pieces_cut_inside_flights_matches_fsdp2",
-    "tests/test_compile_cache.py::test_what_the_code_says_now_runs_after_each_edit_between_restarts",
-    "tests/test_compile_cache.py::test_dumps_are_written_when_the_step_runs_kept_code",
-    "tests/test_bench_compile.py::test_cold_then_warm_runs_on_two_gloo_ranks_compile_once_then_not_at_all",
-    "tests/test_readme.py::test_every_python_block_runs_as_pasted[tensor_parallel0]",
-    "tests/test_bench_tp.py::test_bench_tp_runs_the_cpu_modes_on_4_gloo_ranks",
-    "tests/test_inductor_cache.py::test_a_restarted_process_loads_the_step_from_inductors_fx_graph_cache_and_trains_"
-    "the_same[cpu]",
-    "tests/test_shard_parity.py::test_fully_shard_and_shard_grad_op_match_fsdp2",
-    "tests/test_float64_parity.py::test_pass_pipeline_matches_eager_ddp_in_float64[passes-inductor-fused]",
-    "tests/test_float64_parity.py::test_pass_pipeline_matches_eager_ddp_in_float64[passes-inductor-foreach]",
-    "tests/test_tensor_parallel.py::test_foreach_optimizers_with_tensor_parallel_match_fsdp2",
-    "tests/test_tensor_parallel.py::test_sharded_modes_with_tensor_parallel_match_fsdp2",
-    "tests/test_recompute.py::test_the_default_recompute_adds_no_kernel_under_inductor",
-    "tests/test_inductor_lowering.py::test_a_dropout_mask_drawn_on_the_cpu_is_drawn_before_its_readers_and_as_eager_"
-    "draws_it",
-    "tests/test_grouped_mm.py::test_fused_adamw_gets_each_expert_gradient_laid_out_as_its_parameter[aten_fused_op]",
-    "tests/test_optimizers.py::test_every_optimizer_matches_eager_ddp_in_float64",
-    "tests/test_hf_models.py::test_hf_t5_trains_like_eager_in_float64",
-    "tests/test_hf_models.py::test_hf_t5_in_bf16_autocast_is_a_graph_inductor_can_take",
-    "tests/test_tp_checkpoint.py::test_dcp_checkpoints_cross_load_between_spmd_and_fsdp2_with_tensor_parallel",
-    "tests/test_timeline.py::test_record_itermove_on_cpu_profiles_setup_main_cleanup",
-    "tests/test_compile_cache.py::test_ranks_whose_steps_read_their_rank_never_share_a_trace",
-    "tests/test_inductor_lowering.py::test_inductor_compiles_every_graph_of_a_moved_step_before_it_runs",
-    "tests/test_zoo.py::test_spmd_step_matches_eager[t5]",
-)
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("fast", "slow", "all"), default=None,
+                     help="the suite's tier (tests/tiers.py): fast (the default: the README's command, under 8 "
+                          "minutes on 2 cores), slow (the longest tests) or all; a test named as file::test runs "
+                          "whatever its tier")
+
+
+def _tier(config) -> str:
+    chosen = config.getoption("--tier")
+    if chosen is not None:
+        return chosen
+    return "all" if any("::" in arg for arg in config.args) else "fast"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first (``_LONGEST``), the rest in collection order; every worker collects alike."""
-    first = {nodeid: k for k, nodeid in enumerate(_LONGEST)}
-    items.sort(key=lambda item: first.get(item.nodeid, len(first)))
+    """This run's tier of the collected tests (``tests.tiers``), the longest first, the rest in collection order;
+    every worker collects alike. A test function ``tests.tiers`` times that is not collected from a file that is
+    (renamed or removed) is an error: the tiers would silently drift from the suite."""
+    from tests import tiers
+
+    functions = {item.nodeid.split("[")[0] for item in items}  # parameters may differ between torch versions
+    files = {nodeid.split("::")[0] for nodeid in functions}
+    stale = [nodeid for nodeid in tiers.SECONDS
+             if nodeid.split("::")[0] in files and nodeid.split("[")[0] not in functions]
+    if stale and not any("::" in arg for arg in config.args):
+        raise pytest.UsageError("tests/tiers.py times tests that do not exist (renamed or removed? measure again, "
+                                "see its docstring): " + ", ".join(stale[:5]))
+    tier = _tier(config)
+    if tier != "all":
+        slow = [tiers.is_slow(item.nodeid, item.fixturenames) for item in items]
+        config.hook.pytest_deselected(items=[item for item, s in zip(items, slow) if s != (tier == "slow")])
+        items[:] = [item for item, s in zip(items, slow) if s == (tier == "slow")]
+    # tests sharing one of the slow module fixtures start together, at the time of the one that pays for it
+    group = {item.nodeid: tiers.fixture_group(item.nodeid, item.fixturenames) for item in items}
+    group_seconds: dict = {}
+    for nodeid, key in group.items():
+        group_seconds[key] = max(group_seconds.get(key, 0.0), tiers.SECONDS.get(nodeid, 0.0))
+    items.sort(key=lambda item: -group_seconds[group[item.nodeid]])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -146,6 +146,24 @@ def test_a_step_that_reads_what_no_guard_checks_is_traced_every_time(user_module
     assert "is not kept" in caplog.text and "lock" in caplog.text
 
 
+def test_the_log_says_whether_a_first_call_reused_a_kept_trace_and_why_not(user_modules, tmp_path, caplog):
+    """Each fresh compile's first call says in the log what became of the kept traces: none kept yet, reused, or
+    traced again at the guard that failed (what a restarted job's slow first call is explained by)."""
+    importlib.import_module("helpers")
+    cache = tmp_path / "cache"
+
+    def said(**kwargs) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=trace_store.__name__):
+            _train(cache, **kwargs)
+        return caplog.text
+
+    assert "no trace of it is kept" in said()
+    assert "reused the trace kept in" in said()
+    text = said(factor=2.0)
+    assert "traced again" in text and "no trace of it is kept" not in text
+
+
 def _lr_read_step(model, optim, x, y):
     """Its loss scaled by the lr read as a number (``torch.full``'s fill value): its trace specialises on the lr."""
     loss = ((model(x) - y) ** 2).mean() * torch.full((), optim.param_groups[0]["lr"], dtype=torch.float64)

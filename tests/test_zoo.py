@@ -109,6 +109,29 @@ def test_a_warm_run_keeps_where_its_first_call_went(tmp_path):
     assert record["compile_times"]["trace"] > 0 and isinstance(record["torch_timings"], dict)
 
 
+def test_a_warm_run_that_traced_afresh_is_noted_with_why(tmp_path, monkeypatch):
+    """A warm run keeps what spmd's kept traces said during its first call; the report notes a warm run that
+    traced the step afresh, with the reason, and says nothing of one that reused the kept trace."""
+    spec("gpt2")
+    monkeypatch.setenv("SPMD_TRACE_REUSE", "1")
+    monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path / "cache"))
+    records = []
+    for i in range(2):  # the first finds no kept trace and keeps its own; the second reuses it
+        out = tmp_path / f"warm{i}.json"
+        zoo_run.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:spmd:warm", "--child-out", str(out)))
+        records.append(json.loads(out.read_text()))
+    afresh, reused = records
+    assert any("no trace of it is kept" in m for m in afresh["trace_reuse"]), afresh["trace_reuse"]
+    assert any("reused the trace" in m for m in reused["trace_reuse"]), reused["trace_reuse"]
+    cold = dict(status="ok", spread_ms=dict(min=1.0, max=1.0), per="tokens", peak_gib=1.0, first_call_s=9.0,
+                captures_per_step=0)
+    row = dict(model="gpt2", mode="spmd", cold=cold, warm=reused, ms=1.0, per_s=1.0, tflops=None, mfu=None,
+               first_losses=[1.0, 1.0, 1.0])
+    assert zoo_report.cells(row)[0][-1] == ""
+    row["warm"] = afresh
+    assert zoo_report.cells(row)[0][-1] == f"warm run traced afresh: {afresh['trace_reuse'][-1]}"
+
+
 def test_a_profiled_run_keeps_its_heaviest_kernels_and_the_report_lists_them(tmp_path):
     """``--profile 2``: after the timed windows, two more steps under torch.profiler; the record keeps the time and
     number of kernels per step (on the CPU: ATen ops by their own time) and the heaviest by name, which the markdown

@@ -66,6 +66,9 @@ def cells(r: dict) -> tuple[list[str], str]:
     else:
         warm_text = "FAILED" if warm["status"] == "error" else "skipped"
     note = [] if warm is None or warm["status"] == "ok" else [f"warm run {warm['status']}: {warm['reason']}"]
+    said = (warm or {}).get("trace_reuse") or []
+    if said and not any(" reused the trace " in m for m in said):
+        note.append(f"warm run traced afresh: {said[-1]}")
     captures = cold.get("captures_per_step")
     dloss = r.get("dloss_vs_eager")
     counted = cold.get("flops_counted_by", "flop_counter")

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import gc
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -238,12 +239,17 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     run = ModeRun(mode, Setup(args, device), [], lambda n: None, build=lambda setup: ZOO_MODES[mode].build(spec))
 
+    trace_reuse = _TraceReuseLog() if name == "warm" else contextlib.nullcontext([])
+
     def first_call():
         run.batches = spec.batches()
         if name == "cold":
             record["flops_per_step"], record["flops_counted_by"] = flops_of(spec)
         run.build_and_warm_up(1)
-    run.attempt(first_call)
+    with trace_reuse as said:
+        run.attempt(first_call)
+    if said:
+        record["trace_reuse"] = said
     if run.alive:
         record["wrap_s"] = getattr(run.step, "wrap_s", 0.0)
         captures = getattr(run.step, "captures", lambda: None)
@@ -270,6 +276,29 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
     with open(args.child_out, "w") as f:
         json.dump(record, f)
     return 0
+
+
+class _TraceReuseLog(logging.Handler):
+    """What spmd's kept traces said during a warm run's first call (``spmd.step.trace_store``: reused, or why
+    the step was traced again): the report notes a warm run that traced afresh, and why."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.logger = logging.getLogger("spmd.step.trace_store")
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> list[str]:
+        self.level_before = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self.messages
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
 
 
 def _profile(run: ModeRun, steps: int) -> dict:

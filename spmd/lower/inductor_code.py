@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import py_compile
 import re
 import sys
@@ -165,13 +166,15 @@ def _load_module(code_cache: Any, key: str, path: str, linemap: list) -> ModuleT
     """The module Inductor's code cache (``code_cache``: ``PyCodeCache``) wrote at ``path``, loaded and recorded
     as its ``load_by_key_path`` does, but with its code object from Python's import machinery
     (``SourceFileLoader.get_code``): it reads the bytecode kept in ``__pycache__`` beside the source
-    (``keep_bytecode``) instead of compiling the source again, and keeps it there where it compiles. Inductor's
+    (``keep_bytecode``) instead of compiling the source again, and writes it there where it is missing (also
+    under ``PYTHONDONTWRITEBYTECODE``). Inductor's
     loader compiles the source on every load: for a large step's modules, that was a good part of a restart's
     loading. A module this process loaded already is returned as it is, as Inductor does."""
     loaded = getattr(code_cache, "modules_no_attr", None)
     if isinstance(loaded, dict) and path in loaded:
         return loaded[path]
     name = _module_name(key)
+    _write_bytecode(path, only_if_missing=True)  # a cache whose bytecode was lost regains it here
     bytecode = importlib.machinery.SourceFileLoader(name, path).get_code(name)
     module = ModuleType(name)
     module.__file__ = path
@@ -199,11 +202,20 @@ def keep_bytecode(codes: dict[str, KeptCode]) -> None:
 
     for code in codes.values():
         for piece in code.pieces if isinstance(code, PiecewiseCode) else (code,):
-            try:
-                _, path = PyCodeCache.write(piece.source)
-                py_compile.compile(path, cfile=importlib.util.cache_from_source(path), doraise=True)
-            except Exception as err:  # noqa: BLE001 - only a restart's loading is not spared
-                log.info("spmd: a kept module's bytecode is not written (%s: %s)", type(err).__name__, err)
+            _write_bytecode(PyCodeCache.write(piece.source)[1])
+
+
+def _write_bytecode(path: str, only_if_missing: bool = False) -> None:
+    """Compile the module at ``path`` into its bytecode in ``__pycache__`` beside it (see ``keep_bytecode``);
+    ``only_if_missing``: not where that bytecode is there already. A failure is logged: only a restart's
+    loading is then not spared."""
+    cached = importlib.util.cache_from_source(path)
+    if only_if_missing and os.path.exists(cached):
+        return
+    try:
+        py_compile.compile(path, cfile=cached, doraise=True)
+    except Exception as err:  # noqa: BLE001 - see above
+        log.info("spmd: a kept module's bytecode is not written (%s: %s)", type(err).__name__, err)
 
 
 def load_kept(code: KeptCode, device: torch.device, label: str) -> Optional[Callable[[list], Any]]:

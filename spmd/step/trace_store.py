@@ -122,6 +122,9 @@ class TraceStore:
             self._say(f"spmd: {self.name}'s trace is not kept: {err}")
             return fresh()
         kept = self._load()
+        if not kept:
+            self._say(f"spmd: {self.name} traced: no trace of it is kept in {self.store.path(self.digest)} (none "
+                      "was kept yet with these versions, torch settings, rank, world size, mode and overrides)")
         for candidate in kept:
             why = failed_guard(candidate.guards, now)
             if why is None:
