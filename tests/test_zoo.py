@@ -110,8 +110,8 @@ def test_a_warm_run_keeps_where_its_first_call_went(tmp_path):
 
 
 def test_a_warm_run_that_traced_afresh_is_noted_with_why(tmp_path, monkeypatch):
-    """A warm run keeps what spmd's kept traces said during its first call; the report notes a warm run that
-    traced the step afresh, with the reason, and says nothing of one that reused the kept trace."""
+    """A run keeps what spmd's kept traces said during its first call; the report notes a warm run that traced the
+    step afresh and a cold run whose trace was not kept, with the reason, and says nothing of a reused trace."""
     spec("gpt2")
     monkeypatch.setenv("SPMD_TRACE_REUSE", "1")
     monkeypatch.setenv("SPMD_CACHE_DIR", str(tmp_path / "cache"))
@@ -130,6 +130,8 @@ def test_a_warm_run_that_traced_afresh_is_noted_with_why(tmp_path, monkeypatch):
     assert zoo_report.cells(row)[0][-1] == ""
     row["warm"] = afresh
     assert zoo_report.cells(row)[0][-1] == f"warm run traced afresh: {afresh['trace_reuse'][-1]}"
+    row["warm"], cold["trace_reuse"] = reused, ["spmd: train_step's trace is not kept for the next process: why"]
+    assert zoo_report.cells(row)[0][-1] == f"cold run's trace: {cold['trace_reuse'][0]}"
 
 
 def test_a_profiled_run_keeps_its_heaviest_kernels_and_the_report_lists_them(tmp_path):

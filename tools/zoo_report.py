@@ -66,6 +66,9 @@ def cells(r: dict) -> tuple[list[str], str]:
     else:
         warm_text = "FAILED" if warm["status"] == "error" else "skipped"
     note = [] if warm is None or warm["status"] == "ok" else [f"warm run {warm['status']}: {warm['reason']}"]
+    unkept = [m for m in cold.get("trace_reuse") or [] if "is not kept" in m]
+    if unkept:
+        note.append(f"cold run's trace: {unkept[-1]}")
     said = (warm or {}).get("trace_reuse") or []
     if said and not any(" reused the trace " in m for m in said):
         note.append(f"warm run traced afresh: {said[-1]}")

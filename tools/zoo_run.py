@@ -239,7 +239,7 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     run = ModeRun(mode, Setup(args, device), [], lambda n: None, build=lambda setup: ZOO_MODES[mode].build(spec))
 
-    trace_reuse = _TraceReuseLog() if name == "warm" else contextlib.nullcontext([])
+    trace_reuse = _TraceReuseLog()
 
     def first_call():
         run.batches = spec.batches()
@@ -279,8 +279,9 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
 
 
 class _TraceReuseLog(logging.Handler):
-    """What spmd's kept traces said during a warm run's first call (``spmd.step.trace_store``: reused, or why
-    the step was traced again): the report notes a warm run that traced afresh, and why."""
+    """What spmd's kept traces said during a run's first call (``spmd.step.trace_store``: none kept yet, reused,
+    why the step was traced again, why its trace is not kept): the report notes a cold run whose trace was not
+    kept and a warm run that traced afresh, and why."""
 
     def __init__(self):
         super().__init__(logging.INFO)
