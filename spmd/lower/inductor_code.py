@@ -167,9 +167,8 @@ def _load_module(code_cache: Any, key: str, path: str, linemap: list) -> ModuleT
     as its ``load_by_key_path`` does, but with its code object from Python's import machinery
     (``SourceFileLoader.get_code``): it reads the bytecode kept in ``__pycache__`` beside the source
     (``keep_bytecode``) instead of compiling the source again, and writes it there where it is missing (also
-    under ``PYTHONDONTWRITEBYTECODE``). Inductor's
-    loader compiles the source on every load: for a large step's modules, that was a good part of a restart's
-    loading. A module this process loaded already is returned as it is, as Inductor does."""
+    under ``PYTHONDONTWRITEBYTECODE``). Inductor's loader compiles the source on every load: for a large step's
+    modules, that was a good part of a restart's loading. A module this process loaded already is returned as it is, as Inductor does."""
     loaded = getattr(code_cache, "modules_no_attr", None)
     if isinstance(loaded, dict) and path in loaded:
         return loaded[path]
