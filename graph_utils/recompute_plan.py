@@ -148,17 +148,9 @@ class Planner:
         self._kind: dict[fx.Node, Optional[str]] = {}
 
     def kind(self, node: fx.Node) -> Optional[str]:
-        """``recompute_ops.recompute_kind``, its CHEAP ops told apart: POINTWISE, SPLIT (a softmax, a group norm)
-        or CHEAP."""
+        """``node``'s ``planning_kind`` (remembered: the planner asks often)."""
         if node not in self._kind:
-            kind = recompute_kind(node)[0]
-            if kind == CHEAP and node.target in self.splittable:
-                kind = SPLIT
-            elif kind == CHEAP and node.target in _ROW_OPS:
-                kind = ROW
-            elif kind == CHEAP and is_pointwise(node):
-                kind = POINTWISE
-            self._kind[node] = kind
+            self._kind[node] = planning_kind(node, self.splittable)
         return self._kind[node]
 
     def holds(self, node: fx.Node) -> bool:
@@ -251,13 +243,6 @@ class Planner:
         self.kept.update(dict.fromkeys(members))
         return None if any(f is None for f in found) else found
 
-    @staticmethod
-    def _freed(root: fx.Node, leaves: set, kept_roots) -> int:
-        """Bytes freed by no longer keeping ``root``'s storage, less those newly kept for ``leaves`` (their
-        storages not among ``kept_roots``; ``root``'s own counts as new: it is what would be freed)."""
-        added = sum(tensor_bytes(r) for r in {storage_root(a) for a in leaves} if r not in kept_roots or r is root)
-        return tensor_bytes(root) - added
-
     def read_only_by_fusing_kernels(self, v: fx.Node) -> bool:
         """Every backward reader of ``v`` (through views) is compiled into a kernel a pointwise chain is inlined into."""
         todo = list(self.readers.get(v, ()))
@@ -304,7 +289,7 @@ class Planner:
         # what the readers' kernels read instead of the value; inputs under an eighth of its size (row
         # statistics, biases) do not count, so splitting a softmax does not change the decision
         read = sum(b for b in map(tensor_bytes, leaves | {a for f in found for a in f[2]}) if 8 * b > size)
-        return read <= size and self._freed(root, leaves, kept_roots) > 0
+        return read <= size and _freed(root, leaves, kept_roots) > 0
 
     def _read_by_fusing_backward(self, a: fx.Node) -> bool:
         """A backward node that inlines pointwise producers reads ``a`` (through views)."""
@@ -361,7 +346,7 @@ class Planner:
                 if found is None:
                     continue
                 nodes = {n for f in found for n in f[0]}
-                freed = self._freed(root, {a for f in found for a in f[1]}, groups.keys())
+                freed = _freed(root, {a for f in found for a in f[1]}, groups.keys())
                 if freed <= 0:
                     continue
                 for n in nodes - cost.keys():
@@ -379,6 +364,26 @@ class Planner:
         become pointwise."""
         found = {n: None for v in self.recomputed if v in self.fused for n in self.chains[v] if self.kind(n) == SPLIT}
         return list(found)
+
+
+def planning_kind(node: fx.Node, splittable: frozenset) -> Optional[str]:
+    """``recompute_ops.recompute_kind``, its CHEAP ops told apart: SPLIT (``splittable``: a softmax, a group norm),
+    ROW, POINTWISE or CHEAP."""
+    kind = recompute_kind(node)[0]
+    if kind == CHEAP and node.target in splittable:
+        return SPLIT
+    if kind == CHEAP and node.target in _ROW_OPS:
+        return ROW
+    if kind == CHEAP and is_pointwise(node):
+        return POINTWISE
+    return kind
+
+
+def _freed(root: fx.Node, leaves: set, kept_roots) -> int:
+    """Bytes freed by no longer keeping ``root``'s storage, less those newly kept for ``leaves`` (their
+    storages not among ``kept_roots``; ``root``'s own counts as new: it is what would be freed)."""
+    added = sum(tensor_bytes(r) for r in {storage_root(a) for a in leaves} if r not in kept_roots or r is root)
+    return tensor_bytes(root) - added
 
 
 def _unpacks_unrepeated(a: fx.Node, kind, allowed: tuple) -> bool:

@@ -18,7 +18,7 @@ def test_the_capture_is_fenced_by_releasing_the_matmul_workspaces(monkeypatch):
     events = []
 
     @contextlib.contextmanager
-    def graph(g, pool=None, capture_error_mode=None):
+    def graph(g, pool=None, stream=None, capture_error_mode=None):
         events.append("capture begins")
         yield
         events.append("capture ends")
@@ -29,7 +29,8 @@ def test_the_capture_is_fenced_by_releasing_the_matmul_workspaces(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "MemPool", lambda: type("Pool", (), {"id": (0, 1)})())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(cudagraphs, "release_matmul_workspaces", lambda: events.append("release"))
 

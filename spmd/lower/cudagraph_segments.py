@@ -63,9 +63,16 @@ class _Place:
                                                                          spec.stride)
 
 
-def _view(value: Any) -> Any:
-    """A tensor argument or result as a view of its memory that owns none of it; anything else as it is."""
+def unowned_view(value: Any) -> Any:
+    """A tensor as a view of its memory that owns none of it (freeing every owner frees the memory under it);
+    anything else as it is."""
     return _Place.of(value).view() if isinstance(value, torch.Tensor) else value
+
+
+def storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """The device addresses ``[start, end)`` of ``t``'s whole storage."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ class _HostSizedCall:
 
     @staticmethod
     def of(fn: Callable[..., Any], args: tuple, results: Sequence[torch.Tensor]) -> "_HostSizedCall":
-        return _HostSizedCall(fn, tuple(map(_view, args)), tuple(map(_view, results)))
+        return _HostSizedCall(fn, tuple(map(unowned_view, args)), tuple(map(unowned_view, results)))
 
     def run(self) -> None:
         with torch.no_grad():
@@ -96,16 +103,32 @@ class CudaGraphSegments:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.calls: list[_HostSizedCall] = []
         self.capture_error_mode = capture_error_mode
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.MemPool()  # held for the graphs' lifetime, with the memory they run in
+        self._stream = torch.cuda.Stream()  # the graphs are captured on it, and copies_in_pool allocates on it
         self._open: Optional[tuple[torch.cuda.CUDAGraph, torch.cuda.graph]] = None
         self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, value) before the next replay
 
-    def capture(self, fn: Callable[..., Sequence[Any]], args: Sequence[Any]) -> tuple:
-        """Capture ``fn(*args)``, executing it once; its outputs (tensors in the pool, overwritten by each replay)."""
+    def copies_in_pool(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``values`` allocated in the graphs' memory pool, on the stream they are captured on: a copy
+        handed to ``capture`` (boxed) and let go by the code at its last read leaves its memory to what the graph
+        allocates after that, as a tensor the graph made itself would (cudagraph trees place their recording
+        inputs so)."""
+        if not values:
+            return []
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream), torch.cuda.use_mem_pool(self._pool):
+            copies = [v.clone() for v in values]
+        torch.cuda.current_stream().wait_stream(self._stream)
+        return copies
+
+    def capture(self, fn: Callable[..., Sequence[Any]], args: Sequence[Any], boxed: bool = False) -> tuple:
+        """Capture ``fn(*args)`` (``boxed``: ``fn(args)``, ``args`` a list the call may clear, so that nothing here
+        holds an argument past its last read), executing it once; its outputs (tensors in the pool, overwritten
+        by each replay)."""
         self._begin()
         try:
             with host_sized_ops_handled_by(self._host_sized):
-                outputs = tuple(fn(*args))
+                outputs = tuple(fn(args) if boxed else fn(*args))
         except BaseException:
             if self._open is not None:
                 _, context = self._open
@@ -125,7 +148,8 @@ class CudaGraphSegments:
 
     def _begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
-        context = torch.cuda.graph(graph, pool=self._pool, capture_error_mode=self.capture_error_mode)
+        context = torch.cuda.graph(graph, pool=self._pool.id, stream=self._stream,
+                                   capture_error_mode=self.capture_error_mode)
         context.__enter__()
         self._open = (graph, context)
 

@@ -6,12 +6,17 @@ launch them as fast as the GPU runs them. A CUDA graph launches them all at once
 The step graph makes this safe: parameters, buffers and optimizer state are graph
 inputs updated in place, so they are the graph's static inputs as they are (their
 storage must stay put; a moved one is detected and the graph is captured again).
-The batch, and values carried between iterations, are copied into static buffers
-before each replay. The hyperparameter tensors (lr, betas, ...) are persistent too:
-``spmd.compile`` fills them in place when a value changes. NCCL collectives are captured with the rest (the process
-group's communicator exists by then: the first call runs uncaptured, as warm-up). An op sized on the host
-(a mixture-of-experts loop over each expert's row count) runs eagerly between graphs captured before and after
-it (``spmd.lower.cudagraph_segments``); a step without one is one graph.
+The hyperparameter tensors (lr, betas, ...) are persistent too: ``spmd.compile`` fills them in place when a
+value changes. The batch, and values carried between iterations, are copied into static buffers before each
+replay. Those buffers live in the graph's memory pool and nothing but the captured code holds them, so the
+memory of one the step last reads early (a float32 batch cast to bfloat16 by the first op) goes to what the
+graph allocates after that read, as the recording inputs of torch.compile's CUDA graph trees do; a carried
+output that lands on such a buffer is copied aside before the next call's inputs are copied in.
+
+NCCL collectives are captured with the rest (the process group's communicator exists by then: the first call
+runs uncaptured, as warm-up). An op sized on the host (a mixture-of-experts loop over each expert's row count)
+runs eagerly between graphs captured before and after it (``spmd.lower.cudagraph_segments``); a step without
+one is one graph.
 
 cuBLAS keeps a scratch workspace per stream and a captured matmul keeps using the one it was captured
 with. A workspace made outside this graph's memory pool (by an earlier capture on the same stream, whose
@@ -33,7 +38,7 @@ import torch.fx as fx
 from ..compile_times import phase
 from ..errors import SpmdCompileError
 from ..graph_utils.meta import NAME, ROLE, Role
-from .cudagraph_segments import CudaGraphSegments
+from .cudagraph_segments import CudaGraphSegments, storage_span, unowned_view
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +94,10 @@ class CudaGraphRunner:
         self.num_user_outputs = num_user_outputs
         self.label = label
         self.graph: Optional[CudaGraphSegments] = None
-        self.static_inputs: list = []
+        self.static_inputs: list = []  # persistent inputs as they are; the others as views owning no memory
         self.static_outputs: tuple = ()
         self.pointers: list[int] = []
+        self.carried_over_inputs: frozenset[int] = frozenset()  # storages of carried outputs on static buffers
         self.warmed_up = False
         self.captures = 0
         self.fall_back = fall_back
@@ -125,17 +131,24 @@ class CudaGraphRunner:
                      for i, o in enumerate(self.static_outputs))
 
     def _capture(self, args: tuple) -> None:
-        """Capture ``fn`` on this call's inputs, which become the static ones; the capture runs the step once
-        (``CudaGraphSegments``), so this call's outputs are the static outputs as they are now."""
-        self.static_inputs = [a if p else a.clone() for a, p in zip(args, self.persistent)]
-        self.pointers = [a.data_ptr() for a, p in zip(args, self.persistent) if p]
+        """Capture ``fn`` on this call's inputs, the persistent ones as they are and copies of the others in the
+        graph's pool (the static buffers, held here only as views that own no memory); the capture runs the step
+        once (``CudaGraphSegments``), so this call's outputs are the static outputs as they are now."""
         graph = CudaGraphSegments()
+        copies = iter(graph.copies_in_pool([a for a, p in zip(args, self.persistent) if not p]))
+        inputs = [a if p else next(copies) for a, p in zip(args, self.persistent)]
+        del copies
+        self.static_inputs = [a if p else unowned_view(a) for a, p in zip(inputs, self.persistent)]
+        self.pointers = [a.data_ptr() for a, p in zip(args, self.persistent) if p]
         torch.cuda.synchronize()
         release_matmul_workspaces()  # the capture's cuBLAS workspace is then made in the graph's own pool
         try:
             # thread_local: the NCCL watchdog thread keeps querying events during capture
             with phase(f"cudagraph/{self.label}/capture"):
-                self.static_outputs = graph.capture(self.fn, self.static_inputs)
+                boxed = getattr(self.fn, "boxed", None)
+                self.static_outputs = (graph.capture(boxed, inputs, boxed=True) if boxed is not None
+                                       else graph.capture(self.fn, inputs))
+            self.carried_over_inputs = self._carried_over_inputs()
         except Exception as e:  # capture records work and runs none of the user's state writes: nothing changed
             self.static_inputs, self.static_outputs = [], ()
             if self.fall_back:
@@ -155,6 +168,28 @@ class CudaGraphRunner:
         log.info("spmd: captured the %s graph as %d CUDA graph(s) (capture #%d)", self.label, len(graph.graphs),
                  self.captures)
 
+    def _carried_over_inputs(self) -> frozenset[int]:
+        """The storages of the carried outputs (handed back to be copied in again) that overlap a static buffer:
+        the graph wrote them after the buffer's last read, and the next call's copies into the buffers would
+        overwrite them before they are read."""
+        buffers = [storage_span(s) for s, p in zip(self.static_inputs, self.persistent) if not p]
+
+        def on_a_buffer(t: torch.Tensor) -> bool:
+            start, end = storage_span(t)
+            return any(start < b_end and b_start < end for b_start, b_end in buffers)
+
+        carried = [o for o in self.static_outputs[self.num_user_outputs:] if isinstance(o, torch.Tensor)]
+        return frozenset(storage_span(o)[0] for o in carried if on_a_buffer(o))
+
+    def _copy_in(self, args: tuple) -> None:
+        """Copy this call's inputs into the static buffers (a carried output lying on one copied aside first)."""
+        if self.carried_over_inputs:
+            args = tuple(a.clone() if isinstance(a, torch.Tensor) and storage_span(a)[0] in self.carried_over_inputs
+                         else a for a in args)
+        for static, a, p in zip(self.static_inputs, args, self.persistent):
+            if not p and static.data_ptr() != a.data_ptr():
+                static.copy_(a)
+
     def __call__(self, *args):
         if self.uncaptured:
             return tuple(self.fn(*args))
@@ -171,8 +206,6 @@ class CudaGraphRunner:
         if self.graph is None:
             self._capture(args)  # this call's inputs are the static ones, and the capture ran the step
             return tuple(self.fn(*args)) if self.uncaptured else self._outputs()
-        for static, a, p in zip(self.static_inputs, args, self.persistent):
-            if not p and static.data_ptr() != a.data_ptr():
-                static.copy_(a)
+        self._copy_in(args)
         self.graph.replay()
         return self._outputs()

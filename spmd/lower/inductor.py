@@ -162,7 +162,9 @@ def _positional(compiled: Callable[[list], Any], gm: fx.GraphModule) -> Callable
     """``compiled`` (Inductor's boxed convention: called on a list, which it may clear) called positionally, its
     outputs in the dtypes ``gm``'s graph gives them (``as_their_graph_gives``): a step's parts run as separate
     graphs (``spmd.step.iter_graph_module``), each compiled for the values the one before hands it as its graph
-    says, and the user's outputs are as eager's."""
+    says, and the user's outputs are as eager's. Its ``boxed`` attribute calls ``compiled`` on the list given,
+    which a CUDA graph's capture uses so that its static buffers are let go at their last read
+    (``spmd.lower.cudagraphs``)."""
     outputs = [n.meta.get("val") if isinstance(n, fx.Node) else None
                for n in pytree.tree_leaves(gm.graph.output_node().args[0])]
     conform = as_their_graph_gives((), [v.dtype if isinstance(v, torch.Tensor) else None for v in outputs], "output")
@@ -170,6 +172,7 @@ def _positional(compiled: Callable[[list], Any], gm: fx.GraphModule) -> Callable
     def run(*args):
         return conform(compiled(list(args)))
 
+    run.boxed = lambda args: conform(compiled(args))
     return run
 
 
