@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from spmd.lower.cudagraphs import CudaGraphRunner
+from spmd.lower.inductor import compile_with_inductor
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 N = 1 << 22  # float32 elements of the batch: 16 MiB
 
@@ -46,6 +47,8 @@ def _capture_peak(runner: CudaGraphRunner, x: torch.Tensor) -> int:
     return torch.cuda.max_memory_allocated() - start
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_batch_read_first_leaves_its_buffer_to_what_the_graph_allocates_after():
     x = torch.randn(N, device="cuda")
     reused = CudaGraphRunner(_boxed(_cast_then_widen), persistent=[False], num_user_outputs=1)
@@ -71,6 +74,8 @@ def _carry(args: list) -> tuple:
     return total * 1, out
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_carried_output_on_the_batchs_buffer_reaches_the_next_call_intact():
     runner = CudaGraphRunner(_boxed(_carry), persistent=[False, False], num_user_outputs=1)
     gen = torch.Generator("cuda").manual_seed(0)
@@ -83,3 +88,20 @@ def test_a_carried_output_on_the_batchs_buffer_reaches_the_next_call_intact():
         torch.testing.assert_close(carried, expected)
         if call:  # captured on the second call: the carried value did land on the batch's buffer
             assert runner.carried_over_inputs
+
+
+def test_inductors_code_called_boxed_lets_go_of_the_list_it_is_handed():
+    """What the capture relies on, checked with Inductor's C++ code (its wrapper clears the list as the Triton one
+    does): ``.boxed`` hands the list itself to the code, which empties it, so a static buffer in it has no owner
+    but the code's own variables."""
+    def step(x):
+        return (x.sin() * 2,)
+
+    gm = make_fx(step)(torch.randn(8))
+    run, _ = compile_with_inductor(gm, [torch.randn(8)])
+    x = torch.randn(8)
+    handed = [x.clone()]
+    (out,) = run.boxed(handed)
+    assert handed == []
+    torch.testing.assert_close(out, step(x)[0])
+    torch.testing.assert_close(run(x)[0], step(x)[0])  # positionally, as before
