@@ -15,7 +15,7 @@ import builtins
 import functools
 import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -158,14 +158,15 @@ def _fake(spec: Any, mode, devices: dict) -> Any:
     return spec
 
 
-def load_graph(record: GraphRecord) -> fx.GraphModule:
+def load_graph(record: GraphRecord, graph: Optional[fx.Graph] = None) -> fx.GraphModule:
     """The ``fx.GraphModule`` a record was made from: the same nodes, targets, arguments and kept
-    metadata (tensor values as fake tensors of one ``FakeTensorMode``), constants on their devices."""
+    metadata (tensor values as fake tensors of one ``FakeTensorMode``), constants on their devices.
+    ``graph``: an empty graph (of a subclass) to build it in; default a new ``fx.Graph``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.graph_module import _assign_attr
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    graph = fx.Graph()
+    graph = fx.Graph() if graph is None else graph
     env: dict[str, fx.Node] = {}
     devices: dict[str, torch.device] = {}
 
@@ -180,8 +181,13 @@ def load_graph(record: GraphRecord) -> fx.GraphModule:
 
     root = torch.nn.Module()
     for entry in record.nodes:
-        node = graph.create_node(entry["op"], _resolve_target(entry["target"]), arg(entry["args"]),
-                                 arg(entry["kwargs"]), name=entry["name"])
+        # made bare, then given its arguments: create_node walks given arguments for symbolic values, which a
+        # record never holds, at a third of a large graph's load time
+        node = graph.create_node(entry["op"], _resolve_target(entry["target"]), name=entry["name"])
+        if entry["args"]:
+            node.args = arg(entry["args"])
+        if entry["kwargs"]:
+            node.kwargs = arg(entry["kwargs"])
         if node.name != entry["name"]:
             raise UnrecordableGraph(f"node {entry['name']} came back as {node.name}")
         for key, value in entry["meta"].items():

@@ -41,6 +41,8 @@ MAGIC = b"spmd-compile-cache 1"
 SUFFIX = ".spmd"
 FUNCTIONS = "functions"  # a marker per step function compiled or loaded here (``mark_function``)
 CHECKS = "checks"  # the optimizer checks' verdicts (``spmd.checks.optimizer_probe``), in entries of their own
+TRACES = "traces"          # kept traces (spmd.step.trace_store)
+TRANSFORMS = "transforms"  # kept transforms (spmd.step.transform_store)
 
 
 def resolve_cache_dir(cache_dir: Union[str, os.PathLike, bool, None] = None) -> Optional[Path]:
@@ -206,7 +208,8 @@ class CacheStore:
                 entry.path.unlink(missing_ok=True)
                 removed += 1
         if not damaged_only:
-            for marker in (*(self.root / FUNCTIONS).glob("*"), *(self.root / CHECKS).glob(f"*{SUFFIX}")):
+            kept = [p for folder in (CHECKS, TRACES, TRANSFORMS) for p in (self.root / folder).glob(f"*{SUFFIX}")]
+            for marker in (*(self.root / FUNCTIONS).glob("*"), *kept):
                 marker.unlink(missing_ok=True)
         return removed
 

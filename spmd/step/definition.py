@@ -41,6 +41,7 @@ from .describe import canonical_json
 from .job_compile import job_store
 from .stages import Traced
 from .step_cache import StepCache, cacheable
+from . import transform_store
 from .trace_store import TraceStore, reuse_on, step_roots, trace_index
 from .transformation import GraphModuleTransformation, default_transformation
 from .value_watch import ValueWatch
@@ -196,8 +197,9 @@ class StepDefinition:
         """Every stage for a call with these arguments on ``state``: (the lowered step, the state it was traced
         on, the optimizer state created for it). ``cached``: lowered with the code the persistent compile cache
         keeps for its graphs, or by the rank that lowers it for the job (``spmd.step.step_cache``), else lowered
-        here and stored; the step is always traced and transformed here (the cache is keyed by the graphs that
-        made, never by the code). ``plan``: ``trace``'s zero-gradient plan. On failure the created optimizer
+        here and stored; the step is traced here, or its kept trace reused where nothing it stood on changed, and
+        transformed here, or its kept transform reused where that trace's was kept by spmd's own passes
+        (``spmd.step.transform_store``); the cache is keyed by the graphs that made, never by the code. ``plan``: ``trace``'s zero-gradient plan. On failure the created optimizer
         state is removed again."""
         transformation = self.transformation_for(state)
         if isinstance(transformation, GraphModuleTransformation) and not self.expects_to_load():
@@ -206,7 +208,7 @@ class StepDefinition:
                                           transformation.workers)
         traced = self.trace(state, args, kwargs, **plan)
         try:
-            transformed = traced.transform()
+            transformed = transform_store.transformed(traced, self.compile_cache)
             cache = self._step_cache(transformed.runner) if cached else None
             entry = transformed.lower(args, kwargs, cache)
         except BaseException:

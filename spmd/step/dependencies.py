@@ -18,6 +18,9 @@ attributes and what they hold, hooks
 the code: the user's source files,     unchanged within a process                   the trace's guards (file digests,
 libraries, torch and spmd                                                           versions, spmd's source digest)
 the rank, world size, parallel mode    the step's definition (fixed at the wrap)    the trace index
+the transformation: its passes and     the step's definition (fixed at the wrap)    a kept transform's name (the kept trace's
+settings                                                                            id, the passes, the settings), where only
+                                                                                    spmd's passes run (``transform_store``)
 =====================================  ===========================================  ==========================================
 
 The lowered code is then keyed by the graphs themselves (``cache_key``), with ``ambient`` and the lowering's

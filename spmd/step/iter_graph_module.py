@@ -222,10 +222,18 @@ class IterGraphModule(nn.Module):
     ``lower`` makes of each graph; without it, or before ``lower``, the FX graphs run.
     """
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, copy: bool = True):
+        """``gm``'s graph copied as the logical graph; ``copy=False``: ``gm``'s own graph, an ``IterGraph`` nothing
+        else edits (one loaded from a record, ``spmd.step.transform_store``)."""
         super().__init__()
-        logical = IterGraph()
-        logical.output(logical.graph_copy(gm.graph, {}))
+        if copy:
+            logical = IterGraph()
+            logical.output(logical.graph_copy(gm.graph, {}))
+        elif isinstance(gm.graph, IterGraph):
+            logical = gm.graph
+        else:
+            raise TypeError(f"IterGraphModule(copy=False) takes a module whose graph is an IterGraph, not "
+                            f"{type(gm.graph).__name__}")
         self._logical = lazy_graph_module(gm, logical)  # code built on first run (passes edit it first)
         self.num_user_outputs = len(_outputs(logical)[1])
         self._stage_gms: Optional[tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule]] = None

@@ -11,7 +11,8 @@ A later process checks the guards before it uses a kept trace and traces afresh 
 keeping that trace too (the newest ``KEPT_PER_STEP``).
 
 The user's transformation and passes run in every process, on the reused trace as on a fresh one, so what
-they print, count or dump happens each time. The trace's own side effects come back with it: the warnings it
+they print, count or dump happens each time; where only spmd's own passes run, what they made of a kept trace is
+kept with it (``spmd.step.transform_store``, named by the trace's ``KeptTrace.uid``). The trace's own side effects come back with it: the warnings it
 gave, and what it assumed of the optimizers' hyperparameters (``TracedStep.learned``), which join the step's
 own facts (``StepState.learned``) as a fresh trace's do.
 
@@ -26,10 +27,12 @@ Recording what a trace runs needs ``sys.monitoring`` (Python 3.12 and newer, ``s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import os
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -46,16 +49,15 @@ from ..trace.accumulation import LEAVES_GRADS, GradPlan
 from ..trace.capture import TracedStep
 from ..trace.step_state import StepState
 from .cache_key import versions
-from .cache_store import CacheStore
+from .cache_store import TRACES, CacheStore
 from .dependencies import ambient
 from .describe import canonical_json, describe
 from .trace_guards import TraceGuards, Unguardable, failed_guard, fingerprint, guards_for
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2            # bumped when what a kept trace holds changes
+FORMAT = 3            # bumped when what a kept trace holds changes
 KEPT_PER_STEP = 4     # kept traces per index, the newest first
-TRACES = "traces"     # their folder in the compile cache directory
 
 
 @dataclass
@@ -72,6 +74,7 @@ class KeptTrace:
     live: dict
     learned: hyperparams.LearnedFacts
     warnings: list
+    uid: str = ""  # this trace's id, which what is kept of its transform names (``spmd.step.transform_store``)
     format: int = FORMAT
 
 
@@ -139,24 +142,30 @@ class TraceStore:
             for w in caught:  # shown as they would have been, and kept to be shown again on reuse
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if reads is not None:
-            self._keep(traced, reads, now, caught, kept)
+            uid = self._keep(traced, reads, now, caught, kept)
+            if uid is not None:
+                traced = dataclasses.replace(traced, kept_id=uid)
         return traced
 
-    def _keep(self, traced: TracedStep, reads: code_reads.CodeReads, now: Any, caught: list, kept: list) -> None:
+    def _keep(self, traced: TracedStep, reads: code_reads.CodeReads, now: Any, caught: list,
+              kept: list) -> Optional[str]:
+        """Keep ``traced`` with its guards; its id, or None where it is not kept (said once in the log)."""
         why = unkept_because(traced)
         try:
             if why is None:
                 record = KeptTrace(
                     guards_for(reads, now), record_graph(traced.gm), bool(traced.gm.meta.get(LEAVES_GRADS)),
                     _spec_text(traced.out_spec), traced.grads, dict(traced.live), traced.learned,
-                    [(str(w.message), w.category, w.filename, w.lineno) for w in caught])
+                    [(str(w.message), w.category, w.filename, w.lineno) for w in caught], uuid.uuid4().hex)
                 self.store.save(self.digest, [record, *kept][:KEPT_PER_STEP])
+                return record.uid
         except (Unguardable, UnrecordableGraph) as err:
             why = str(err)
         except Exception as err:  # noqa: BLE001 - a trace that cannot be stored is traced again next time
             why = f"it could not be stored ({type(err).__name__}: {err})"
         if why is not None:
             self._say(f"spmd: {self.name}'s trace is not kept for the next process: {why}")
+        return None
 
     def _load(self) -> list:
         payload = self.store.load(self.digest)
@@ -174,7 +183,7 @@ class TraceStore:
         log.info("spmd: %s reused the trace kept in %s (%.2f s)", self.name, self.store.path(self.digest),
                  time.perf_counter() - start)
         return TracedStep(gm=gm, out_spec=pytree.treespec_loads(kept.out_spec), grads=copy.deepcopy(kept.grads),
-                          live=dict(kept.live), learned=copy.deepcopy(kept.learned))
+                          live=dict(kept.live), learned=copy.deepcopy(kept.learned), kept_id=kept.uid)
 
     def _say(self, message: str) -> None:
         if message not in self._said:

@@ -176,7 +176,7 @@ class GraphModuleTransformation:
         if self.lowering.inductor and dumping():
             self._dump_rewrites(igm)
         log.info("spmd: applied passes %s", [pass_info(p).name for p in applied_passes(igm)])
-        self._warn_if_budget_unmet(igm)
+        self.warn_if_budget_unmet(igm)
         return igm
 
     def _dump_rewrites(self, igm: IterGraphModule) -> None:
@@ -191,13 +191,15 @@ class GraphModuleTransformation:
                 warnings.warn(f"spmd: graph dump skipped the lowering rewrites of the {label} graph "
                               f"({type(e).__name__}: {e}); the step compiles as usual.", RuntimeWarning, stacklevel=3)
 
-    def _warn_if_budget_unmet(self, igm: IterGraphModule) -> None:
-        """A budget recompute could not meet is said once, with the peak estimated on the graph the step is
-        lowered from (``Lowering.graph_to_estimate``), after every pass has run."""
+    def warn_if_budget_unmet(self, igm: IterGraphModule) -> None:
+        """A budget recompute could not meet is said once per transform (a kept one reused included), with the
+        peak estimated on the graph the step is lowered from (``Lowering.graph_to_estimate``), after every pass
+        has run."""
         plan = recompute_plan(igm)
         if plan is None or plan.met:
             return
-        plan.peak = memory_profile(self.lowering.graph_to_estimate(igm), inductor=self.lowering.inductor).peak
+        if plan.peak is None:
+            plan.peak = memory_profile(self.lowering.graph_to_estimate(igm), inductor=self.lowering.inductor).peak
         warn_unmet_budget(plan)
 
 

@@ -91,6 +91,8 @@ class TracedStep:
     learned: LearnedFacts = field(default_factory=LearnedFacts)
     # the code it ran (``spmd.trace.code_reads``) where that was recorded; None for a kept trace reused
     reads: Optional[CodeReads] = None
+    # the id of the kept trace it is (``spmd.step.trace_store``), or None where it is not kept
+    kept_id: Optional[str] = None
 
 
 @contextlib.contextmanager
