@@ -158,6 +158,10 @@ def _fake(spec: Any, mode, devices: dict) -> Any:
     return spec
 
 
+_LEAVES = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                     torch.memory_format))  # argument types that hold no node
+
+
 def load_graph(record: GraphRecord, graph: Optional[fx.Graph] = None) -> fx.GraphModule:
     """The ``fx.GraphModule`` a record was made from: the same nodes, targets, arguments and kept
     metadata (tensor values as fake tensors of one ``FakeTensorMode``), constants on their devices.
@@ -170,10 +174,15 @@ def load_graph(record: GraphRecord, graph: Optional[fx.Graph] = None) -> fx.Grap
     env: dict[str, fx.Node] = {}
     devices: dict[str, torch.device] = {}
 
-    def arg(a: Any) -> Any:
-        if isinstance(a, NodeRef):
+    def arg(a: Any) -> Any:  # by exact type first: called for every argument of every node
+        kind = type(a)
+        if kind is NodeRef:
             return env[a.name]
-        if isinstance(a, (list, tuple)):
+        if kind is tuple or kind is list:
+            return kind([arg(x) for x in a])
+        if kind in _LEAVES:
+            return a
+        if isinstance(a, (list, tuple)):  # a named tuple or a subclass
             return type(a)(arg(x) for x in a)
         if isinstance(a, dict):
             return {k: arg(v) for k, v in a.items()}

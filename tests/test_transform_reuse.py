@@ -14,7 +14,7 @@ import torch
 
 import spmd
 from spmd.passes import applied_passes, graph_optimization_pass, pass_info, recompute_plan
-from spmd.step import transform_store
+from spmd.step import trace_store, transform_store
 from spmd.step.cache_store import CacheStore
 from spmd.tools.models import MLP
 
@@ -33,11 +33,11 @@ def _reuse_on(monkeypatch):
     monkeypatch.delenv("SPMD_DUMP_DIR", raising=False)
 
 
-def _train(cache, transformation=None) -> tuple[list, list, spmd.CompiledTrainStep]:
+def _train(cache, transformation=None, lr: float = 0.01) -> tuple[list, list, spmd.CompiledTrainStep]:
     """Three steps of a fresh compile: (losses, parameters, the compiled step)."""
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16).double()
-    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    optim = torch.optim.Adam(model.parameters(), lr=lr)
     step = spmd.compile(cache_dir=cache, gm_transformation=transformation)(train_step)
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -79,7 +79,7 @@ def _trace(step: spmd.CompiledTrainStep):
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16).double()
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    return step.trace(model, optim, torch.zeros(8, 16, dtype=torch.float64), torch.zeros(8, 16, dtype=torch.float64))
+    return step.trace(model, optim, *_inputs())
 
 
 def test_a_changed_setting_is_another_kept_transform(tmp_path):
@@ -144,3 +144,41 @@ def test_clearing_the_cache_removes_the_kept_traces_and_transforms(tmp_path):
     assert not list((cache / "transforms").glob("*.spmd")) and not list((cache / "traces").glob("*.spmd"))
     reused, step = _transformed_again(cache)
     assert not reused and "trace/reused" not in step.compile_times
+
+
+def test_a_reused_transform_leaves_the_kept_traces_graph_unloaded_until_it_is_read(tmp_path):
+    cache = tmp_path / "cache"
+    _transformed_again(cache)
+    traced = _trace(spmd.compile(cache_dir=cache)(train_step))
+    assert traced.step.gm is None and "graph" not in vars(traced)
+    kept = transform_store.transformed(traced, CacheStore(cache))
+    entry = kept.lower(_inputs())
+    assert "graph" not in vars(traced)  # neither reusing the transform nor lowering read it
+    fresh = _trace(spmd.compile(cache_dir=False)(train_step))
+    assert str(entry.graph.graph) == str(fresh.graph.graph)  # read: loaded and expanded as a fresh trace's
+
+
+def _inputs() -> tuple:
+    return torch.zeros(8, 16, dtype=torch.float64), torch.zeros(8, 16, dtype=torch.float64)
+
+
+def test_a_trace_dropped_from_the_kept_ones_takes_its_graph_and_transforms_along(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace_store, "KEPT_PER_STEP", 1)
+    cache = tmp_path / "cache"
+    _train(cache, lr=0.01)
+    (first,) = [p.name for p in (cache / "transforms").glob("*.spmd")]
+    assert (cache / "traces" / f"graph-{first.split('-')[0]}.spmd").exists()
+    _train(cache, lr=0.02)  # another optimizer setting: traced again, the first trace dropped
+    (second,) = [p.name for p in (cache / "transforms").glob("*.spmd")]
+    assert second != first and not (cache / "traces" / f"graph-{first.split('-')[0]}.spmd").exists()
+
+
+def test_a_damaged_kept_graph_is_traced_again(tmp_path, caplog):
+    cache = tmp_path / "cache"
+    _train(cache)
+    (graph,) = (cache / "traces").glob("graph-*.spmd")
+    graph.write_bytes(graph.read_bytes()[:-10])
+    with caplog.at_level(logging.INFO, logger=trace_store.__name__):
+        reused, step = _transformed_again(cache)
+    assert not reused and "trace/reused" not in step.compile_times
+    assert "the kept trace's graph was removed" in caplog.text

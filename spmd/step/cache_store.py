@@ -67,6 +67,12 @@ def encode(payload: Any) -> bytes:
 
 def decode(entry: bytes) -> Any:
     """The payload of ``entry`` (``encode``'s bytes); ``ValueError`` naming what is wrong with it."""
+    return pickle.loads(verified(entry))
+
+
+def verified(entry: bytes) -> bytes:
+    """The pickled payload of ``entry`` (``encode``'s bytes), its header and checksum checked (``ValueError``
+    naming what is wrong), not yet unpickled."""
     header, sep, data = entry.partition(b"\n")
     parts = header.split(b" ")
     if not sep or len(parts) != 4 or b" ".join(parts[:2]) != MAGIC:
@@ -76,7 +82,7 @@ def decode(entry: bytes) -> Any:
         raise ValueError(f"truncated: {len(data)} of {length} bytes")
     if hashlib.sha256(data).hexdigest() != digest:
         raise ValueError("its contents do not match their checksum")
-    return pickle.loads(data)
+    return data
 
 
 @dataclass

@@ -171,17 +171,24 @@ class StepDefinition:
                     watch = ValueWatch.after_trace(self.fn, state.modules, args, kwargs, traced.reads,
                                                    counted=counters(traced.replays))
                 with phase("expand"):
-                    gm = self.parallel_mode.expand(traced.gm, grad_order=grad_order,
-                                                   mesh_dims=self.parallel_mode.mesh_dims(state))
-                    refuse_untrained_parameters(self.parallel_mode, gm, state)
+                    expand = functools.partial(self._expanded, state, grad_order, self.parallel_mode.mesh_dims(state))
+                    # a kept trace whose kept transform is reused: loaded and expanded only where it is read
+                    gm = expand(traced.gm) if traced.gm is not None else lambda: expand(traced.load_gm())
             except BaseException:
                 undo_created(created)
                 raise
+        return Traced(gm, traced, state, tuple(created), times, dict(dump.stages), dump.options, self.name,
+                      self.transformation_for(state), self.parallel_mode, watch)
+
+    def _expanded(self, state: StepState, grad_order: Optional[list], mesh_dims: Any, gm: Any) -> Any:
+        """The traced graph ``gm`` expanded for the parallel mode (its untrained parameters refused), then the
+        module overrides' graph transforms applied."""
+        gm = self.parallel_mode.expand(gm, grad_order=grad_order, mesh_dims=mesh_dims)
+        refuse_untrained_parameters(self.parallel_mode, gm, state)
         for override in self.module_override:
             gm = override.transform(gm, state.flat_tensors()) if hasattr(override, "transform") else gm
         gm.meta.setdefault(PARALLEL_MODE, self.parallel_mode)  # an override may have built a new graph
-        return Traced(gm, traced, state, tuple(created), times, dict(dump.stages), dump.options, self.name,
-                      self.transformation_for(state), self.parallel_mode, watch)
+        return gm
 
     def _trace(self, state: StepState, args: tuple, kwargs: dict, zero_grads_for: frozenset) -> TracedStep:
         """The step traced, or the trace an earlier process kept where nothing it stood on changed
@@ -190,7 +197,12 @@ class StepDefinition:
         if self.compile_cache is None or zero_grads_for or not reuse_on():
             return tracer.fresh()
         index = trace_index(self.fn, self.parallel_mode, self.module_override)
-        return TraceStore(self.compile_cache, index, self.name).trace(tracer.fresh, state, tracer.roots)
+        transformation = self.transformation_for(state)
+
+        def graph_needed(uid: str) -> bool:
+            return not transform_store.is_kept(self.compile_cache, uid, transformation, self.parallel_mode)
+
+        return TraceStore(self.compile_cache, index, self.name).trace(tracer.fresh, state, tracer.roots, graph_needed)
 
     def compile(self, state: StepState, args: tuple, kwargs: dict, cached: bool = True,
                 **plan) -> tuple[CompiledStep, StepState, list]:

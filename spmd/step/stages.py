@@ -10,12 +10,13 @@ with the code the compile cache keeps where it is given one (``spmd.step.step_ca
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,9 +50,10 @@ class Traced:
     far; ``dumps``, the graphs recorded for a dump (``spmd.graph_utils.dumps``) under ``dump_options``;
     ``transformation``, the one the step's compile applies (``transform``'s default); ``mode``, the parallel
     mode that expanded ``graph`` (handed to our transformation with it); ``watch``, the Python values the trace
-    read (``spmd.step.value_watch``)."""
+    read (``spmd.step.value_watch``). ``graph_source`` is the graph, or what loads and expands it where it is
+    first read (a reused kept trace whose kept transform is reused, ``spmd.step.transform_store``)."""
 
-    graph: fx.GraphModule
+    graph_source: Union[fx.GraphModule, Callable[[], fx.GraphModule]]
     step: TracedStep
     state: StepState
     created: tuple = ()
@@ -62,6 +64,13 @@ class Traced:
     transformation: Optional[Callable] = None
     mode: Optional[DataParallel] = None
     watch: Optional[ValueWatch] = None  # the Python values the trace read, checked before each call
+
+    @functools.cached_property
+    def graph(self) -> fx.GraphModule:
+        """The step traced and expanded for its parallel mode (built on first read where ``graph_source`` builds
+        it)."""
+        source = self.graph_source
+        return source if isinstance(source, fx.GraphModule) else source()
 
     def transform(self, transformation: Optional[Callable] = None) -> Transformed:
         """The transform stage: ``transformation`` (e.g. ``spmd.GraphModuleTransformation``; default: the
@@ -112,7 +121,8 @@ class Transformed:
         place where a step is lowered."""
         traced = self.traced
         step = traced.step
-        entry = CompiledStep(self.runner, step.out_spec, traced.graph, compile_times=dict(self.compile_times),
+        graph = traced.graph if "graph" in vars(traced) else lambda: traced.graph  # not loaded here: a kept transform's
+        entry = CompiledStep(self.runner, step.out_spec, graph, compile_times=dict(self.compile_times),
                              first_step=first_step_slots(traced.state, list(traced.created)), grads=step.grads,
                              dtensors=step.dtensors, replays=step.replays, live=step.live,
                              watch=traced.watch)

@@ -8,7 +8,9 @@ compile cache directory (``traces/``), with the guards of everything it was made
 the step reaches, the environment variables it read), under an index of what every trace of the step shares
 (the step function, the torch and spmd versions, torch's settings, the rank and world size, the parallel mode).
 A later process checks the guards before it uses a kept trace and traces afresh at the first that fails,
-keeping that trace too (the newest ``KEPT_PER_STEP``).
+keeping that trace too (the newest ``KEPT_PER_STEP``). Each kept trace's graph is an entry of its own
+(``graph_entry``), read once its guards hold and loaded only where the graph is transformed or read; a trace that
+drops out of the newest takes its graph and its kept transforms along.
 
 The user's transformation and passes run in every process, on the reused trace as on a fresh one, so what
 they print, count or dump happens each time; where only spmd's own passes run, what they made of a kept trace is
@@ -28,9 +30,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
+import pickle
 import time
 import uuid
 import warnings
@@ -42,32 +46,32 @@ import torch.utils._pytree as pytree
 
 from ..compile_times import phase
 from ..graph_utils import make_lazy
-from ..graph_utils.graph_record import GraphRecord, UnrecordableGraph, load_graph, record_graph
+from ..graph_utils.graph_record import UnrecordableGraph, load_graph, record_graph
 from ..optim import hyperparams
 from ..trace import code_reads
 from ..trace.accumulation import LEAVES_GRADS, GradPlan
 from ..trace.capture import TracedStep
 from ..trace.step_state import StepState
 from .cache_key import versions
-from .cache_store import TRACES, CacheStore
+from .cache_store import SUFFIX, TRACES, TRANSFORMS, CacheStore, verified
 from .dependencies import ambient
 from .describe import canonical_json, describe
 from .trace_guards import TraceGuards, Unguardable, failed_guard, fingerprint, guards_for
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3            # bumped when what a kept trace holds changes
+FORMAT = 4            # bumped when what a kept trace holds changes
 KEPT_PER_STEP = 4     # kept traces per index, the newest first
 
 
 @dataclass
 class KeptTrace:
-    """A trace as plain data, with its guards: the traced graph and how to call it (``TracedStep``'s fields),
-    the hyperparameter facts it stood on (``TracedStep.learned``) and its warnings (message, category, file,
-    line)."""
+    """A trace as plain data, with its guards: how to call its graph (``TracedStep``'s fields), the hyperparameter
+    facts it stood on (``TracedStep.learned``) and its warnings (message, category, file, line). Its graph (a
+    ``GraphRecord``) is an entry of its own (``graph_entry``), read only where the guards hold and loaded only where
+    it is transformed or read."""
 
     guards: TraceGuards
-    graph: GraphRecord
     leaves_grads: bool
     out_spec: str  # pytree.treespec_dumps
     grads: GradPlan
@@ -114,9 +118,12 @@ class TraceStore:
         self.name = name
         self._said: set[str] = set()
 
-    def trace(self, fresh: Callable[[], TracedStep], state: StepState, roots: Callable[[], Any]) -> TracedStep:
+    def trace(self, fresh: Callable[[], TracedStep], state: StepState, roots: Callable[[], Any],
+              graph_needed: Callable[[str], bool] = lambda uid: True) -> TracedStep:
         """A kept trace whose guards hold (``roots()``: the fingerprint of what the step reaches now), else
-        ``fresh()``, kept for the next process where it can be."""
+        ``fresh()``, kept for the next process where it can be. ``graph_needed(uid)``: False where the kept
+        trace ``uid``'s graph will not be transformed (its kept transform is reused): it is then loaded only
+        where something reads it (``TracedStep.load_gm``)."""
         if self.store is None:
             return fresh()
         try:
@@ -130,10 +137,11 @@ class TraceStore:
                       "was kept yet with these versions, torch settings, rank, world size, mode and overrides)")
         for candidate in kept:
             why = failed_guard(candidate.guards, now)
-            if why is None:
+            graph = self._graph_data(candidate.uid) if why is None else None
+            if graph is not None:
                 with phase("trace/reused"):
-                    return self._reuse(candidate, state)
-            log.info("spmd: %s traced again: %s", self.name, why)
+                    return self._reuse(candidate, graph, state, graph_needed(candidate.uid))
+            log.info("spmd: %s traced again: %s", self.name, why or "the kept trace's graph was removed")
         caught: list = []
         try:
             with code_reads.recording(force=True) as reads, warnings.catch_warnings(record=True) as caught:
@@ -154,10 +162,14 @@ class TraceStore:
         try:
             if why is None:
                 record = KeptTrace(
-                    guards_for(reads, now), record_graph(traced.gm), bool(traced.gm.meta.get(LEAVES_GRADS)),
+                    guards_for(reads, now), bool(traced.gm.meta.get(LEAVES_GRADS)),
                     _spec_text(traced.out_spec), traced.grads, dict(traced.live), traced.learned,
                     [(str(w.message), w.category, w.filename, w.lineno) for w in caught], uuid.uuid4().hex)
-                self.store.save(self.digest, [record, *kept][:KEPT_PER_STEP])
+                self.store.save(graph_entry(record.uid), record_graph(traced.gm))
+                now_kept = [record, *kept]
+                self.store.save(self.digest, now_kept[:KEPT_PER_STEP])
+                for dropped in now_kept[KEPT_PER_STEP:]:
+                    self._forget(dropped.uid)
                 return record.uid
         except (Unguardable, UnrecordableGraph) as err:
             why = str(err)
@@ -173,22 +185,51 @@ class TraceStore:
             return []
         return [k for k in payload if isinstance(k, KeptTrace) and k.format == FORMAT]
 
-    def _reuse(self, kept: KeptTrace, state: StepState) -> TracedStep:
+    def _graph_data(self, uid: str) -> Optional[bytes]:
+        """The pickled graph record of the kept trace ``uid``, checked; None where it is missing or damaged (a
+        damaged one is removed)."""
+        entry = self.store.entry_bytes(graph_entry(uid))
+        try:
+            return verified(entry) if entry is not None else None
+        except ValueError:
+            self.store.path(graph_entry(uid)).unlink(missing_ok=True)
+            return None
+
+    def _forget(self, uid: str) -> None:
+        """Remove what is kept of the trace ``uid`` besides the index: its graph and its kept transforms."""
+        self.store.path(graph_entry(uid)).unlink(missing_ok=True)
+        for path in (self.store.root.parent / TRANSFORMS).glob(f"{uid}-*{SUFFIX}"):
+            path.unlink(missing_ok=True)
+
+    def _reuse(self, kept: KeptTrace, graph_data: bytes, state: StepState, load: bool) -> TracedStep:
         start = time.perf_counter()
         state.learned.update(kept.learned)  # the step's signature reads them, as after a fresh trace
         for message, category, filename, lineno in kept.warnings:
             warnings.warn_explicit(message, category, filename, lineno)
-        gm = make_lazy(load_graph(kept.graph))
-        gm.meta[LEAVES_GRADS] = kept.leaves_grads
-        log.info("spmd: %s reused the trace kept in %s (%.2f s)", self.name, self.store.path(self.digest),
-                 time.perf_counter() - start)
+        graph = functools.partial(_graph_of, kept, graph_data)
+        gm = graph() if load else None
+        log.info("spmd: %s reused the trace kept in %s (%.2f s%s)", self.name, self.store.path(self.digest),
+                 time.perf_counter() - start, "" if load else "; its graph is not loaded: its transform is kept")
         return TracedStep(gm=gm, out_spec=pytree.treespec_loads(kept.out_spec), grads=copy.deepcopy(kept.grads),
-                          live=dict(kept.live), learned=copy.deepcopy(kept.learned), kept_id=kept.uid)
+                          live=dict(kept.live), learned=copy.deepcopy(kept.learned), kept_id=kept.uid,
+                          load_gm=None if load else graph)
 
     def _say(self, message: str) -> None:
         if message not in self._said:
             self._said.add(message)
             log.info(message)
+
+
+def graph_entry(uid: str) -> str:
+    """The name of the entry holding the kept trace ``uid``'s graph, beside the index of kept traces."""
+    return f"graph-{uid}"
+
+
+def _graph_of(kept: KeptTrace, graph_data: bytes):
+    """A kept trace's graph, loaded from its pickled record (checked when its guards held)."""
+    gm = make_lazy(load_graph(pickle.loads(graph_data)))
+    gm.meta[LEAVES_GRADS] = kept.leaves_grads
+    return gm
 
 
 def trace_index(fn: Callable, parallel_mode: Any, overrides: list) -> dict:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 from ..compile_times import phase, recording
 from ..graph_utils.graph_record import GraphRecord, UnrecordableGraph, load_graph, record_graph
 from ..passes import applied_passes, pass_info
+from ..parallel.data_parallel import DataParallel
 from ..passes.recompute import PLAN_ATTR, recompute_plan
 from .cache_key import lowering_settings
 from .cache_store import TRANSFORMS, CacheStore
@@ -52,16 +53,16 @@ class KeptTransform:
     format: int = FORMAT
 
 
-def not_kept_because(traced: Traced, transformation: Callable) -> Optional[str]:
-    """Why the transform of ``traced`` by ``transformation`` runs in every process (see the module docstring),
-    or None where it is kept."""
-    if traced.step.kept_id is None:
+def not_kept_because(kept_id: Optional[str], transformation: Callable, mode: DataParallel) -> Optional[str]:
+    """Why the transform of the kept trace ``kept_id`` (None: a trace not kept) by ``transformation`` runs in every
+    process (see the module docstring), or None where it is kept."""
+    if kept_id is None:
         return "its trace is not kept"
     if type(transformation) is not GraphModuleTransformation:
         return "its transformation is the user's own"
     if transformation.dump.enabled:
         return "graph dumps are asked for (they write the graph after each pass)"
-    passes = transformation.pass_manager_for(traced.mode).order
+    passes = transformation.pass_manager_for(mode).order
     theirs = [pass_info(p).name for p in passes if not _module_of(p).startswith(_OURS)]
     if theirs:
         return f"it runs the user's passes {theirs}, which run in every process"
@@ -74,34 +75,38 @@ def _module_of(p: Callable) -> str:
 
 
 class TransformStore:
-    """The kept transform of one kept trace (``traced.step.kept_id``) by one transformation."""
+    """The kept transform of the kept trace ``kept_id`` by ``transformation`` (expanded by ``mode``)."""
 
-    def __init__(self, store: CacheStore, traced: Traced, transformation: GraphModuleTransformation):
+    def __init__(self, store: CacheStore, kept_id: str, transformation: GraphModuleTransformation,
+                 mode: DataParallel):
         self.store = CacheStore(store.root / TRANSFORMS, shared=True)
-        self.traced = traced
         self.transformation = transformation
-        self.passes = transformation.pass_manager_for(traced.mode).order
-        description = {"format": FORMAT, "trace": traced.step.kept_id, "passes": describe(self.passes),
+        self.passes = transformation.pass_manager_for(mode).order
+        description = {"format": FORMAT, "trace": kept_id, "passes": describe(self.passes),
                        "settings": transformation.settings(), "lowering": lowering_settings(transformation.lowering)}
-        self.digest = hashlib.sha256(canonical_json(description).encode()).hexdigest()
+        # named after the trace first, so that forgetting the trace finds it (``TraceStore._forget``)
+        self.digest = f"{kept_id}-{hashlib.sha256(canonical_json(description).encode()).hexdigest()}"
 
-    def transformed(self) -> Transformed:
-        """The kept transform where there is one, else the transform run now and kept for the next process."""
+    def has_entry(self) -> bool:
+        return self.store.path(self.digest).exists()
+
+    def transformed(self, traced: Traced) -> Transformed:
+        """``traced`` transformed: the kept transform where there is one, else the transform run now and kept
+        for the next process."""
         kept = self.store.load(self.digest)
         if isinstance(kept, KeptTransform) and kept.format == FORMAT:
-            return self._reuse(kept)
+            return self._reuse(kept, traced)
         caught: list = []
         try:
             with warnings.catch_warnings(record=True) as caught:
-                transformed = self.traced.transform(self.transformation)
+                transformed = traced.transform(self.transformation)
         finally:
             for w in caught:  # shown as they would have been, and kept to be shown again on reuse
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-        self._keep(transformed.runner, caught)
+        self._keep(transformed.runner, caught, traced.name)
         return transformed
 
-    def _keep(self, runner: IterGraphModule, caught: list) -> None:
-        name = self.traced.name
+    def _keep(self, runner: IterGraphModule, caught: list, name: str) -> None:
         if runner.graph.moves:
             log.info("spmd: %s's transform is not kept: it moves nodes across iterations", name)
             return
@@ -115,8 +120,8 @@ class TransformStore:
         except Exception as err:  # noqa: BLE001 - a transform that cannot be stored runs again next time
             log.info("spmd: %s's transform is not kept: it could not be stored (%s: %s)", name, type(err).__name__, err)
 
-    def _reuse(self, kept: KeptTransform) -> Transformed:
-        traced, times = self.traced, dict(self.traced.compile_times)
+    def _reuse(self, kept: KeptTransform, traced: Traced) -> Transformed:
+        times = dict(traced.compile_times)
         start = time.perf_counter()
         with recording(times), phase("transform"), phase("transform/reused"):
             for message, category, filename, lineno in kept.warnings:
@@ -137,12 +142,21 @@ class TransformStore:
 def transformed(traced: Traced, store: Optional[CacheStore]) -> Transformed:
     """``traced`` transformed by its own transformation: the transform kept for its trace where there is one
     (``TransformStore``), else run now (and kept where it can be)."""
-    transformation = traced.transformation
-    why = "the compile cache is off" if store is None or not store.usable() else not_kept_because(traced, transformation)
+    transformation, kept_id = traced.transformation, traced.step.kept_id
+    why = ("the compile cache is off" if store is None or not store.usable()
+           else not_kept_because(kept_id, transformation, traced.mode))
     if why is not None:
         log.debug("spmd: %s is transformed in every process: %s", traced.name, why)
         return traced.transform()
-    return TransformStore(store, traced, transformation).transformed()
+    return TransformStore(store, kept_id, transformation, traced.mode).transformed(traced)
 
 
-__all__ = ["KeptTransform", "TransformStore", "not_kept_because", "transformed"]
+def is_kept(store: Optional[CacheStore], kept_id: str, transformation: Callable, mode: DataParallel) -> bool:
+    """Whether the transform of the kept trace ``kept_id`` by ``transformation`` is kept (so that trace's graph
+    need not be loaded: ``spmd.step.trace_store``)."""
+    if store is None or not store.usable() or not_kept_because(kept_id, transformation, mode) is not None:
+        return False
+    return TransformStore(store, kept_id, transformation, mode).has_entry()
+
+
+__all__ = ["KeptTransform", "TransformStore", "is_kept", "not_kept_because", "transformed"]

@@ -81,7 +81,7 @@ class TracedStep:
     returns the flattened user return value; ``out_spec`` rebuilds it.
     """
 
-    gm: torch.fx.GraphModule
+    gm: Optional[torch.fx.GraphModule]  # None where ``load_gm`` loads it
     out_spec: pytree.TreeSpec
     grads: GradPlan = field(default_factory=GradPlan)  # the gradients it takes and leaves (``spmd.trace.accumulation``)
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (``spmd.trace.step_outputs``)
@@ -93,6 +93,9 @@ class TracedStep:
     reads: Optional[CodeReads] = None
     # the id of the kept trace it is (``spmd.step.trace_store``), or None where it is not kept
     kept_id: Optional[str] = None
+    # a kept trace's graph, loaded where it is read: ``gm`` is None, the trace's kept transform being reused
+    # instead of its graph (``spmd.step.transform_store``)
+    load_gm: Optional[Callable[[], torch.fx.GraphModule]] = None
 
 
 @contextlib.contextmanager
