@@ -42,7 +42,7 @@ def _train(cache, transformation=None, lr: float = 0.01) -> tuple[list, list, sp
     gen = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(3):
-        x, y = torch.randn(8, 16, dtype=torch.float64, generator=gen), torch.randn(8, 16, dtype=torch.float64, generator=gen)
+        x, y = (torch.randn(8, 16, dtype=torch.float64, generator=gen) for _ in range(2))
         losses.append(step(model, optim, x, y).item())
     return losses, [p.detach().clone() for p in model.parameters()], step
 
@@ -104,7 +104,9 @@ count_nodes.calls = 0
 def test_a_users_pass_a_users_transformation_and_a_dump_run_the_transform_every_time(tmp_path, caplog,
                                                                                       monkeypatch):
     cache = tmp_path / "cache"
-    with_pass = lambda: spmd.GraphModuleTransformation(enable_graph_optimization=True, passes=[count_nodes])  # noqa: E731
+    def with_pass():
+        return spmd.GraphModuleTransformation(enable_graph_optimization=True, passes=[count_nodes])
+
     with caplog.at_level(logging.DEBUG, logger=transform_store.__name__):
         for _ in range(2):
             before = count_nodes.calls

@@ -211,8 +211,8 @@ class StepDefinition:
         keeps for its graphs, or by the rank that lowers it for the job (``spmd.step.step_cache``), else lowered
         here and stored; the step is traced here, or its kept trace reused where nothing it stood on changed, and
         transformed here, or its kept transform reused where that trace's was kept by spmd's own passes
-        (``spmd.step.transform_store``); the cache is keyed by the graphs that made, never by the code. ``plan``: ``trace``'s zero-gradient plan. On failure the created optimizer
-        state is removed again."""
+        (``spmd.step.transform_store``); the cache is keyed by the graphs that made, never by the code.
+        ``plan``: ``trace``'s zero-gradient plan. On failure the created optimizer state is removed again."""
         transformation = self.transformation_for(state)
         if isinstance(transformation, GraphModuleTransformation) and not self.expects_to_load():
             # Inductor's compile workers start now, while the step is traced, unless its code will likely load

@@ -14,9 +14,9 @@ drops out of the newest takes its graph and its kept transforms along.
 
 The user's transformation and passes run in every process, on the reused trace as on a fresh one, so what
 they print, count or dump happens each time; where only spmd's own passes run, what they made of a kept trace is
-kept with it (``spmd.step.transform_store``, named by the trace's ``KeptTrace.uid``). The trace's own side effects come back with it: the warnings it
-gave, and what it assumed of the optimizers' hyperparameters (``TracedStep.learned``), which join the step's
-own facts (``StepState.learned``) as a fresh trace's do.
+kept with it (``spmd.step.transform_store``, named by the trace's ``KeptTrace.uid``). The trace's own side
+effects come back with it: the warnings it gave, and what it assumed of the optimizers' hyperparameters
+(``TracedStep.learned``), which join the step's own facts (``StepState.learned``) as a fresh trace's do.
 
 A trace is kept only where all of it is plain data: no Python side effects to replay each call, no DTensor
 values or collectives in it (a sharded or tensor-parallel step's graph names this process's meshes and
