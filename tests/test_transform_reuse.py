@@ -184,3 +184,30 @@ def test_a_damaged_kept_graph_is_traced_again(tmp_path, caplog):
         reused, step = _transformed_again(cache)
     assert not reused and "trace/reused" not in step.compile_times
     assert "the kept trace's graph was removed" in caplog.text
+
+
+class _CountingOverride:
+    """A module override that transforms the traced graph (user code on the graph): counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def replacement(self, fqn, submodule):
+        return submodule
+
+    def transform(self, gm, flat_state):
+        self.calls += 1
+        return gm
+
+
+def test_a_module_override_that_transforms_the_graph_runs_in_every_process_and_keeps_no_transform(tmp_path):
+    cache = tmp_path / "cache"
+    override = _CountingOverride()
+    for calls in (1, 2):
+        torch.manual_seed(0)
+        model = MLP(layers=3, dim=16).double()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = spmd.compile(cache_dir=cache, module_override=[override])(train_step)
+        step(model, optim, *_inputs())
+        assert override.calls == calls and "transform/reused" not in step.compile_times
+    assert not list((cache / "transforms").glob("*.spmd"))

@@ -200,7 +200,8 @@ class StepDefinition:
         transformation = self.transformation_for(state)
 
         def graph_needed(uid: str) -> bool:
-            return not transform_store.is_kept(self.compile_cache, uid, transformation, self.parallel_mode)
+            return not transform_store.is_kept(self.compile_cache, uid, transformation, self.parallel_mode,
+                                               self.module_override)
 
         return TraceStore(self.compile_cache, index, self.name).trace(tracer.fresh, state, tracer.roots, graph_needed)
 
@@ -220,7 +221,7 @@ class StepDefinition:
                                           transformation.workers)
         traced = self.trace(state, args, kwargs, **plan)
         try:
-            transformed = transform_store.transformed(traced, self.compile_cache)
+            transformed = transform_store.transformed(traced, self.compile_cache, self.module_override)
             cache = self._step_cache(transformed.runner) if cached else None
             entry = transformed.lower(args, kwargs, cache)
         except BaseException:

@@ -10,8 +10,9 @@ trace is another entry.
 
 The transform runs again, and nothing is kept, where what it does is not spmd's alone to know: a transformation
 of the user's own, a pass of the user's (its code and what it reads may have changed, and what it prints or
-counts happens each time), a graph dump asked for (it writes the graph after each pass), a step whose trace was
-not kept, or one with nodes moved across iterations. The log says why once.
+counts happens each time), a module override that transforms the graph (the same), a graph dump asked for (it
+writes the graph after each pass), a step whose trace was not kept, or one with nodes moved across iterations.
+The log says why once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ..compile_times import phase, recording
 from ..graph_utils.graph_record import GraphRecord, UnrecordableGraph, load_graph, record_graph
@@ -53,11 +54,14 @@ class KeptTransform:
     format: int = FORMAT
 
 
-def not_kept_because(kept_id: Optional[str], transformation: Callable, mode: DataParallel) -> Optional[str]:
-    """Why the transform of the kept trace ``kept_id`` (None: a trace not kept) by ``transformation`` runs in every
-    process (see the module docstring), or None where it is kept."""
+def not_kept_because(kept_id: Optional[str], transformation: Callable, mode: DataParallel,
+                     overrides: Sequence = ()) -> Optional[str]:
+    """Why the transform of the kept trace ``kept_id`` (None: a trace not kept) by ``transformation``, after the
+    module ``overrides``, runs in every process (see the module docstring), or None where it is kept."""
     if kept_id is None:
         return "its trace is not kept"
+    if any(hasattr(o, "transform") for o in overrides):
+        return "a module override transforms its graph (the user's code, run in every process)"
     if type(transformation) is not GraphModuleTransformation:
         return "its transformation is the user's own"
     if transformation.dump.enabled:
@@ -139,22 +143,23 @@ class TransformStore:
         return Transformed(traced, runner, times)
 
 
-def transformed(traced: Traced, store: Optional[CacheStore]) -> Transformed:
-    """``traced`` transformed by its own transformation: the transform kept for its trace where there is one
-    (``TransformStore``), else run now (and kept where it can be)."""
+def transformed(traced: Traced, store: Optional[CacheStore], overrides: Sequence = ()) -> Transformed:
+    """``traced`` (its graph made with the module ``overrides``) transformed by its own transformation: the
+    transform kept for its trace where there is one (``TransformStore``), else run now (and kept where it can be)."""
     transformation, kept_id = traced.transformation, traced.step.kept_id
     why = ("the compile cache is off" if store is None or not store.usable()
-           else not_kept_because(kept_id, transformation, traced.mode))
+           else not_kept_because(kept_id, transformation, traced.mode, overrides))
     if why is not None:
         log.debug("spmd: %s is transformed in every process: %s", traced.name, why)
         return traced.transform()
     return TransformStore(store, kept_id, transformation, traced.mode).transformed(traced)
 
 
-def is_kept(store: Optional[CacheStore], kept_id: str, transformation: Callable, mode: DataParallel) -> bool:
-    """Whether the transform of the kept trace ``kept_id`` by ``transformation`` is kept (so that trace's graph
-    need not be loaded: ``spmd.step.trace_store``)."""
-    if store is None or not store.usable() or not_kept_because(kept_id, transformation, mode) is not None:
+def is_kept(store: Optional[CacheStore], kept_id: str, transformation: Callable, mode: DataParallel,
+            overrides: Sequence = ()) -> bool:
+    """Whether the transform of the kept trace ``kept_id`` by ``transformation`` (after the module ``overrides``)
+    is kept (so that trace's graph need not be loaded: ``spmd.step.trace_store``)."""
+    if store is None or not store.usable() or not_kept_because(kept_id, transformation, mode, overrides) is not None:
         return False
     return TransformStore(store, kept_id, transformation, mode).has_entry()
 
