@@ -136,7 +136,8 @@ def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, args: list[fx.No
     """Put ``sub``'s nodes before ``node`` (its placeholders bound to ``args``) and point ``node``'s users at
     them; ``node`` is erased. Returns the new nodes, or None if a user is not an index into a
     multi-output result (then nothing is changed). The new nodes keep ``sub``'s fake values; a node
-    ``passes.recompute`` made passes its ``RECOMPUTE_OF`` on to them."""
+    ``passes.recompute`` made passes its ``RECOMPUTE_OF`` on to them, and its ``original_aten`` (the op
+    Inductor names a kernel after) too."""
     result = node.meta["val"]
     if not isinstance(result, torch.Tensor) and any(
             u.target is not operator.getitem for u in node.users):  # e.g. a list result used whole
@@ -151,6 +152,8 @@ def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, args: list[fx.No
         new.append(cursor)
         if RECOMPUTE_OF in node.meta:  # the decomposition of a recomputed node is recomputed work too
             cursor.meta[RECOMPUTE_OF] = node.meta[RECOMPUTE_OF]
+        if "original_aten" in node.meta:  # Inductor names kernels by it (``spmd.lower.rewrites``)
+            cursor.meta["original_aten"] = node.meta["original_aten"]
         cursor = cursor.next
     if isinstance(result, torch.Tensor):
         node.replace_all_uses_with(out)

@@ -362,6 +362,59 @@ def test_our_schedule_switches_inductor_comm_reordering_off_and_the_comparison_s
         with_lowering(spmd.GraphModuleTransformation(), inductor_comm_passes=True)
 
 
+def test_inductor_orders_its_kernels_for_memory_in_a_graph_without_collectives_only(monkeypatch):
+    """Inductor's memory-aware kernel order could move a collective away from where our passes put it: it
+    stays off in a graph holding one, and on (Inductor's default, as torch.compile has it) in one without."""
+    import torch._inductor.memory as inductor_memory
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.lower.inductor import compile_with_inductor, inductor_config
+
+    assert "reorder_for_peak_memory" not in inductor_config(collectives=False)
+    assert inductor_config(collectives=True)["reorder_for_peak_memory"] is False
+    ordered = []
+    real = inductor_memory.reorder_for_peak_memory
+    monkeypatch.setattr(inductor_memory, "reorder_for_peak_memory", lambda nodes, *a, **k: (
+        ordered.append(len(nodes)), real(nodes, *a, **k))[1])
+
+    def local(x):
+        wide = x.float()
+        return ((x * 2).sum() + (wide.exp() * 3).sum(),)
+
+    def gathered(x):
+        flat = torch.ops._c10d_functional.all_gather_into_tensor(x, 1, dist.group.WORLD.group_name)
+        return ((torch.ops._c10d_functional.wait_tensor(flat).float().exp() * 3).sum(),)
+
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch._inductor.config.patch(fx_graph_cache=False), single_process_group():
+        for fn, reorders in ((local, True), (gathered, False)):
+            ordered.clear()
+            gm = make_fx(fn)(x)
+            compiled, _ = compile_with_inductor(gm, [x])
+            torch.testing.assert_close(compiled(x)[0], fn(x)[0])
+            assert bool(ordered) == reorders, fn.__name__
+
+
+def test_inductor_names_each_kernel_by_the_ops_it_computes_decomposed_ones_too():
+    """Our traced nodes carry no ``original_aten``; Inductor would name every kernel ``..._fused_<n>`` and list
+    no op above it (as on a GPU). Each op is named by itself, and a node decomposed before Inductor (the layer
+    norm) by the op it was."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.lower.inductor import compile_with_inductor
+
+    def step(x, w):
+        return (torch.nn.functional.layer_norm(x * 2, (16,), w).exp(),)
+
+    x, w = torch.randn(4, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    gm = make_fx(step)(x, w)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        (out,), (code,) = run_and_get_code(lambda: compile_with_inductor(gm, [x, w])[0](x, w))
+    torch.testing.assert_close(out, step(x, w)[0], rtol=1e-12, atol=1e-12)
+    assert "fused_exp_mul_native_layer_norm_0" in code and not re.search(r"_fused_\d", code), code
+
+
 def test_a_missing_inductor_option_fails_loudly_unless_this_torch_may_lack_it(monkeypatch):
     """A renamed Inductor option would let Inductor reorder our collectives: refuse instead of skipping it."""
     import spmd.lower.inductor as lowering

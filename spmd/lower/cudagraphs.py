@@ -23,7 +23,10 @@ with. A workspace made outside this graph's memory pool (by an earlier capture o
 pool it lives in) can be freed under the graph: ``torch.compile(mode="reduce-overhead")`` releases every
 cuBLAS workspace whenever it records, and the graph's replays would then write into memory that is
 another tensor's or unmapped. So the workspaces are released before the capture, which makes its own in
-this graph's pool, and again after it, so that no later work uses the one this graph keeps.
+this graph's pool, and again after it, so that no later work uses the one this graph keeps. They are also
+released before the uncaptured warm-up (as the CUDA graph trees do before theirs): a workspace left idle on
+another stream (an earlier capture's, or the user's side stream's) is then not held through the first
+step's peak; the warm-up's own matmuls make the one they use.
 """
 
 from __future__ import annotations
@@ -65,8 +68,10 @@ def cudagraph_obstacle(gm: fx.GraphModule, args: tuple) -> Optional[str]:
 
 def release_matmul_workspaces() -> None:
     """Drop cuBLAS's per-stream workspaces (the next matmul on a stream makes a new one); what a CUDA
-    graph captured with one keeps using stays in that graph's pool (see the module docstring)."""
-    torch._C._cuda_clearCublasWorkspaces()
+    graph captured with one keeps using stays in that graph's pool (see the module docstring). Nothing to do
+    without CUDA."""
+    if torch.cuda.is_available():
+        torch._C._cuda_clearCublasWorkspaces()
 
 
 class CudaGraphRunner:
@@ -196,6 +201,7 @@ class CudaGraphRunner:
         if not self.warmed_up:
             self._check_inputs(args)
             self.warmed_up = True
+            release_matmul_workspaces()  # idle ones of other streams are not held through the warm-up's peak
             return tuple(self.fn(*args))
         if self.graph is not None and self._persistent_moved(args):
             level, self.warned_moved = logging.INFO if self.warned_moved else logging.WARNING, True

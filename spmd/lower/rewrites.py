@@ -224,9 +224,21 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    _name_ops_for_inductor(graph)
     prepared = lazy_graph_module(gm, graph)
     PassManager(lowering_pipeline(lean=lean, decompose=decompose))(prepared, dump_prefix=dump_as or None)
     return prepared
+
+
+def _name_ops_for_inductor(graph: fx.Graph) -> None:
+    """Record each op node's op as its ``original_aten``, as AOT autograd's trace does, so that Inductor names
+    each kernel by the ops it computes and lists them in the comment above it (``triton_per_fused_native_layer_norm_6``,
+    ``Original ATen: [aten.native_layer_norm]``), where our traced nodes would give ``triton_per_fused_6`` and
+    ``[]``. A decomposition's nodes inherit the op they decompose (``graph_utils.decompose_node.splice``)."""
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload,
+                                                                    torch._ops.HigherOrderOperator)):
+            node.meta.setdefault("original_aten", node.target)
 
 
 def refuse_constraints_on_rewrites(passes: Sequence[Callable]) -> None:
