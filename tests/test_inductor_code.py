@@ -62,6 +62,8 @@ def test_a_restarted_process_runs_the_kept_code_without_inductor_and_trains_iden
     second = _fresh_process(tmp_path, device)
     assert "lower/step/inductor_compile_fx" in first["phases"]
     assert "lower/step/inductor_code_load" in second["phases"] and "cache_load" in second["phases"]
+    assert {"cache_load/read", "cache_load/verify", "cache_load/unpickle"} <= set(second["phases"])
+    assert "cache_key" in first["phases"] and "cache_key" in second["phases"] and "cache_load" not in first["phases"]
     assert not [p for p in second["phases"] if "inductor_prepare" in p or "inductor_compile_fx" in p], second["phases"]
     assert first["losses"] == second["losses"]
     assert first["params"] == second["params"]

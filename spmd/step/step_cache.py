@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..compile_times import phase, recording
 from ..lower.inductor_code import keep_bytecode, with_autotuned
 from . import job_compile
 from .cache_key import StepKey, Undescribable, lowering_key
@@ -114,27 +115,32 @@ class StepCache:
         from: the code kept under its key (this rank's cache, or what the rank that lowers it for the job
         posted), else nothing, with this rank's claim to lower it for the job where it has one. The lowering
         itself is ``spmd.step.stages.Transformed.lower``'s; it then calls ``keep`` (or ``failed``)."""
+        times: dict[str, float] = {}
         try:
-            key = lowering_key(runner.modules_to_run(), inputs, runner.lowering, runner.num_user_outputs)
+            with recording(times), phase("cache_key"):
+                key = lowering_key(runner.modules_to_run(), inputs, runner.lowering, runner.num_user_outputs)
         except Undescribable as err:
             log.info("spmd: %s is not kept in the compile cache: %s", self.name, err)
-            return Found(None)
+            return Found(None, times=times)
+        loaded: dict[str, float] = {}
         start = time.perf_counter()
-        payload = self.store.load(key.digest)
+        payload = self.store.load(key.digest, loaded)
         if _usable(payload):
             log.info("spmd: %s lowered with the code kept in %s", self.name, self.store.path(key.digest))
-            return Found(key, payload["code"], times={"cache_load": time.perf_counter() - start})
+            times["cache_load"] = time.perf_counter() - start
+            times.update({f"cache_load/{part}": seconds for part, seconds in loaded.items()})
+            return Found(key, payload["code"], times=times)
         claim = job_compile.claim(self.job, key.digest) if self.job is not None else None
         if claim is not None and not claim.compiles:
             waited = time.perf_counter()
             published = claim.wait(self.wait_s, self.name)
-            times = {"cache_wait": time.perf_counter() - waited}
+            times["cache_wait"] = time.perf_counter() - waited
             payload = self._published(key.digest, published) if published is not None else None
             if _usable(payload):
                 log.info("spmd: %s lowered with the code rank %d compiled", self.name, claim.compiler)
                 return Found(key, payload["code"], times=times)
             return Found(key, times=times)  # lowered here: nobody waits for this rank
-        return Found(key, claim=claim)
+        return Found(key, claim=claim, times=times)
 
     def keep(self, found: Found, runner: IterGraphModule) -> None:
         """After ``runner`` was lowered from ``found``: store its code where it was compiled here (all or part
