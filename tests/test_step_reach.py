@@ -357,3 +357,25 @@ def test_an_ema_in_a_global_list_moves_as_eager():
         torch.testing.assert_close(step(model, optim, x), ema_step(ref, ref_optim, ref_ema, x), atol=1e-12, rtol=0)
         _same(GLOBAL_EMA, ref_ema)
     assert step.trace_count == 1
+
+
+def test_the_global_names_a_code_reads_are_the_ones_dis_lists():
+    """``global_names`` reads the bytecode's (opcode, argument) pairs itself instead of building ``dis``'s
+    instructions; it finds what ``dis`` finds in torch.nn's, torch.optim's and spmd's functions, and where an
+    argument needs an EXTENDED_ARG (a module body naming more than 256 globals)."""
+    import dis
+    import gc
+    import types
+
+    from spmd.trace.step_reach import GLOBAL_LOADS, global_names, nested_codes
+
+    def by_dis(code):
+        return tuple(sorted({i.argval for c in nested_codes(code) for i in dis.get_instructions(c)
+                             if i.opname in GLOBAL_LOADS}))
+
+    codes = [f.__code__ for f in gc.get_objects() if isinstance(f, types.FunctionType)
+             and (f.__module__ or "").startswith(("torch.nn.modules", "torch.optim", "spmd.trace", "spmd.step"))]
+    body = compile("\n".join(f"v{i} = g{i}(w)" for i in range(300)), "<module body>", "exec")
+    assert len(codes) > 500
+    assert [global_names(c) for c in codes] == [by_dis(c) for c in codes]
+    assert global_names(body) == by_dis(body) and len(global_names(body)) == 301

@@ -29,6 +29,7 @@ import contextlib
 import dis
 import functools
 import re
+import sys
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -57,13 +58,30 @@ def nested_codes(code: types.CodeType) -> list[types.CodeType]:
     return [code, *(c for const in code.co_consts if isinstance(const, types.CodeType) for c in nested_codes(const))]
 
 
+_GLOBAL_OPCODES = frozenset(dis.opmap[name] for name in GLOBAL_LOADS)
+# Since Python 3.11 the low bit of LOAD_GLOBAL's argument says whether it also pushes a NULL: the name is arg >> 1
+_NAME_SHIFT = {dis.opmap["LOAD_GLOBAL"]: 1 if sys.version_info >= (3, 11) else 0, dis.opmap["LOAD_NAME"]: 0}
+
+
+def _globals_read(code: types.CodeType) -> set[str]:
+    """The names ``code``'s own instructions read as globals, from its bytecode's (opcode, argument) pairs as
+    ``dis`` reads them (an EXTENDED_ARG widens the next argument), without building ``dis``'s instruction
+    objects, which made this five times slower on a large model's methods."""
+    raw, names, found, extended = code.co_code, code.co_names, set(), 0
+    for i in range(0, len(raw), 2):
+        op, arg = raw[i], raw[i + 1] | extended
+        extended = arg << 8 if op == dis.EXTENDED_ARG else 0
+        if op in _GLOBAL_OPCODES:
+            found.add(names[arg >> _NAME_SHIFT[op]])
+    return found
+
+
 def global_names(code: types.CodeType) -> tuple[str, ...]:
     """The global names ``code`` and the functions defined in it read (not attribute names: ``self.model``
     reads no global ``model``), sorted."""
     names = _GLOBAL_NAMES.get(code)
     if names is None:
-        names = _GLOBAL_NAMES[code] = tuple(sorted({i.argval for c in nested_codes(code)
-                                                    for i in dis.get_instructions(c) if i.opname in GLOBAL_LOADS}))
+        names = _GLOBAL_NAMES[code] = tuple(sorted(set().union(*(_globals_read(c) for c in nested_codes(code)))))
     return names
 
 
