@@ -446,6 +446,23 @@ def test_documents_change_the_result():  # what the test above relies on: the ma
     assert (model(x, document_mask([0, 0, 0, 1, 1, 1, 1, 1])) - model(x, document_mask([0] * 8))).abs().max() > 1e-3
 
 
+def test_dynamo_run_inside_a_trace_still_knows_numpys_draws_and_tensor_item_after_it():
+    """A flex_attention runs Dynamo inside the trace, where numpy's draws and ``Tensor.item`` stand patched; the
+    lookups Dynamo computes once per process must name the real ones, not the patches freed after the trace
+    (``host_reads._settle_dynamo_lookups``: a later function at a freed patch's address was taken for numpy's)."""
+    import numpy as np
+    from torch._dynamo import trace_rules
+
+    trace_rules._numpy_function_ids.function_ids = None  # not computed yet, as in a fresh process
+    trace_rules._numpy_function_ids.function_names = None
+    trace_rules.get_tensor_method.cache_clear()
+    torch.manual_seed(0)
+    model = FlexAttention(document_mask([0, 0, 0, 1, 1, 1, 1, 1], causal=True)).to(F64)
+    spmd.compile()(flex_step)(model, torch.optim.AdamW(model.parameters(), lr=0.05), torch.randn(1, 8, 24, dtype=F64))
+    assert id(np.random.rand) in trace_rules._numpy_function_ids()
+    assert torch.Tensor.item in trace_rules.get_tensor_method()
+
+
 class FlexAttentionTrained(nn.Module):
     """Attention whose q, k, v are trained (flex_attention's backward: CUDA only)."""
 

@@ -241,6 +241,25 @@ def _user_namespaces(fn: Callable, modules: list[nn.Module]) -> list[dict]:
     return list(found.values())
 
 
+def _settle_dynamo_lookups() -> None:
+    """Make Dynamo compute, before the patches below stand, the lookups it computes once per process and keeps:
+    which callables are numpy's (by ``id``), which are ``torch.Tensor``'s methods, which torch objects have a rule.
+
+    Dynamo runs inside a trace (a ``flex_attention``, a ``torch.compile``d submodule). Computed there, the lookups
+    named our stand-ins instead of numpy's draws and ``Tensor.item``. The stand-ins are freed after the trace, and
+    a function made later at a freed one's address was taken for a numpy function: Dynamo then refused to trace a
+    block mask's ``and_masks`` closure on torch 2.15 ("attempted to trace numpy function"), in one run of the suite
+    of several. Numpy's own draws were no longer recognised either. A torch without one of these lookups has
+    nothing to settle there."""
+    from torch._dynamo import trace_rules  # imported by every trace anyway: this only imports it first
+
+    for name in ("_numpy_function_ids", "get_tensor_method", "get_torch_obj_rule_map"):
+        lookup = getattr(trace_rules, name, None)
+        if callable(lookup):
+            with contextlib.suppress(Exception):  # a lookup this torch computes otherwise: nothing kept to mislead
+                lookup()
+
+
 @contextlib.contextmanager
 def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list]:
     """Patch the host reads listed in the module docstring for the length of the body (a trace of ``fn`` on
@@ -286,6 +305,7 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list
         return value
 
     original_getitem, original_item = _ENVIRON_TYPE.__getitem__, torch.Tensor.item
+    _settle_dynamo_lookups()
     patches = Patches()
     try:
         for name in _CLOCKS:
