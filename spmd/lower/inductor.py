@@ -110,8 +110,8 @@ def inductor_config(inductor_comm_passes: bool = False, extra: Optional[dict] = 
     Default: keep our schedule (``_INDUCTOR_CONFIG``). ``collectives=False`` (a graph with no collective
     or wait): Inductor's memory-aware order of its kernels is left on (``reorder_for_peak_memory``, its
     default), as torch.compile has it: it moves nothing our passes placed for overlap, and takes the order
-    of least estimated peak among ours and three others (on one H200 it casts a bfloat16 weight gradient to
-    float32 where the optimizer reads it, not where the backward makes it). ``inductor_comm_passes=True``:
+    of least estimated peak among ours and three others (docs/memory.md, "Lowering choices", says what it
+    moves). ``inductor_comm_passes=True``:
     let Inductor's own comm passes schedule and bucket the collectives instead.
     Raises ``SpmdCompileError`` when this torch lacks one of the options (renamed or
     removed), except one ``_ABSENT_BEFORE`` says a torch this old may lack: Inductor
