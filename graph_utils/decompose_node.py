@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .meta import RECOMPUTE_OF
+from .meta import RECOMPUTE_OF, SEEDS_BEFORE
 from .nodes import set_fake_val
 
 
@@ -136,8 +136,8 @@ def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, args: list[fx.No
     """Put ``sub``'s nodes before ``node`` (its placeholders bound to ``args``) and point ``node``'s users at
     them; ``node`` is erased. Returns the new nodes, or None if a user is not an index into a
     multi-output result (then nothing is changed). The new nodes keep ``sub``'s fake values; a node
-    ``passes.recompute`` made passes its ``RECOMPUTE_OF`` on to them, and its ``original_aten`` (the op
-    Inductor names a kernel after) too."""
+    ``passes.recompute`` made passes its ``RECOMPUTE_OF`` on to them, and every node its ``original_aten`` (the op
+    Inductor names a kernel after) and ``SEEDS_BEFORE`` (the side of a gradient seed it is on)."""
     result = node.meta["val"]
     if not isinstance(result, torch.Tensor) and any(
             u.target is not operator.getitem for u in node.users):  # e.g. a list result used whole
@@ -152,8 +152,9 @@ def splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, args: list[fx.No
         new.append(cursor)
         if RECOMPUTE_OF in node.meta:  # the decomposition of a recomputed node is recomputed work too
             cursor.meta[RECOMPUTE_OF] = node.meta[RECOMPUTE_OF]
-        if "original_aten" in node.meta:  # Inductor names kernels by it (``spmd.lower.rewrites``)
-            cursor.meta["original_aten"] = node.meta["original_aten"]
+        for key in ("original_aten", SEEDS_BEFORE):  # Inductor names kernels by the op, keeps each on one side
+            if key in node.meta:
+                cursor.meta[key] = node.meta[key]
         cursor = cursor.next
     if isinstance(result, torch.Tensor):
         node.replace_all_uses_with(out)

@@ -22,6 +22,9 @@ spelled in one place.
   forward node it computes again.
 * ``SYNCED_BUFFERS``: on a buffer broadcast (``broadcast_buffers``) and its wait, the names
   of the buffers it carries.
+* ``SEEDS_BEFORE``: on each op node of a graph prepared for Inductor (``spmd.lower.rewrites``), how many
+  gradient seeds come before it in the step's order (``graph_utils.phases``): 0 in the forward, 1 after the
+  first ``loss.backward()`` started. Inductor keeps a kernel on one side (``spmd.lower.recompute_fusion``).
 * ``MESH_DIM``: on each collective, the name of the device-mesh dimension whose ranks it runs
   over (``"dp"``, ``"tp"``, a hybrid mesh's ``"replicate"``/``"shard"``; set by the expansion,
   ``spmd.parallel.group_roles``), absent for a group of no mesh the step knows.
@@ -40,6 +43,7 @@ SYNCED_BUFFERS = "spmd_synced_buffers"
 CARRIES = "spmd_carries"
 RECOMPUTE_OF = "spmd_recompute_of"
 MESH_DIM = "spmd_mesh_dim"
+SEEDS_BEFORE = "spmd_seeds_before"
 
 
 class Role:

@@ -46,6 +46,14 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return seen
 
 
+def seeds_before(graph: fx.Graph) -> dict[fx.Node, int]:
+    """For each node, how many gradient seeds come before it in graph order: 0 in the first forward, 1 from
+    the first ``loss.backward()``'s seed on (a seed counts itself), and so on."""
+    order = node_order(graph)
+    seeds = sorted(order[s] for s in gradient_seeds(graph))
+    return {n: bisect.bisect_right(seeds, order[n]) for n in graph.nodes}
+
+
 def saved_for_backward(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     """The forward tensors a backward reads, in graph order, each with its readers there.
 

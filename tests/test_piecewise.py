@@ -492,6 +492,23 @@ def test_a_graph_on_the_wire_names_its_memory_formats_not_a_module_that_reaches_
     assert kwargs == [{"memory_format": torch.channels_last}, {"memory_format": torch.contiguous_format}]
 
 
+def test_a_graph_on_the_wire_keeps_the_metadata_its_compile_reads():
+    """A piece compiled by a worker is compiled under the same rules as one compiled here: each node keeps its
+    ``RECOMPUTE_OF`` and ``SEEDS_BEFORE`` (``spmd.lower.recompute_fusion`` reads them; without them a worker's
+    kernels may span a gradient seed) and its ``original_aten`` (Inductor names the kernel after it)."""
+    from spmd.graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    forward = graph.call_function(torch.ops.aten.exp.default, (x,))
+    forward.meta.update({SEEDS_BEFORE: 0, "original_aten": torch.ops.aten.native_layer_norm.default})
+    again = graph.call_function(torch.ops.aten.exp.default, (x,))
+    again.meta.update({SEEDS_BEFORE: 1, RECOMPUTE_OF: forward.name, "original_aten": torch.ops.aten.exp.default})
+    graph.output((forward, again))
+    back = [n for n in graph_wire.from_bytes(graph_wire.to_bytes(graph)).graph.nodes if n.op == "call_function"]
+    assert [n.meta for n in back] == [forward.meta, again.meta]
+
+
 def test_a_worker_compiling_for_a_gpu_starts_no_pool_of_kernel_compilers():
     """On a GPU a worker only generates code (the process that loads it compiles the kernels): Inductor, which
     starts its pool of kernel compilers with its first GPU graph, is left one compile thread, so starts none,

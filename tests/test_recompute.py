@@ -743,3 +743,63 @@ def test_a_kernel_of_recomputes_never_fuses_into_the_forward_kernel_that_made_wh
     assert not fuses_into_the_forward(recompute, dropout_backward)
     assert not fuses_into_the_forward(other_recompute, recompute)
     assert not fuses_into_the_forward(mask_kernel, dropout_backward)  # the step's own fusions are Inductor's
+
+
+class _ResidualNorms(nn.Module):
+    """Pre-norm residual blocks: each LayerNorm reads a residual sum that Inductor computes inline."""
+
+    def __init__(self, width: int = 32, blocks: int = 3):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(2 * blocks))
+        self.linears = nn.ModuleList(nn.Linear(width, width) for _ in range(2 * blocks))
+
+    def forward(self, x):
+        for norm, linear in zip(self.norms, self.linears):
+            x = x + linear(norm(x))
+        return x
+
+
+def _kernels_by_side(monkeypatch) -> list[list[int]]:
+    """Spy on Inductor's fusion: the gradient-seed sides of each kernel it makes (``SEEDS_BEFORE`` of its nodes)."""
+    from torch._inductor.scheduler import Scheduler
+
+    from spmd.lower.recompute_fusion import _seeds_before
+
+    kernels, fuse_nodes = [], Scheduler.fuse_nodes
+
+    def spy(self, nodes):
+        fused = fuse_nodes(self, nodes)
+        kernels.extend(sorted(set(_seeds_before(n))) for n in fused)
+        return fused
+
+    monkeypatch.setattr(Scheduler, "fuse_nodes", spy)
+    return kernels
+
+
+@pytest.mark.parametrize("rule", ["on", "off"])
+def test_no_inductor_kernel_spans_a_gradient_seed_and_the_step_trains_as_eager_in_float64(monkeypatch, rule):
+    """A LayerNorm backward's normalized input ``(x - mean) * rstd`` reads only forward values: the residual sum
+    (inline) and the row statistics. In one graph Inductor fuses it into the forward kernel computing those
+    statistics, and keeps it, float32 where ``x`` is bfloat16, from the forward to the backward (a diffusion
+    UNet's peak). ``spmd.lower.recompute_fusion`` keeps every kernel on one side of the step's gradient seed, as
+    torch.compile's two graphs are; with its rule switched off, the fusion this guards against is made."""
+    import spmd.lower.recompute_fusion as rules
+
+    if rule == "off":
+        monkeypatch.setattr(rules, "spans_a_seed", lambda node1, node2: False)
+    kernels = _kernels_by_side(monkeypatch)
+    torch.manual_seed(0)
+    model = _ResidualNorms().double()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(enable_inductor=True))(square_mean_step)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for _ in range(3):
+            x = torch.randn(16, 32, dtype=torch.float64)
+            expected = eager_step(ref, ref_optim, x, loss_fn=lambda out: out.square().mean())
+            torch.testing.assert_close(step(model, optim, x), expected, rtol=0, atol=1e-10)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+    assert [0] in kernels and [1] in kernels, kernels  # the step's graph was stamped: forward and backward kernels
+    spanning = [sides for sides in kernels if len(sides) > 1]
+    assert (spanning == []) if rule == "on" else spanning, kernels

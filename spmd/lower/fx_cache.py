@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 import torch.fx as fx
 
-from ..graph_utils.meta import RECOMPUTE_OF
+from ..graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
 from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer
 from .foreach_fusion import FOREACH_FUSION_RULE
 from .optimizer_layout import FUSED_OPTIMIZER_LAYOUT_RULE
@@ -55,9 +55,9 @@ def _user_tag() -> str:
 def _cache_key_tag(gm: fx.GraphModule) -> str:
     """The user's ``cache_key_tag`` followed by a digest of our ops' schemas and the names of the rules we
     compile the graph under: for foreach ops the fusion rule (``spmd.lower.foreach_fusion``), for fused
-    optimizer ops (ATen's or ours) the layout rule (``spmd.lower.optimizer_layout``), for recomputed nodes the
-    rule that keeps them in the backward (``spmd.lower.recompute_fusion``). Code Inductor made
-    before a rule is not reused. The user's tag alone where none applies."""
+    optimizer ops (ATen's or ours) the layout rule (``spmd.lower.optimizer_layout``), for recomputed nodes or a
+    backward the rule that keeps backward work in the backward (``spmd.lower.recompute_fusion``). Code Inductor
+    made before a rule is not reused. The user's tag alone where none applies."""
     parts = [_user_tag()] if _user_tag() else []
     schemas = opaque_schemas(gm)
     if schemas:
@@ -66,7 +66,7 @@ def _cache_key_tag(gm: fx.GraphModule) -> str:
         parts.append(FOREACH_FUSION_RULE)
     if schemas or any(n.op == "call_function" and is_fused_optimizer(n.target) for n in gm.graph.nodes):
         parts.append(FUSED_OPTIMIZER_LAYOUT_RULE)
-    if any(RECOMPUTE_OF in n.meta for n in gm.graph.nodes):
+    if any(RECOMPUTE_OF in n.meta or n.meta.get(SEEDS_BEFORE) for n in gm.graph.nodes):
         parts.append(RECOMPUTE_FUSION_RULE)
     return "|".join(parts)
 

@@ -1,8 +1,10 @@
 """An op graph as bytes and back, to hand a piece of a step to another process (``spmd.lower.worker_pool``).
 
 Each node is written as its kind, its name, its target (an op by its qualified name, or ``getitem``)
-and its arguments, with the nodes it reads written as their positions, and whether it is a recompute
-(``meta[RECOMPUTE_OF]``, which the compile reads: ``spmd.lower.recompute_fusion``). A memory format is
+and its arguments, with the nodes it reads written as their positions, and the metadata the compile reads:
+whether it is a recompute (``meta[RECOMPUTE_OF]``) and how many gradient seeds come before it
+(``meta[SEEDS_BEFORE]``), both for ``spmd.lower.recompute_fusion``, and the op Inductor names its kernel after
+(``meta["original_aten"]``, by name). A memory format is
 written by its name (``_TorchName``): pickle finds it by searching the loaded modules for one that reaches
 it, and in a process started by ``multiprocessing`` that search picks ``__mp_main__``, which the receiving
 process does not have. No other metadata is sent: the receiving process propagates fake values from the
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..graph_utils.meta import RECOMPUTE_OF
+from ..graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
 
 
 class NotWireable(ValueError):
@@ -71,6 +73,14 @@ def _target_name(node: fx.Node) -> str:
     raise NotWireable(f"{node.name} calls {node.target!r} ({node.op}), not an op")
 
 
+def _wired_meta(node: fx.Node) -> dict:
+    """The metadata of ``node`` the compile reads, each value plain (an op by its name)."""
+    meta = {key: node.meta[key] for key in (RECOMPUTE_OF, SEEDS_BEFORE) if key in node.meta}
+    if isinstance(node.meta.get("original_aten"), torch._ops.OpOverload):
+        meta["original_aten"] = node.meta["original_aten"].name()
+    return meta
+
+
 def to_bytes(graph: fx.Graph) -> bytes:
     """``graph``'s nodes as bytes (``from_bytes`` reads them back); ``NotWireable`` where it holds
     something other than placeholders, op calls, getitems and an output."""
@@ -78,7 +88,7 @@ def to_bytes(graph: fx.Graph) -> bytes:
     rows = []
     for i, node in enumerate(graph.nodes):
         args, kwargs = _written(fx.node.map_arg((node.args, node.kwargs), lambda n: _Ref(index[n])))
-        rows.append((node.op, node.name, _target_name(node), args, kwargs, node.meta.get(RECOMPUTE_OF)))
+        rows.append((node.op, node.name, _target_name(node), args, kwargs, _wired_meta(node)))
         index[node] = i
     try:
         return pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
@@ -102,7 +112,7 @@ def from_bytes(data: bytes) -> fx.GraphModule:
             return {k: resolve(v) for k, v in value.items()}
         return value
 
-    for op, name, target, args, kwargs, recompute_of in pickle.loads(data):
+    for op, name, target, args, kwargs, meta in pickle.loads(data):
         args, kwargs = resolve(args), resolve(kwargs)
         if op == "placeholder":
             node = graph.placeholder(name)
@@ -111,8 +121,9 @@ def from_bytes(data: bytes) -> fx.GraphModule:
         else:
             fn = operator.getitem if target == "getitem" else op_named(target)
             node = graph.create_node(op, fn, args, kwargs, name)
-            if recompute_of is not None:
-                node.meta[RECOMPUTE_OF] = recompute_of
+            node.meta.update(meta)
+            if "original_aten" in meta:
+                node.meta["original_aten"] = op_named(meta["original_aten"])
         nodes.append(node)
     graph.lint()
     return fx.GraphModule(torch.nn.Module(), graph)

@@ -1,18 +1,18 @@
-"""Keep Inductor from computing a backward recompute inside a forward kernel.
+"""Keep Inductor from computing backward work inside a forward kernel.
 
-``passes.recompute`` repeats forward work in the backward (nodes marked ``meta[RECOMPUTE_OF]``) so that a
-forward value need not live until the backward reads it. torch.compile compiles its forward and backward as
-two graphs; our step is one, and Inductor's scheduler fuses a consumer into its producer wherever that makes
-no cycle, however far apart the two are. A recompute reads only forward values and what other recomputes
-make, so nothing stops Inductor from fusing it into the forward kernel that made one of them (a dropout's
-mask, a softmax's row statistics, a LayerNorm's): the "recomputed" value is then computed in the forward and
-kept until the backward, which costs a write and saves nothing. (Inductor refuses horizontal fusions of nodes
-far apart in the graph, so a recompute never joins a forward kernel that merely reads what it reads.)
+torch.compile compiles its forward and backward as two graphs, and no kernel of its spans both. Our step is one
+graph, and Inductor's scheduler fuses a consumer into its producer wherever that makes no cycle, however far
+apart the two are (it refuses horizontal fusions of nodes far apart, never vertical ones). Backward work that
+reads only forward values is then fused into the forward kernel that made one of them: a recompute of
+``passes.recompute`` (``meta[RECOMPUTE_OF]``), or a LayerNorm backward's normalized input ``(x - mean) * rstd``,
+which reads the forward's row statistics. Its result, often float32 where ``x`` was bfloat16, is then computed in
+the forward and kept until the backward reads it, at the step's peak, in place of what it read.
 
-``recomputes_stay_in_the_backward`` refuses such a fusion while our graphs compile: a kernel made only of
-recomputes never fuses with a kernel that computes, from anything but recomputes, a value it reads. It
-still fuses with the backward kernels that read the same values (``Planner.beside_readers``): once it has,
-Inductor cannot move that kernel into the forward, where the backward's values do not exist yet.
+``backward_stays_in_the_backward`` refuses such fusions while our graphs compile, over the stamps
+``spmd.lower.rewrites`` leaves on the graph Inductor gets: no kernel spans a gradient seed
+(``meta[SEEDS_BEFORE]`` differs between its nodes); in a graph without seeds, a kernel made only of recomputes
+never fuses with a kernel that makes, from anything but recomputes, a value it reads. A recompute still fuses
+with the backward kernels that read the same values (``Planner.beside_readers``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from ..graph_utils.meta import RECOMPUTE_OF
+from ..graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
 
-# Named in Inductor's FX graph cache key of a graph holding recomputes (``spmd.lower.fx_cache``): code made
-# without the rule is not reused. A new name for every change of the rule.
-RECOMPUTE_FUSION_RULE = "spmd_recompute_fusion:1"
+# Named in Inductor's FX graph cache key of a graph holding recomputes or a gradient seed (``spmd.lower.fx_cache``):
+# code made without the rules is not reused. A new name for every change of the rules.
+RECOMPUTE_FUSION_RULE = "spmd_recompute_fusion:2"
 
 
 def kernel_origins(snode: Any) -> list:
@@ -37,6 +37,30 @@ def _only_recomputes(snode: Any) -> bool:
     return bool(origins) and all(RECOMPUTE_OF in o.meta for o in origins)
 
 
+def _seeds_before(snode: Any) -> list[int]:
+    """The side of each node of a scheduler node (one, or each of a fused one): that of the FX node whose value it
+    writes, else the latest of the FX nodes it was made from. Not the earliest of those: a kernel computes inline
+    the pointwise values it reads, forward ones in a backward kernel too."""
+    sides = []
+    for sub in snode.get_nodes():
+        buffer = getattr(sub, "node", None)
+        written = getattr(buffer, "origin_node", None)
+        if written is not None and SEEDS_BEFORE in written.meta:
+            sides.append(written.meta[SEEDS_BEFORE])
+            continue
+        made_from = [o.meta[SEEDS_BEFORE] for o in (getattr(buffer, "origins", None) or ()) if SEEDS_BEFORE in o.meta]
+        if made_from:
+            sides.append(max(made_from))
+    return sides
+
+
+def spans_a_seed(node1: Any, node2: Any) -> bool:
+    """A gradient seed lies between a node of ``node1`` and one of ``node2``: the kernel fusing them would compute
+    backward work in the forward (or forward work in the backward)."""
+    sides = _seeds_before(node1) + _seeds_before(node2)
+    return bool(sides) and min(sides) != max(sides)
+
+
 def _computes_what_it_reads(producer: Any, reader: Any) -> bool:
     """``producer`` writes a buffer ``reader`` reads."""
     written = set(producer.get_buffer_names())
@@ -44,15 +68,17 @@ def _computes_what_it_reads(producer: Any, reader: Any) -> bool:
 
 
 def fuses_into_the_forward(node1: Any, node2: Any) -> bool:
-    """Whether fusing ``node1`` and ``node2`` would compute recomputes (one of them, made of recomputes only) in
-    the kernel that makes, from anything but recomputes, a value they read."""
-    return any(_only_recomputes(reader) and not _only_recomputes(producer) and _computes_what_it_reads(producer, reader)
-               for producer, reader in ((node1, node2), (node2, node1)))
+    """Whether fusing ``node1`` and ``node2`` would make a kernel on both sides of a gradient seed, or compute
+    recomputes (one of them, made of recomputes only) in the kernel that makes, from anything but recomputes, a
+    value they read (a graph without seeds has recomputes too)."""
+    return spans_a_seed(node1, node2) or any(
+        _only_recomputes(reader) and not _only_recomputes(producer) and _computes_what_it_reads(producer, reader)
+        for producer, reader in ((node1, node2), (node2, node1)))
 
 
 @contextlib.contextmanager
-def recomputes_stay_in_the_backward() -> Iterator[None]:
-    """Within the block, Inductor never fuses a recompute into the forward (see the module docstring); outside
+def backward_stays_in_the_backward() -> Iterator[None]:
+    """Within the block, Inductor keeps backward work out of forward kernels (see the module docstring); outside
     it, Inductor is as it was."""
     from torch._inductor.scheduler import Scheduler
 

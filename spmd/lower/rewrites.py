@@ -24,8 +24,10 @@ import torch.fx as fx
 
 from ..errors import SpmdConfigError
 from ..graph_utils import lazy_graph_module
+from ..graph_utils.meta import SEEDS_BEFORE
 from ..graph_utils.nodes import view_of_copy_op
 from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inplace, written_inputs
+from ..graph_utils.phases import seeds_before
 from ..passes import PassManager, graph_optimization_pass, pass_info
 from .decompose_for_inductor import decompose_for_inductor
 from .dropout_masks import keep_dropout_masks_as_bool
@@ -225,6 +227,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     _name_ops_for_inductor(graph)
+    _mark_forward_and_backward(graph)
     prepared = lazy_graph_module(gm, graph)
     PassManager(lowering_pipeline(lean=lean, decompose=decompose))(prepared, dump_prefix=dump_as or None)
     return prepared
@@ -239,6 +242,17 @@ def _name_ops_for_inductor(graph: fx.Graph) -> None:
         if node.op == "call_function" and isinstance(node.target, (torch._ops.OpOverload,
                                                                     torch._ops.HigherOrderOperator)):
             node.meta.setdefault("original_aten", node.target)
+
+
+def _mark_forward_and_backward(graph: fx.Graph) -> None:
+    """Stamp each op node with the gradient seeds before it (``SEEDS_BEFORE``), by which
+    ``spmd.lower.recompute_fusion`` keeps each of Inductor's kernels on one side of a seed, as torch.compile's
+    kernels are (it compiles a forward graph and a backward graph). Nothing in a graph without seeds."""
+    sides = seeds_before(graph)
+    if any(sides.values()):
+        for node in graph.nodes:
+            if node.op == "call_function":
+                node.meta[SEEDS_BEFORE] = sides[node]
 
 
 def refuse_constraints_on_rewrites(passes: Sequence[Callable]) -> None:
