@@ -748,7 +748,7 @@ def test_a_kernel_of_recomputes_never_fuses_into_the_forward_kernel_that_made_wh
 class _ResidualNorms(nn.Module):
     """Pre-norm residual blocks: each LayerNorm reads a residual sum that Inductor computes inline."""
 
-    def __init__(self, width: int = 32, blocks: int = 3):
+    def __init__(self, width: int = 32, blocks: int = 2):
         super().__init__()
         self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(2 * blocks))
         self.linears = nn.ModuleList(nn.Linear(width, width) for _ in range(2 * blocks))

@@ -18,7 +18,7 @@ with the backward kernels that read the same values (``Planner.beside_readers``)
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from ..graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
 
@@ -27,31 +27,35 @@ from ..graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
 RECOMPUTE_FUSION_RULE = "spmd_recompute_fusion:2"
 
 
-def kernel_origins(snode: Any) -> list:
-    """The FX nodes a scheduler node (or each node of a fused one) was made from."""
-    return [o for sub in snode.get_nodes() for o in (getattr(getattr(sub, "node", None), "origins", None) or ())]
+def _facts(sub: Any) -> tuple[Optional[int], bool, bool]:
+    """Of one (unfused) scheduler node: its side of the gradient seeds (that of the FX node whose value it writes,
+    else the latest of the FX nodes it was made from: not the earliest, since a kernel computes inline the
+    pointwise values it reads, forward ones in a backward kernel too; None where unstamped), whether it was made
+    from any FX node, and whether only from recomputes. Kept on the node: Inductor asks about each pair of
+    candidates, thousands of times per graph."""
+    facts = getattr(sub, "_spmd_fusion_facts", None)
+    if facts is None:
+        buffer = getattr(sub, "node", None)
+        origins = getattr(buffer, "origins", None) or ()
+        written = getattr(buffer, "origin_node", None)
+        if written is not None and SEEDS_BEFORE in written.meta:
+            side = written.meta[SEEDS_BEFORE]
+        else:
+            side = max((o.meta[SEEDS_BEFORE] for o in origins if SEEDS_BEFORE in o.meta), default=None)
+        facts = (side, bool(origins), all(RECOMPUTE_OF in o.meta for o in origins))
+        with contextlib.suppress(AttributeError):
+            sub._spmd_fusion_facts = facts
+    return facts
 
 
 def _only_recomputes(snode: Any) -> bool:
-    origins = kernel_origins(snode)
-    return bool(origins) and all(RECOMPUTE_OF in o.meta for o in origins)
+    facts = [_facts(sub) for sub in snode.get_nodes()]
+    return any(made for _, made, _ in facts) and all(only for _, _, only in facts)
 
 
 def _seeds_before(snode: Any) -> list[int]:
-    """The side of each node of a scheduler node (one, or each of a fused one): that of the FX node whose value it
-    writes, else the latest of the FX nodes it was made from. Not the earliest of those: a kernel computes inline
-    the pointwise values it reads, forward ones in a backward kernel too."""
-    sides = []
-    for sub in snode.get_nodes():
-        buffer = getattr(sub, "node", None)
-        written = getattr(buffer, "origin_node", None)
-        if written is not None and SEEDS_BEFORE in written.meta:
-            sides.append(written.meta[SEEDS_BEFORE])
-            continue
-        made_from = [o.meta[SEEDS_BEFORE] for o in (getattr(buffer, "origins", None) or ()) if SEEDS_BEFORE in o.meta]
-        if made_from:
-            sides.append(max(made_from))
-    return sides
+    """The side of each node of a scheduler node (one, or each of a fused one) that has one (``_facts``)."""
+    return [side for side, _, _ in map(_facts, snode.get_nodes()) if side is not None]
 
 
 def spans_a_seed(node1: Any, node2: Any) -> bool:
