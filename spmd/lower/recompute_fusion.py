@@ -27,6 +27,11 @@ from ..graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
 RECOMPUTE_FUSION_RULE = "spmd_recompute_fusion:2"
 
 
+def kernel_origins(snode: Any) -> list:
+    """The FX nodes a scheduler node (or each node of a fused one) was made from (``tools/inductor_kernels.py``)."""
+    return [o for sub in snode.get_nodes() for o in (getattr(getattr(sub, "node", None), "origins", None) or ())]
+
+
 def _facts(sub: Any) -> tuple[Optional[int], bool, bool]:
     """Of one (unfused) scheduler node: its side of the gradient seeds (that of the FX node whose value it writes,
     else the latest of the FX nodes it was made from: not the earliest, since a kernel computes inline the
