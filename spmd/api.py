@@ -15,6 +15,7 @@ from .compile_options import CompileOptions
 from .compile_times import phase, recording
 from .errors import SpmdConfigError
 from .lower.preload import import_for_inductor, may_lower_through_inductor
+from .lower.unread_state import zero_until_read
 from .optim.hyperparams import LearnedFacts
 from .parallel import DataParallel
 from .parallel.data_parallel import as_data_parallel
@@ -105,8 +106,10 @@ class CompiledTrainStep:
         entry, flat, owned = self._calls.prepare_call(args, kwargs)
         first_run = not entry.ran
         # the first run captures CUDA graphs: its time goes to this entry too
+        # the first run: the optimizer state its trace created (zeros) takes memory from its first reader on
         with torch.no_grad(), recording(entry.compile_times), (
-                phase("first_run") if first_run else contextlib.nullcontext()):
+                phase("first_run") if first_run else contextlib.nullcontext()), (
+                zero_until_read(entry.created_state) if first_run else contextlib.nullcontext()):
             if isinstance(entry.runner, IterGraphModule):
                 out = entry.runner(*flat, last_iter=last_train_step)
             else:

@@ -62,6 +62,7 @@ import torch.utils._pytree as pytree
 from ..graph_utils.nodes import is_comm_node, is_wait_node, waited_collective
 from ..graph_utils.optimizer_ops import written_inputs
 from .matmul_order import MATMULS
+from .unread_state import HeldBack, holding
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -141,21 +142,49 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
     def run(args: list) -> list:
         values = dict(enumerate(args))
         args.clear()
-        for p, (piece, takes, makes, drops) in enumerate(steps):
-            inputs = [values[i] for i in takes]
-            for i in drops:
-                del values[i]
-            outputs = conform[p](piece(inputs))
-            if p == len(steps) - 1:
-                return outputs
-            values.update(zip(makes, outputs))
-            # nothing but ``values`` holds a piece's outputs while the next runs: the piece reading one last
-            # frees it as it goes (held here, BERT's loss gradient lived through the next piece:
-            # BENCHMARKS.md, "Round 26")
-            del outputs
-        return []
+        held = holding()
+        unread = _release_unread_state(held, values, plan.takes) if held is not None else {}
+        try:
+            for p, (piece, takes, makes, drops) in enumerate(steps):
+                if p in unread:
+                    held.restore(unread.pop(p))
+                inputs = [values[i] for i in takes]
+                for i in drops:
+                    del values[i]
+                outputs = conform[p](piece(inputs))
+                if p == len(steps) - 1:
+                    return outputs
+                values.update(zip(makes, outputs))
+                # nothing but ``values`` holds a piece's outputs while the next runs: the piece reading one last
+                # frees it as it goes (held here, BERT's loss gradient lived through the next piece:
+                # BENCHMARKS.md, "Round 26")
+                del outputs
+            return []
+        finally:
+            for tensors in unread.values():  # read by no piece, or the run failed before its reader
+                held.restore(tensors)
 
     return run
+
+
+def _release_unread_state(held: HeldBack, inputs: dict[int, Any], takes: Sequence[Sequence[int]]
+                          ) -> dict[int, list[torch.Tensor]]:
+    """Release the storage of each zero state tensor among the graph's ``inputs`` that no piece before the
+    first one reading its storage reads (``spmd.lower.unread_state``); returns, by piece, the released
+    tensors to make again before it runs (a storage no piece reads: before none, at the run's end)."""
+    first_read: dict[int, int] = {}
+    for p, taken in enumerate(takes):
+        for i in taken:
+            if i in inputs and isinstance(inputs[i], torch.Tensor):
+                first_read.setdefault(inputs[i].untyped_storage()._cdata, p)
+    unread: dict[int, list[torch.Tensor]] = {}
+    for value in inputs.values():
+        if not isinstance(value, torch.Tensor):
+            continue
+        p = first_read.get(value.untyped_storage()._cdata, len(takes))
+        if p > 0 and held.release(value):
+            unread.setdefault(p, []).append(value)
+    return unread
 
 
 def as_their_graph_gives(shapes: Sequence[Optional[tuple[int, ...]]], dtypes: Sequence[Optional[torch.dtype]],

@@ -34,6 +34,11 @@ class CreatedState:
     before: dict  # param -> the state keys it had before
     first_step: dict[tuple[int, str], float] = field(default_factory=dict)  # (group, key) -> value for step 1
 
+    def created_tensors(self) -> list[torch.Tensor]:
+        """The state tensors it created (zeros where the optimizer's own first step makes zeros)."""
+        return [value for p, state in self.optim.state.items() for key, value in state.items()
+                if key not in self.before.get(p, ()) and isinstance(value, torch.Tensor)]
+
     def undo(self) -> None:
         """Remove the created state, leaving ``optim.state`` as it was."""
         for p in list(self.optim.state):

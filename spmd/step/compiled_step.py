@@ -45,6 +45,8 @@ class CompiledStep:
     lowered: bool = False  # ``Transformed.lower`` made it: calls only run ``runner``
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)
     kept_in: Any = None  # where its code is kept (``spmd.step.step_cache.KeptIn``), told once it ran
+    # the optimizer state created for its trace, released until read on the first run (``spmd.lower.unread_state``)
+    created_state: list = field(default_factory=list)
 
     @property
     def graph(self) -> fx.GraphModule:
@@ -80,6 +82,7 @@ class CompiledStep:
         what the run autotuned (``KeptIn.after_first_run``)."""
         self.ran = True
         self.first_step = {}
+        self.created_state = []
         if self.kept_in is not None:
             kept_in, self.kept_in = self.kept_in, None
             kept_in.after_first_run(self.runner)

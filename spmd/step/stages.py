@@ -125,7 +125,8 @@ class Transformed:
         entry = CompiledStep(self.runner, step.out_spec, graph, compile_times=dict(self.compile_times),
                              first_step=first_step_slots(traced.state, list(traced.created)), grads=step.grads,
                              dtensors=step.dtensors, replays=step.replays, live=step.live,
-                             watch=traced.watch)
+                             watch=traced.watch,
+                             created_state=[local_tensor(t) for c in traced.created for t in c.created_tensors()])
         entry.lowered = True
         if not isinstance(self.runner, IterGraphModule):  # a transformation of the user's lowers it itself
             return entry
