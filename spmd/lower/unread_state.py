@@ -12,9 +12,9 @@ makes it again, zeroed, right before the first piece that reads it (on one GPU t
 the backward). The tensors stay the same Python objects: only their storage is freed and made again, so the
 step's code, which reads a tensor's data where it is at each call, sees zeros, as it would have. Later calls
 change nothing: the state then holds values, and a CUDA graph captured on the second call reads it where it
-now lives. A tensor is released only if it is all zeros when the call starts (checked once, one
-synchronisation), and every released tensor is made again before its run returns or raises, so a failed call
-leaves the user's optimizer state as it was: zeros.
+now lives. A tensor is released only if it is all zeros when the run starts (checked once, one synchronisation,
+and only by a step cut into pieces), and every released tensor is made again before its run returns or raises, so a
+failed call leaves the user's optimizer state as it was: zeros.
 """
 
 from __future__ import annotations
@@ -39,15 +39,24 @@ class HeldBack:
     those released now, to be made again (``restore``)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]):
-        big = [t for t in tensors if t.untyped_storage().nbytes() >= MIN_HELD_BYTES]
-        self.zero: set[int] = {_storage_key(t) for t, zero in zip(big, _all_zero(big)) if zero}
+        self.tensors = [t for t in tensors if t.untyped_storage().nbytes() >= MIN_HELD_BYTES]
+        self._zero: Optional[set[int]] = None  # found when first asked: a step run whole never asks
         self.released: dict[int, tuple[torch.UntypedStorage, int]] = {}  # storage key -> (storage, its bytes)
+
+    @property
+    def zero(self) -> set[int]:
+        """The storages of the tensors that hold only zeros now."""
+        if self._zero is None:
+            self._zero = {_storage_key(t) for t, zero in zip(self.tensors, _all_zero(self.tensors)) if zero}
+        return self._zero
 
     def release(self, t: torch.Tensor) -> bool:
         """Free ``t``'s storage if it is one of the zero ones and not released yet; True if it now is released."""
         key = _storage_key(t)
-        if key not in self.zero or key in self.released:
-            return key in self.released
+        if key in self.released:
+            return True
+        if key not in self.zero:
+            return False
         storage = t.untyped_storage()
         self.released[key] = (storage, storage.nbytes())
         storage.resize_(0)
@@ -93,7 +102,7 @@ def _all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     for indices in by_device.values():
-        flags = torch.stack([tensors[i].detach().ne(0).any() for i in indices]).tolist()
+        flags = torch.stack([tensors[i].detach().any() for i in indices]).tolist()  # NaN counts as nonzero
         zero.update((i, not nonzero) for i, nonzero in zip(indices, flags))
     return [zero[i] for i in range(len(tensors))]
 
