@@ -105,8 +105,8 @@ class CompiledTrainStep:
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
         entry, flat, owned = self._calls.prepare_call(args, kwargs)
         first_run = not entry.ran
-        # the first run captures CUDA graphs: its time goes to this entry too
-        # the first run: the optimizer state its trace created (zeros) takes memory from its first reader on
+        # the first run captures CUDA graphs (its time goes to this entry too), and the optimizer state its trace
+        # created (zeros) takes memory only from the first piece reading it on (spmd.lower.unread_state)
         with torch.no_grad(), recording(entry.compile_times), (
                 phase("first_run") if first_run else contextlib.nullcontext()), (
                 zero_until_read(entry.created_state) if first_run else contextlib.nullcontext()):

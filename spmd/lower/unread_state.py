@@ -3,8 +3,7 @@
 spmd creates an optimizer's state before the first trace, as zeros (``spmd.optim.state``): the traced step
 takes it as a graph input. Eager PyTorch and ``torch.compile`` make it inside ``optimizer.step()``, after the
 backward has freed the activations, so their first step's peak holds no optimizer state; spmd's first call held
-it from the forward's start through the backward, where the step peaks (an SGD momentum buffer per parameter:
-ResNet-50's first call peaked about 2% above ``torch.compile``'s, BENCHMARKS.md, "Round 41").
+it from the forward's start through the backward, where the step peaks (BENCHMARKS.md, "Round 43").
 
 On the first call, ``zero_until_read`` names the state created that way; a step cut into pieces
 (``spmd.lower.piece_plan.run_pieces``) lets the storage of each such tensor go before its first piece and
@@ -80,8 +79,7 @@ def _remake_zeros(entries: Sequence[tuple[torch.UntypedStorage, int]]) -> None:
     """Each (storage, its bytes) given its bytes again, all zeros. On a GPU they are allocated in a memory pool of
     their own (``_pools``), as when the state was made before the trace: the caching allocator would otherwise
     hand them blocks the step's activations freed, and count a block's whole size where it is up to 1 MiB larger
-    than asked (on the H200 ResNet-50's momentum buffers then took 6 MiB more, the UNet's Adam state 18 MiB more,
-    every call after the first)."""
+    than asked, on every call after the first (BENCHMARKS.md, "Round 43")."""
     for storage, nbytes in entries:
         device = storage.device
         if device.type == "cuda":
