@@ -78,6 +78,7 @@ PASS_PURPOSE = {
     "keep_ops_whole": "no float32 embedding-gradient buffer, no gathered table kept for the backward, dropout masks "
                       "drawn before they are read",
     "keep_dropout_masks_in_bool": "a dropout mask is kept for the backward in bool, not as its float32 random draw",
+    "keep_relu_masks_in_bool": "a ReLU output only compared in the backward is kept there as a bool mask",
     "start_loss_backward_after_loss": "the loss gradient is written over the logits: one (tokens, vocab) buffer less",
     "write_loss_targets_to_memory": "the loss gradient's kernel reads each row's target once, not at every logit",
     "start_packing_after_last_gradient": "a unit's reduce-scatter buffer is not held through its whole backward",

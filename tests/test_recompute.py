@@ -587,6 +587,61 @@ def test_a_dropout_mask_the_backward_reads_is_kept_in_bool_not_as_its_float32_dr
     assert all(map(torch.equal, params, before_params))
 
 
+class _ReluThenPooled(nn.Module):
+    """Two convolutions, each under a ReLU, then an average pooling and a linear head: ResNet's tail. The first
+    ReLU's output is the second convolution's input (its weight gradient reads it); the second's is read in the
+    backward only by its own ReLU's backward (the pooling's backward reads no input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, dtype=torch.float64), nn.ReLU(),
+                                   nn.Conv2d(8, 6, 3, padding=1, dtype=torch.float64), nn.ReLU())
+        self.head = nn.Linear(6, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.head(self.convs(x).mean((2, 3)))
+
+
+def test_a_relu_output_the_backward_only_compares_is_kept_as_a_bool_mask_and_the_step_is_unchanged(monkeypatch):
+    """A ReLU's backward reads its output only to find where it was zero. Where nothing else in the backward
+    reads that output, the lowering keeps the bool mask across the forward->backward boundary instead (as
+    torch.compile's partitioner does); a ReLU output that a convolution's weight gradient reads stays as it is.
+    The step computes the same, bit for bit, and matches eager in float64."""
+    import spmd.lower.rewrites as rewrites
+    from spmd.tools.inductor_kernels import schedule
+
+    def compiled(keep_masks):
+        if not keep_masks:
+            monkeypatch.setattr(rewrites, "keep_relu_masks_as_bool", lambda graph: 0)
+        torch.manual_seed(0)
+        model = _ReluThenPooled()
+        step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+            enable_graph_optimization=True, enable_inductor=True))(square_mean_step)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        runner = step.trace(model, optim, x).transform().runner
+        between = schedule(torch.fx.GraphModule(runner, runner.graph)).read_by_others
+        losses = [step(model, optim, x * (k + 1)) for k in range(3)]
+        return between, losses, list(model.parameters())
+
+    first, second = 2 * 8 * 8 * 8, 2 * 6 * 8 * 8
+    kept, losses, params = compiled(True)
+    assert [n for d, n in kept if d == torch.bool] == [second], kept
+    assert (torch.float64, first) in kept
+    before, before_losses, before_params = compiled(False)
+    assert not [n for d, n in before if d == torch.bool], before
+    assert all(map(torch.equal, losses, before_losses))
+    assert all(map(torch.equal, params, before_params))
+    torch.manual_seed(0)
+    model = _ReluThenPooled()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    eager = [square_mean_step(model, optim, x * (k + 1)).detach() for k in range(3)]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=0, atol=1e-10)
+    for p, q in zip(params, model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+
+
 class _PooledConvNet(nn.Module):
     """A convolution, batch norm and ReLU under a 3x3 max pooling, as a ResNet's stem, then a linear head."""
 

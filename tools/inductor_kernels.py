@@ -93,11 +93,23 @@ def _peak(scheduler) -> Optional[int]:
 
 def _read_by_others(scheduler) -> list[tuple[torch.dtype, int]]:
     """(dtype, elements) of each scheduled buffer that a fused kernel other than its writer reads."""
+    from torch._inductor.ir import MultiOutputLayout
+
     writers = {buf.get_name(): snode for snode in scheduler.nodes for buf in snode.get_outputs()}
     read = {dep.name for snode in scheduler.nodes for dep in snode.read_writes.reads
             if writers.get(dep.name, snode) is not snode}
     return [(buf.node.get_dtype(), int(buf.node.get_numel())) for name, buf in scheduler.name_to_buf.items()
-            if name in read]
+            if name in read and not isinstance(buf.node.layout, MultiOutputLayout)]  # its outputs are read instead
+
+
+def _stopped_by_record(err: BaseException) -> bool:
+    """Whether ``err`` is, or was raised from, the ``_Scheduled`` that ends a ``schedule`` (anything else, from
+    Inductor or from the record itself, is a real failure)."""
+    while err is not None:
+        if isinstance(err, _Scheduled):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def schedule(gm: fx.GraphModule) -> Kernels:
@@ -136,7 +148,7 @@ def schedule(gm: fx.GraphModule) -> Kernels:
         with torch._inductor.config.patch(fx_graph_cache=False), contextlib.suppress(_Scheduled):
             compile_with_inductor(gm, inputs)
     except Exception as err:  # Inductor wraps what its scheduler raised
-        if not isinstance(err, _Scheduled) and not isinstance(err.__cause__, _Scheduled) and found.generated == 0:
+        if not _stopped_by_record(err):
             raise
     finally:
         inductor_scheduler.Scheduler.codegen = codegen

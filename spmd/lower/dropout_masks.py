@@ -34,13 +34,20 @@ def _masks_read_by_a_backward(graph: fx.Graph) -> list[fx.Node]:
 
 def keep_dropout_masks_as_bool(graph: fx.Graph) -> int:
     """Make every dropout mask a backward reads a buffer of its own (module docstring); returns how many."""
-    from torch._inductor.inductor_prims import force_stride_order  # registers the prim; Inductor is lowering anyway
-
     masks = [m for m in _masks_read_by_a_backward(graph) if isinstance(m.meta.get("val"), torch.Tensor)]
     for mask in masks:
-        val = mask.meta["val"]
-        with graph.inserting_after(mask):
-            kept = graph.call_function(force_stride_order, (mask, list(val.stride())))
-        kept.meta.update(mask.meta)
+        kept = realized(graph, mask)
         mask.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not kept)
     return len(masks)
+
+
+def realized(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """A node right after ``node`` passing its value through ``inductor_force_stride_order`` with its own
+    strides: the same values, which Inductor writes to a buffer of their own instead of computing ``node``
+    again inline in each kernel that reads it. Its readers are left to the caller to move onto it."""
+    from torch._inductor.inductor_prims import force_stride_order  # registers the prim; Inductor is lowering anyway
+
+    with graph.inserting_after(node):
+        kept = graph.call_function(force_stride_order, (node, list(node.meta["val"].stride())))
+    kept.meta.update(node.meta)
+    return kept

@@ -40,6 +40,7 @@ from .opaque_ops import (
     keeps_gathered_lookup_whole, opaque_inplace_op, writes_grads,
 )
 from .pack_order import delay_early_pack_inputs
+from .relu_masks import keep_relu_masks_as_bool
 from .step_counts import count_steps_in_place, is_step_count
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,14 @@ def keep_dropout_masks_in_bool(gm: fx.GraphModule) -> None:
 
 
 @graph_optimization_pass()
+def keep_relu_masks_in_bool(gm: fx.GraphModule) -> None:
+    """Keep a bool mask of where a ReLU's output was zero in place of the output itself, where the backward reads
+    it only for that (``spmd.lower.relu_masks``): half a bfloat16 output's bytes from the forward to the backward,
+    as torch.compile's partitioner keeps it."""
+    log.debug("spmd: %d ReLU outputs kept as bool masks", keep_relu_masks_as_bool(gm.graph))
+
+
+@graph_optimization_pass()
 def start_loss_backward_after_loss(gm: fx.GraphModule) -> None:
     """Start each ``nll_loss_backward`` after its loss is computed (``spmd.lower.loss_order``), so the loss
     gradient is written over the logits instead of beside them."""
@@ -184,7 +193,8 @@ def remove_one_rank_all_reduces(gm: fx.GraphModule) -> None:
 
 
 @graph_optimization_pass(apply_after=[add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers,
-                                      keep_ops_whole, keep_dropout_masks_in_bool, start_loss_backward_after_loss,
+                                      keep_ops_whole, keep_dropout_masks_in_bool, keep_relu_masks_in_bool,
+                                      start_loss_backward_after_loss,
                                       write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first,
                                       remove_one_rank_all_reduces])
 def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
@@ -194,19 +204,20 @@ def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
 
 
 REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers, keep_ops_whole,
-            keep_dropout_masks_in_bool, start_loss_backward_after_loss, write_loss_targets_to_memory, start_packing_after_last_gradient,
-            free_matmul_inputs_first, remove_one_rank_all_reduces, apply_inductor_decompositions)
+            keep_dropout_masks_in_bool, keep_relu_masks_in_bool, start_loss_backward_after_loss,
+            write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first, remove_one_rank_all_reduces, apply_inductor_decompositions)
 
 
 def lowering_pipeline(*, lean: Union[bool, str], decompose: bool) -> list:
     """The rewrites Inductor's graph gets, in order: ``lean``'s step counts in place (``"step_counts"``) ->
-    view copies as views -> fused optimizers opaque -> ops kept whole -> dropout masks kept in bool -> loss
-    backward after the loss -> loss targets in memory -> packing after the last gradient -> freeing matmuls
+    view copies as views -> fused optimizers opaque -> ops kept whole -> dropout masks kept in bool -> ReLU
+    masks kept in bool -> loss backward after the loss -> loss targets in memory -> packing after the last gradient -> freeing matmuls
     first -> ``lean``'s one-rank all_reduces removed (``"one_rank"``) -> Inductor's decompositions
     (``decompose``)."""
     parts = lean_parts(lean)
     return [*([add_step_counts_in_place] if "step_counts" in parts else []), turn_view_copies_into_views,
-            wrap_fused_optimizers, keep_ops_whole, keep_dropout_masks_in_bool, start_loss_backward_after_loss,
+            wrap_fused_optimizers, keep_ops_whole, keep_dropout_masks_in_bool, keep_relu_masks_in_bool,
+            start_loss_backward_after_loss,
             write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first,
             *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
             *([apply_inductor_decompositions] if decompose else [])]
