@@ -33,9 +33,10 @@ def _model_and_optim():
 
 
 def test_a_dump_of_a_step_lowered_through_inductor_has_a_file_per_rewrite_that_changed_its_graph(tmp_path):
-    """On one rank with a fused AdamW and the lean lowering, four rewrites change the graph Inductor gets: the
-    step counts, the fused optimizer, the one-rank all_reduces and the decompositions; each has its file, after
-    the optimization passes', and what it shows is its edit. The step itself runs as eager does, three steps."""
+    """On one rank with a fused AdamW and the lean lowering, five rewrites change the graph Inductor gets: the
+    step counts, the fused optimizer, the last ReLU's mask (its output is read in the backward only by its own
+    backward), the one-rank all_reduces and the decompositions; each has its file, after the optimization
+    passes', and what it shows is its edit. The step itself runs as eager does, three steps."""
     model, optim = _model_and_optim()
     eager_model, eager_optim = _model_and_optim()
     batch = torch.randn(4, 8, dtype=torch.float64)
@@ -55,8 +56,8 @@ def test_a_dump_of_a_step_lowered_through_inductor_has_a_file_per_rewrite_that_c
     code = {s: (tmp_path / f"{s}.py").read_text() for s in stems}
     previous = {s: stems[stems.index(s) - 1] for s in lowered}
     changed = {s.split("_lower_step_")[1] for s in lowered if code[s] != code[previous[s]]}
-    assert changed == {"add_step_counts_in_place", "wrap_fused_optimizers", "remove_one_rank_all_reduces",
-                       "apply_inductor_decompositions"}
+    assert changed == {"add_step_counts_in_place", "wrap_fused_optimizers", "keep_relu_masks_in_bool",
+                       "remove_one_rank_all_reduces", "apply_inductor_decompositions"}
     fused = next(s for s in lowered if s.endswith("wrap_fused_optimizers"))
     assert "_fused_adamw_" in code[previous[fused]] and "spmd_lowering.fused_adamw" in code[fused]
     one_rank = next(s for s in lowered if s.endswith("remove_one_rank_all_reduces"))
