@@ -93,13 +93,13 @@ def _peak(scheduler) -> Optional[int]:
 
 def _read_by_others(scheduler) -> list[tuple[torch.dtype, int]]:
     """(dtype, elements) of each scheduled buffer that a fused kernel other than its writer reads."""
-    from torch._inductor.ir import MultiOutputLayout
+    from torch._inductor.ir import MultiOutputLayout, NoneLayout
 
     writers = {buf.get_name(): snode for snode in scheduler.nodes for buf in snode.get_outputs()}
     read = {dep.name for snode in scheduler.nodes for dep in snode.read_writes.reads
             if writers.get(dep.name, snode) is not snode}
     return [(buf.node.get_dtype(), int(buf.node.get_numel())) for name, buf in scheduler.name_to_buf.items()
-            if name in read and not isinstance(buf.node.layout, MultiOutputLayout)]  # its outputs are read instead
+            if name in read and not isinstance(buf.node.layout, (MultiOutputLayout, NoneLayout))]  # no tensor of its own
 
 
 def _stopped_by_record(err: BaseException) -> bool:
