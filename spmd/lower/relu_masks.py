@@ -6,8 +6,7 @@ average pooling: the pooling's backward reads no input), ``torch.compile``'s par
 the comparison's bool result is the cheaper value to keep across its forward->backward boundary, and
 keeps a byte per element where the output took two (bfloat16) or four. In a whole-step graph nothing
 makes that choice: Inductor inlines the comparison into the backward's kernel, so the output itself is
-kept from the forward to the backward (ResNet-50's last ReLU: 12 MiB where the mask takes 6; BENCHMARKS.md,
-"Round 44").
+kept from the forward to the backward (ResNet-50's last ReLU; BENCHMARKS.md, "Round 44").
 
 ``keep_relu_masks_as_bool`` computes the mask in the forward, right after the output, as a buffer of its
 own, and turns each such backward into ``masked_fill(grad, mask, 0)``: the same values, bit for bit. An

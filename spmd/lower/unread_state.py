@@ -78,8 +78,8 @@ _pools: dict[torch.device, "torch.cuda.MemPool"] = {}
 def _remake_zeros(entries: Sequence[tuple[torch.UntypedStorage, int]]) -> None:
     """Each (storage, its bytes) given its bytes again, all zeros. On a GPU they are allocated in a memory pool of
     their own (``_pools``), as when the state was made before the trace: the caching allocator would otherwise
-    hand them blocks the step's activations freed, and count a block's whole size where it is up to 1 MiB larger
-    than asked, on every call after the first (BENCHMARKS.md, "Round 43")."""
+    hand them blocks the step's activations freed, and count a block's whole size where it is somewhat larger than
+    asked, on every call after the first (BENCHMARKS.md, "Round 43")."""
     for storage, nbytes in entries:
         device = storage.device
         if device.type == "cuda":
