@@ -52,6 +52,35 @@ def square_mean_step(model, optim, x):
     return loss
 
 
+def lowered_square_mean_steps(make_model, make_optim, x, steps: int = 3):
+    """``steps`` calls of ``square_mean_step`` (on ``x``, ``2 x``, ...) compiled with graph optimization and
+    Inductor, from a model made under seed 0: the (dtype, numel) of each value a kernel of the lowered step
+    writes for another to read (``spmd.tools.inductor_kernels.schedule``), the losses and the parameters."""
+    import spmd
+    from spmd.tools.inductor_kernels import schedule
+
+    torch.manual_seed(0)
+    model = make_model()
+    optim = make_optim(model.parameters())
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True))(square_mean_step)
+    runner = step.trace(model, optim, x).transform().runner
+    between = schedule(torch.fx.GraphModule(runner, runner.graph)).read_by_others
+    losses = [step(model, optim, x * (k + 1)) for k in range(steps)]
+    return between, losses, list(model.parameters())
+
+
+def assert_square_mean_steps_match_eager(make_model, make_optim, x, losses, params, atol: float = 1e-10):
+    """The same steps as ``lowered_square_mean_steps`` run eagerly give ``losses`` and end at ``params``."""
+    torch.manual_seed(0)
+    model = make_model()
+    optim = make_optim(model.parameters())
+    eager = [square_mean_step(model, optim, x * (k + 1)).detach() for k in range(len(losses))]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=0, atol=atol)
+    for p, q in zip(params, model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=atol)
+
+
 def lm_train_step(model, optim, idx, targets):
     """A GPT training step as users write it (compile it with ``spmd.compile(...)(lm_train_step)``)."""
     loss = model(idx, targets)

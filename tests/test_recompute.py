@@ -8,6 +8,7 @@ parameters at the end to 1e-12.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import pytest
@@ -25,7 +26,8 @@ from spmd.passes import recompute_activations, recompute_plan, schedule_comm_wai
 from spmd.tools.models import GPT, GPTConfig
 from tests.dist import run_distributed, single_process_group
 from tests.helpers import compiled_with_passes, expanded_step, fusion
-from tests.parity import ddp_copy, eager_step, lm_train_step, square_mean_step
+from tests.parity import (assert_square_mean_steps_match_eager, ddp_copy, eager_step, lm_train_step,
+                          lowered_square_mean_steps, square_mean_step)
 from tests.shard_helpers import batches, block_policy, fsdp2_twin, gpt, max_param_diff, optimizer, plain_step
 
 aten = torch.ops.aten
@@ -608,38 +610,19 @@ def test_a_relu_output_the_backward_only_compares_is_kept_as_a_bool_mask_and_the
     torch.compile's partitioner does); a ReLU output that a convolution's weight gradient reads stays as it is.
     The step computes the same, bit for bit, and matches eager in float64."""
     import spmd.lower.rewrites as rewrites
-    from spmd.tools.inductor_kernels import schedule
 
-    def compiled(keep_masks):
-        if not keep_masks:
-            monkeypatch.setattr(rewrites, "keep_relu_masks_as_bool", lambda graph: 0)
-        torch.manual_seed(0)
-        model = _ReluThenPooled()
-        step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
-            enable_graph_optimization=True, enable_inductor=True))(square_mean_step)
-        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
-        runner = step.trace(model, optim, x).transform().runner
-        between = schedule(torch.fx.GraphModule(runner, runner.graph)).read_by_others
-        losses = [step(model, optim, x * (k + 1)) for k in range(3)]
-        return between, losses, list(model.parameters())
-
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     first, second = 2 * 8 * 8 * 8, 2 * 6 * 8 * 8
-    kept, losses, params = compiled(True)
+    kept, losses, params = lowered_square_mean_steps(_ReluThenPooled, sgd, x)
     assert [n for d, n in kept if d == torch.bool] == [second], kept
     assert (torch.float64, first) in kept
-    before, before_losses, before_params = compiled(False)
+    monkeypatch.setattr(rewrites, "keep_relu_masks_as_bool", lambda graph: 0)
+    before, before_losses, before_params = lowered_square_mean_steps(_ReluThenPooled, sgd, x)
     assert not [n for d, n in before if d == torch.bool], before
     assert all(map(torch.equal, losses, before_losses))
     assert all(map(torch.equal, params, before_params))
-    torch.manual_seed(0)
-    model = _ReluThenPooled()
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
-    eager = [square_mean_step(model, optim, x * (k + 1)).detach() for k in range(3)]
-    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=0, atol=1e-10)
-    for p, q in zip(params, model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+    assert_square_mean_steps_match_eager(_ReluThenPooled, sgd, x, losses, params)
 
 
 class _PooledConvNet(nn.Module):

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_utils.recompute_plan import is_dropout_mask
+from .realize import realized
 
 aten = torch.ops.aten
 
@@ -39,15 +40,3 @@ def keep_dropout_masks_as_bool(graph: fx.Graph) -> int:
         kept = realized(graph, mask)
         mask.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not kept)
     return len(masks)
-
-
-def realized(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    """A node right after ``node`` passing its value through ``inductor_force_stride_order`` with its own
-    strides: the same values, which Inductor writes to a buffer of their own instead of computing ``node``
-    again inline in each kernel that reads it. Its readers are left to the caller to move onto it."""
-    from torch._inductor.inductor_prims import force_stride_order  # registers the prim; Inductor is lowering anyway
-
-    with graph.inserting_after(node):
-        kept = graph.call_function(force_stride_order, (node, list(node.meta["val"].stride())))
-    kept.meta.update(node.meta)
-    return kept

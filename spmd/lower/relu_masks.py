@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..graph_utils.meta import SEEDS_BEFORE
 from ..graph_utils.phases import seeds_before
-from .dropout_masks import realized
+from .realize import realized
 
 aten = torch.ops.aten
 
