@@ -50,6 +50,20 @@ def test_a_convolution_input_its_backward_reads_is_written_once_and_the_step_is_
     assert_square_mean_steps_match_eager(_UpPath, _OPTIMIZERS[optimizer], x, losses, params)
 
 
+def test_a_rewrite_leaving_a_weight_gradient_channels_last_stops_the_compile_before_a_fused_optimizer_reads_it(
+        monkeypatch):
+    """Without the rewrite's care for weight gradients, a fused AdamW would get channels-last gradients for its
+    contiguous parameters: on the CPU it updated them wrongly without a word. The lowering's check of every fused
+    optimizer's arguments stops the compile first, naming the gradients."""
+    import spmd.lower.conv_layouts as conv_layouts
+    from spmd.errors import SpmdCompileError
+
+    monkeypatch.setattr(conv_layouts, "_keep_weight_gradient_strides", lambda backward: None)
+    x = torch.randn(2, 16, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(SpmdCompileError, match=r"laid out other than their parameters: grads\[\d+\] stride"):
+        lowered_square_mean_steps(_UpPath, _OPTIMIZERS["fused_adamw"], x)
+
+
 class _Resnet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..errors import SpmdCompileError
 from ..graph_utils.nodes import is_comm_node, is_wait_node
-from ..graph_utils.optimizer_ops import written_args
+from ..graph_utils.optimizer_ops import is_fused_optimizer, written_args
 from .fx_cache import OPAQUE_NAMESPACE
 
 _opaque_lib = torch.library.Library(OPAQUE_NAMESPACE, "FRAGMENT")
@@ -104,10 +104,37 @@ def tensor_list_mismatches(op: torch._ops.OpOverload, args: tuple, kwargs: dict)
             for what in ("dtype", "device", "stride"):
                 mine, theirs = (getattr(x, what) for x in (t, ref))
                 mine, theirs = (v() if callable(v) else v for v in (mine, theirs))
-                if mine != theirs:
+                if (_layout(t) != _layout(ref)) if what == "stride" else (mine != theirs):
                     found.append(f"{name}[{i}] {what} {mine} where {first_name}[{i}] has {theirs} (shape "
                                  f"{tuple(ref.shape)})")
     return found
+
+
+def _layout(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of ``t``'s dimensions longer than one: what a kernel walking it with one index depends on
+    (a dimension of size one has any stride)."""
+    return tuple(stride for stride, size in zip(t.stride(), t.shape) if size != 1)
+
+
+def check_fused_optimizer_layouts(gm: fx.GraphModule) -> None:
+    """Raise ``SpmdCompileError`` where a fused optimizer op's gradient or state in ``gm`` has a value laid out
+    other than its parameter's (dtype and device too): Inductor lays each argument out as its value in the graph
+    says (``spmd.lower.optimizer_layout``), and CPU's fused kernels read a gradient of other strides as if laid
+    out as its parameter, updating it wrongly without a word. A lowering rewrite that changes a gradient's strides
+    (a channels-last convolution input makes a channels-last weight gradient) must lay it out back."""
+    opaque = set(_opaque_ops.values())
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not (node.target in opaque or is_fused_optimizer(node.target)):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        differing = tensor_list_mismatches(node.target, args, kwargs)
+        if differing:
+            raise SpmdCompileError(
+                f"spmd: the lowering rewrites left {node.name}'s arguments laid out other than their parameters: "
+                f"{'; '.join(differing[:4])}{' ...' if len(differing) > 4 else ''}. Its fused kernel would update "
+                "those parameters wrongly (on the CPU) or refuse them (on the GPU). This is a lowering bug in spmd; "
+                "please report it with this message. GraphModuleTransformation(enable_inductor=False) runs the step "
+                "without it.")
 
 
 def wrapped_ops(gm: fx.GraphModule) -> tuple[str, ...]:

@@ -37,8 +37,8 @@ from .loss_targets import write_loss_targets_once
 from .matmul_order import run_freeing_matmuls_first
 from .one_rank import drop_one_rank_all_reduces
 from .opaque_ops import (
-    BERNOULLI, EMBEDDING, EMBEDDING_BACKWARD, keeps_bernoulli_whole, keeps_embedding_backward_whole,
-    keeps_gathered_lookup_whole, opaque_inplace_op, writes_grads,
+    BERNOULLI, EMBEDDING, EMBEDDING_BACKWARD, check_fused_optimizer_layouts, keeps_bernoulli_whole,
+    keeps_embedding_backward_whole, keeps_gathered_lookup_whole, opaque_inplace_op, writes_grads,
 )
 from .pack_order import delay_early_pack_inputs
 from .relu_masks import keep_relu_masks_as_bool
@@ -250,6 +250,7 @@ def prepare_for_inductor(gm: fx.GraphModule, decompose: bool = True, lean: Union
     _mark_forward_and_backward(graph)
     prepared = lazy_graph_module(gm, graph)
     PassManager(lowering_pipeline(lean=lean, decompose=decompose))(prepared, dump_prefix=dump_as or None)
+    check_fused_optimizer_layouts(prepared)
     return prepared
 
 
