@@ -159,7 +159,7 @@ def keep_relu_masks_in_bool(gm: fx.GraphModule) -> None:
 
 @graph_optimization_pass()
 def lay_out_convolution_inputs_once(gm: fx.GraphModule) -> None:
-    """Give a convolution and its backward one channels-last copy of the input and weight they both read
+    """Give every reader of a convolution input or weight that its backward reads one channels-last copy
     (``spmd.lower.conv_layouts``), where Inductor optimizes the graph's layouts: it wrote each such value twice,
     channels-last for the convolution and in the traced strides for the backward, and kept both."""
     log.debug("spmd: %d convolution inputs laid out once", share_convolution_layouts(gm))
