@@ -7,18 +7,17 @@ layout of every ``convolution_backward`` argument to its FX strides). ``torch.co
 in one graph: its forward graph returns the values the backward reads laid out as Inductor chose, and its
 backward graph is compiled for those strides. In a whole-step graph of a model traced in the contiguous
 layout (a diffusers UNet), the kernel making such a value wrote it twice, once in each layout, and both
-copies could live from the forward to the backward (BENCHMARKS.md, "Round 44": 85 of the UNet's kernels,
-1.96 GB of extra writes a step, and 20 MiB at its peak). A convolution backward reading a channels-last input
-returns channels-last gradients: the new strides are carried to every later node's fake value, from which a
+copies could live from the forward to the backward (BENCHMARKS.md, "Round 44" and "Round 45"). A
+convolution backward reading a channels-last input returns channels-last gradients: the new strides are carried to every later node's fake value, from which a
 step cut into pieces makes each piece's inputs. A weight's gradient keeps the strides it had (its parameter's,
 which a fused optimizer requires of it): Inductor writes it in those.
 
 ``share_convolution_layouts`` passes each such value through ``inductor_force_stride_order`` with
 channels-last strides, and gives that node to every reader of the value (the convolution, its backward, and
 others such as a group norm reading a skip connection's concatenation, which would otherwise be computed again
-into a buffer of its own): Inductor writes the value once, channels-last, and every reader reads that buffer. The values are unchanged; a graph input is
-left alone (it is held whole anyway, and a copy would add its bytes), and so is a graph Inductor does not
-optimize for layout.
+into a buffer of its own): Inductor writes the value once, channels-last, and every reader reads that buffer.
+The values are unchanged; a graph input is left alone (it is held whole anyway, and a copy would add its
+bytes), and so is a graph Inductor does not optimize for layout.
 """
 
 from __future__ import annotations
