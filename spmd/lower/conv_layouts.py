@@ -9,8 +9,9 @@ backward graph is compiled for those strides. In a whole-step graph of a model t
 layout (a diffusers UNet), the kernel making such a value wrote it twice, once in each layout, and both
 copies could live from the forward to the backward (BENCHMARKS.md, "Round 44" and "Round 45"). A
 convolution backward reading a channels-last input returns channels-last gradients: the new strides are
-carried to every later node's fake value, from which a step cut into pieces makes each piece's inputs. A weight's gradient keeps the strides it had (its parameter's,
-which a fused optimizer requires of it): Inductor writes it in those.
+carried to every later node's fake value, from which a step cut into pieces makes each piece's inputs. A
+weight's gradient keeps the strides it had (its parameter's, which a fused optimizer requires of it): Inductor
+writes it in those.
 
 ``share_convolution_layouts`` passes each such value through ``inductor_force_stride_order`` with
 channels-last strides, and gives that node to every reader of the value (the convolution, its backward, and
