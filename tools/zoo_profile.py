@@ -20,7 +20,10 @@ import torch
 TOP = 12  # kernels the markdown lists per run
 NAME_CHARS = 160
 
-# (kind, words of which one names it), the first that matches wins; matched in the lower-cased kernel name
+# (kind, words of which one names it), the first that matches wins; matched in the lower-cased kernel name. A
+# generated kernel is told by its prefix first: Inductor names it after the ops fused into it, which may be any
+# of the words below (``triton_poi_fused__scaled_dot_product_cudnn_attention_...`` prepares attention's inputs)
+_GENERATED = ("generated (Triton)", ("triton_",))
 _KINDS = (
     ("attention", ("flash", "fmha", "attention", "cudnn_sdpa")),
     ("matmul, float32", ("f32f32", "sgemm", "_s1688", "tf32")),
@@ -65,6 +68,8 @@ def profile_steps(call: Callable[[], None], sync: Callable[[], None], steps: int
 def kind(name: str) -> str:
     """What a CUDA kernel does, from its name (``_KINDS``); "other" where no word matches."""
     lowered = name.lower()
+    if lowered.startswith(_GENERATED[1]):
+        return _GENERATED[0]
     return next((k for k, words in _KINDS if any(w in lowered for w in words)), "other")
 
 
