@@ -6,6 +6,12 @@ bfloat16 three times, a cross-attention's text context once per projection of ev
 copy is a buffer of its own, and each is kept for the backward (its projection's weight gradient
 reads it). ``merge_duplicate_nodes`` keeps the first and points the readers of the others at it, as
 torch.compile's partitioner does on its joint graph before it decides what to keep.
+
+Two constants made by the same call (``scalar_tensor(0.0)``, an ``arange``) count as one argument: each
+attention given a boolean mask turns it into an additive one, a ``where`` reading two scalar constants of its
+own, so a model of 8 layers made its mask 8 times (BENCHMARKS.md, "Round 47"). The constants themselves stay
+where they are: a constant is cheaper made where it is read than read from one place by distant parts of the
+graph.
 """
 
 from __future__ import annotations
@@ -49,13 +55,14 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
     for node in graph.nodes:
         for written in written_inputs(node):
             writes.add(node, written, order[node])
+    first_constant = _first_constants(graph, writes)
     earlier: dict[tuple, list[fx.Node]] = defaultdict(list)  # (op, the nodes it reads) -> nodes so far
     merged = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or not node.all_input_nodes:  # a constant (a scalar tensor, an arange) is
-            continue  # cheaper made where it is read than read from one place by distant parts of the graph
-        same_inputs = earlier[_call_key(node)]
-        twin = next((e for e in reversed(same_inputs) if _same_call(e, node)), None)  # the nearest first
+        if node.op != "call_function" or not node.all_input_nodes:  # a constant stays (module docstring)
+            continue
+        same_inputs = earlier[_call_key(node, first_constant)]
+        twin = next((e for e in reversed(same_inputs) if _same_call(e, node, first_constant)), None)  # nearest first
         if twin is None or not _may_merge(node, twin, writes, order):
             same_inputs.append(node)
             continue
@@ -65,18 +72,38 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
     return merged
 
 
-def _call_key(node: fx.Node) -> tuple:
-    """What two nodes ``_same_call`` accepts share: the op and the nodes it reads, and for a ``getitem`` its index
-    too, so the ``getitem``s of a foreach op's hundreds of results are not each compared with all the others."""
+def _first_constants(graph: fx.Graph, writes: "_Writes") -> dict[fx.Node, fx.Node]:
+    """Each constant (a pure op that reads no node) -> the first constant made by the same call, where neither is
+    written in place: the argument two calls reading either of them get."""
+    first: dict[fx.Node, fx.Node] = {}
+    earlier: dict[Any, list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.op != "call_function" or node.all_input_nodes or not _pure(node) or node in writes.data:
+            continue
+        same = earlier[(node.target, repr(node.args), repr(node.kwargs))]  # repr tells 1 from 1.0 and -0.0 from 0.0
+        first[node] = next((e for e in same if _same_call(e, node, {})), node)
+        if first[node] is node:
+            same.append(node)
+    return first
+
+
+def _call_key(node: fx.Node, first_constant: dict[fx.Node, fx.Node]) -> tuple:
+    """What two nodes ``_same_call`` accepts share: the op and the nodes it reads (a constant as the first of its
+    kind), and for a ``getitem`` its index too, so the ``getitem``s of a foreach op's hundreds of results are not
+    each compared with all the others."""
     if node.target is operator.getitem and len(node.args) == 2 and isinstance(node.args[1], int):
         return (operator.getitem, node.args[0], node.args[1])
-    return (node.target, tuple(node.all_input_nodes))
+    return (node.target, tuple(first_constant.get(n, n) for n in node.all_input_nodes))
 
 
-def _same_call(a: fx.Node, b: fx.Node) -> bool:
-    """``a`` and ``b`` call one op on equal arguments, carry the same spmd metadata and the same result type."""
-    return (a.args == b.args and a.kwargs == b.kwargs and _same_value(a.args, b.args)  # == first: it is fast
-            and _same_value(a.kwargs, b.kwargs) and _spmd_meta(a) == _spmd_meta(b)
+def _same_call(a: fx.Node, b: fx.Node, first_constant: dict[fx.Node, fx.Node]) -> bool:
+    """``a`` and ``b`` call one op on equal arguments (a constant read as the first of its kind), carry the same
+    spmd metadata and the same result type."""
+    def read(args):
+        return fx.node.map_arg(args, lambda n: first_constant.get(n, n))
+    a_args, b_args, a_kwargs, b_kwargs = read(a.args), read(b.args), read(a.kwargs), read(b.kwargs)
+    return (a_args == b_args and a_kwargs == b_kwargs and _same_value(a_args, b_args)  # == first: it is fast
+            and _same_value(a_kwargs, b_kwargs) and _spmd_meta(a) == _spmd_meta(b)
             and _result_type(a) == _result_type(b))
 
 

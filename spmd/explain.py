@@ -81,6 +81,8 @@ PASS_PURPOSE = {
     "keep_relu_masks_in_bool": "a ReLU output only compared in the backward is kept there as a bool mask",
     "lay_out_convolution_inputs_once": "a convolution input its backward reads is written and kept once, not in "
                                        "two layouts",
+    "write_attention_inputs_once": "a value an attention and its backward both read (repeated keys, a mask) is "
+                                   "written once, not once per reader",
     "start_loss_backward_after_loss": "the loss gradient is written over the logits: one (tokens, vocab) buffer less",
     "write_loss_targets_to_memory": "the loss gradient's kernel reads each row's target once, not at every logit",
     "start_packing_after_last_gradient": "a unit's reduce-scatter buffer is not held through its whole backward",

@@ -192,3 +192,43 @@ def test_under_autocast_the_query_key_and_value_projections_read_one_cast_of_the
     out = next(u for u in norm.users if u.args[1] == 0)
     casts = [u for u in out.users if u.target is aten._to_copy.default and RECOMPUTE_OF not in u.meta]
     assert len(casts) == 1 and casts[0].meta["val"].dtype == torch.bfloat16
+
+
+def test_ops_reading_constants_made_by_the_same_call_merge_and_the_constants_stay():
+    """Each attention given a boolean mask turns it into ```where(mask, scalar_tensor(0), scalar_tensor(-inf))``
+    with constants of its own: the three ``where``s become one, while a ``where`` reading -0.0 for 0.0, one
+    reading a random constant and one reading a constant written in place stay their own. Every constant stays
+    where it is made, and the merged graph computes what the original computes."""
+
+    def step(mask, x):
+        def additive(zero):
+            return torch.where(mask, zero, torch.scalar_tensor(-30.0))
+        same = [additive(torch.scalar_tensor(0.0)) for _ in range(3)]
+        signed = additive(torch.scalar_tensor(-0.0))
+        drawn = additive(torch.rand(()))
+        written = torch.scalar_tensor(0.0)
+        written.add_(1)
+        return sum(x + m for m in same) * signed.exp() + drawn.exp() + additive(written).exp()
+
+    def traced():
+        gm = make_fx(step)(*args)
+        write = next(n for n in gm.graph.nodes if n.target is aten.add_.Tensor)
+        write.replace_all_uses_with(write.args[0])  # readers read the constant itself, as a step's code does
+        gm.recompile()
+        return gm
+
+    args = (torch.rand(4, 4) > 0.5, torch.randn(4, 4))
+    gm = traced()
+    constants = _count(gm.graph, aten.scalar_tensor.default)
+    assert _count(gm.graph, aten.where.self) == 6
+    merged = merge_duplicate_nodes(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+
+    assert merged == 4 and _count(gm.graph, aten.where.self) == 4  # two `where`s, then two `x + m`
+    assert _count(gm.graph, aten.scalar_tensor.default) == constants
+    outs = []
+    for module in (traced(), gm):
+        torch.manual_seed(0)
+        outs.append(module(*args))
+    assert torch.equal(*outs)

@@ -30,6 +30,7 @@ from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inpla
 from ..graph_utils.phases import seeds_before
 from ..passes import PassManager, graph_optimization_pass, pass_info
 from .decompose_for_inductor import decompose_for_inductor
+from .attention_inputs import share_attention_inputs
 from .conv_layouts import share_convolution_layouts
 from .dropout_masks import keep_dropout_masks_as_bool
 from .loss_order import order_loss_backward_after_loss
@@ -166,6 +167,13 @@ def lay_out_convolution_inputs_once(gm: fx.GraphModule) -> None:
 
 
 @graph_optimization_pass()
+def write_attention_inputs_once(gm: fx.GraphModule) -> None:
+    """Give an attention and its backward one buffer of each value both read (``spmd.lower.attention_inputs``):
+    Inductor computed such a value (grouped-query attention's repeated keys, a causal mask) for each reader."""
+    log.debug("spmd: %d attention inputs written once", share_attention_inputs(gm))
+
+
+@graph_optimization_pass()
 def start_loss_backward_after_loss(gm: fx.GraphModule) -> None:
     """Start each ``nll_loss_backward`` after its loss is computed (``spmd.lower.loss_order``), so the loss
     gradient is written over the logits instead of beside them."""
@@ -203,8 +211,9 @@ def remove_one_rank_all_reduces(gm: fx.GraphModule) -> None:
 
 @graph_optimization_pass(apply_after=[add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers,
                                       keep_ops_whole, keep_dropout_masks_in_bool, keep_relu_masks_in_bool,
-                                      lay_out_convolution_inputs_once, start_loss_backward_after_loss,
-                                      write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first,
+                                      lay_out_convolution_inputs_once, write_attention_inputs_once,
+                                      start_loss_backward_after_loss, write_loss_targets_to_memory,
+                                      start_packing_after_last_gradient, free_matmul_inputs_first,
                                       remove_one_rank_all_reduces])
 def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
     """Apply Inductor's decompositions node by node (``spmd.lower.decompose_for_inductor``), what AOT autograd's
@@ -214,19 +223,21 @@ def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
 
 REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers, keep_ops_whole,
             keep_dropout_masks_in_bool, keep_relu_masks_in_bool, lay_out_convolution_inputs_once,
-            start_loss_backward_after_loss, write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first, remove_one_rank_all_reduces, apply_inductor_decompositions)
+            write_attention_inputs_once, start_loss_backward_after_loss, write_loss_targets_to_memory,
+            start_packing_after_last_gradient, free_matmul_inputs_first, remove_one_rank_all_reduces,
+            apply_inductor_decompositions)
 
 
 def lowering_pipeline(*, lean: Union[bool, str], decompose: bool) -> list:
     """The rewrites Inductor's graph gets, in order: ``lean``'s step counts in place (``"step_counts"``) ->
     view copies as views -> fused optimizers opaque -> ops kept whole -> dropout masks kept in bool -> ReLU
-    masks kept in bool -> convolution inputs laid out once -> loss backward after the loss -> loss targets in memory -> packing after the last gradient -> freeing matmuls
-    first -> ``lean``'s one-rank all_reduces removed (``"one_rank"``) -> Inductor's decompositions
-    (``decompose``)."""
+    masks kept in bool -> convolution inputs laid out once -> attention inputs written once -> loss backward
+    after the loss -> loss targets in memory -> packing after the last gradient -> freeing matmuls first ->
+    ``lean``'s one-rank all_reduces removed (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
     parts = lean_parts(lean)
     return [*([add_step_counts_in_place] if "step_counts" in parts else []), turn_view_copies_into_views,
             wrap_fused_optimizers, keep_ops_whole, keep_dropout_masks_in_bool, keep_relu_masks_in_bool,
-            lay_out_convolution_inputs_once, start_loss_backward_after_loss,
+            lay_out_convolution_inputs_once, write_attention_inputs_once, start_loss_backward_after_loss,
             write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first,
             *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
             *([apply_inductor_decompositions] if decompose else [])]
