@@ -49,3 +49,35 @@ def test_the_repeated_keys_values_and_mask_an_attention_and_its_backward_read_ar
     assert all(map(torch.equal, losses, twice_losses))
     assert all(map(torch.equal, params, twice_params))
     assert_square_mean_steps_match_eager(_GroupedAttention, optim, x, losses, params)
+
+
+class _TwoLayers(nn.Module):
+    """Two grouped attentions, each given the same boolean causal mask (which each turns into an additive one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_GroupedAttention(), _GroupedAttention()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_layers_given_one_boolean_mask_read_one_additive_mask_written_once(monkeypatch):
+    """Each attention's additive mask reads scalar constants of its own; made by the same calls, the two masks
+    are one value (``merge_duplicate_computations``), written once for both layers' attentions and backwards."""
+    import spmd.graph_utils.duplicate_nodes as duplicate_nodes
+
+    def optim(params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    x = torch.randn(B, S, HEADS * D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    one, losses, params = lowered_square_mean_steps(_TwoLayers, optim, x)
+    monkeypatch.setattr(duplicate_nodes, "_first_constants", lambda graph, writes: {})
+    per_layer, layer_losses, layer_params = lowered_square_mean_steps(_TwoLayers, optim, x)
+    mask = (torch.float64, B * S * S)
+    assert one.count(mask) == per_layer.count(mask) - 1, (one, per_layer)
+    assert all(map(torch.equal, losses, layer_losses))
+    assert all(map(torch.equal, params, layer_params))
+    assert_square_mean_steps_match_eager(_TwoLayers, optim, x, losses, params)
