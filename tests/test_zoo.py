@@ -10,6 +10,8 @@ the parameters must have moved.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 
 import pytest
@@ -95,6 +97,36 @@ def test_a_run_records_what_the_table_shows(tmp_path):
     zoo_report.summarize(rows)
     assert rows[0]["per_s"] == pytest.approx(2 * 16 / (record["median_ms"] / 1000))
     assert rows[0]["first_losses"] == record["losses"][:3]
+
+
+def _can_lock(path, kind) -> bool:
+    """Whether another process could take the file lock at ``path`` as ``kind`` now."""
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, kind | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_first_calls_share_the_timing_lock_and_timed_steps_hold_it_alone(tmp_path, monkeypatch):
+    """With ``--jobs N``, a process's first call holds the lock shared (other first calls run beside it, no
+    process times steps meanwhile), and its warm-up, windows and profile hold it alone."""
+    real, seen = zoo_run._turn, []
+
+    @contextlib.contextmanager
+    def probed(path, alone=True):
+        with real(path, alone):
+            seen.append((alone, _can_lock(path, fcntl.LOCK_SH), _can_lock(path, fcntl.LOCK_EX)))
+            yield
+
+    monkeypatch.setattr(zoo_run, "_turn", probed)
+    out, lock = tmp_path / "cold.json", tmp_path / "timing.lock"
+    zoo_run.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:eager:cold", "--child-out", str(out),
+                                                          "--lock", str(lock)))
+    assert json.loads(out.read_text())["status"] == "ok"
+    assert seen == [(False, True, False), (True, False, False)]  # (alone, another first call may, another may time)
 
 
 def test_a_warm_run_keeps_where_its_first_call_went(tmp_path):

@@ -19,8 +19,9 @@ reusing those folders, timing its first call only. The cold run calls once (the 
 and compiled), ``--warmup`` more times, then times ``--windows`` windows of ``--steps`` calls (as
 ``spmd bench`` does: synchronized calls, then back to back); ms/step is the median of the windows'
 medians. ``--jobs N`` runs N processes at once: their first calls compile side by side (each with its
-share of the CPUs for Inductor's compile workers) while the warm-up and timed windows take turns (a
-file lock), so ms/step stays a one-process figure but first calls are slower than alone.
+share of the CPUs for Inductor's compile workers), while the warm-up, timed windows and profiled steps take
+turns and run only while no first call does (a file lock, shared by first calls, held alone to time), so
+ms/step stays a one-process figure but first calls are slower than alone.
 
 Columns: tokens (or images) per second; TFLOP/s and MFU from the FLOPs counted by
 ``torch.utils.flop_counter`` over one forward and backward (matmuls, convolutions, attention,

@@ -246,7 +246,7 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
         if name == "cold":
             record["flops_per_step"], record["flops_counted_by"] = flops_of(spec)
         run.build_and_warm_up(1)
-    with trace_reuse as said:
+    with trace_reuse as said, _turn(args.lock, alone=False):  # never beside another process's timed steps
         run.attempt(first_call)
     if said:
         record["trace_reuse"] = said
@@ -319,13 +319,15 @@ def _calls(run: ModeRun, n: int) -> None:
 
 
 @contextlib.contextmanager
-def _turn(path: Optional[str]):
-    """Hold the file lock at ``path`` (one process at a time times its steps); nothing without a path."""
+def _turn(path: Optional[str], alone: bool = True):
+    """Hold the file lock at ``path``: ``alone`` to time steps (no other process times steps or runs a first call
+    meanwhile: another's compile and first step on the GPU slow the timed steps; BENCHMARKS.md, "Round 47"), else
+    shared with other first calls. Nothing without a path."""
     if not path:
         yield
         return
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         try:
             yield
         finally:
