@@ -7,11 +7,14 @@ copy is a buffer of its own, and each is kept for the backward (its projection's
 reads it). ``merge_duplicate_nodes`` keeps the first and points the readers of the others at it, as
 torch.compile's partitioner does on its joint graph before it decides what to keep.
 
-Two constants made by the same call (``scalar_tensor(0.0)``, an ``arange``) count as one argument: each
-attention given a boolean mask turns it into an additive one, a ``where`` reading two scalar constants of its
-own, so a model of 8 layers made its mask 8 times (BENCHMARKS.md, "Round 47"). The constants themselves stay
-where they are: a constant is cheaper made where it is read than read from one place by distant parts of the
-graph.
+Two constants made by the same call (``scalar_tensor(0.0)``, an ``arange``) count as one argument where what
+the merged value computes is read only by library kernels (attention, matmuls, convolutions), which read their
+arguments from memory: each attention given a boolean mask turns it into an additive one, a ``where`` reading two scalar
+constants of its own, so a model of 8 layers wrote its mask 8 times (BENCHMARKS.md, "Round 47"). Where
+generated kernels read such values, each computes them inline at no cost; merged, one value read by distant
+kernels is written to memory or ties them together: BERT's decomposed attentions each read the one mask from
+memory, and its loss gradient fused with the loss (BENCHMARKS.md, "Round 48"). The constants themselves stay
+where they are made, for the same reason.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from .phases import storage_root
 
 _NAMESPACES = ("aten", "prims")
 _SPMD_META = "spmd_"
+_aten = torch.ops.aten
+_LIBRARY_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+                _aten.convolution.default, _aten.convolution_backward.default}
 
 
 def merge_duplicate_nodes(graph: fx.Graph) -> int:
@@ -42,8 +48,9 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
     phase) and the same result type. A view merges with its twin unless a node changes a shape or storage in
     place (``t_``, ``set_``) where the two would differ: a write of values reaches both, as they alias one
     storage. Any other op merges only where nothing writes its result in place and no node between the two
-    writes the storage of one of its arguments: the later one would compute another value. A value the graph
-    returns stays a node of its own. Same values; the graph is linted by the caller.
+    writes the storage of one of its arguments: the later one would compute another value. Two nodes that read
+    different constants made by the same call merge only where library kernels alone read both (module
+    docstring). A value the graph returns stays a node of its own. Same values; the graph is linted by the caller.
 
     Example::
 
@@ -56,6 +63,7 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
         for written in written_inputs(node):
             writes.add(node, written, order[node])
     first_constant = _first_constants(graph, writes)
+    from_constants = _made_from_constants(graph)
     earlier: dict[tuple, list[fx.Node]] = defaultdict(list)  # (op, the nodes it reads) -> nodes so far
     merged = 0
     for node in list(graph.nodes):
@@ -63,13 +71,42 @@ def merge_duplicate_nodes(graph: fx.Graph) -> int:
             continue
         same_inputs = earlier[_call_key(node, first_constant)]
         twin = next((e for e in reversed(same_inputs) if _same_call(e, node, first_constant)), None)  # nearest first
-        if twin is None or not _may_merge(node, twin, writes, order):
+        if twin is None or not _may_merge(node, twin, writes, order) or not (
+                _same_call(twin, node, {}) or _read_by_library_kernels(node, from_constants)
+                and _read_by_library_kernels(twin, from_constants)):
             same_inputs.append(node)
             continue
         node.replace_all_uses_with(twin)
         graph.erase_node(node)
         merged += 1
     return merged
+
+
+def _made_from_constants(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes computed from constants alone (a causal mask from an ``arange``): no graph input reaches them."""
+    made: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and all(n in made for n in node.all_input_nodes):
+            made.add(node)
+    return made
+
+
+def _read_by_library_kernels(node: fx.Node, from_constants: set[fx.Node]) -> bool:
+    """Every value computed from ``node`` is read by library kernels (an attention, a matmul, a convolution),
+    which read it from memory, so it is written to memory whether ``node`` is merged or not. Followed are views
+    and ops computed from constants alone (they merge in turn); any other reader must be a library kernel."""
+    values, seen = [node], {node}
+    while values:
+        for reader in values.pop().users:
+            if reader in seen:
+                continue
+            seen.add(reader)
+            if _is_view(reader) or reader in from_constants:
+                values.append(reader)
+            elif not (reader.target in _LIBRARY_OPS
+                      or getattr(reader.target, "__name__", "").startswith("_scaled_dot_product_")):
+                return False
+    return len(seen) > 1
 
 
 def _first_constants(graph: fx.Graph, writes: "_Writes") -> dict[fx.Node, fx.Node]:
