@@ -52,6 +52,26 @@ def _clipped(model, optim, x):
     return loss
 
 
+def _shifted_inputs(model, optim, x):
+    """Writes slices and elements of an intermediate, as T5 and BART make their decoder inputs (``_shift_right``),
+    one of them an element of a slice."""
+    shifted = x.new_zeros(x.shape)
+    shifted[:, 1:] = x[:, :-1].clone()
+    shifted[:, 0].fill_(0.5)
+    shifted[1:, 0] += 0.25
+    shifted.masked_fill_(shifted > 1.0, 1.0)
+    return train_step(model, optim, shifted)
+
+
+def _reads_a_part_taken_before_a_write(model, optim, x):
+    """Reads a part of an intermediate taken before another part of it is written: what the part holds then is
+    not what a functional rewrite of the write would give it."""
+    shifted = x.new_zeros(x.shape)
+    head = shifted[:, :4]
+    shifted[:, 2:] = x[:, :-2]
+    return train_step(model, optim, shifted + head.sum())
+
+
 _MLP = lambda: (MLP(3, 8), lambda: (torch.randn(4, 8),))  # noqa: E731
 CASES = {
     # name: (model and batch maker, optimizer kwargs, step, whether the direct rewrite applies)
@@ -68,6 +88,8 @@ CASES = {
     "inplace-activation": (_MLP, dict(fused=True), inplace_activation_step, True),
     "returns-a-parameter": (_MLP, dict(fused=True), _returns_a_parameter, True),
     "returns-a-parameter-view": (_MLP, dict(fused=True), _returns_a_parameter_view, False),
+    "writes-parts-of-an-intermediate": (_MLP, dict(fused=True), _shifted_inputs, True),
+    "reads-a-part-taken-before-a-write": (_MLP, dict(fused=True), _reads_a_part_taken_before_a_write, False),
 }
 
 

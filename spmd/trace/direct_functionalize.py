@@ -13,6 +13,10 @@ produces:
   to the tensor's, ``_to_copy``, as the in-place op rounds into it);
 * a written ``detach`` view of an intermediate is taken again of the result, and later reads of
   the intermediate itself read the result;
+* a write into slices and elements of an intermediate (``shifted[..., 1:] = ids[..., :-1]``,
+  ``shifted[..., 0] = start``: T5's and BART's decoder inputs) becomes its op on the view, scattered
+  back into the intermediate (``slice_scatter``, ``select_scatter``), and later reads of the intermediate
+  read the scattered result, as ``functionalize`` writes it;
 * each written graph input gets a ``copy_`` of its last value at the end of the graph, in input order.
 
 Views stay views. A fused optimizer op's written lists that hold no graph input and are not read
@@ -23,8 +27,9 @@ re-traces:
 
 * every in-place op has a functional overload, writes only positional arguments, and its
   result, if read, is the one tensor it writes;
-* each written tensor is no view, or a ``detach`` of an intermediate that is no view; one
-  tensor per storage is written, and a tensor once per op;
+* each written tensor is no view, a ``detach`` of an intermediate that is no view, or slices and
+  elements of an intermediate that is no view; one tensor per storage is written (but for slices and
+  elements of one intermediate and that intermediate itself), and a tensor once per op;
 * no other view of a written storage made before a write is read after it;
 * no output of the graph is a written input or a view of one.
 """
@@ -90,13 +95,37 @@ def _base(node: fx.Node) -> fx.Node:
 _WHOLE_VIEWS = frozenset({aten.detach.default, aten.alias.default})
 
 
+# Views that select part of a tensor, and the op that writes a value of that part back into the whole tensor:
+# ``scatter(whole, part, *the view's arguments after the tensor)``.
+_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default}
+
+
+def _part_chain(t: fx.Node, base: fx.Node) -> Optional[list[fx.Node]]:
+    """The views from ``base`` to ``t`` (first to last) where each one slices or selects the one before; else
+    None."""
+    chain = []
+    while t is not base:
+        if t.op != "call_function" or t.target not in _SCATTERS or not isinstance(t.args[0], fx.Node):
+            return None
+        chain.append(t)
+        t = _same_tensor(t.args[0])
+    return chain[::-1]
+
+
+def _is_part(t: fx.Node, base: fx.Node) -> bool:
+    """``t`` is slices and elements of ``base``, an intermediate (not a graph input)."""
+    return base.op != "placeholder" and _part_chain(t, base) is not None
+
+
 def _targets(node: fx.Node, position: int) -> list[fx.Node]:
     return [_same_tensor(t) for t in _tensors(node.args[position])]
 
 
-def _plan(graph: fx.Graph) -> Optional[tuple[list[fx.Node], set]]:
-    """The in-place nodes in order, and the ``(node, tensor)`` writes whose storage is read afterwards;
-    None if the rewrite would not be exact (the conditions in the module docstring)."""
+def _plan(graph: fx.Graph) -> Optional[tuple[list[fx.Node], set, dict]]:
+    """The in-place nodes in order, the ``(node, tensor)`` writes whose storage is read afterwards, and each
+    written tensor's base with the views from it where the tensor is part of an intermediate (None otherwise),
+    found before the rewrite reroutes the views' arguments; None if the rewrite would not be exact (the
+    conditions in the module docstring)."""
     writes = []
     for node in graph.nodes:
         positions = _written_positions(node)
@@ -107,18 +136,22 @@ def _plan(graph: fx.Graph) -> Optional[tuple[list[fx.Node], set]]:
         if node.users and written_result(node.target) is None:
             return None
         writes.append(node)
-    written: dict[fx.Node, fx.Node] = {}  # storage (base) -> the one tensor written in it
+    written: dict[fx.Node, set[fx.Node]] = {}  # storage (base) -> the tensors written in it
+    bases: dict[fx.Node, tuple[fx.Node, Optional[list[fx.Node]]]] = {}
     for node in writes:
         targets = [t for p in _written_positions(node) for t in _targets(node, p)]
         if len(set(targets)) != len(targets):
             return None  # one tensor written twice by one op
         for t in targets:
             base = _base(t)
-            if t is not base and not (t.target in _WHOLE_VIEWS and _same_tensor(t.args[0]) is base
-                                      and base.op != "placeholder"):
-                return None  # written through a view other than a detach of an intermediate
-            if written.setdefault(base, t) is not t:
-                return None  # two tensors of one storage written
+            if t is not base and not _is_part(t, base) and not (
+                    t.target in _WHOLE_VIEWS and _same_tensor(t.args[0]) is base and base.op != "placeholder"):
+                return None  # written through a view other than a detach or a part of an intermediate
+            written.setdefault(base, set()).add(t)
+            bases[t] = (base, _part_chain(t, base) if t is not base and _is_part(t, base) else None)
+    for base, tensors in written.items():
+        if len(tensors) > 1 and not all(t is base or _is_part(t, base) for t in tensors):
+            return None  # two tensors of one storage written, other than an intermediate and parts of it
     aliases: dict[fx.Node, list[fx.Node]] = {base: [base] for base in written}
     for node in graph.nodes:
         if node not in aliases and (_is_view(node) or _same_tensor(node) is not node):
@@ -140,7 +173,7 @@ def _plan(graph: fx.Graph) -> Optional[tuple[list[fx.Node], set]]:
                     return None  # an output is a written input or a view of one
                 if _same_tensor(alias) not in (t, base) and order[alias] < order[node]:
                     return None  # a view made before the write, read after it
-    return writes, read_after
+    return writes, read_after, bases
 
 
 def functionalize_writes(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
@@ -154,7 +187,7 @@ def functionalize_writes(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
     plan = _plan(graph)
     if plan is None:
         return None
-    writes, read_after = plan
+    writes, read_after, bases = plan
     in_place = set(writes)
     current: dict[fx.Node, fx.Node] = {}  # a written tensor or storage -> the node holding its value now
 
@@ -168,7 +201,7 @@ def functionalize_writes(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
             node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), now)
             continue
         with graph.inserting_before(node):
-            _write(graph, node, now, current, read_after)
+            _write(graph, node, now, current, read_after, bases)
     for node in reversed(writes):
         graph.erase_node(node)  # its readers read ``current`` now
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -181,8 +214,9 @@ def functionalize_writes(gm: fx.GraphModule) -> Optional[fx.GraphModule]:
     return gm
 
 
-def _write(graph: fx.Graph, node: fx.Node, now, current: dict, read_after: set) -> None:
-    """Insert the functional form of in-place ``node`` and point ``current`` at the values it wrote."""
+def _write(graph: fx.Graph, node: fx.Node, now, current: dict, read_after: set, bases: dict) -> None:
+    """Insert the functional form of in-place ``node`` and point ``current`` at the values it wrote (``bases``:
+    ``_plan``'s)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), now)
     new = graph.call_function(_functional(node), args, kwargs)
     set_fake_val(new)
@@ -203,10 +237,21 @@ def _write(graph: fx.Graph, node: fx.Node, now, current: dict, read_after: set) 
         if value.meta["val"].dtype != target.meta["val"].dtype:
             value = _call(graph, aten._to_copy.default, (value,),
                           {"dtype": target.meta["val"].dtype, "layout": torch.strided})
-        if target.op == "call_function" and target.target in _WHOLE_VIEWS:  # the view taken again
-            current[_base(target)] = value
+        base, chain = bases[target]
+        if chain is not None:  # the part written into the whole again
+            current[base] = _scattered(graph, chain, value, now(base))
+        elif target.op == "call_function" and target.target in _WHOLE_VIEWS:  # the view taken again
+            current[base] = value
             value = _call(graph, target.target, (value,))
         current[target] = value
+
+
+def _scattered(graph: fx.Graph, chain: list[fx.Node], value: fx.Node, whole: fx.Node) -> fx.Node:
+    """``whole`` with the part that ``chain``'s views (first to last) take of it replaced by ``value``."""
+    wholes = [whole, *chain[:-1]]  # what each view of the chain takes its part of
+    for view, of in zip(reversed(chain), reversed(wholes)):
+        value = _call(graph, _SCATTERS[view.target], (of, value, *view.args[1:]), dict(view.kwargs))
+    return value
 
 
 def _getitem(graph: fx.Graph, node: fx.Node, index: int) -> fx.Node:
