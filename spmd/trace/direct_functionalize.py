@@ -112,11 +112,6 @@ def _part_chain(t: fx.Node, base: fx.Node) -> Optional[list[fx.Node]]:
     return chain[::-1]
 
 
-def _is_part(t: fx.Node, base: fx.Node) -> bool:
-    """``t`` is slices and elements of ``base``, an intermediate (not a graph input)."""
-    return base.op != "placeholder" and _part_chain(t, base) is not None
-
-
 def _targets(node: fx.Node, position: int) -> list[fx.Node]:
     return [_same_tensor(t) for t in _tensors(node.args[position])]
 
@@ -144,13 +139,14 @@ def _plan(graph: fx.Graph) -> Optional[tuple[list[fx.Node], set, dict]]:
             return None  # one tensor written twice by one op
         for t in targets:
             base = _base(t)
-            if t is not base and not _is_part(t, base) and not (
+            chain = _part_chain(t, base) if t is not base and base.op != "placeholder" else None
+            if t is not base and chain is None and not (
                     t.target in _WHOLE_VIEWS and _same_tensor(t.args[0]) is base and base.op != "placeholder"):
                 return None  # written through a view other than a detach or a part of an intermediate
             written.setdefault(base, set()).add(t)
-            bases[t] = (base, _part_chain(t, base) if t is not base and _is_part(t, base) else None)
+            bases[t] = (base, chain)
     for base, tensors in written.items():
-        if len(tensors) > 1 and not all(t is base or _is_part(t, base) for t in tensors):
+        if len(tensors) > 1 and not all(t is base or bases[t][1] is not None for t in tensors):
             return None  # two tensors of one storage written, other than an intermediate and parts of it
     aliases: dict[fx.Node, list[fx.Node]] = {base: [base] for base in written}
     for node in graph.nodes:
