@@ -83,6 +83,8 @@ PASS_PURPOSE = {
                                        "two layouts",
     "write_attention_inputs_once": "a value an attention and its backward both read (repeated keys, a mask) is "
                                    "written once, not once per reader",
+    "write_reduced_inputs_once": "a norm's input (a residual) is written once by the forward, not added up again "
+                                 "in each kernel that reads it",
     "start_loss_backward_after_loss": "the loss gradient is written over the logits: one (tokens, vocab) buffer less",
     "write_loss_targets_to_memory": "the loss gradient's kernel reads each row's target once, not at every logit",
     "start_packing_after_last_gradient": "a unit's reduce-scatter buffer is not held through its whole backward",
