@@ -76,3 +76,27 @@ def test_a_layer_norm_input_is_written_once_and_trains_as_eager(monkeypatch):
     residual = (torch.float64, B * S * D)
     assert once.count(residual) == inline.count(residual) + 1, (once, inline)
     assert_square_mean_steps_match_eager(_layer_norm_stack, _optim, x, losses, params)
+
+
+class _ConvStack(nn.Module):
+    """Residual convolution blocks with group norms: 4-dimensional feature maps, whose layout Inductor chooses."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.GroupNorm(2, 4, dtype=torch.float64) for _ in range(LAYERS))
+        self.convs = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1, dtype=torch.float64) for _ in range(LAYERS))
+
+    def forward(self, x):
+        x = x.view(B, 4, S, D // 4)
+        for norm, conv in zip(self.norms, self.convs):
+            x = x + conv(norm(x))
+        return x
+
+
+def test_a_feature_map_is_left_to_inductors_layout_choice(monkeypatch):
+    """A 4-dimensional residual is not pinned to its traced strides: the lowered step is the one without the
+    rewrite, buffer for buffer."""
+    x, (once, losses, params), (inline, inline_losses, _) = _steps_with_and_without(_ConvStack, monkeypatch)
+    assert once == inline
+    assert all(map(torch.equal, losses, inline_losses))
+    assert_square_mean_steps_match_eager(_ConvStack, _optim, x, losses, params)

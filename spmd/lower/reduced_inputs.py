@@ -16,6 +16,12 @@ every kernel, forward and backward, reads that buffer. The values are unchanged.
 here by a pointwise op from at least two tensors (a single tensor's cast or scale is as cheap to read inline
 as from a buffer), is read by the backward (``graph_utils.phases.saved_for_backward``), and reaches a
 reduction both on its own side of the gradient seed and after it, through pointwise ops and views only.
+
+Only values of up to three dimensions (a sequence's ``(batch, tokens, features)``) are written so. The strides
+``inductor_force_stride_order`` is given are the traced ones, and a 4- or 5-dimensional feature map is where
+Inductor's layout optimization lays values out channels-last for the convolutions around them
+(``spmd.lower.conv_layouts``); pinning one to its traced layout would make Inductor transpose it, and reduce over
+it in another order than before.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from ..graph_utils.phases import saved_for_backward
 from .realize import realized
 
 aten = torch.ops.aten
+
+MAX_DIMS = 3  # a feature map of more is left to Inductor's layout choice (see the module docstring)
 
 # ops that change only a tensor's dtype, which Inductor computes inline like any pointwise op
 _CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
@@ -77,7 +85,8 @@ def _reduction_sides(value: fx.Node) -> set[int]:
 
 def _worth_writing(value: fx.Node) -> bool:
     val = value.meta.get("val")
-    if not (_is_pointwise(value) and isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 2
+    if not (_is_pointwise(value) and isinstance(val, torch.Tensor) and val.is_floating_point()
+            and 2 <= val.dim() <= MAX_DIMS
             and _tensors_read(value) >= 2 and torch._prims_common.is_non_overlapping_and_dense_or_false(val)):
         return False
     own_side = value.meta.get(SEEDS_BEFORE, 0)
