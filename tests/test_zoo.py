@@ -99,6 +99,38 @@ def test_a_run_records_what_the_table_shows(tmp_path):
     assert rows[0]["first_losses"] == record["losses"][:3]
 
 
+def test_grouped_query_attention_is_counted_as_its_kernels_compute_it():
+    """Every query head attends to its group's key and value head: the FLOPs of the attention with the key and
+    value heads repeated to the query's, forward and backward, in each fused kernel's formula (torch 2.11's own
+    formulas assert on fewer key and value heads, so the zoo's Llama and Qwen2 rows lost their FLOPs count)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+    q, kv, repeated = (2, 8, 16, 32), (2, 2, 16, 32), (2, 8, 16, 32)
+    formulas = zoo_run.flop_formulas()
+    for kind in ("efficient", "flash", "cudnn"):
+        forward = formulas[getattr(aten, f"_scaled_dot_product_{kind}_attention")]
+        backward = formulas[getattr(aten, f"_scaled_dot_product_{kind}_attention_backward")]
+        assert forward(q, kv, kv) == sdpa_flop_count(q, repeated, repeated) > 0
+        assert backward(q, q, kv, kv) == sdpa_backward_flop_count(q, q, repeated, repeated) > 0
+    query, key, value = (torch.empty(shape, device="meta") for shape in (q, kv, kv))
+    with FlopCounterMode(display=False, custom_mapping=formulas) as counter:
+        aten._scaled_dot_product_flash_attention(query, key, value)
+    assert counter.get_total_flops() == sdpa_flop_count(q, repeated, repeated)
+
+
+def test_a_frozen_base_under_adapters_is_counted_by_the_parameter_estimate():
+    """Where torch's counter fails, a token model's FLOPs are estimated from its parameters. A LoRA model's frozen
+    base still runs its forward and passes the adapters' gradients back, so the estimate stands to the counted
+    FLOPs as it does for the same model trained whole (it counted 6 per trained parameter only: a third of it)."""
+    ratios = {}
+    for name in ("llama", "llama_lora"):
+        s = spec(name)
+        model = s.model()
+        ratios[name] = zoo_run.parameter_flops(model, s.batch * s.seq) / zoo_run.count_flops(s)
+    assert ratios["llama_lora"] == pytest.approx(ratios["llama"], rel=0.1), ratios
+
+
 def _can_lock(path, kind) -> bool:
     """Whether another process could take the file lock at ``path`` as ``kind`` now."""
     with open(path, "a") as f:

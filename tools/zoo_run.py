@@ -166,15 +166,45 @@ ZOO_MODES: dict[str, ZooMode] = {
 }
 
 
+def _heads_as(shape, like) -> tuple:
+    """``shape`` (batch, heads, sequence, head size) with ``like``'s heads: grouped-query attention's keys and
+    values as the kernel broadcasts them to the query's heads."""
+    return (shape[0], like[1], *shape[2:])
+
+
+def _attention_formulas() -> dict:
+    """Flop formulas for fused attention that count grouped-query attention as its kernels compute it, every query
+    head against its group's key and value head (torch 2.11's formulas assert that the heads are equal)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(q, _heads_as(k, q), _heads_as(v, q))
+
+    def backward(grad, q, k, v, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(grad, q, _heads_as(k, q), _heads_as(v, q))
+
+    aten = torch.ops.aten
+    kinds = ("efficient", "flash", "cudnn")
+    formulas = {getattr(aten, f"_scaled_dot_product_{k}_attention"): forward for k in kinds}
+    formulas.update({getattr(aten, f"_scaled_dot_product_{k}_attention_backward"): backward for k in kinds})
+    return formulas
+
+
+def flop_formulas() -> dict:
+    """The formulas ``count_flops`` adds to torch's counter: grouped-query attention, and MoE experts' grouped
+    matmuls, 2 * (rows x inner) * columns (where torch has the op)."""
+    formulas = _attention_formulas()
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        formulas[torch.ops.aten._grouped_mm] = lambda a, b, *args, out_shape=None, **kw: 2 * _numel(a) * b[-1]
+    return formulas
+
+
 def count_flops(spec: Spec) -> int:
     """FLOPs of one forward and backward of a fresh model on the first batch (``torch.utils.flop_counter``)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model, (x, y) = spec.model(), spec.batches()[0]
-    custom = {}
-    if hasattr(torch.ops.aten, "_grouped_mm"):  # MoE experts: 2 * (rows x inner) * columns, backward included
-        custom[torch.ops.aten._grouped_mm] = lambda a, b, *args, out_shape=None, **kw: 2 * _numel(a) * b[-1]
-    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
         with torch.autocast(spec.device.type, dtype=torch.bfloat16, enabled=spec.autocast):
             loss = model(x, y)
         loss.backward()
@@ -185,19 +215,27 @@ def count_flops(spec: Spec) -> int:
     return counter.get_total_flops()
 
 
+def parameter_flops(model: torch.nn.Module, tokens: int) -> int:
+    """The usual estimate of a token model's FLOPs in one step, attention left out: 2 per parameter and token in
+    the forward, 2 for the gradient of its input, and 2 more for its own gradient where it trains (6 per trained
+    parameter; a frozen base under LoRA adapters still costs 4, since the adapters' gradients pass through it)."""
+    every = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (4 * every + 2 * trained) * tokens
+
+
 def flops_of(spec: Spec) -> tuple[Optional[int], str]:
-    """(FLOPs of one step, how they were counted): ``count_flops``, or where torch's counter cannot count an op
-    (its SDPA formula asserts on grouped-query attention's fewer key/value heads), 6 x trained parameters x tokens
-    for a model that counts tokens (the usual LLM estimate, attention left out), else None."""
+    """(FLOPs of one step, how they were counted): ``count_flops``, or where torch's counter fails on an op,
+    ``parameter_flops`` for a model that counts tokens, else None."""
     try:
         return count_flops(spec), "flop_counter"
     except Exception as err:  # noqa: BLE001 - a counting failure costs the MFU column, never the row
         if spec.entry.per != "tokens":
             return None, f"not countable: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
         model = spec.model()
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        flops = parameter_flops(model, spec.batch * spec.seq)
         del model
-        return 6 * trained * spec.batch * spec.seq, "6 x trained parameters x tokens"
+        return flops, "4 x parameters + 2 x trained parameters, x tokens"
 
 
 def _numel(shape) -> int:
@@ -205,9 +243,6 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-
 
 
 def run_child(args) -> int:
