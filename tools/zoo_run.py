@@ -15,6 +15,7 @@ import fcntl
 import gc
 import json
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -195,7 +196,7 @@ def flop_formulas() -> dict:
     matmuls, 2 * (rows x inner) * columns (where torch has the op)."""
     formulas = _attention_formulas()
     if hasattr(torch.ops.aten, "_grouped_mm"):
-        formulas[torch.ops.aten._grouped_mm] = lambda a, b, *args, out_shape=None, **kw: 2 * _numel(a) * b[-1]
+        formulas[torch.ops.aten._grouped_mm] = lambda a, b, *args, out_shape=None, **kw: 2 * math.prod(a) * b[-1]
     return formulas
 
 
@@ -236,13 +237,6 @@ def flops_of(spec: Spec) -> tuple[Optional[int], str]:
         flops = parameter_flops(model, spec.batch * spec.seq)
         del model
         return flops, "4 x parameters + 2 x trained parameters, x tokens"
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def run_child(args) -> int:
