@@ -85,6 +85,8 @@ PASS_PURPOSE = {
                                    "written once, not once per reader",
     "write_reduced_inputs_once": "a norm's input (a residual) is written once by the forward, not added up again "
                                  "in each kernel that reads it",
+    "cast_convolution_inputs_again": "a convolution weight's bfloat16 cast is not held from the forward through the "
+                                     "backward's peak",
     "start_loss_backward_after_loss": "the loss gradient is written over the logits: one (tokens, vocab) buffer less",
     "write_loss_targets_to_memory": "the loss gradient's kernel reads each row's target once, not at every logit",
     "start_packing_after_last_gradient": "a unit's reduce-scatter buffer is not held through its whole backward",

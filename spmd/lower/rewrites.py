@@ -30,6 +30,7 @@ from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer, is_inpla
 from ..graph_utils.phases import seeds_before
 from ..passes import PassManager, graph_optimization_pass, pass_info
 from .decompose_for_inductor import decompose_for_inductor
+from .input_casts import cast_inputs_again
 from .attention_inputs import share_attention_inputs
 from .reduced_inputs import share_reduced_inputs
 from .conv_layouts import share_convolution_layouts
@@ -183,6 +184,14 @@ def write_reduced_inputs_once(gm: fx.GraphModule) -> None:
 
 
 @graph_optimization_pass()
+def cast_convolution_inputs_again(gm: fx.GraphModule) -> None:
+    """Make the small low-precision casts of graph inputs that a convolution backward reads (weights, the batch)
+    again right before it, grouped into few kernels (``spmd.lower.input_casts``), instead of keeping the forward's
+    casts through the backward's peak, as torch.compile's code keeps them."""
+    log.debug("spmd: %d input casts made again in the backward", cast_inputs_again(gm.graph))
+
+
+@graph_optimization_pass()
 def start_loss_backward_after_loss(gm: fx.GraphModule) -> None:
     """Start each ``nll_loss_backward`` after its loss is computed (``spmd.lower.loss_order``), so the loss
     gradient is written over the logits instead of beside them."""
@@ -221,9 +230,10 @@ def remove_one_rank_all_reduces(gm: fx.GraphModule) -> None:
 @graph_optimization_pass(apply_after=[add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers,
                                       keep_ops_whole, keep_dropout_masks_in_bool, keep_relu_masks_in_bool,
                                       lay_out_convolution_inputs_once, write_attention_inputs_once,
-                                      write_reduced_inputs_once, start_loss_backward_after_loss,
-                                      write_loss_targets_to_memory, start_packing_after_last_gradient,
-                                      free_matmul_inputs_first, remove_one_rank_all_reduces])
+                                      write_reduced_inputs_once, cast_convolution_inputs_again,
+                                      start_loss_backward_after_loss, write_loss_targets_to_memory,
+                                      start_packing_after_last_gradient, free_matmul_inputs_first,
+                                      remove_one_rank_all_reduces])
 def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
     """Apply Inductor's decompositions node by node (``spmd.lower.decompose_for_inductor``), what AOT autograd's
     re-trace of the whole step would do first; last, since the rewrites before it look for ops it replaces."""
@@ -232,24 +242,24 @@ def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
 
 REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers, keep_ops_whole,
             keep_dropout_masks_in_bool, keep_relu_masks_in_bool, lay_out_convolution_inputs_once,
-            write_attention_inputs_once, write_reduced_inputs_once, start_loss_backward_after_loss,
-            write_loss_targets_to_memory, start_packing_after_last_gradient, free_matmul_inputs_first,
-            remove_one_rank_all_reduces, apply_inductor_decompositions)
+            write_attention_inputs_once, write_reduced_inputs_once, cast_convolution_inputs_again,
+            start_loss_backward_after_loss, write_loss_targets_to_memory, start_packing_after_last_gradient,
+            free_matmul_inputs_first, remove_one_rank_all_reduces, apply_inductor_decompositions)
 
 
 def lowering_pipeline(*, lean: Union[bool, str], decompose: bool) -> list:
     """The rewrites Inductor's graph gets, in order: ``lean``'s step counts in place (``"step_counts"``) ->
     view copies as views -> fused optimizers opaque -> ops kept whole -> dropout masks kept in bool -> ReLU
     masks kept in bool -> convolution inputs laid out once -> attention inputs written once -> reduced inputs
-    written once -> loss backward after the loss -> loss targets in memory -> packing after the last gradient ->
-    freeing matmuls first -> ``lean``'s one-rank all_reduces removed (``"one_rank"``) -> Inductor's
-    decompositions (``decompose``)."""
+    written once -> convolution inputs' casts made again in the backward -> loss backward after the loss -> loss
+    targets in memory -> packing after the last gradient -> freeing matmuls first -> ``lean``'s one-rank
+    all_reduces removed (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
     parts = lean_parts(lean)
     return [*([add_step_counts_in_place] if "step_counts" in parts else []), turn_view_copies_into_views,
             wrap_fused_optimizers, keep_ops_whole, keep_dropout_masks_in_bool, keep_relu_masks_in_bool,
             lay_out_convolution_inputs_once, write_attention_inputs_once, write_reduced_inputs_once,
-            start_loss_backward_after_loss, write_loss_targets_to_memory, start_packing_after_last_gradient,
-            free_matmul_inputs_first,
+            cast_convolution_inputs_again, start_loss_backward_after_loss, write_loss_targets_to_memory,
+            start_packing_after_last_gradient, free_matmul_inputs_first,
             *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
             *([apply_inductor_decompositions] if decompose else [])]
 
