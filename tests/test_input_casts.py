@@ -36,8 +36,9 @@ def _autocast_step(model, optim, x):
     return loss
 
 
-def _steps():
-    """Three compiled steps: the graph Inductor got, the losses and the parameters."""
+def _steps(train_step=None):
+    """Three compiled steps of ``train_step`` (default ``_autocast_step``): the graph Inductor got, the losses and the
+    parameters."""
     from spmd.lower.rewrites import prepare_for_inductor
 
     torch.manual_seed(0)
@@ -45,7 +46,7 @@ def _steps():
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(4, 3, 16, 16).to(memory_format=torch.channels_last)
     step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
-        enable_graph_optimization=True, enable_inductor=True))(_autocast_step)
+        enable_graph_optimization=True, enable_inductor=True))(train_step or _autocast_step)
     runner = step.trace(model, optim, x).transform().runner
     lowered = prepare_for_inductor(torch.fx.GraphModule(runner, runner.graph), decompose=False)
     losses = [step(model, optim, x * (k + 1)) for k in range(3)]
@@ -53,10 +54,11 @@ def _steps():
 
 
 def _kept_casts(graph) -> list:
-    """The casts of graph inputs kept from the forward for a backward reader."""
+    """The casts of graph inputs kept from the forward for a convolution backward to read."""
     from spmd.lower.input_casts import is_narrowing_cast
 
-    return [n for n in saved_for_backward(graph) if is_narrowing_cast(n)]
+    return [n for n, readers in saved_for_backward(graph).items() if is_narrowing_cast(n)
+            and any(r.target is aten.convolution_backward.default for r in readers)]
 
 
 def test_the_casts_a_convolution_backward_reads_are_made_again_there_in_one_kernel_and_the_step_is_unchanged(
@@ -99,3 +101,30 @@ def test_casts_beyond_a_group_are_each_made_again_by_a_cast_of_their_own(monkeyp
             node = node.next
         assert node.target is aten.convolution_backward.default, node
     assert not _kept_casts(graph)
+
+
+def _two_backwards_step(model, optim, x):
+    """Two micro-batches, each with its own backward, then one update."""
+    total = 0.0
+    for half in x.chunk(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(half).float().square().mean()
+        loss.backward()
+        total = total + loss.detach()
+    optim.step()
+    optim.zero_grad()
+    return total
+
+
+def test_each_backward_of_a_step_makes_its_own_casts_and_the_step_is_unchanged(monkeypatch):
+    """A step with two backwards (gradient accumulation inside the step): each backward makes the casts again for
+    itself, right before its own readers; losses and parameters are those of the step keeping the casts."""
+    import spmd.lower.rewrites as rewrites
+
+    graph, losses, params = _steps(_two_backwards_step)
+    monkeypatch.setattr(rewrites, "cast_inputs_again", lambda graph: 0)
+    _, kept_losses, kept_params = _steps(_two_backwards_step)
+    copies = graph.find_nodes(op="call_function", target=aten._foreach_copy.default)
+    assert len(copies) == 2 and not _kept_casts(graph)
+    assert all(map(torch.equal, losses, kept_losses))
+    assert all(map(torch.equal, params, kept_params))
