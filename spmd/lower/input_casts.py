@@ -8,14 +8,15 @@ graph returns them to its backward). The float32 value they came from is a graph
 anyway, so the cast can be made again right before its backward reader, and the forward's copy is freed after the
 forward's last reader. The values are the same, bit for bit (a cast rounds once).
 
-``cast_inputs_again`` does that for the casts ``select`` accepts. The default (``should_cast_again``) takes the casts
-under ``MAX_BYTES`` that a convolution backward reads, and makes them again in groups of up to ``GROUP_BYTES``, one
-``_foreach_copy`` each (one kernel where Inductor would launch one per cast; ResNet-50 has 49 such casts). The large
-casts are left kept: in a convolutional net they are the last stage's weights, whose backward runs at the peak, so
-a copy made there frees nothing and costs its bytes (on ResNet-50 making them again raised the peak;
-BENCHMARKS.md, "Round 51"). A cast is made again only where every backward reader runs before anything writes the
-input in place (a parameter's update comes after its gradient, which that reader makes). The views and layout
-copies between the cast and its readers are repeated with it; each backward (gradient seed) gets its own copy.
+``cast_inputs_again`` does that for the casts ``select`` accepts. The default (``should_cast_again``) takes the
+casts under ``MAX_BYTES`` that a convolution backward reads, and makes them again in groups of up to
+``GROUP_BYTES``, one ``_foreach_copy`` each (one kernel where Inductor would launch one per cast, which costs more
+than their bytes). The large casts are left kept: where they are a net's last stage of weights (ResNet-50), their
+backward runs at the peak, so a copy made there frees nothing, costs its bytes and moved the peak up; a net whose
+large weights sit mid-way (a UNet) would gain from them, which nothing here tells apart yet (BENCHMARKS.md, "Round
+51"). A cast is made again only where every backward reader runs before anything writes the input in place (a
+parameter's update comes after its gradient, which that reader makes). The views and layout copies between the cast
+and its readers are repeated with it; each backward (gradient seed) gets its own copy.
 """
 
 from __future__ import annotations
