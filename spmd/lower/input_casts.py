@@ -122,12 +122,15 @@ def _groups(jobs: list, group_bytes: int) -> list[list]:
     """``jobs`` (in the order of their first readers) in runs of one side, each at most ``group_bytes`` of casts
     (or a single cast)."""
     groups: list[list] = []
+    room = 0  # bytes the last group can still take
     for job in jobs:
-        last = groups[-1] if groups else None
-        if last and last[0][1] == job[1] and sum(_bytes(j[0]) for j in last) + _bytes(job[0]) <= group_bytes:
-            last.append(job)
+        size = _bytes(job[0])
+        if groups and groups[-1][0][1] == job[1] and size <= room:
+            groups[-1].append(job)
+            room -= size
         else:
             groups.append([job])
+            room = group_bytes - size
     return groups
 
 
