@@ -26,6 +26,14 @@ def test_the_default_is_our_passes_on_cpu_and_the_fast_path_on_gpu():
         assert [pass_info(p).name for p in t.pass_manager_for(spmd.DataParallel("replicate")).passes] == _replicate
 
 
+def test_any_default_setting_can_be_changed_by_name():
+    """``default_transformation(device, **settings)``: a setting given wins over the default it replaces."""
+    gpu = default_transformation("cuda", enable_cudagraphs=False, enable_inductor=True, lean_lowering=False)
+    assert gpu.enable_cudagraphs is False and gpu.lowering.lean is False
+    plain = default_transformation("cpu", enable_graph_optimization=False)
+    assert not plain.pass_manager_for(spmd.DataParallel("replicate")).passes
+
+
 def test_a_default_compiled_step_runs_the_passes_and_the_plain_path_stays_available():
     torch.manual_seed(0)
     seen = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -28,7 +29,7 @@ class _ConvNet(nn.Module):
 
 
 def _autocast_step(model, optim, x):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         loss = model(x).float().square().mean()
     loss.backward()
     optim.step()
@@ -36,20 +37,30 @@ def _autocast_step(model, optim, x):
     return loss
 
 
-def _steps(train_step=None):
+def _steps(train_step=None, device="cpu"):
     """Three compiled steps of ``train_step`` (default ``_autocast_step``): the graph Inductor got, the losses and the
-    parameters."""
+    parameters. On the CPU: SGD momentum, our passes and Inductor; on "cuda" what a GPU user gets: fused capturable
+    AdamW and ``spmd.compile()``'s GPU default (lean lowering, pieces, CUDA graphs)."""
     from spmd.lower.rewrites import prepare_for_inductor
+    from spmd.step.transformation import default_transformation
 
     torch.manual_seed(0)
-    model = _ConvNet().to(memory_format=torch.channels_last)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(4, 3, 16, 16).to(memory_format=torch.channels_last)
-    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
-        enable_graph_optimization=True, enable_inductor=True))(train_step or _autocast_step)
+    model = _ConvNet().to(device, memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 16, 16, device=device).to(memory_format=torch.channels_last)
+    if device == "cuda":
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        transformation = default_transformation("cuda")
+    else:
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        transformation = spmd.GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True)
+    step = spmd.compile(gm_transformation=transformation)(train_step or _autocast_step)
     runner = step.trace(model, optim, x).transform().runner
-    lowered = prepare_for_inductor(torch.fx.GraphModule(runner, runner.graph), decompose=False)
-    losses = [step(model, optim, x * (k + 1)) for k in range(3)]
+    lowered = prepare_for_inductor(torch.fx.GraphModule(runner, runner.graph), decompose=False,
+                                   lean=device == "cuda")
+    losses = [step(model, optim, x * k) for k in (1, 2)]
+    captures = step.cuda_graph_captures  # on a GPU the second call captures (the first warms up)
+    losses.append(step(model, optim, x * 3))
+    assert step.cuda_graph_captures == captures and captures >= (device == "cuda"), "captured again"
     return lowered.graph, losses, [p.detach().clone() for p in model.parameters()]
 
 
@@ -136,5 +147,22 @@ def test_each_backward_of_a_step_makes_its_own_casts_and_the_step_is_unchanged(m
     _, kept_losses, kept_params = _steps(_two_backwards_step)
     copies = graph.find_nodes(op="call_function", target=aten._foreach_copy.default)
     assert len(copies) == 2 and not _kept_casts(graph)
+    assert all(map(torch.equal, losses, kept_losses))
+    assert all(map(torch.equal, params, kept_params))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_casts_made_again_train_as_the_kept_ones(monkeypatch):
+    """The GPU default (lean lowering, pieces, CUDA graphs, fused capturable AdamW): no cast a convolution backward
+    reads is kept, one foreach copy makes them, and three steps give the losses and parameters of the step that
+    keeps them, bit for bit, without capturing a CUDA graph again."""
+    import spmd.lower.rewrites as rewrites
+
+    graph, losses, params = _steps(device="cuda")
+    monkeypatch.setattr(rewrites, "cast_inputs_again", lambda graph: 0)
+    kept_graph, kept_losses, kept_params = _steps(device="cuda")
+    assert len(_kept_casts(kept_graph)) == 3 and not _kept_casts(graph)
+    assert len(graph.find_nodes(op="call_function", target=aten._foreach_copy.default)) == 1
     assert all(map(torch.equal, losses, kept_losses))
     assert all(map(torch.equal, params, kept_params))

@@ -15,7 +15,7 @@ from spmd.lower.rewrites import REWRITES, keep_ops_whole, lowering_pipeline, wra
 from spmd.passes import graph_optimization_pass, pass_info, schedule_comm_wait
 from spmd.tools.models import MLP
 from tests.dist import single_process_group
-from tests.parity import eager_step, train_step
+from tests.parity import eager_step, square_mean_step, train_step
 
 
 def _names(passes) -> list[str]:
@@ -144,3 +144,57 @@ def test_a_moved_step_records_the_rewrites_of_each_graph_it_runs_and_none_when_n
     rewrites = _names(lowering_pipeline(lean=False, decompose=True))
     for label in ("setup", "main", "cleanup", "flush"):
         assert [s.split(f"_lower_{label}_")[1] for s in dump.stages if f"_lower_{label}_" in s] == rewrites, label
+
+
+class _ResNetTail(torch.nn.Module):
+    """ResNet's last stage in small, channels-last: convolutions, batch norms, ReLUs, then an average pooling
+    (whose gradient is contiguous) and a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(self.body(x), 1), 1))
+
+
+def _strides(value) -> list[tuple[int, ...]]:
+    return [t.stride() for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_every_fake_value_the_lowering_leaves_has_the_strides_its_op_gives(lean):
+    """After the lowering rewrites each node's fake value is what its op computes from its inputs: Inductor
+    compiles each piece of a step from a new propagation, while the pieces' inputs and the convolution
+    backwards' layouts come from these values. ResNet's last ReLU, kept as a mask, gave its backward the
+    channels-last strides of ``threshold_backward`` where ``masked_fill`` computed the average pooling
+    gradient's contiguous ones, and its convolution backward laid the gradient out again on every step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from spmd.lower.rewrites import prepare_for_inductor
+
+    torch.manual_seed(0)
+    model = _ResNetTail().to(memory_format=torch.channels_last)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True))(square_mean_step)
+    runner = step.trace(model, optim, x).transform().runner
+    lowered = prepare_for_inductor(torch.fx.GraphModule(runner, runner.graph), decompose=False, lean=lean)
+    given = {n: _strides(n.meta.get("val")) for n in lowered.graph.nodes}
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    inputs = [mode.from_tensor(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype))
+              for v in (p.meta["val"] for p in lowered.graph.find_nodes(op="placeholder"))]
+    FakeTensorProp(lowered, mode).propagate_dont_convert_inputs(*inputs)
+    differ = [(n.name, given[n], _strides(n.meta.get("val"))) for n in lowered.graph.nodes
+              if n.op == "call_function" and given[n] != _strides(n.meta.get("val"))]
+    assert not differ, differ
+    backwards = lowered.graph.find_nodes(op="call_function", target=torch.ops.aten.convolution_backward.default)
+    assert len(backwards) == 2
+    assert all(b.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last) for b in backwards)
+    assert lowered.graph.find_nodes(op="call_function", target=torch.ops.aten.where.ScalarSelf)  # the mask is read

@@ -9,12 +9,14 @@ makes that choice: Inductor inlines the comparison into the backward's kernel, s
 kept from the forward to the backward (ResNet-50's last ReLU; BENCHMARKS.md, "Round 44").
 
 ``keep_relu_masks_as_bool`` computes the mask in the forward, right after the output, as a buffer of its
-own, and turns each such backward into ``masked_fill(grad, mask, 0)``: the same values, bit for bit. An
+own, and turns each such backward into ``where(mask, 0, grad)``: the same values, bit for bit, in the same layout. An
 output the backward also reads otherwise (the next convolution's weight gradient) is left as it is: it
 is kept anyway, and a mask beside it would only add bytes.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.fx as fx
@@ -66,6 +68,28 @@ def _root(node: fx.Node) -> fx.Node:
     return node
 
 
+def _filled(graph: fx.Graph, backward: fx.Node, mask: fx.Node) -> fx.Node:
+    """``where(mask, 0, grad)`` in place of ``backward`` (``threshold_backward(grad, out, threshold)``), before it:
+    its values, and its layout. ``where``, like ``threshold_backward``, lays its result out as its inputs are
+    (``mask`` is ``out``'s layout); ``masked_fill`` would follow ``grad``'s alone, and an average pooling's
+    gradient is contiguous where a channels-last ``out`` gave a channels-last result. A layout that still differs
+    is fixed: every later node's fake value, and a step cut into pieces, expect the strides the backward gave
+    (BENCHMARKS.md, "Round 52": ResNet-50's last gradient was laid out again inside its convolution backward)."""
+    from torch._guards import detect_fake_mode
+
+    grad, val = backward.args[0], backward.meta["val"]
+    with graph.inserting_before(backward):
+        filled = graph.call_function(aten.where.ScalarSelf, (mask, 0, grad))
+    filled.meta.update(backward.meta)
+    filled.meta["original_aten"] = aten.where.ScalarSelf
+    with detect_fake_mode([val]) or contextlib.nullcontext():
+        given = aten.where.ScalarSelf(mask.meta["val"], 0, grad.meta["val"])
+    filled.meta["val"] = given
+    if given.stride() == val.stride():
+        return filled
+    return realized(graph, filled, val.stride())
+
+
 def keep_relu_masks_as_bool(graph: fx.Graph) -> int:
     """Keep a bool mask instead of each ReLU output the backward reads only through ``threshold_backward``
     (module docstring); returns how many outputs were replaced."""
@@ -85,12 +109,7 @@ def keep_relu_masks_as_bool(graph: fx.Graph) -> int:
             mask.meta[SEEDS_BEFORE] = out.meta[SEEDS_BEFORE]
         kept = realized(graph, mask)
         for backward in backwards:
-            grad = backward.args[0]
-            with graph.inserting_before(backward):
-                filled = graph.call_function(aten.masked_fill.Scalar, (grad, kept, 0))
-            filled.meta.update(backward.meta)
-            filled.meta["original_aten"] = aten.masked_fill.Scalar
-            backward.replace_all_uses_with(filled)
+            backward.replace_all_uses_with(_filled(graph, backward, kept))
             graph.erase_node(backward)
         for alias in reversed(_aliases(out)[1:]):
             if not alias.users:

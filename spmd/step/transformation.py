@@ -216,7 +216,7 @@ def default_transformation(device_type: str, **settings) -> Callable:
     ``GraphModuleTransformation`` settings on top of these (``recompute=False``).
     """
     if device_type == "cuda":
-        return GraphModuleTransformation(enable_graph_optimization=True, enable_inductor=True,
-                                         enable_cudagraphs="auto",
-                                         **{"lean_lowering": True, "compile_pieces": "auto", **settings})
-    return GraphModuleTransformation(enable_graph_optimization=True, **settings)
+        return GraphModuleTransformation(**{"enable_graph_optimization": True, "enable_inductor": True,
+                                            "enable_cudagraphs": "auto", "lean_lowering": True,
+                                            "compile_pieces": "auto", **settings})
+    return GraphModuleTransformation(**{"enable_graph_optimization": True, **settings})
