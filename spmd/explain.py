@@ -72,7 +72,8 @@ PASS_PURPOSE = {
     "recompute_activations": "less memory: cheap forward values are computed again in the backward instead of kept",
     "defer_state_writes": "a step that fails (a raising op, a dead peer) leaves parameters and optimizer state as they were",
     # the lowering rewrites (spmd.lower.rewrites), on the copy of the graph Inductor gets
-    "add_step_counts_in_place": "no foreach kernel with an input and an output per parameter for the step counts",
+    "add_step_counts_in_place": "no foreach kernel with an input and an output per parameter for the step counts, "
+                                "nor a kernel per batch norm for the batch counts",
     "turn_view_copies_into_views": "no copy where a view reads the same values (Inductor lowers some copies as copies)",
     "wrap_fused_optimizers": "the fused optimizer updates parameters and state in place, with no copy of the gradients",
     "keep_ops_whole": "no float32 embedding-gradient buffer, no gathered table kept for the backward, dropout masks "

@@ -39,6 +39,7 @@ SECONDS = {
     "tests/test_input_casts.py::test_the_casts_a_convolution_backward_reads_are_made_again_there_in_one_kernel_and_the_step_is_unchanged": 12.0,
     "tests/test_input_casts.py::test_casts_beyond_a_group_are_each_made_again_by_a_cast_of_their_own": 8.0,
     "tests/test_input_casts.py::test_each_backward_of_a_step_makes_its_own_casts_and_the_step_is_unchanged": 25.0,
+    "tests/test_step_counts.py::test_the_batch_norms_batch_counts_are_added_in_one_call_and_the_step_is_unchanged": 27.8,
     "tests/test_recompute.py::test_a_group_norm_split_and_made_again_in_the_backward_trains_as_eager_in_float64": 23.2,
     "tests/test_comm_passes.py::test_mlp_bucketed_and_scheduled_matches_ddp[foreach]": 19.4,
     "tests/test_tensor_parallel.py::test_sharded_modes_with_tensor_parallel_match_fsdp2": 19.0,

@@ -45,7 +45,7 @@ from .opaque_ops import (
 )
 from .pack_order import delay_early_pack_inputs
 from .relu_masks import keep_relu_masks_as_bool
-from .step_counts import count_steps_in_place, is_step_count
+from .step_counts import count_batches_in_place, count_steps_in_place, is_batch_count, is_step_count
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -66,19 +66,21 @@ def _call_functions(gm: fx.GraphModule) -> list[fx.Node]:
 
 @graph_optimization_pass()
 def add_step_counts_in_place(gm: fx.GraphModule) -> None:
-    """Add a fused optimizer's step counts in place, in one ATen call (``Lowering.lean`` part ``"step_counts"``).
+    """Add a fused optimizer's step counts, and the batch norms' batch counts, in place, each kind in one ATen
+    call (``Lowering.lean`` part ``"step_counts"``).
 
-    Before: ``_foreach_add(counts, 1)`` whose results are copied back into the counts at the end of the step.
-    After: ``_foreach_add_`` on the counts (``spmd.lower.step_counts``), called through its
-    ``opaque_inplace_op``: ATen runs it where Inductor would compile a foreach kernel with an input and an
-    output per parameter; the counts hold the same values.
+    Before: ``_foreach_add(counts, 1)`` (a batch count: ``add(count, 1)``) whose results are copied back into the
+    counts at the end of the step. After: ``_foreach_add_`` on the counts (``spmd.lower.step_counts``), called
+    through its ``opaque_inplace_op``: ATen runs it where Inductor would compile a foreach kernel with an input
+    and an output per parameter, or a kernel per batch norm; the counts hold the same values.
     """
-    made = count_steps_in_place(gm.graph)
+    made, batches = count_steps_in_place(gm.graph), count_batches_in_place(gm.graph)
     for node in _call_functions(gm):
         written = written_inputs(node)
-        if is_foreach(node.target) and is_inplace(node.target) and written and all(map(is_step_count, written)):
+        if (is_foreach(node.target) and is_inplace(node.target) and written
+                and (all(map(is_step_count, written)) or all(map(is_batch_count, written)))):
             node.target = opaque_inplace_op(node.target)
-    log.debug("spmd: %d step-count increments made in place", made)
+    log.debug("spmd: %d step-count increments made in place, and %d batch counts", made, batches)
 
 
 @graph_optimization_pass()

@@ -9,6 +9,12 @@ parameter count and which is among the last kernels the step's compile waits for
 ``torch.compile`` of a model leaves the eager optimizer's increment to ATen. Here it becomes the
 in-place op on the counts themselves (``count_steps_in_place``), which ``prepare_for_inductor`` then
 hands to ATen whole.
+
+A batch norm counts its training batches the same way (``num_batches_tracked.add_(1)``, traced as an ``add``
+written back at the end of the step), one counter per norm: Inductor made each increment a kernel of its own,
+53 a step in ResNet-50 (BENCHMARKS.md, "Round 52"), where ``torch.compile``'s forward graph fuses each into its
+norm's kernel. ``count_batches_in_place`` adds them all in one in-place foreach call instead, handed to ATen
+whole as the step counts are: one kernel.
 """
 
 from __future__ import annotations
@@ -94,3 +100,52 @@ def count_steps_in_place(graph: fx.Graph) -> int:
         graph.erase_node(node)
         turned += 1
     return turned
+
+
+def is_batch_count(node: fx.Node) -> bool:
+    """A one-element integer buffer the graph reads (a batch norm's ``num_batches_tracked``)."""
+    val = node.meta.get("val")
+    return (node.op == "placeholder" and node.meta.get(ROLE) == Role.BUFFER and isinstance(val, torch.Tensor)
+            and val.numel() == 1 and not val.is_floating_point() and not val.is_complex() and val.dtype != torch.bool)
+
+
+def _incremented(count: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+    """``(add, copy)`` where ``count`` is read only by ``add = add(count, 1)``, whose value only ``copy =
+    copy_(count, add)`` reads (the write back); else None."""
+    adds = [u for u in count.users if u.target in (aten.add.Tensor, aten.add.Scalar) and u.args == (count, 1)
+            and not u.kwargs]
+    copies = [u for u in count.users if u.target is aten.copy_.default and u.args[0] is count]
+    if len(adds) != 1 or len(copies) != 1 or len(count.users) != 2:
+        return None
+    (add,), (copy,) = adds, copies
+    if copy.args[1] is not add or set(add.users) != {copy} or copy.users:
+        return None
+    return add, copy
+
+
+def count_batches_in_place(graph: fx.Graph) -> int:
+    """Add one to every batch count (``is_batch_count``) that the step only increments, in one
+    ``_foreach_add_`` where the first of their write-backs was; returns how many counts it adds to (0 where fewer
+    than two: one count is one kernel either way).
+
+    Before: ``new_i = add(count_i, 1)`` and, at the end, ``copy_(count_i, new_i)``, for each count. After:
+    ``_foreach_add_(counts, 1)``; the counts hold the same values. A count whose write-back comes before the
+    graph's last ``wait_tensor`` is left as it is (the write would precede a collective that can still fail).
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_wait = max((order[n] for n in graph.nodes if is_wait_node(n)), default=-1)
+    found = []
+    for count in graph.find_nodes(op="placeholder"):
+        increment = _incremented(count) if is_batch_count(count) else None
+        if increment is not None and order[increment[1]] > last_wait:
+            found.append((count, *increment))
+    if len(found) < 2:
+        return 0
+    first = min((copy for _, _, copy in found), key=order.__getitem__)
+    with graph.inserting_before(first):
+        in_place = graph.call_function(aten._foreach_add_.Scalar, ([count for count, _, _ in found], 1))
+    in_place.meta = {k: v for k, v in first.meta.items() if k != "val"}
+    for _, add, copy in found:
+        graph.erase_node(copy)
+        graph.erase_node(add)
+    return len(found)
