@@ -69,25 +69,21 @@ def _root(node: fx.Node) -> fx.Node:
 
 
 def _filled(graph: fx.Graph, backward: fx.Node, mask: fx.Node) -> fx.Node:
-    """``where(mask, 0, grad)`` in place of ``backward`` (``threshold_backward(grad, out, threshold)``), before it:
-    its values, and its layout. ``where``, like ``threshold_backward``, lays its result out as its inputs are
-    (``mask`` is ``out``'s layout); ``masked_fill`` would follow ``grad``'s alone, and an average pooling's
-    gradient is contiguous where a channels-last ``out`` gave a channels-last result. A layout that still differs
-    is fixed: every later node's fake value, and a step cut into pieces, expect the strides the backward gave
-    (BENCHMARKS.md, "Round 52": ResNet-50's last gradient was laid out again inside its convolution backward)."""
+    """``where(mask, 0, grad)`` in place of ``backward`` (``threshold_backward(grad, out, threshold)``), before it,
+    with the fake value the op computes: its values and its layout. ``where``, like ``threshold_backward``, lays
+    its result out as its inputs are (``mask`` is ``out``'s layout); ``masked_fill`` would follow ``grad``'s alone
+    (an average pooling's gradient is contiguous where ``out`` is channels-last), and every later node's fake
+    value, from which a step cut into pieces makes each piece's inputs, expects the backward's layout."""
     from torch._guards import detect_fake_mode
 
-    grad, val = backward.args[0], backward.meta["val"]
+    grad = backward.args[0]
     with graph.inserting_before(backward):
         filled = graph.call_function(aten.where.ScalarSelf, (mask, 0, grad))
     filled.meta.update(backward.meta)
     filled.meta["original_aten"] = aten.where.ScalarSelf
-    with detect_fake_mode([val]) or contextlib.nullcontext():
-        given = aten.where.ScalarSelf(mask.meta["val"], 0, grad.meta["val"])
-    filled.meta["val"] = given
-    if given.stride() == val.stride():
-        return filled
-    return realized(graph, filled, val.stride())
+    with detect_fake_mode([backward.meta["val"]]) or contextlib.nullcontext():
+        filled.meta["val"] = aten.where.ScalarSelf(mask.meta["val"], 0, grad.meta["val"])
+    return filled
 
 
 def keep_relu_masks_as_bool(graph: fx.Graph) -> int:
