@@ -11,6 +11,7 @@ import torch.fx as fx
 from spmd.graph_utils.meta import ROLE, Role
 from spmd.lower.step_counts import count_batches_in_place, count_steps_in_place, is_batch_count, is_step_count
 from tests.dist import fake_process_group
+from tests.parity import square_mean_step
 from tests.test_one_rank import _bucketed_step_graph, _calls
 
 aten = torch.ops.aten
@@ -62,19 +63,23 @@ def test_a_count_read_before_a_collective_is_still_written_at_the_end():
     assert not _calls(graph, aten.copy_.default)
 
 
+def _resnet_tail_setup():
+    """ResNet's last stage in small (two batch norms), float64, channels-last; SGD momentum; a batch."""
+    from tests.test_lowering_rewrites import _ResNetTail
+
+    torch.manual_seed(0)
+    model = _ResNetTail().double().to(memory_format=torch.channels_last)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, optim, torch.randn(4, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+
+
 def _batch_norm_steps(lean: bool, steps: int = 3):
     """``steps`` SGD-momentum steps of ResNet's last stage in small (two batch norms), in float64, through
     Inductor with the lean lowering on or off: the graph Inductor got, the losses, and the parameters and
     buffers after them."""
     import spmd
     from spmd.lower.rewrites import prepare_for_inductor
-    from tests.parity import square_mean_step
-    from tests.test_lowering_rewrites import _ResNetTail
-
-    torch.manual_seed(0)
-    model = _ResNetTail().double().to(memory_format=torch.channels_last)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x = torch.randn(4, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+    model, optim, x = _resnet_tail_setup()
     step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
         enable_graph_optimization=True, enable_inductor=True, lean_lowering=lean))(square_mean_step)
     runner = step.trace(model, optim, x).transform().runner
@@ -86,8 +91,8 @@ def _batch_norm_steps(lean: bool, steps: int = 3):
 def test_the_batch_norms_batch_counts_are_added_in_one_call_and_the_step_is_unchanged():
     """Each batch norm adds one to its ``num_batches_tracked``: traced as an ``add`` written back at the end, a
     kernel per norm under Inductor. The lean lowering adds them all in one in-place foreach call handed to ATen;
-    losses, parameters, running statistics and counts are those of the step without it, bit for bit, and the
-    counts are the steps taken."""
+    losses, parameters, running statistics and counts are those of the step without it, bit for bit, the counts
+    are the steps taken, and all match eager to 1e-10 in float64."""
     graph, losses, state = _batch_norm_steps(lean=True)
     plain_graph, plain_losses, plain_state = _batch_norm_steps(lean=False)
     counts = [c for c in plain_graph.find_nodes(op="placeholder") if is_batch_count(c)]
@@ -97,17 +102,26 @@ def test_the_batch_norms_batch_counts_are_added_in_one_call_and_the_step_is_unch
     assert all(map(torch.equal, losses, plain_losses))
     assert all(map(torch.equal, state, plain_state))
     assert [t.item() for t in state if t.dtype == torch.int64] == [3, 3]
+    model, optim, x = _resnet_tail_setup()
+    eager = [square_mean_step(model, optim, x * (k + 1)).detach() for k in range(3)]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=0, atol=1e-10)
+    for t, e in zip(state, (*model.parameters(), *model.buffers())):
+        torch.testing.assert_close(t, e.detach(), rtol=0, atol=1e-10)
 
 
-def test_a_single_batch_count_or_one_read_in_the_step_is_left_as_traced():
-    """One count is one kernel either way; a count the step reads (a batch norm averaging by it) keeps its add."""
-    def graph_of(counts: int, read: bool) -> fx.Graph:
+def test_a_single_batch_count_or_one_read_or_added_twice_in_the_step_is_left_as_traced():
+    """One count is one kernel either way; a count the step reads (a batch norm averaging by it) or increments
+    twice (two micro-batches) keeps its adds."""
+    def graph_of(counts: int, read: bool, twice: bool = False) -> fx.Graph:
         graph = fx.Graph()
         news = []
         for k in range(counts):
             count = graph.placeholder(f"count{k}")
             count.meta.update({ROLE: Role.BUFFER, "val": torch.zeros((), dtype=torch.int64)})
-            news.append((count, graph.call_function(aten.add.Tensor, (count, 1))))
+            new = graph.call_function(aten.add.Tensor, (count, 1))
+            if twice and k == 0:  # two micro-batches through the first norm
+                new = graph.call_function(aten.add.Tensor, (new, 1))
+            news.append((count, new))
         outs = [graph.call_function(aten.mul.Tensor, (news[0][1], 2))] if read else []
         for count, new in news:
             graph.call_function(aten.copy_.default, (count, new))
@@ -116,6 +130,7 @@ def test_a_single_batch_count_or_one_read_in_the_step_is_left_as_traced():
 
     assert count_batches_in_place(graph_of(1, read=False)) == 0
     assert count_batches_in_place(graph_of(3, read=True)) == 2
+    assert count_batches_in_place(graph_of(3, read=False, twice=True)) == 2
     graph = graph_of(3, read=False)
     assert count_batches_in_place(graph) == 3
     (add,) = _calls(graph, aten._foreach_add_.Scalar)
