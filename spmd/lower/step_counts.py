@@ -12,8 +12,9 @@ hands to ATen whole.
 
 A batch norm counts its training batches the same way (``num_batches_tracked.add_(1)``, traced as an ``add``
 written back at the end of the step), one counter per norm: Inductor made each increment a kernel of its own,
-one per norm of the model, where ``torch.compile``'s forward graph fuses each into its norm's kernel. ``count_batches_in_place`` adds them all in one in-place foreach call instead, handed to ATen
-whole as the step counts are: one kernel.
+one per norm of the model, where ``torch.compile``'s forward graph fuses each into its norm's kernel.
+``count_batches_in_place`` adds them all in one in-place foreach call instead, handed to ATen whole as the step
+counts are: one kernel.
 """
 
 from __future__ import annotations
