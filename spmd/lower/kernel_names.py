@@ -2,17 +2,18 @@
 
 Inductor names a fused Triton kernel after every operator fused into it. Triton keeps a compiled kernel's
 files under that name cut to 150 characters (``triton.compiler.compile``), while Inductor's static launcher
-looks for the binary under the whole name (``StaticTritonCompileResult.can_statically_launch``, torch 2.11
-to 2.15). A kernel named longer is refused ("Cubin path not found"), so it is left out of the statically
-launchable kernels kept with a GPU graph's code (``spmd.lower.triton_kernels``), and a restarted process
-compiles it again, in the process, one after another: the seconds T5's restarted first call spent in
-``async_compile.precompile`` (BENCHMARKS.md, "Round 54"), where its attention kernels fuse dozens of
+looks for the binary under the whole name (``StaticTritonCompileResult.can_statically_launch``; seen in
+torch 2.11, the same code in 2.13). A kernel named longer is refused ("Cubin path not found"), so it is left
+out of the statically launchable kernels kept with a GPU graph's code (``spmd.lower.triton_kernels``), and a
+restarted process compiles it again, in the process, one after another: the seconds T5's restarted first call
+spent in ``async_compile.precompile`` (BENCHMARKS.md, "Round 54"), where its attention kernels fuse dozens of
 operators each.
 
 ``short_kernel_names`` cuts the fused part of each name while our graphs compile, at an underscore, so
 that the whole name (``triton_<kind>_<fused>_<number>``) stays within Triton's limit. The number Inductor
-appends still tells kernels apart, and a profile still shows the operators whose names sort first. (torch 2.13 adds ``InductorChoices.customize_fused_kernel_name`` for this; torch 2.11 has no
-such hook, so the name function the Triton code generator calls is wrapped instead.)
+appends still tells kernels apart, and a profile still shows the operators whose names sort first. (torch 2.13
+has a hook for this, ``InductorChoices.customize_fused_kernel_name``; torch 2.11 has none, so the name function
+the Triton code generator calls is wrapped instead.)
 """
 
 from __future__ import annotations
