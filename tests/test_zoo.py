@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -144,7 +146,7 @@ def _can_lock(path, kind) -> bool:
 
 def test_first_calls_share_the_timing_lock_and_timed_steps_hold_it_alone(tmp_path, monkeypatch):
     """With ``--jobs N``, a process's first call holds the lock shared (other first calls run beside it, no
-    process times steps meanwhile), and its warm-up, windows and profile hold it alone."""
+    process times steps meanwhile), and its warm-up, each window and the profile hold it alone."""
     real, seen = zoo_run._turn, []
 
     @contextlib.contextmanager
@@ -158,7 +160,30 @@ def test_first_calls_share_the_timing_lock_and_timed_steps_hold_it_alone(tmp_pat
     zoo_run.measure(0, 1, torch.device("cpu"), child_args("--child", "gpt2:eager:cold", "--child-out", str(out),
                                                           "--lock", str(lock)))
     assert json.loads(out.read_text())["status"] == "ok"
-    assert seen == [(False, True, False), (True, False, False)]  # (alone, another first call may, another may time)
+    alone = (True, False, False)  # (alone, another first call may, another may time)
+    assert seen == [(False, True, False), alone, alone, alone, alone]  # first call, warm-up, 2 windows, captures
+
+
+def test_processes_timing_at_once_alternate_their_windows(tmp_path):
+    """Two runs timing at the same time take a turn per window, so their windows interleave and a drift of the
+    GPU's speed falls on both alike. Holding the lock for all of a run's windows (AAABBB) fails this."""
+    lock, order, start = str(tmp_path / "timing.lock"), [], threading.Barrier(2)
+
+    def timed(name: str) -> None:
+        def window():
+            order.append(name)
+            time.sleep(0.05)
+        start.wait()
+        zoo_run.in_turns(lock, 3, window, handoff_s=0.2)
+
+    threads = [threading.Thread(target=timed, args=(name,)) for name in "AB"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(order) == list("AAABBB")
+    last = {name: len(order) - 1 - order[::-1].index(name) for name in "AB"}
+    assert order.index("B") < last["A"] and order.index("A") < last["B"], order  # each timed before the other ended
 
 
 def test_a_warm_run_keeps_where_its_first_call_went(tmp_path):

@@ -21,7 +21,9 @@ and compiled), ``--warmup`` more times, then times ``--windows`` windows of ``--
 medians. ``--jobs N`` runs N processes at once: their first calls compile side by side (each with its
 share of the CPUs for Inductor's compile workers), while the warm-up, timed windows and profiled steps take
 turns and run only while no first call does (a file lock, shared by first calls, held alone to time), so
-ms/step stays a one-process figure but first calls are slower than alone.
+ms/step stays a one-process figure but first calls are slower than alone. Each window is a turn of its own:
+processes timing at the same time alternate windows, so a drift of the GPU's speed during the run falls on
+every mode alike.
 
 Columns: tokens (or images) per second; TFLOP/s and MFU from the FLOPs counted by
 ``torch.utils.flop_counter`` over one forward and backward (matmuls, convolutions, attention,

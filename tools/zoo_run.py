@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -291,9 +292,12 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
         with _turn(args.lock):
             run.attempt(_calls, run, args.warmup)
             before = captures() if run.alive else None
-            for _ in range(args.windows):
-                if run.alive:
-                    run.attempt(run.time_round, args.steps)
+
+        def time_window():
+            if run.alive:
+                run.attempt(run.time_round, args.steps)
+        in_turns(args.lock, args.windows, time_window)
+        with _turn(args.lock):
             after = captures() if run.alive else None
             if run.alive and args.profile:  # after the count of captures: the profiled steps are not timed steps
                 record["profile"] = _profile(run, args.profile)
@@ -345,6 +349,24 @@ def _calls(run: ModeRun, n: int) -> None:
     for _ in range(n):
         run.call()
     run.sync()
+
+
+# How long a process that has just timed a window waits before asking for the next turn: long enough for a process
+# already waiting on the lock to be woken and take it.
+HANDOFF_S = 0.1
+
+
+def in_turns(lock: Optional[str], windows: int, time_window: Callable[[], object],
+             handoff_s: float = HANDOFF_S) -> None:
+    """Time ``windows`` windows, each in a turn of its own on ``lock``, pausing ``handoff_s`` between them. Processes
+    timing at the same time then alternate windows, so a drift of the GPU's speed over the run (its clocks, its
+    temperature) falls on every mode alike instead of on whichever timed last; the median of the windows' medians
+    compares modes measured side by side."""
+    for k in range(windows):
+        with _turn(lock):
+            time_window()
+        if lock and k < windows - 1:
+            time.sleep(handoff_s)
 
 
 @contextlib.contextmanager
