@@ -93,7 +93,7 @@ def test_a_run_records_what_the_table_shows(tmp_path):
     record = json.loads(out.read_text())
     assert record["status"] == "ok", record.get("traceback")
     assert record["flops_per_step"] > 0 and record["median_ms"] > 0 and record["first_call_s"] > 0
-    assert len(record["round_medians_ms"]) == 2
+    assert len(record["round_medians_ms"]) == 2 and len(record["window_started_unix_s"]) == 2
     assert len(record["losses"]) == 1 + 1 + 2 * 2 * 1 + 1  # first call, warm-up, 2 windows x 2 x 1 step, last
     rows = [dict(model="gpt2", mode="eager", cold=record, warm=None)]
     zoo_report.summarize(rows)

@@ -294,7 +294,8 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
             before = captures() if run.alive else None
 
         def time_window():
-            if run.alive:
+            if run.alive:  # when each window began (the epoch's seconds): shows how runs' windows alternated
+                record.setdefault("window_started_unix_s", []).append(time.time())
                 run.attempt(run.time_round, args.steps)
         in_turns(args.lock, args.windows, time_window)
         with _turn(args.lock):
