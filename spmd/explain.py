@@ -75,6 +75,8 @@ PASS_PURPOSE = {
     "add_step_counts_in_place": "no foreach kernel with an input and an output per parameter for the step counts, "
                                 "nor a kernel per batch norm for the batch counts",
     "turn_view_copies_into_views": "no copy where a view reads the same values (Inductor lowers some copies as copies)",
+    "make_constants_by_ops": "a step holding tensors built from Python values (transformers' empty caches) is "
+                             "still cut into pieces compiled side by side",
     "wrap_fused_optimizers": "the fused optimizer updates parameters and state in place, with no copy of the gradients",
     "keep_ops_whole": "no float32 embedding-gradient buffer, no gathered table kept for the backward, dropout masks "
                       "drawn before they are read",

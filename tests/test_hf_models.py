@@ -360,3 +360,24 @@ def test_hf_llama_lowered_by_inductor_reads_its_shifted_labels_from_memory_and_t
     worst = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
     assert worst <= 1e-6, worst
     assert written == [1], written  # the step graph's one targets value, computed in the step
+
+
+def test_hf_llama_is_cut_into_pieces_compiled_side_by_side_and_trains_like_eager():
+    """transformers' ``DynamicCache`` starts each layer's keys and values as ``torch.tensor([])``: a module
+    attribute of the traced graph, which kept the step whole (its pieces could not travel to a compile worker).
+    Made by an op instead (``spmd.lower.graph_constants``), the step is cut into pieces, one compiled by a worker
+    process, and trains as eager does (SGD with momentum; float32's tolerance, as HF's loss is taken over
+    ``logits.float()``: see the test above)."""
+    model = tiny_llama(num_hidden_layers=2)
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation(
+        enable_graph_optimization=True, enable_inductor=True, compile_pieces=2), cache_dir=False)(lm_step)
+    gen = torch.Generator().manual_seed(3)
+    for ids in [torch.randint(0, 64, (2, 8), generator=gen) for _ in range(3)]:
+        loss, ref_loss = step(model, optim, ids), lm_step(ref, ref_optim, ids)
+        assert abs(loss.item() - ref_loss.item()) <= 1e-5, (loss, ref_loss)
+    worst = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert worst <= 1e-6, worst
+    pieces = {k.split("/")[2] for k in step.compile_times if k.startswith("lower/step/") and k.split("/")[2].isdigit()}
+    assert len(pieces) >= 2 and any(k.endswith("/worker") for k in step.compile_times), sorted(step.compile_times)

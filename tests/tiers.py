@@ -33,6 +33,7 @@ SECONDS = {
     "tests/test_float64_parity.py::test_pass_pipeline_matches_eager_ddp_in_float64[passes-inductor-foreach]": 26.4,
     "tests/test_optimizers.py::test_every_optimizer_matches_eager_ddp_in_float64": 26.4,
     "tests/test_hf_models.py::test_hf_llama_lowered_by_inductor_reads_its_shifted_labels_from_memory_and_trains_like_eager": 25.3,
+    "tests/test_hf_models.py::test_hf_llama_is_cut_into_pieces_compiled_side_by_side_and_trains_like_eager": 45.0,
     "tests/test_recompute.py::test_the_default_recompute_adds_no_kernel_under_inductor": 24.8,
     "tests/test_conv_layouts.py::test_a_step_cut_into_pieces_reads_each_gradient_in_the_layout_its_piece_returns": 35.4,
     "tests/test_shard_safety.py::test_activation_checkpointing_reentrant_or_not_matches_fsdp2": 23.5,

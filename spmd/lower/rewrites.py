@@ -35,6 +35,7 @@ from .attention_inputs import share_attention_inputs
 from .reduced_inputs import share_reduced_inputs
 from .conv_layouts import share_convolution_layouts
 from .dropout_masks import keep_dropout_masks_as_bool
+from .graph_constants import replace_constants_by_ops
 from .loss_order import order_loss_backward_after_loss
 from .loss_targets import write_loss_targets_once
 from .matmul_order import run_freeing_matmuls_first
@@ -99,6 +100,21 @@ def turn_view_copies_into_views(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
         elif view is not None:
             node.target = view
+
+
+@graph_optimization_pass()
+def make_constants_by_ops(gm: fx.GraphModule) -> None:
+    """Make each tensor constant the step's code built from Python values, and the trace kept as a module
+    attribute, by the op that makes it, where one op does (``spmd.lower.graph_constants``).
+
+    Before: ``get_attr`` of an empty tensor (transformers' ``DynamicCache`` starting each attention layer's keys
+    and values as ``torch.tensor([])``) or of one value throughout. After: ``aten.empty`` / ``aten.full`` of its
+    shape, dtype and device, the same tensor. A graph holding a module attribute is compiled whole, since its
+    pieces could not be sent to compile workers; without them Hugging Face decoders' steps are cut into pieces.
+    """
+    made = replace_constants_by_ops(gm)
+    if made:
+        log.debug("spmd: %d tensor constants made by ops", made)
 
 
 def _wrappable_fused_optimizer(node: fx.Node) -> bool:
@@ -242,8 +258,8 @@ def apply_inductor_decompositions(gm: fx.GraphModule) -> None:
     decompose_for_inductor(gm.graph)
 
 
-REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_optimizers, keep_ops_whole,
-            keep_dropout_masks_in_bool, keep_relu_masks_in_bool, lay_out_convolution_inputs_once,
+REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, make_constants_by_ops, wrap_fused_optimizers,
+            keep_ops_whole, keep_dropout_masks_in_bool, keep_relu_masks_in_bool, lay_out_convolution_inputs_once,
             write_attention_inputs_once, write_reduced_inputs_once, cast_convolution_inputs_again,
             start_loss_backward_after_loss, write_loss_targets_to_memory, start_packing_after_last_gradient,
             free_matmul_inputs_first, remove_one_rank_all_reduces, apply_inductor_decompositions)
@@ -251,15 +267,16 @@ REWRITES = (add_step_counts_in_place, turn_view_copies_into_views, wrap_fused_op
 
 def lowering_pipeline(*, lean: Union[bool, str], decompose: bool) -> list:
     """The rewrites Inductor's graph gets, in order: ``lean``'s step counts in place (``"step_counts"``) ->
-    view copies as views -> fused optimizers opaque -> ops kept whole -> dropout masks kept in bool -> ReLU
-    masks kept in bool -> convolution inputs laid out once -> attention inputs written once -> reduced inputs
-    written once -> convolution inputs' casts made again in the backward -> loss backward after the loss -> loss
-    targets in memory -> packing after the last gradient -> freeing matmuls first -> ``lean``'s one-rank
-    all_reduces removed (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
+    view copies as views -> constants made by ops -> fused optimizers opaque -> ops kept whole -> dropout masks
+    kept in bool -> ReLU masks kept in bool -> convolution inputs laid out once -> attention inputs written once ->
+    reduced inputs written once -> convolution inputs' casts made again in the backward -> loss backward after the
+    loss -> loss targets in memory -> packing after the last gradient -> freeing matmuls first -> ``lean``'s
+    one-rank all_reduces removed (``"one_rank"``) -> Inductor's decompositions (``decompose``)."""
     parts = lean_parts(lean)
     return [*([add_step_counts_in_place] if "step_counts" in parts else []), turn_view_copies_into_views,
-            wrap_fused_optimizers, keep_ops_whole, keep_dropout_masks_in_bool, keep_relu_masks_in_bool,
-            lay_out_convolution_inputs_once, write_attention_inputs_once, write_reduced_inputs_once,
+            make_constants_by_ops, wrap_fused_optimizers, keep_ops_whole, keep_dropout_masks_in_bool,
+            keep_relu_masks_in_bool, lay_out_convolution_inputs_once, write_attention_inputs_once,
+            write_reduced_inputs_once,
             cast_convolution_inputs_again, start_loss_backward_after_loss, write_loss_targets_to_memory,
             start_packing_after_last_gradient, free_matmul_inputs_first,
             *([remove_one_rank_all_reduces] if "one_rank" in parts else []),
