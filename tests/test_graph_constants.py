@@ -79,3 +79,15 @@ def test_a_constant_of_several_values_is_left_and_named_as_what_keeps_the_graph_
     (left,) = _constants(prepared)
     assert torch.equal(getattr(prepared, left), torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=F64))
     assert "get_attr" in piece_plan.cut_obstacle(prepared.graph)
+
+
+def test_a_constant_is_made_by_an_op_only_where_the_op_makes_every_bit_of_it():
+    """Zeros of both signs are two values, a NaN equals nothing, and a transposed constant is not what ``full``
+    lays out: each is left as it is. A constant of negative zeros is made as one."""
+    from spmd.lower.graph_constants import _made_by_op
+
+    for left in (torch.tensor([0.0, -0.0]), torch.tensor(float("nan")), torch.zeros(2, 3).t(), torch.tensor([1, 2])):
+        assert _made_by_op(left) is None, left
+    op, args, kwargs = _made_by_op(torch.tensor([-0.0, -0.0], dtype=F64))
+    made = op(*args, **kwargs)
+    assert made.dtype == F64 and torch.equal(torch.signbit(made), torch.tensor([True, True]))

@@ -24,7 +24,8 @@ aten = torch.ops.aten
 
 def _made_by_op(value: Any) -> Optional[tuple]:
     """The op and arguments that make a tensor equal to ``value`` (shape, dtype, device and every element), or None
-    where no single op does: ``value`` is not a plain contiguous dense tensor, or holds more than one value."""
+    where no single op does: ``value`` is not a plain contiguous dense real tensor, or holds more than one value
+    (zeros of both signs are two)."""
     if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor or value.layout != torch.strided \
             or not value.is_contiguous() or value.requires_grad:
         return None
@@ -32,9 +33,22 @@ def _made_by_op(value: Any) -> Optional[tuple]:
     if value.numel() == 0:
         return aten.empty.memory_format, (list(value.shape),), place
     first = value.reshape(-1)[0]
-    if not bool((value == first).all()):  # more than one value (or a NaN, which equals nothing)
+    if value.is_complex():
+        return None
+    same = value == first  # False for a NaN, which equals nothing
+    if value.is_floating_point():  # 0.0 == -0.0, but they are two values
+        same &= torch.signbit(value) == torch.signbit(first)
+    if not bool(same.all()):  # more than one value
         return None
     return aten.full.default, (list(value.shape), first.item()), place
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    """What ``get_attr`` of ``target`` (``name`` or ``sub.name``) reads from ``gm``, or None where nothing is there."""
+    value: Any = gm
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
 
 
 def _fake_mode(graph: fx.Graph):
@@ -53,7 +67,7 @@ def replace_constants_by_ops(gm: fx.GraphModule) -> int:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     replaced = 0
     for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
-        made = _made_by_op(getattr(gm, node.target, None))
+        made = _made_by_op(_attribute(gm, node.target))
         if made is None or not node.users:
             continue
         op, args, kwargs = made
