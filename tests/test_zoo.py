@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import threading
 import time
 
@@ -221,6 +222,22 @@ def test_a_warm_run_that_traced_afresh_is_noted_with_why(tmp_path, monkeypatch):
     assert zoo_report.cells(row)[0][-1] == f"warm run traced afresh: {afresh['trace_reuse'][-1]}"
     row["warm"], cold["trace_reuse"] = reused, ["spmd: train_step's trace is not kept for the next process: why"]
     assert zoo_report.cells(row)[0][-1] == f"cold run's trace: {cold['trace_reuse'][0]}"
+
+
+def test_a_step_graph_compiled_whole_where_pieces_were_asked_for_is_noted_with_why():
+    """A run keeps what ``spmd.lower.inductor`` said of a graph compiled whole where the default asks for pieces
+    compiled side by side (Round 55: six Hugging Face models' steps were, unnoticed), and the report notes it."""
+    said = zoo_run.SpmdSaid("spmd.lower.inductor", "compiled whole")
+    with said as messages:
+        logging.getLogger("spmd.lower.inductor").info("spmd: lowered the %s graph", "step")
+        logging.getLogger("spmd.lower.inductor").info("spmd: the %s graph is compiled whole: %s", "step",
+                                                      "it has a get_attr node (_tensor_constant0)")
+    assert messages == ["spmd: the step graph is compiled whole: it has a get_attr node (_tensor_constant0)"]
+    cold = dict(status="ok", spread_ms=dict(min=1.0, max=1.0), per="tokens", peak_gib=1.0, first_call_s=9.0,
+                captures_per_step=0, compiled_whole=messages)
+    row = dict(model="llama", mode="spmd", cold=cold, warm=None, ms=1.0, per_s=1.0, tflops=None, mfu=None,
+               first_losses=[1.0, 1.0, 1.0])
+    assert zoo_report.cells(row)[0][-1] == messages[0].removeprefix("spmd: ")
 
 
 def test_a_profiled_run_keeps_its_heaviest_kernels_and_the_report_lists_them(tmp_path):

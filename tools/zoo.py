@@ -31,7 +31,9 @@ grouped expert matmuls; not the optimizer or elementwise ops; MFU against the GP
 where known); peak GiB (``max_memory_allocated`` over build, first call, warm-up and the first window,
 above what was allocated before); the first call cold and warm (s); CUDA-graph captures per timed step
 (spmd's ``cuda_graph_captures``; 0 means no step re-captured); the first losses and the largest
-difference of the first three to eager's (flagged beyond bf16 noise). ``--profile N`` adds, under the table,
+difference of the first three to eager's (flagged beyond bf16 noise); a note where a warm run traced afresh, a cold
+run's trace was not kept, or a step graph the default would compile in pieces side by side was compiled whole (and
+why). ``--profile N`` adds, under the table,
 each cold run's heaviest kernels over N more steps and, for a model profiled in several modes on a GPU,
 its kernel time by kind side by side (``zoo_profile``).
 """

@@ -72,6 +72,8 @@ def cells(r: dict) -> tuple[list[str], str]:
     said = (warm or {}).get("trace_reuse") or []
     if said and not any(" reused the trace " in m for m in said):
         note.append(f"warm run traced afresh: {said[-1]}")
+    if cold.get("compiled_whole"):  # the default asked for pieces compiled side by side
+        note.append(cold["compiled_whole"][-1].removeprefix("spmd: "))
     captures = cold.get("captures_per_step")
     dloss = r.get("dloss_vs_eager")
     counted = cold.get("flops_counted_by", "flop_counter")

@@ -269,17 +269,20 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     run = ModeRun(mode, Setup(args, device), [], lambda n: None, build=lambda setup: ZOO_MODES[mode].build(spec))
 
-    trace_reuse = _TraceReuseLog()
+    trace_reuse = SpmdSaid("spmd.step.trace_store")
+    whole = SpmdSaid("spmd.lower.inductor", "compiled whole")
 
     def first_call():
         run.batches = spec.batches()
         if name == "cold":
             record["flops_per_step"], record["flops_counted_by"] = flops_of(spec)
         run.build_and_warm_up(1)
-    with trace_reuse as said, _turn(args.lock, alone=False):  # never beside another process's timed steps
+    with trace_reuse as said, whole as whole_said, _turn(args.lock, alone=False):  # never beside timed steps
         run.attempt(first_call)
     if said:
         record["trace_reuse"] = said
+    if whole_said:
+        record["compiled_whole"] = whole_said
     if run.alive:
         record["wrap_s"] = getattr(run.step, "wrap_s", 0.0)
         captures = getattr(run.step, "captures", lambda: None)
@@ -312,18 +315,23 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
     return 0
 
 
-class _TraceReuseLog(logging.Handler):
-    """What spmd's kept traces said during a run's first call (``spmd.step.trace_store``: none kept yet, reused,
-    why the step was traced again, why its trace is not kept): the report notes a cold run whose trace was not
-    kept and a warm run that traced afresh, and why."""
+class SpmdSaid(logging.Handler):
+    """What one of spmd's loggers said at INFO level while the block ran (the messages containing ``containing``):
+    ``spmd.step.trace_store`` (none kept yet, reused, why the step was traced again, why its trace is not kept),
+    from which the report notes a cold run whose trace was not kept and a warm run that traced afresh;
+    ``spmd.lower.inductor``'s "compiled whole" (a graph the default would compile in pieces side by side, compiled
+    in one process, and why), which the report notes too."""
 
-    def __init__(self):
+    def __init__(self, logger: str, containing: str = ""):
         super().__init__(logging.INFO)
-        self.logger = logging.getLogger("spmd.step.trace_store")
+        self.logger = logging.getLogger(logger)
+        self.containing = containing
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        message = record.getMessage()
+        if self.containing in message:
+            self.messages.append(message)
 
     def __enter__(self) -> list[str]:
         self.level_before = self.logger.level
