@@ -32,9 +32,9 @@ def _made_by_op(value: Any) -> Optional[tuple]:
     place = dict(dtype=value.dtype, device=value.device)
     if value.numel() == 0:
         return aten.empty.memory_format, (list(value.shape),), place
-    first = value.reshape(-1)[0]
     if value.is_complex():
         return None
+    first = value.reshape(-1)[0]
     same = value == first  # False for a NaN, which equals nothing
     if value.is_floating_point():  # 0.0 == -0.0, but they are two values
         same &= torch.signbit(value) == torch.signbit(first)
@@ -65,6 +65,7 @@ def replace_constants_by_ops(gm: fx.GraphModule) -> int:
     before its first reader; returns how many were replaced. The values are the same: an empty tensor has none, a
     constant of one value is that value throughout, in its dtype."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    fake_mode = _fake_mode(gm.graph)
     replaced = 0
     for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
         made = _made_by_op(_attribute(gm, node.target))
@@ -73,7 +74,6 @@ def replace_constants_by_ops(gm: fx.GraphModule) -> int:
         op, args, kwargs = made
         with gm.graph.inserting_before(min(node.users, key=order.__getitem__)):
             maker = gm.graph.call_function(op, args, kwargs)
-        fake_mode = _fake_mode(gm.graph)
         if fake_mode is not None:  # the value a cut describes where it crosses one (``piece_plan``)
             with fake_mode:
                 maker.meta["val"] = op(*args, **kwargs)
