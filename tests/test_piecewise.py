@@ -831,3 +831,77 @@ def test_a_first_call_in_pieces_reads_its_optimizers_zero_state_from_the_piece_t
     assert _storage_bytes(buffers()) == full
     for p, q in zip(model.parameters(), ref.parameters()):
         assert (p - q).abs().max().item() <= 1e-12
+
+
+def _loss_between_two_chains(x, w):
+    """In small, a step whose pieces balance inside its loss: a forward chain, bf16 logits by a matmul, their
+    float32 softmax shifted by the maximum (read by its reduction and, a few nodes on, by the gradient), the
+    gradient's matmul, then a backward chain. Whole, Inductor never allocates the shifted logits; crossing a cut,
+    they are allocated, twice the logits' size."""
+    a = x
+    for _ in range(200):
+        a = a * 1.01
+    logits = a @ w
+    wide = logits.float()
+    shifted = wide - wide.amax(-1, keepdim=True)
+    g = shifted.exp().sum(-1, keepdim=True)
+    for _ in range(4):
+        g = g * 0.99
+    b = (shifted * g).to(torch.bfloat16) @ w.t()
+    for _ in range(200):
+        b = b * 0.99
+    return (b,)
+
+
+def test_no_cut_takes_the_step_over_its_peak_with_a_value_the_whole_graph_computes_inside_its_readers(monkeypatch):
+    """Balanced by weight alone, the cut falls inside the loss, where the float32 shifted logits cross it; they are not
+    allocated in the whole graph, and crossing there they would take the step over its peak (Llama's loss at full
+    size: 1 GiB more). The cut is taken beside the loss instead, and the pieces compute what the graph does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 4096, dtype=torch.bfloat16)
+    gm = make_fx(_loss_between_two_chains, tracing_mode="fake")(x, w)
+    body = [n for n in gm.graph.nodes if n.op == "call_function"]
+    shifted = next(n for n in body if n.target is torch.ops.aten.sub.Tensor)
+    logits = next(n for n in body if n.target is torch.ops.aten.mm.default)
+    assert piece_plan._fused_away(shifted) and not piece_plan._fused_away(logits)
+    last_read = max(body.index(u) for u in shifted.users)
+    crosses_shifted = range(body.index(shifted), last_read)
+
+    (position,) = piece_plan._cut_positions(body, 2)
+    assert position not in crosses_shifted, (position, crosses_shifted)
+    with monkeypatch.context() as by_weight_alone:
+        by_weight_alone.setattr(piece_plan, "_over_the_peak", lambda body_, anchors: [False] * len(body_))
+        (balanced,) = piece_plan._cut_positions(body, 2)
+    assert balanced in crosses_shifted
+
+    x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 4096, dtype=torch.bfloat16)
+    gm = make_fx(_loss_between_two_chains)(x, w)
+    modules, _, plan = piece_plan.cut(gm, 2, [x, w])
+    assert len(modules) == 2
+    (whole,) = gm(x, w)
+    (pieces,) = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])([x, w])
+    assert torch.equal(whole, pieces)
+
+
+def _loss_and_its_gradient(logits, labels):
+    wide = logits.float().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(wide, labels)
+    (gradient,) = torch.autograd.grad(loss, wide)
+    return loss, gradient.to(logits.dtype)
+
+
+def test_a_losss_softmax_and_gradient_over_its_vocabulary_count_as_never_allocated_whole():
+    """Traced as the graph is cut (before Inductor's decompositions), a cross-entropy's float32 log-softmax is read by
+    the loss's gather and by its own backward, and its gradient by a cast: Inductor computes each inside its readers'
+    kernels, so a cut crossing them allocates what the whole graph never does."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(_loss_and_its_gradient, tracing_mode="fake")(torch.randn(8, 100, dtype=torch.bfloat16),
+                                                              torch.randint(0, 100, (8,)))
+    by_op = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    aten = torch.ops.aten
+    assert piece_plan._fused_away(by_op[aten._log_softmax.default])
+    assert piece_plan._fused_away(by_op[aten._log_softmax_backward_data.default])
+    assert not piece_plan._fused_away(by_op[aten.nll_loss_forward.default])  # a tuple of the loss and its weight
