@@ -14,6 +14,7 @@ import torch.fx as fx
 import spmd
 from spmd.compile_times import recording
 from spmd.graph_utils import is_comm_node, is_wait_node
+from spmd.graph_utils.recompute_ops import inductor_inlines
 from spmd.lower import graph_wire, piece_plan, worker_pool
 from spmd.lower.inductor import compile_with_inductor
 from spmd.lower.rewrites import prepare_for_inductor
@@ -855,8 +856,8 @@ def _loss_between_two_chains(x, w):
 
 def test_no_cut_takes_the_step_over_its_peak_with_a_value_the_whole_graph_computes_inside_its_readers(monkeypatch):
     """Balanced by weight alone, the cut falls inside the loss, where the float32 shifted logits cross it; they are not
-    allocated in the whole graph, and crossing there they would take the step over its peak (Llama's loss at full
-    size: 1 GiB more). The cut is taken beside the loss instead, and the pieces compute what the graph does."""
+    allocated in the whole graph, and crossing there they would take the step over its peak (as Llama's loss did on
+    the GPU). The cut is taken beside the loss instead, and the pieces compute what the graph does."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
@@ -865,7 +866,7 @@ def test_no_cut_takes_the_step_over_its_peak_with_a_value_the_whole_graph_comput
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
     shifted = next(n for n in body if n.target is torch.ops.aten.sub.Tensor)
     logits = next(n for n in body if n.target is torch.ops.aten.mm.default)
-    assert piece_plan._fused_away(shifted) and not piece_plan._fused_away(logits)
+    assert inductor_inlines(shifted) and not inductor_inlines(logits)
     last_read = max(body.index(u) for u in shifted.users)
     crosses_shifted = range(body.index(shifted), last_read)
 
@@ -902,6 +903,6 @@ def test_a_losss_softmax_and_gradient_over_its_vocabulary_count_as_never_allocat
                                                               torch.randint(0, 100, (8,)))
     by_op = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
     aten = torch.ops.aten
-    assert piece_plan._fused_away(by_op[aten._log_softmax.default])
-    assert piece_plan._fused_away(by_op[aten._log_softmax_backward_data.default])
-    assert not piece_plan._fused_away(by_op[aten.nll_loss_forward.default])  # a tuple of the loss and its weight
+    assert inductor_inlines(by_op[aten._log_softmax.default])
+    assert inductor_inlines(by_op[aten._log_softmax_backward_data.default])
+    assert not inductor_inlines(by_op[aten.nll_loss_forward.default])  # a tuple of the loss and its weight

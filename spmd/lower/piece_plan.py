@@ -35,7 +35,7 @@ Where a cut may go, and what crosses it:
   producing piece writes it into padded rows, and every reader reads the unpadded view of them;
 * never where the values crossing the cut could take the step over the whole graph's peak (``_over_the_peak``):
   a value the whole graph computes inside the kernels that read it is allocated once it crosses a cut (Llama's
-  float32 softmax over its vocabulary, cut inside its loss, raised the peak by 1 GiB);
+  float32 softmax over its vocabulary, cut inside its loss, raised the peak by its size: BENCHMARKS.md, "Round 56");
 * a graph that writes anything but its own inputs is not cut: a piece could then not see a write
   to a value another piece holds.
 
@@ -66,6 +66,7 @@ import torch.utils._pytree as pytree
 
 from ..graph_utils.nodes import is_comm_node, is_wait_node, waited_collective
 from ..graph_utils.optimizer_ops import written_inputs
+from ..graph_utils.recompute_ops import inductor_inlines
 from .matmul_order import MATMULS
 from .unread_state import HeldBack, holding
 
@@ -82,29 +83,13 @@ _RANGE_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 FLIGHT_SLACK = 0.02
 # Rows of a multiple of this many bytes are what a GPU matmul reads at full speed; Inductor pads to it.
 ALIGNED_ROW_BYTES = 16
-# Casts, which Inductor computes inside the kernels reading their values as it does pointwise ops.
-_CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})
 # How far over the whole graph's peak, as a share of it, the values crossing a cut may take the step
 # (``_over_the_peak``).
 PEAK_SLACK = 1 / 64
-# How far (in nodes) from where a ``_fused_away`` value is made its readers may be for the whole graph not to hold
-# it: a value read much later (saved for the backward) is kept, or the values it is computed from are, about as much.
+# How far (in nodes) from where a value Inductor computes in its readers' kernels is made its readers may be for the
+# whole graph not to hold it: read much later (saved for the backward), it is kept, or the values it is computed
+# from are, about as much.
 FUSED_REACH = 64
-# Ops that Inductor decomposes into pointwise ops over reductions, which it computes inside their readers' kernels
-# as it does pointwise ops' (a loss's gradient over its vocabulary: the gather's backward is made pointwise).
-_MADE_IN_KERNEL = frozenset({aten._log_softmax.default, aten._softmax.default, aten._log_softmax_backward_data.default,
-                             aten._softmax_backward_data.default, aten.nll_loss_backward.default,
-                             aten.nll_loss2d_backward.default})
-# Ops whose kernels read their arguments element by element or reduce them, as pointwise ops and reductions do: a
-# state write, a gather by index, and the losses, softmaxes and norms Inductor decomposes into such kernels (a
-# graph cut into pieces is decomposed piece by piece, so they are still whole where the cuts are placed).
-_READ_IN_KERNEL = frozenset({
-    aten.copy_.default, aten.gather.default, aten.index.Tensor,
-    aten.nll_loss_forward.default, aten.nll_loss_backward.default,
-    aten.nll_loss2d_forward.default, aten.nll_loss2d_backward.default,
-    aten._log_softmax.default, aten._softmax.default,
-    aten._log_softmax_backward_data.default, aten._softmax_backward_data.default,
-    aten.native_layer_norm.default, aten.native_layer_norm_backward.default})
 # Values smaller than this cross a cut as they are: padding them gains too little.
 PADDED_MIN_BYTES = 16 << 20
 # The devices whose matmuls want aligned rows.
@@ -425,33 +410,6 @@ def _cut_positions(body: list[fx.Node], count: int) -> list[int]:
     return outside[0] if outside[1] <= anywhere[1] * (1 + FLIGHT_SLACK) else anywhere[0]
 
 
-def _in_kernel(node: fx.Node) -> bool:
-    """Whether Inductor computes ``node``'s value inside the kernel of each reader that reads it element by element
-    or reduces it (a pointwise op, a cast, an op of ``_MADE_IN_KERNEL``), so that the whole graph never allocates it
-    where all its readers are such (``_fused_away``)."""
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (torch.Tag.pointwise in target.tags or target in _CASTS
-                                                          or target in _MADE_IN_KERNEL)
-
-
-def _reads_in_kernel(reader: fx.Node) -> bool:
-    """Whether ``reader`` reads its arguments inside a kernel that computes them: a pointwise op, a cast, a
-    reduction, an op of ``_READ_IN_KERNEL`` (a loss picking each label's log-probability), or a view whose own
-    readers all do."""
-    target = reader.target
-    if _is_view(reader):
-        return all(_reads_in_kernel(r) for r in reader.users)
-    return isinstance(target, torch._ops.OpOverload) and (
-        _in_kernel(reader) or torch.Tag.reduction in target.tags or target in _READ_IN_KERNEL)
-
-
-def _fused_away(node: fx.Node) -> bool:
-    """A value the whole graph need not allocate: made in its readers' kernels (``_in_kernel``) and read only in
-    kernels that can compute it (``_reads_in_kernel``; the softmax of a loss over its vocabulary, read by its
-    reductions)."""
-    return _in_kernel(node) and bool(node.users) and all(_reads_in_kernel(r) for r in node.users)
-
-
 def _bytes(node: fx.Node) -> int:
     value = node.meta.get("val")
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
@@ -459,12 +417,12 @@ def _bytes(node: fx.Node) -> int:
 
 def _over_the_peak(body: list[fx.Node], anchors: dict[fx.Node, fx.Node]) -> list[bool]:
     """For each place to cut (after ``body[i]``): whether the values crossing it could take the step over the whole
-    graph's peak, counting there only what the whole graph allocates (not ``_fused_away`` values read within
-    ``FUSED_REACH`` nodes).
+    graph's peak, counting there only what the whole graph allocates (not values Inductor computes inside the
+    kernels that read them, ``graph_utils.recompute_ops.inductor_inlines``, read within ``FUSED_REACH`` nodes).
 
     Every value crossing a cut is allocated, whole, by the piece that makes it, and held until its last reader. A
     value that the whole graph computes inside its readers' kernels then adds its size to what is held until then:
-    cut inside Llama's loss, the float32 softmax over its vocabulary (1 GiB at full size) crossed from the forward's
+    cut inside Llama's loss, the float32 softmax over its vocabulary crossed from the forward's
     last piece to the backward's first, and the step's peak rose by as much (BENCHMARKS.md, "Rounds 28 and 56").
     So a cut is over where those values, each held until its last reader, and what the whole graph holds meanwhile
     come to more than its peak, by more than ``PEAK_SLACK`` of it (small values read all through the step cost less
@@ -484,7 +442,7 @@ def _over_the_peak(body: list[fx.Node], anchors: dict[fx.Node, fx.Node]) -> list
     allocated = [0] * (len(body) + 1)
     held_until: list[list[tuple[int, int]]] = [[] for _ in body]  # by where made: unfused values' (last read, bytes)
     for node, last in last_read.items():
-        fused_away = _fused_away(node) and last - index[node] <= FUSED_REACH
+        fused_away = inductor_inlines(node) and last - index[node] <= FUSED_REACH
         held = unfused if fused_away else allocated
         held[index[node]] += _bytes(node)
         held[last] -= _bytes(node)
