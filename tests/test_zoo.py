@@ -21,6 +21,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+import spmd
+from spmd.graph_utils.recompute_ops import inductor_inlines
+from spmd.lower import piece_plan
 from spmd.tools import cli, zoo, zoo_profile, zoo_report, zoo_run
 from spmd.tools.zoo_models import ZOO, ZooModel
 from tests.dist import single_process_group
@@ -77,6 +80,68 @@ def test_fully_shard_in_a_group_of_one_matches_eager(model):
     MoE whose experts' loops run outside the graph's CUDA graphs on a GPU, as eager."""
     with single_process_group():
         assert_trains_as_eager(model, "spmd_fully_shard")
+
+
+class _Prepared(Exception):
+    """Stops a compile at its pieces, with the graph it was about to cut."""
+
+    def __init__(self, graph):
+        super().__init__("the step graph, before it is cut")
+        self.graph = graph
+
+
+def _gpu_step_graph(model: str, monkeypatch) -> list:
+    """The computing nodes of ``model``'s full-size step graph as spmd would cut it on a GPU, traced on the CPU:
+    bf16 autocast, a fused AdamW, the GPU's default transformation (the CPU's foreach AdamW adds some thousand
+    nodes to the end of the graph, and the cuts fall elsewhere)."""
+    from spmd.lower import inductor, lowering
+    from spmd.step.transformation import default_transformation
+
+    def stop(prepared, *args):
+        raise _Prepared(prepared)
+
+    monkeypatch.setattr(inductor, "_in_pieces", stop)
+    monkeypatch.setattr(lowering.Lowering, "pieces_on", lambda self, device: 4)
+    if ZOO[model].missing():
+        pytest.skip(f"{model} {ZOO[model].missing()}")
+    s = zoo_run.Spec(ZOO[model], toy=False, device=torch.device("cpu"), dtype=torch.float32, autocast=True)
+    module = s.model()
+    optim = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+    step = spmd.compile(gm_transformation=default_transformation("cuda", enable_cudagraphs=False))(zoo_run.train_step)
+    with pytest.raises(_Prepared) as stopped:
+        step(module, optim, *s.batches()[0], s.autocast)
+    return [n for n in stopped.value.graph.graph.nodes if n.op == "call_function"]
+
+
+def _inlined_crossing(body: list, after: int) -> int:
+    """Bytes of the values crossing a cut after ``body[after]`` that the whole graph never allocates: Inductor
+    computes them inside their readers' kernels, all near (``piece_plan.FUSED_REACH``)."""
+    index = {n: i for i, n in enumerate(body)}
+    crossing = 0
+    for made, node in enumerate(body[:after + 1]):
+        last = max((index.get(u, len(body)) for u in node.users), default=made)
+        if inductor_inlines(node) and after < last <= made + piece_plan.FUSED_REACH:
+            crossing += piece_plan._bytes(node)
+    return crossing
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_an_llms_full_size_step_is_cut_beside_its_loss_not_through_its_float32_softmax(model, monkeypatch):
+    """Traced as on the GPU and balanced by weight alone, the full-size Llama's and Qwen2's steps are cut inside their
+    losses, where float32 values over the vocabulary (Llama's logits less their maximum, 8192 x 32000: 1000 MiB)
+    cross the cut: allocated there, though the whole graph computes them inside their readers' kernels, Llama's took
+    the GPU step's peak over reduce-overhead's (BENCHMARKS.md, "Round 56"). With ``piece_plan._over_the_peak`` the
+    cut moves beside the loss: such values crossing a cut (attention's, tens of MiB, away from the peak) are a small
+    part of that."""
+    body = _gpu_step_graph(model, monkeypatch)
+    with monkeypatch.context() as by_weight_alone:
+        by_weight_alone.setattr(piece_plan, "_over_the_peak", lambda body_, anchors: [False] * len(body_))
+        balanced = piece_plan._cut_positions(body, 8)
+    assert max(_inlined_crossing(body, i) for i in balanced) >= 1000 << 20, "the graph no longer shows the case"
+    cuts = piece_plan._cut_positions(body, 8)
+    assert len(cuts) == 7
+    assert max(_inlined_crossing(body, i) for i in cuts) < 256 << 20, [(body[i].name, _inlined_crossing(body, i))
+                                                                      for i in cuts]
 
 
 def child_args(*argv: str):
