@@ -5,6 +5,7 @@ here or in a worker process."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 
 import pytest
@@ -380,9 +381,7 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
     """Inductor on the CPU, an MLP's float64 step in three pieces: the first cannot be sent to the worker (as a
     graph calling something other than ops could not), so it is compiled here, said once; the worker and this
     process share the others. The step matches the graph run op by op, to 1e-12, and so does the
-    kept ``PiecewiseCode`` loaded again (as a restarted process would)."""
-    import logging
-
+    kept ``PiecewiseCode`` loaded again (as a restarted process would). What crosses each cut is logged."""
     from spmd.lower import graph_wire, piece_compile
 
     sent = []
@@ -398,7 +397,8 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
     model = MLP(layers=3, dim=16).double()
     x = torch.randn(8, 16, dtype=torch.float64)
     times: dict[str, float] = {}
-    with single_process_group(), caplog.at_level(logging.WARNING, logger="spmd.lower.piece_compile"):
+    with single_process_group(), caplog.at_level(logging.WARNING, logger="spmd.lower.piece_compile"), \
+            caplog.at_level(logging.INFO, logger="spmd.lower.piece_report"):
         gm, inputs = _step_graph(model, (x,), train_step, torch.optim.SGD, momentum=0.9)
         expected_inputs = _clone(inputs)
         expected = list(gm(*expected_inputs))
@@ -416,6 +416,8 @@ def test_pieces_compiled_here_and_in_a_worker_run_as_the_graph_and_load_again(on
     by_worker = [name for name in times if name.endswith("/worker")]  # which pieces depends on timing
     assert by_worker and f"lower/step/{failed}/worker" not in by_worker, sorted(times)
     assert times["lower/step/workers_ready"] >= 0  # the fixture's worker was ready before the compile began
+    (crossing,) = [r.getMessage() for r in caplog.records if r.name == "spmd.lower.piece_report"]
+    assert "what crosses each cut of the step graph" in crossing and "; 1: " in crossing  # the two cuts'
 
 
 def test_the_kernels_compiled_loading_a_workers_piece_are_kept_with_its_code(one_worker, monkeypatch):
@@ -906,3 +908,32 @@ def test_a_losss_softmax_and_gradient_over_its_vocabulary_count_as_never_allocat
     assert inductor_inlines(by_op[aten._log_softmax.default])
     assert inductor_inlines(by_op[aten._log_softmax_backward_data.default])
     assert not inductor_inlines(by_op[aten.nll_loss_forward.default])  # a tuple of the loss and its weight
+
+
+def test_the_log_names_what_crosses_each_cut_largest_first(monkeypatch, caplog):
+    """Cut inside its loss by weight alone, the small step's one cut holds its float32 shifted logits (64 x 4096, 1
+    MiB), the largest value crossing it, and the line logged says so; kept out of the loss, the cut holds no such
+    value."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.lower import piece_report
+
+    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 4096, dtype=torch.bfloat16)
+    gm = make_fx(_loss_between_two_chains)(x, w)
+    with monkeypatch.context() as by_weight_alone:
+        by_weight_alone.setattr(piece_plan, "_over_the_peak", lambda body_, anchors: [False] * len(body_))
+        modules, specs, plan = piece_plan.cut(gm, 2, [x, w])
+    (held,) = piece_report.crossings(modules, specs, plan)
+    largest = held[0]
+    assert (largest.shape, largest.dtype, largest.bytes) == ((64, 4096), torch.float32, 64 * 4096 * 4)
+    assert [c.bytes for c in held] == sorted((c.bytes for c in held), reverse=True)
+    produced = {n.name: n for n in modules[0].graph.nodes}
+    assert produced[largest.name].target is torch.ops.aten.sub.Tensor  # the shifted logits, by their node's name
+    with caplog.at_level(logging.INFO, logger="spmd.lower.piece_report"):
+        piece_report.log_crossings("step", modules, specs, plan)
+    assert f"0: {sum(c.bytes for c in held) / 2**20:.0f} ({largest.name} (64, 4096) float32 1 MiB" in caplog.text
+
+    modules, specs, plan = piece_plan.cut(gm, 2, [x, w])
+    (held,) = piece_report.crossings(modules, specs, plan)
+    assert all(c.bytes < 64 * 4096 * 4 for c in held), held

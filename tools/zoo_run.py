@@ -271,18 +271,22 @@ def measure(rank: int, world: int, device: torch.device, args) -> int:
 
     trace_reuse = SpmdSaid("spmd.step.trace_store")
     whole = SpmdSaid("spmd.lower.inductor", "compiled whole")
+    cut = SpmdSaid("spmd.lower.piece_report")
 
     def first_call():
         run.batches = spec.batches()
         if name == "cold":
             record["flops_per_step"], record["flops_counted_by"] = flops_of(spec)
         run.build_and_warm_up(1)
-    with trace_reuse as said, whole as whole_said, _turn(args.lock, alone=False):  # never beside timed steps
+    # the first call never beside timed steps
+    with trace_reuse as said, whole as whole_said, cut as crossings, _turn(args.lock, alone=False):
         run.attempt(first_call)
     if said:
         record["trace_reuse"] = said
     if whole_said:
         record["compiled_whole"] = whole_said
+    if crossings:
+        record["cut_crossings"] = crossings
     if run.alive:
         record["wrap_s"] = getattr(run.step, "wrap_s", 0.0)
         captures = getattr(run.step, "captures", lambda: None)
@@ -320,7 +324,8 @@ class SpmdSaid(logging.Handler):
     ``spmd.step.trace_store`` (none kept yet, reused, why the step was traced again, why its trace is not kept),
     from which the report notes a cold run whose trace was not kept and a warm run that traced afresh;
     ``spmd.lower.inductor``'s "compiled whole" (a graph the default would compile in pieces side by side, compiled
-    in one process, and why), which the report notes too."""
+    in one process, and why), which the report notes too; ``spmd.lower.piece_report`` (what crosses each cut of a
+    graph compiled in pieces), kept in the JSON."""
 
     def __init__(self, logger: str, containing: str = ""):
         super().__init__(logging.INFO)

@@ -29,6 +29,7 @@ from .compile_graph import compile_piece, device_of
 from .graph_wire import NotWireable, to_bytes
 from .inductor_code import InductorCode, PiecewiseCode, code_of, load_kept
 from .piece_plan import cut, run_pieces, weight
+from .piece_report import log_crossings
 from .triton_kernels import collecting as collecting_triton_kernels
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
     if made is None:
         return None
     modules, specs, plan = made
+    log_crossings(label, modules, specs, plan)
     device = device_of(example_inputs)
     start = time.perf_counter()
     weights = [weight(m) for m in modules]  # before Inductor, which rewrites the graphs it compiles here
