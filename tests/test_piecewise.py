@@ -1,6 +1,6 @@
-"""A step graph compiled in pieces (spmd.lower.piece_plan, piece_compile, worker_pool): where it is cut, what
-crosses a cut (a collective in flight included), and that the pieces run as the whole graph does, compiled
-here or in a worker process."""
+"""A step graph compiled in pieces (spmd.lower.piece_places, piece_plan, piece_run, piece_compile, worker_pool):
+where it is cut, what crosses a cut (a collective in flight included), and that the pieces run as the whole graph
+does, compiled here or in a worker process."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import spmd
 from spmd.compile_times import recording
 from spmd.graph_utils import is_comm_node, is_wait_node
 from spmd.graph_utils.recompute_ops import inductor_inlines
-from spmd.lower import graph_wire, piece_plan, worker_pool
+from spmd.lower import graph_wire, piece_places, piece_plan, piece_run, worker_pool
 from spmd.lower.inductor import compile_with_inductor
 from spmd.lower.rewrites import prepare_for_inductor
 from spmd.lower.inductor_code import PiecewiseCode, load_kept
@@ -70,10 +70,12 @@ def _flights_across_cuts(modules, plan) -> int:
             if any(is_wait_node(u) for r in results for u in r.users):
                 continue
             crossing += 1
-            inputs = [piece_plan._root(a) for a in torch.utils._pytree.tree_leaves(comm.args) if isinstance(a, torch.fx.Node)]
-            assert all(piece_plan._root(r) in value_ids[p] for r in results), f"{comm}'s result does not leave its piece"
+            inputs = [piece_places.memory_owner(a) for a in torch.utils._pytree.tree_leaves(comm.args)
+                      if isinstance(a, torch.fx.Node)]
+            assert all(piece_places.memory_owner(r) in value_ids[p] for r in results), \
+                f"{comm}'s result does not leave its piece"
             assert all(a in value_ids[p] for a in inputs), f"{comm}'s input does not leave its piece"
-            made = {value_ids[p][piece_plan._root(r)] for r in results}
+            made = {value_ids[p][piece_places.memory_owner(r)] for r in results}
             kept = {value_ids[p][a] for a in inputs}
             waiting = [q for q in range(p + 1, len(modules)) if made & set(plan.takes[q])]
             assert waiting, f"{comm} is waited in no later piece"
@@ -91,7 +93,7 @@ def _clone(inputs):
 
 
 def test_a_cut_step_runs_as_the_whole_graph_and_no_view_crosses_a_cut(monkeypatch):
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)  # a small graph, cut all the same
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 10)  # a small graph, cut all the same
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).double()
     idx = torch.randint(0, 256, (2, 32))
@@ -108,10 +110,10 @@ def test_a_cut_step_runs_as_the_whole_graph_and_no_view_crosses_a_cut(monkeypatc
         # what crosses a cut is a value of its own, never a view: views are made again where they are read
         for module in modules[:-1]:
             for out in next(iter(reversed(module.graph.nodes))).args[0]:
-                assert not piece_plan._is_view(out), out
+                assert not piece_places.is_view(out), out
         whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
         whole = list(gm(*whole_inputs))
-        cut = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
+        cut = piece_run.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
     assert len(whole) == len(cut)
     for a, b in zip(whole, cut):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -124,7 +126,7 @@ def test_a_state_write_runs_in_the_piece_that_computes_the_value_it_writes(monke
     AdamW's step counts) run in the piece that computes what they write, where Inductor writes it from the
     same kernel; left at the end, each was a kernel more (136 a step for fully_shard at GPT 124M). They weigh
     nothing in the cut, which still cuts the graph; the pieces run as the whole graph does."""
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 5)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 5)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).double()
     idx = torch.randint(0, 256, (2, 32))
@@ -135,12 +137,13 @@ def test_a_state_write_runs_in_the_piece_that_computes_the_value_it_writes(monke
         modules, _, plan = made
         whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
         whole = list(gm(*whole_inputs))
-        cut = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
+        cut = piece_run.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
     writes = [n for m in modules for n in m.graph.nodes
               if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder"]
     assert len(modules) > 2 and len(writes) >= 6 * 2  # every parameter's step count, at least
     assert all(w.args[1].op != "placeholder" for w in writes), [w.name for w in writes if w.args[1].op == "placeholder"]
-    assert all(piece_plan._weight(w) == 0 for w in writes)  # fused into their values' kernels: no weight to cut by
+    # fused into their values' kernels: no weight to cut by
+    assert all(piece_places.node_weight(w) == 0 for w in writes)
     for a, b in zip(whole + whole_inputs, cut + cut_inputs):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -177,17 +180,17 @@ def _inside_a_flight(body, position) -> bool:
 def test_a_cut_falls_inside_a_collectives_flight_where_that_balances_the_pieces_and_outside_where_about_as_well(
         monkeypatch):
     """Nor inside a flight in which a node writes the collective's input."""
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 10)
     long_flight = _flight_graph(10, 200, 10)  # an even split only inside the flight
-    (position,) = piece_plan._cut_positions(long_flight, 2)
+    (position,) = piece_places.cut_positions(long_flight, 2)
     assert _inside_a_flight(long_flight, position)
-    assert sum(map(piece_plan._weight, long_flight[:position + 1])) == len(long_flight) // 2
+    assert sum(map(piece_places.node_weight, long_flight[:position + 1])) == len(long_flight) // 2
     short_flight = _flight_graph(100, 1, 100)  # cut outside: the heavier piece 1% heavier than it could be
-    (position,) = piece_plan._cut_positions(short_flight, 2)
+    (position,) = piece_places.cut_positions(short_flight, 2)
     assert not _inside_a_flight(short_flight, position)
-    assert sum(map(piece_plan._weight, short_flight[:position + 1])) in (100, 103)
+    assert sum(map(piece_places.node_weight, short_flight[:position + 1])) in (100, 103)
     written = _flight_graph(0, 200, 100, write=True)  # the all_reduce's input written in flight: held until the wait
-    (position,) = piece_plan._cut_positions(written, 2)
+    (position,) = piece_places.cut_positions(written, 2)
     assert not _inside_a_flight(written, position)
 
 
@@ -225,7 +228,7 @@ def test_a_value_whose_rows_inductor_would_pad_crosses_a_cut_padded_and_reads_ba
     before = str(gm.graph)
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
     gradient = next(n for n in body if n.target is torch.ops.aten.mul.Tensor)
-    monkeypatch.setattr(piece_plan, "_cut_positions", lambda body_, count: [body_.index(gradient)])
+    monkeypatch.setattr(piece_plan, "cut_positions", lambda body_, count: [body_.index(gradient)])
     modules, specs, plan = piece_plan.cut(gm, 2, [x, w, h])
     assert str(gm.graph) == before
     crossing = [s for s in specs[1] if isinstance(s, piece_plan.InputSpec) and s.shape[0] == 64 and s.shape[1] > 32]
@@ -237,7 +240,7 @@ def test_a_value_whose_rows_inductor_would_pad_crosses_a_cut_padded_and_reads_ba
             read = next(a for a in mm.args if a.meta["val"].shape[-1] == 1001 or a.meta["val"].shape[0] == 1001)
             assert 1004 in read.meta["val"].stride(), read.meta["val"].stride()
     whole = gm(x, w, h)
-    pieces = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])([x, w, h])
+    pieces = piece_run.run_pieces(plan, [_boxed(m) for m in modules])([x, w, h])
     assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
 
 
@@ -267,7 +270,7 @@ def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch
     """Prefetched gathers and late reduce-scatter waits keep some collective in flight over much of a fully_shard
     step: it is cut inside flights, evenly; no view and no profiler handle crosses a cut (a range that spans one
     is closed and opened again); and the pieces, run op by op, compute what the graph does, bit for bit."""
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 20)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 20)
     with single_process_group():
         gm, inputs = _fully_shard_graph(monkeypatch)
         made = piece_plan.cut(gm, 4, inputs)
@@ -275,7 +278,7 @@ def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch
         modules, specs, plan = made
         assert len(modules) == 4
         assert _flights_across_cuts(modules, plan) >= 1
-        weights = [sum(piece_plan._weight(n) for n in m.graph.nodes if n.op == "call_function" and
+        weights = [sum(piece_places.node_weight(n) for n in m.graph.nodes if n.op == "call_function" and
                        n.target is not torch.ops._c10d_functional.wait_tensor.default) for m in modules]
         assert max(weights) <= 1.25 * sum(weights) / len(weights), weights
         for module in modules:
@@ -283,7 +286,7 @@ def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch
                 if node.op == "placeholder":
                     assert isinstance(node.meta.get("val"), torch.Tensor), node
             for out in next(iter(reversed(module.graph.nodes))).args[0] if module is not modules[-1] else ():
-                assert not piece_plan._is_view(out), out
+                assert not piece_places.is_view(out), out
         enter, exit_ = torch.ops.profiler._record_function_enter_new.default, piece_plan._RANGE_EXIT
         for module in modules:  # a range that spans cuts is closed in each piece and opened again in the next
             assert sum(n.target is enter for n in module.graph.nodes) == \
@@ -293,7 +296,7 @@ def test_fully_shard_is_cut_inside_flights_and_keeps_the_other_rules(monkeypatch
         assert opened.count("Optimizer.step#AdamW.step") >= 2  # the optimizer's range, cut through
         whole_inputs, cut_inputs = _clone(inputs), _clone(inputs)
         whole = list(gm(*whole_inputs))
-        cut = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
+        cut = piece_run.run_pieces(plan, [_boxed(m) for m in modules])(list(cut_inputs))
     for a, b in zip(whole + whole_inputs, cut + cut_inputs):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -371,7 +374,7 @@ def _compile_worker():
 @pytest.fixture
 def one_worker(_compile_worker, monkeypatch) -> list:
     """The running compile workers (one), ready."""
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)  # a small graph (36 computing nodes), cut in three
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 10)  # a small graph (36 computing nodes), cut in three
     (worker,) = workers = _compile_worker.running()
     assert worker.ready()  # started: it takes the first piece as the compile begins
     return workers
@@ -457,7 +460,7 @@ def test_pieces_are_taken_heaviest_first(monkeypatch):
     the piece that takes longest is never the one left for whoever comes free last."""
     from spmd.lower import piece_compile
 
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 10)
     monkeypatch.setattr(piece_compile, "weight", lambda gm: len(gm.graph.nodes))  # the cut is even: weigh apart
     taken = []
 
@@ -535,7 +538,7 @@ def test_a_worker_compiles_a_piece_that_launches_a_collective_and_one_that_waits
     from spmd.lower.opaque_ops import wrapped_ops
     from spmd.lower.piece_compile import _groups_of
 
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 20)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 20)
     (worker,) = one_worker
     with single_process_group():
         gm, inputs = _fully_shard_graph(monkeypatch)
@@ -556,7 +559,7 @@ def test_a_worker_compiles_a_piece_that_launches_a_collective_and_one_that_waits
                 runners[i] = load_kept(answer[0], torch.device("cpu"), f"step/{i}")
         expected_inputs, got_inputs = _clone(inputs), _clone(inputs)
         expected = list(gm(*expected_inputs))
-        got = list(piece_plan.run_pieces(plan, runners)(list(got_inputs)))
+        got = list(piece_run.run_pieces(plan, runners)(list(got_inputs)))
     for a, b in zip(expected + expected_inputs, got + got_inputs):
         assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
@@ -587,8 +590,9 @@ def _fully_shard_in_pieces(rank, world_size, cache_dir):
         made.append(cut(*args, **kwargs))
         return made[-1]
 
-    min_weight, piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT = piece_plan.MIN_PIECE_WEIGHT, kept, 40  # a tiny step cut in pieces
-    slack, piece_plan.FLIGHT_SLACK = piece_plan.FLIGHT_SLACK, -1.0  # the most even cut, in flight or not
+    # a tiny step cut in pieces
+    min_weight, piece_compile.cut, piece_places.MIN_PIECE_WEIGHT = piece_places.MIN_PIECE_WEIGHT, kept, 40
+    slack, piece_places.FLIGHT_SLACK = piece_places.FLIGHT_SLACK, -1.0  # the most even cut, in flight or not
     try:
         torch.manual_seed(0)  # rows that split evenly: both ranks trace one graph, and compile its kernels once
         model = GPT(dataclasses.replace(CFG, vocab_size=38)).double()
@@ -604,7 +608,7 @@ def _fully_shard_in_pieces(rank, world_size, cache_dir):
             assert (ours - theirs).abs().item() <= 1e-12, (ours, theirs)
         assert max_param_diff(model, ref) <= 1e-12
     finally:
-        piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT, piece_plan.FLIGHT_SLACK = cut, min_weight, slack
+        piece_compile.cut, piece_places.MIN_PIECE_WEIGHT, piece_places.FLIGHT_SLACK = cut, min_weight, slack
     import torch.distributed as dist
 
     cuts = [None] * world_size
@@ -646,7 +650,7 @@ def test_a_value_a_piece_reads_last_is_freed_while_that_piece_runs():
         freed_inside.append(read() is None)
         return [out]
 
-    (out,) = piece_plan.run_pieces(plan, [first, second, lambda args: [args.pop() * 3]])([torch.ones(4)])
+    (out,) = piece_run.run_pieces(plan, [first, second, lambda args: [args.pop() * 3]])([torch.ones(4)])
     assert torch.equal(out, torch.full((4,), 9.0))
     assert freed_inside == [True]
 
@@ -667,12 +671,12 @@ def test_a_piece_output_returned_without_its_kept_dimension_is_viewed_in_its_gra
         seen.append(tuple(args[0].shape))
         return [args[0] * 2]
 
-    run = piece_plan.run_pieces(plan, [first, second])
+    run = piece_run.run_pieces(plan, [first, second])
     for _ in range(2):  # learned on the first run, applied on every run
         (out,) = run([torch.ones(3, 4)])
         assert out.shape == (1, 4) and torch.equal(out, torch.full((1, 4), 6.0))
     assert seen == [(1, 4), (1, 4)]
-    wrong = piece_plan.run_pieces(plan, [lambda args: [args[0].sum()], second])
+    wrong = piece_run.run_pieces(plan, [lambda args: [args[0].sum()], second])
     with pytest.raises(RuntimeError, match=r"piece 0's output 0 .* came back with shape \(\) where its graph gives "
                                            r"\(1, 4\).*compile_pieces=1"):
         wrong([torch.ones(3, 4)])
@@ -695,7 +699,7 @@ def test_a_piece_output_returned_in_another_dtype_is_cast_to_its_graphs_before_a
         seen.append(args[0].dtype)
         return [args[0] + 1]
 
-    run = piece_plan.run_pieces(plan, [first, second])
+    run = piece_run.run_pieces(plan, [first, second])
     for _ in range(2):
         (out,) = run([torch.ones(4, dtype=torch.bfloat16)])
         assert out.dtype == torch.bfloat16 and torch.equal(out, torch.full((4,), 4.0, dtype=torch.bfloat16))
@@ -717,7 +721,7 @@ def test_a_piece_output_returned_in_another_dtype_is_cast_to_its_graphs_before_a
 def test_a_cut_records_the_shape_of_each_value_crossing_it(monkeypatch):
     """What the runner checks piece outputs against: the shape and dtype of each value crossing a cut, from its
     graph."""
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 5)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 5)
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2)).double()
     idx = torch.randint(0, 256, (2, 32))
@@ -765,7 +769,7 @@ def test_zero_state_is_released_until_the_first_piece_that_reads_it_and_made_aga
 
     pieces = [piece(0), piece(1), piece(2)]
     with unread_state.zero_until_read(inputs):
-        (out,) = piece_plan.run_pieces(plan, pieces)(list(inputs))
+        (out,) = piece_run.run_pieces(plan, pieces)(list(inputs))
     assert out.item() == 4 + 0 + 8 + 1 + 2
     full = [16, 32, 32, 32, 32]
     assert seen == [(0, [16, 0, 32, 32, 0]), (1, [16, 0, 32, 32, 0]), (2, [16, 32, 32, 32, 0])]
@@ -775,12 +779,12 @@ def test_zero_state_is_released_until_the_first_piece_that_reads_it_and_made_aga
     seen.clear()
     pieces[1] = piece(1, fail=True)
     with pytest.raises(RuntimeError, match="a piece failed"), unread_state.zero_until_read(inputs):
-        piece_plan.run_pieces(plan, pieces)(list(inputs))
+        piece_run.run_pieces(plan, pieces)(list(inputs))
     assert seen == [(0, [16, 0, 32, 32, 0]), (1, [16, 0, 32, 32, 0])]
     assert _storage_bytes(inputs) == full and torch.equal(zero_read_late, torch.zeros(8))
 
     seen.clear()  # outside a first call nothing is released
-    piece_plan.run_pieces(plan, [piece(0), piece(1), piece(2)])(list(inputs))
+    piece_run.run_pieces(plan, [piece(0), piece(1), piece(2)])(list(inputs))
     assert [bytes_ for _, bytes_ in seen] == [full] * 3
 
 
@@ -792,7 +796,7 @@ def test_a_first_call_in_pieces_reads_its_optimizers_zero_state_from_the_piece_t
     from spmd.lower.lowering import Lowering
 
     monkeypatch.setattr(worker_pool, "Worker", _StandInWorker)
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 10)
     monkeypatch.setattr(unread_state, "MIN_HELD_BYTES", 0)
     torch.manual_seed(0)
     model = MLP(layers=3, dim=16).double()
@@ -816,7 +820,7 @@ def test_a_first_call_in_pieces_reads_its_optimizers_zero_state_from_the_piece_t
                 return list(module(*args))
             return run
 
-        run = piece_plan.run_pieces(plan, [watched(m, p) for p, m in enumerate(modules)])
+        run = piece_run.run_pieces(plan, [watched(m, p) for p, m in enumerate(modules)])
         return (lambda *args: run(list(args))), None
 
     monkeypatch.setattr(Lowering, "lower_graph", lower_graph)
@@ -862,7 +866,7 @@ def test_no_cut_takes_the_step_over_its_peak_with_a_value_the_whole_graph_comput
     the GPU). The cut is taken beside the loss instead, and the pieces compute what the graph does."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 10)
     x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 4096, dtype=torch.bfloat16)
     gm = make_fx(_loss_between_two_chains, tracing_mode="fake")(x, w)
     body = [n for n in gm.graph.nodes if n.op == "call_function"]
@@ -872,11 +876,11 @@ def test_no_cut_takes_the_step_over_its_peak_with_a_value_the_whole_graph_comput
     last_read = max(body.index(u) for u in shifted.users)
     crosses_shifted = range(body.index(shifted), last_read)
 
-    (position,) = piece_plan._cut_positions(body, 2)
+    (position,) = piece_places.cut_positions(body, 2)
     assert position not in crosses_shifted, (position, crosses_shifted)
     with monkeypatch.context() as by_weight_alone:
-        by_weight_alone.setattr(piece_plan, "_over_the_peak", lambda body_, anchors: [False] * len(body_))
-        (balanced,) = piece_plan._cut_positions(body, 2)
+        by_weight_alone.setattr(piece_places, "over_the_peak", lambda body_, anchors: [False] * len(body_))
+        (balanced,) = piece_places.cut_positions(body, 2)
     assert balanced in crosses_shifted
 
     x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 4096, dtype=torch.bfloat16)
@@ -884,7 +888,7 @@ def test_no_cut_takes_the_step_over_its_peak_with_a_value_the_whole_graph_comput
     modules, _, plan = piece_plan.cut(gm, 2, [x, w])
     assert len(modules) == 2
     (whole,) = gm(x, w)
-    (pieces,) = piece_plan.run_pieces(plan, [_boxed(m) for m in modules])([x, w])
+    (pieces,) = piece_run.run_pieces(plan, [_boxed(m) for m in modules])([x, w])
     assert torch.equal(whole, pieces)
 
 
@@ -918,11 +922,11 @@ def test_the_log_names_what_crosses_each_cut_largest_first(monkeypatch, caplog):
 
     from spmd.lower import piece_report
 
-    monkeypatch.setattr(piece_plan, "MIN_PIECE_WEIGHT", 10)
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 10)
     x, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 4096, dtype=torch.bfloat16)
     gm = make_fx(_loss_between_two_chains)(x, w)
     with monkeypatch.context() as by_weight_alone:
-        by_weight_alone.setattr(piece_plan, "_over_the_peak", lambda body_, anchors: [False] * len(body_))
+        by_weight_alone.setattr(piece_places, "over_the_peak", lambda body_, anchors: [False] * len(body_))
         modules, specs, plan = piece_plan.cut(gm, 2, [x, w])
     (held,) = piece_report.crossings(modules, specs, plan)
     largest = held[0]

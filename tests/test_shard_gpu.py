@@ -98,7 +98,7 @@ def _bf16_parity(rank, world_size, style, lowering):
 @contextlib.contextmanager
 def _pieces_in_flight():
     """Step graphs cut into pieces however small they are; yields the (modules, plan) of each cut made."""
-    from spmd.lower import piece_compile, piece_plan
+    from spmd.lower import piece_compile, piece_places
 
     made, cut = [], piece_compile.cut
 
@@ -108,11 +108,11 @@ def _pieces_in_flight():
             made.append((result[0], result[2]))
         return result
 
-    min_weight, piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT = piece_plan.MIN_PIECE_WEIGHT, kept, 20
+    min_weight, piece_compile.cut, piece_places.MIN_PIECE_WEIGHT = piece_places.MIN_PIECE_WEIGHT, kept, 20
     try:
         yield made
     finally:
-        piece_compile.cut, piece_plan.MIN_PIECE_WEIGHT = cut, min_weight
+        piece_compile.cut, piece_places.MIN_PIECE_WEIGHT = cut, min_weight
 
 
 @pytest.mark.parametrize("lowering", ["graph", "inductor", "default", "budget"])
@@ -125,6 +125,6 @@ def test_fully_shard_cut_inside_flights_replays_as_a_cuda_graph_and_matches_fsdp
     """The default lowering (Inductor in pieces, CUDA graphs) with the step cut in pieces, a gather or reduce-scatter
     launched in one piece and waited in a later one, all captured in one CUDA graph: it matches FSDP2 as above. On
     two GPUs with torch 2.11 one rank's cut also falls between ``nll_loss_backward``, which Inductor returns in
-    float32, and the piece that reads it as bfloat16 (``spmd.lower.piece_plan.run_pieces`` casts it:
+    float32, and the piece that reads it as bfloat16 (``spmd.lower.piece_run.run_pieces`` casts it:
     BENCHMARKS.md, "Round 23")."""
     run_distributed(_bf16_parity, "fully_shard", "default_in_pieces", world_size=WORLD_SIZE, backend="nccl")

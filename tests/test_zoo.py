@@ -22,8 +22,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import spmd
+from spmd.graph_utils.nodes import tensor_bytes
 from spmd.graph_utils.recompute_ops import inductor_inlines
-from spmd.lower import piece_plan
+from spmd.lower import piece_places
 from spmd.tools import cli, zoo, zoo_profile, zoo_report, zoo_run
 from spmd.tools.zoo_models import ZOO, ZooModel
 from tests.dist import single_process_group
@@ -115,13 +116,13 @@ def _gpu_step_graph(model: str, monkeypatch) -> list:
 
 def _inlined_crossing(body: list, after: int) -> int:
     """Bytes of the values crossing a cut after ``body[after]`` that the whole graph never allocates: Inductor
-    computes them inside their readers' kernels, all near (``piece_plan.FUSED_REACH``)."""
+    computes them inside their readers' kernels, all near (``piece_places.FUSED_REACH``)."""
     index = {n: i for i, n in enumerate(body)}
     crossing = 0
     for made, node in enumerate(body[:after + 1]):
         last = max((index.get(u, len(body)) for u in node.users), default=made)
-        if inductor_inlines(node) and after < last <= made + piece_plan.FUSED_REACH:
-            crossing += piece_plan._bytes(node)
+        if inductor_inlines(node) and after < last <= made + piece_places.FUSED_REACH:
+            crossing += tensor_bytes(node)
     return crossing
 
 
@@ -130,15 +131,15 @@ def test_an_llms_full_size_step_is_cut_beside_its_loss_not_through_its_float32_s
     """Traced as on the GPU and balanced by weight alone, the full-size Llama's and Qwen2's steps are cut inside their
     losses, where float32 values over the vocabulary (Llama's logits less their maximum, 8192 x 32000: 1000 MiB)
     cross the cut: allocated there, though the whole graph computes them inside their readers' kernels, Llama's took
-    the GPU step's peak over reduce-overhead's (BENCHMARKS.md, "Round 56"). With ``piece_plan._over_the_peak`` the
+    the GPU step's peak over reduce-overhead's (BENCHMARKS.md, "Round 56"). With ``piece_places.over_the_peak`` the
     cut moves beside the loss: such values crossing a cut (attention's, tens of MiB, away from the peak) are a small
     part of that."""
     body = _gpu_step_graph(model, monkeypatch)
     with monkeypatch.context() as by_weight_alone:
-        by_weight_alone.setattr(piece_plan, "_over_the_peak", lambda body_, anchors: [False] * len(body_))
-        balanced = piece_plan._cut_positions(body, 8)
+        by_weight_alone.setattr(piece_places, "over_the_peak", lambda body_, anchors: [False] * len(body_))
+        balanced = piece_places.cut_positions(body, 8)
     assert max(_inlined_crossing(body, i) for i in balanced) >= 1000 << 20, "the graph no longer shows the case"
-    cuts = piece_plan._cut_positions(body, 8)
+    cuts = piece_places.cut_positions(body, 8)
     assert len(cuts) == 7
     assert max(_inlined_crossing(body, i) for i in cuts) < 256 << 20, [(body[i].name, _inlined_crossing(body, i))
                                                                       for i in cuts]

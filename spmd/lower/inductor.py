@@ -52,7 +52,8 @@ from .compile_graph import device_of, inner_compile, uses_fx_graph_cache
 from .inductor_code import KeptCode, code_of, load_kept
 from .opaque_ops import wrapped_ops
 from .rewrites import apply_inductor_decompositions, prepare_for_inductor
-from .piece_plan import as_their_graph_gives, cut_obstacle
+from .piece_plan import cut_obstacle
+from .piece_run import as_their_graph_gives
 from .piece_compile import compile_in_pieces
 from .worker_pool import Worker
 

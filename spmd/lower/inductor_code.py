@@ -37,7 +37,8 @@ from ..compile_times import phase
 from .autotune_choices import chosen_configs, loaded_namespace, pin_loaded
 from .graph_wire import op_named
 from .opaque_ops import opaque_inplace_op
-from .piece_plan import PiecePlan, run_pieces
+from .piece_plan import PiecePlan
+from .piece_run import run_pieces
 from .triton_kernels import emit as emit_triton_kernels
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,9 @@ from . import worker_pool
 from .compile_graph import compile_piece, device_of
 from .graph_wire import NotWireable, to_bytes
 from .inductor_code import InductorCode, PiecewiseCode, code_of, load_kept
-from .piece_plan import cut, run_pieces, weight
+from .piece_places import weight
+from .piece_plan import cut
+from .piece_run import run_pieces
 from .piece_report import log_crossings
 from .triton_kernels import collecting as collecting_triton_kernels
 
@@ -74,7 +76,7 @@ def compile_in_pieces(prepared: fx.GraphModule, example_inputs: Sequence, label:
     ops the graph calls through ``opaque_inplace_op``; ``workers``: the compile workers that take pieces beside
     this process (``spmd.lower.worker_pool``).
 
-    The pieces are shared out heaviest first (``piece_plan.weight``): each worker, once it has started, and
+    The pieces are shared out heaviest first (``piece_places.weight``): each worker, once it has started, and
     this process take the heaviest piece nobody has taken, until none is left; so a worker that starts late
     or runs slowly takes fewer, none waits on another, and the piece that takes longest is not left to
     whoever comes free last (fully_shard's backward piece is the heaviest by far, and this process, taking

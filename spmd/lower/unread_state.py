@@ -6,7 +6,7 @@ backward has freed the activations, so their first step's peak holds no optimize
 it from the forward's start through the backward, where the step peaks (BENCHMARKS.md, "Round 43").
 
 On the first call, ``zero_until_read`` names the state created that way; a step cut into pieces
-(``spmd.lower.piece_plan.run_pieces``) lets the storage of each such tensor go before its first piece and
+(``spmd.lower.piece_run.run_pieces``) lets the storage of each such tensor go before its first piece and
 makes it again, zeroed, right before the first piece that reads it (on one GPU the optimizer's pieces, after
 the backward). The tensors stay the same Python objects: only their storage is freed and made again, so the
 step's code, which reads a tensor's data where it is at each call, sees zeros, as it would have. Later calls
