@@ -91,10 +91,10 @@ class _Prepared(Exception):
         self.graph = graph
 
 
-def _gpu_step_graph(model: str, monkeypatch) -> list:
-    """The computing nodes of ``model``'s full-size step graph as spmd would cut it on a GPU, traced on the CPU:
-    bf16 autocast, a fused AdamW, the GPU's default transformation (the CPU's foreach AdamW adds some thousand
-    nodes to the end of the graph, and the cuts fall elsewhere)."""
+def _gpu_step_graph(model: str, device: str, monkeypatch) -> list:
+    """The computing nodes of ``model``'s full-size step graph as spmd would cut it on a GPU, traced on ``device``
+    (on the CPU as on the GPU: bf16 autocast, a fused AdamW, the GPU's default transformation; the CPU's foreach
+    AdamW adds some thousand nodes to the end of the graph, and the cuts fall elsewhere)."""
     from spmd.lower import inductor, lowering
     from spmd.step.transformation import default_transformation
 
@@ -105,9 +105,9 @@ def _gpu_step_graph(model: str, monkeypatch) -> list:
     monkeypatch.setattr(lowering.Lowering, "pieces_on", lambda self, device: 4)
     if ZOO[model].missing():
         pytest.skip(f"{model} {ZOO[model].missing()}")
-    s = zoo_run.Spec(ZOO[model], toy=False, device=torch.device("cpu"), dtype=torch.float32, autocast=True)
+    s = zoo_run.Spec(ZOO[model], toy=False, device=torch.device(device), dtype=torch.float32, autocast=True)
     module = s.model()
-    optim = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+    optim = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True, capturable=device == "cuda")
     step = spmd.compile(gm_transformation=default_transformation("cuda", enable_cudagraphs=False))(zoo_run.train_step)
     with pytest.raises(_Prepared) as stopped:
         step(module, optim, *s.batches()[0], s.autocast)
@@ -126,15 +126,18 @@ def _inlined_crossing(body: list, after: int) -> int:
     return crossing
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
-def test_an_llms_full_size_step_is_cut_beside_its_loss_not_through_its_float32_softmax(model, monkeypatch):
-    """Traced as on the GPU and balanced by weight alone, the full-size Llama's and Qwen2's steps are cut inside their
-    losses, where float32 values over the vocabulary (Llama's logits less their maximum, 8192 x 32000: 1000 MiB)
-    cross the cut: allocated there, though the whole graph computes them inside their readers' kernels, Llama's took
-    the GPU step's peak over reduce-overhead's (BENCHMARKS.md, "Round 56"). With ``piece_places.over_the_peak`` the
-    cut moves beside the loss: such values crossing a cut (attention's, tens of MiB, away from the peak) are a small
-    part of that."""
-    body = _gpu_step_graph(model, monkeypatch)
+@pytest.mark.parametrize("model, device", [
+    ("llama", "cpu"), ("qwen2", "cpu"),
+    pytest.param("llama", "cuda", marks=(pytest.mark.gpu,
+                                         pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")))])
+def test_an_llms_full_size_step_is_cut_beside_its_loss_not_through_its_float32_softmax(model, device, monkeypatch):
+    """Traced as on the GPU (on the GPU too, where Round 56 measured Llama's peak) and balanced by weight alone, the
+    full-size Llama's and Qwen2's steps are cut inside their losses, where float32 values over the vocabulary
+    (Llama's logits less their maximum, 8192 x 32000: 1000 MiB) cross the cut: allocated there, though the whole
+    graph computes them inside their readers' kernels, Llama's took the GPU step's peak over reduce-overhead's
+    (BENCHMARKS.md, "Round 56"). With ``piece_places.over_the_peak`` the cut moves beside the loss: such values
+    crossing a cut (attention's, tens of MiB, away from the peak) are a small part of that."""
+    body = _gpu_step_graph(model, device, monkeypatch)
     with monkeypatch.context() as by_weight_alone:
         by_weight_alone.setattr(piece_places, "over_the_peak", lambda body_, anchors: [False] * len(body_))
         balanced = piece_places.cut_positions(body, 8)
