@@ -3,7 +3,7 @@
 A value crossing a cut is allocated whole by the piece that makes it and held until the piece that reads it last
 (``spmd.lower.piece_plan``); the whole graph might have computed it inside the kernels that read it, or freed it
 sooner. Where a step's peak in pieces is above its peak compiled whole, what crosses its cuts is the first place to
-look: Llama's float32 softmax over its vocabulary, 1000 MiB, crossed a cut inside its loss (BENCHMARKS.md, "Round
+look: Llama's float32 softmax over its vocabulary crossed a cut inside its loss (BENCHMARKS.md, "Round
 56"). ``compile_in_pieces`` logs one line of it at INFO level (``spmd.lower.piece_report``), and ``spmd zoo`` keeps
 that line in its JSON.
 """
