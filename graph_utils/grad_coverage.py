@@ -12,7 +12,9 @@ Which parameters count:
   to an output or to a gradient collective) is unused: eager gives it no gradient either;
 * frozen parameters (not in ``trained``) are skipped;
 * (2) applies to parameters an optimizer holds (``optimized``); a trained parameter no
-  optimizer holds gets a gradient that nothing applies, in eager as here.
+  optimizer holds gets a gradient that nothing applies, in eager as here;
+* a step that reduces no gradient and writes no parameter (an evaluation step, forward
+  only) has nothing to check.
 
 "Depends on" follows list elements through fused and foreach optimizer ops (element
 ``i`` of their results depends on element ``i`` of their list arguments), so one
@@ -176,6 +178,8 @@ def gradient_gaps(graph: fx.Graph, trained: Iterable[int], optimized: Iterable[i
     read = _ancestors(sinks)
     roots = _read_roots(graph, params)
     optimized = set(optimized)
+    if not carriers and not any(_updates(graph, p) for p in params):
+        return []  # a forward-only step (an evaluation): eager computes no gradient and updates nothing either
     stops = set().union(*carriers.values())
     gaps = []
     for i in sorted(set(trained)):

@@ -27,6 +27,7 @@ from .step.iter_graph_module import IterGraphModule
 from .step.stages import Traced
 from .step.transformation import GraphModuleTransformation, default_transformation
 from .trace.block_masks import lift
+from .trace.scheduler_steps import SchedulerStep
 from .trace.step_outputs import rewrap
 
 __all__ = ["CompiledTrainStep", "compile", "default_transformation"]
@@ -104,6 +105,7 @@ class CompiledTrainStep:
 
     def __call__(self, *args, last_train_step: bool = False, **kwargs) -> Any:
         entry, flat, owned = self._calls.prepare_call(args, kwargs)
+        entry.grads.let_go(owned)  # gradients the step clears before reading them: freed now, as eager's zero_grad
         first_run = not entry.ran
         # the first run captures CUDA graphs (its time goes to this entry too), and the optimizer state its trace
         # created (zeros) takes memory only from the first piece reading it on (spmd.lower.unread_state)
@@ -118,8 +120,10 @@ class CompiledTrainStep:
         if first_run:
             check_outputs(self.gm_transformation, entry, len(out))
             entry.finished_run()
-        else:  # the trace made them for the first call (spmd.trace.side_effects)
-            for replay in entry.replays:
+        # the trace made them for the first call (spmd.trace.side_effects), but for an lr scheduler's step, which
+        # it did not run (spmd.trace.scheduler_steps)
+        for replay in entry.replays:
+            if not first_run or isinstance(replay, SchedulerStep):
                 replay()
         grads = entry.grads
         if grads:

@@ -155,20 +155,129 @@ def test_fast_path_sees_gradients_present_or_absent(caplog):
     assert accum_step.trace_count == 2
 
 
-def test_step_that_updates_and_keeps_gradients_says_how_to_accumulate():
-    model = MLP(layers=2, dim=8)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = [p.detach().clone() for p in model.parameters()]
+# --- a step that updates and leaves gradients, as eager's common idioms do ---------------------------------------
 
-    @spmd.compile(gm_transformation=spmd.GraphModuleTransformation())
-    def keeps_grads(model, optim, x):
-        model(x).sum().backward()
-        optim.step()
+def zero_first(model, optim, x):
+    """The tutorials' order: clear, forward, backward, step; the reduced gradients stay in ``.grad``."""
+    optim.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    optim.step()
+    return loss
 
-    with pytest.raises(SpmdCompileError, match="loop over the micro-batches inside one step"):
-        keeps_grads(model, optim, torch.randn(2, 8))
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert all(p.grad is None for p in model.parameters())
+
+def zeroed_in_place(model, optim, x):
+    """Older code's ``zero_grad(set_to_none=False)``: ``.grad`` stays, zeroed in place."""
+    loss = model(x).square().mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=False)
+    return loss
+
+
+def never_cleared(model, optim, x):
+    """No ``zero_grad`` at all: each call's gradients add to the last ones', as eager's do."""
+    loss = model(x).square().mean()
+    loss.backward()
+    optim.step()
+    return loss
+
+
+def zero_first_lm(model, optim, idx, targets):
+    optim.zero_grad()
+    loss = model(idx, targets)
+    loss.backward()
+    optim.step()
+    return loss
+
+
+LEAVING = {"zero_first": zero_first, "zeroed_in_place": zeroed_in_place, "never_cleared": never_cleared}
+
+
+def _leaving_vs_ddp(rank, world_size, name, passes):
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=16)
+    ddp = DDP(copy.deepcopy(model))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    step = LEAVING[name]
+    compiled = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"),
+                            gm_transformation=spmd.GraphModuleTransformation(enable_graph_optimization=passes))(step)
+    torch.manual_seed(rank)
+    worst = 0.0
+    for _ in range(4):
+        x = torch.randn(4, 16)
+        ours, theirs = compiled(model, optim, x), step(ddp, ddp_optim, x)
+        worst = max(worst, (ours - theirs.detach()).abs().item())
+        for p, q in zip(model.parameters(), ddp.module.parameters()):  # reduced, as DDP leaves them
+            assert (p.grad - q.grad).abs().max().item() <= TOL, name
+    params = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ddp.module.parameters()))
+    assert worst <= TOL and params <= TOL, f"{name}: loss diff {worst}, param diff {params}"
+    assert compiled.trace_count == 2  # without gradients on entry, then with them
+    if rank == 0:
+        print(f"{name}: max |loss diff| {worst:.3g}, max |param diff| {params:.3g}")
+
+
+@pytest.mark.parametrize("name,passes", [("zero_first", True), ("zeroed_in_place", False), ("never_cleared", True)])
+def test_a_step_that_updates_may_leave_its_reduced_gradients_as_ddp_does(name, passes):
+    run_distributed(_leaving_vs_ddp, name, passes)
+
+
+def _zero_first_vs_fsdp2(rank, world_size):
+    model = gpt(torch.float64)
+    ref = fsdp2_twin(model)
+    mode = spmd.DataParallel("fully_shard", wrap_policy=block_policy())
+    spmd.shard(model, mode)
+    optim, ref_optim = optimizer(model, "adamw"), optimizer(ref, "adamw")
+    step = spmd.compile(parallel_mode=mode)(zero_first_lm)
+    worst = 0.0
+    for idx, targets in batches(rank, 3):
+        ours, theirs = step(model, optim, idx, targets), zero_first_lm(ref, ref_optim, idx, targets)
+        worst = max(worst, (ours - theirs.detach()).abs().item())
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):  # sharded, as FSDP2 leaves them
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                assert p.grad.placements == q.grad.placements, name
+                assert (p.grad.to_local() - q.grad.to_local()).abs().max().item() <= TOL, name
+    params = max_param_diff(model, ref)
+    assert worst <= TOL and params <= TOL, f"loss diff {worst}, param diff {params}"
+
+
+def test_a_sharded_step_that_clears_first_leaves_sharded_gradients_as_fsdp2_does():
+    run_distributed(_zero_first_vs_fsdp2)
+
+
+def grad_norm_then_step(model, optim, x):
+    """Reads the gradients the last call left before clearing them: they stay graph inputs."""
+    last = sum((p.grad.square().sum() for p in model.parameters() if p.grad is not None), x.new_zeros(()))
+    return zero_first(model, optim, x), last
+
+
+@pytest.mark.parametrize("step", [zero_first, grad_norm_then_step], ids=["clears-first", "reads-then-clears"])
+def test_gradients_a_step_clears_before_reading_are_let_go_of_not_taken(step):
+    """One process, against eager: the gradients a step clears before it reads them are no graph inputs
+    (held through the run, they would add a model's gradients to its peak) and are dropped before the run."""
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=8).double()
+    ref = copy.deepcopy(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    compiled = spmd.compile(gm_transformation=spmd.GraphModuleTransformation())(step)
+    for _ in range(4):
+        x = torch.randn(2, 8, dtype=torch.float64)
+        ours, theirs = compiled(model, optim, x), step(ref, ref_optim, x)
+        for a, b in zip(torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(theirs)):
+            assert (a - b.detach()).abs().item() <= TOL
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (p - q).abs().max().item() <= TOL and (p.grad - q.grad).abs().max().item() <= TOL
+    with_grads = [entry.grads for entry in compiled.cache.values() if entry.grads.inputs or entry.grads.cleared]
+    assert len(with_grads) == 1 and compiled.trace_count == 2
+    n = len(list(model.parameters()))
+    if step is zero_first:
+        assert with_grads[0].inputs == () and with_grads[0].cleared == tuple(range(n))
+    else:
+        assert with_grads[0].inputs == tuple(range(n)) and with_grads[0].cleared == ()
 
 
 def test_sparse_gradient_on_entry_is_refused():
@@ -213,3 +322,34 @@ def _replicate_on_gpus(rank, world_size):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_replicate_accumulation_on_gpus_matches_ddp_no_sync():
     run_distributed(_replicate_on_gpus, world_size=min(2, torch.cuda.device_count()), backend="nccl")
+
+
+def _zero_first_on_gpus(rank, world_size):
+    """The default CUDA lowering with the tutorials' order: the gradients left are the user's, not the CUDA
+    graph's memory, so the next replay leaves the ones a caller kept as they were."""
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    model = MLP(layers=3, dim=64).to(device)
+    ddp = DDP(copy.deepcopy(model), device_ids=[rank])
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    ddp_optim = torch.optim.AdamW(ddp.parameters(), lr=0.01, fused=True)
+    step = spmd.compile(parallel_mode=spmd.DataParallel("replicate", grad_reduce="avg"), cache_dir=False)(zero_first)
+    torch.manual_seed(rank)
+    kept = None
+    for _ in range(5):
+        x = torch.randn(16, 64, device=device)
+        ours, theirs = step(model, optim, x), zero_first(ddp, ddp_optim, x)
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-4, atol=1e-5)
+        if kept is not None:
+            for held, copied in kept:
+                assert torch.equal(held, copied)
+        kept = [(p.grad, p.grad.clone()) for p in model.parameters()]
+        for p, q in zip(model.parameters(), ddp.module.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert step.trace_count == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gradients_left_under_cuda_graphs_outlive_the_next_replay():
+    run_distributed(_zero_first_on_gpus, world_size=min(2, torch.cuda.device_count()), backend="nccl")

@@ -65,6 +65,59 @@ def test_untraceable_step_names_cause_and_fix_and_touches_nothing(step, match, f
     _assert_unchanged(model, optim, snap)
 
 
+class _PackedLSTM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(4, 8, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        _, (h, _) = self.lstm(packed)  # torch sizes its buffers by the packed batch sizes, a tensor here
+        return h[-1]
+
+
+def test_a_tensor_passed_where_torch_needs_a_number_is_refused_naming_the_line():
+    torch.manual_seed(0)
+    model = _PackedLSTM()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    snap = _snapshot(model, optim)
+
+    def step(model, optim, x, lengths):
+        loss = model(x, lengths).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    with pytest.raises(SpmdCompileError, match=r"passes a tensor where torch needs a Python number.*test_clear_errors"
+                                               r".py:\d+ \(`_, \(h, _\) = self.lstm.*Keep shapes fixed"):
+        spmd.compile()(step)(model, optim, torch.randn(3, 5, 4), torch.tensor([5, 4, 2]))
+    _assert_unchanged(model, optim, snap)
+
+
+def test_an_embedding_with_sparse_gradients_is_refused_naming_it():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8, sparse=True), torch.nn.Linear(8, 11))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    snap = _snapshot(model, optim)
+    with pytest.raises(SpmdCompileError, match=r"embeddings \['0'\] make sparse gradients.*sparse=False"):
+        spmd.compile()(train_step)(model, optim, torch.randint(0, 11, (4, 5)))
+    _assert_unchanged(model, optim, snap)
+
+
+def test_torch_code_that_reads_a_tensors_value_is_named_with_the_line_that_called_it():
+    """A cumulative-average BatchNorm (momentum=None) reads its batch count as a float inside torch's forward: the
+    error names torch's line and the user's, and a fix, not only the user's line."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, momentum=None))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    snap = _snapshot(model, optim)
+    with pytest.raises(SpmdCompileError, match=r"calls torch code that reads the value of a tensor: \S*batchnorm"
+                                               r".py:\d+ \(in forward\), called at \S*parity.py:\d+.*float momentum"):
+        spmd.compile()(train_step)(model, optim, torch.randn(8, 4))
+    _assert_unchanged(model, optim, snap)
+
+
 def test_a_translator_that_fails_leaves_torchs_error_as_it_was(monkeypatch, caplog):
     """Explaining an error must never raise one of its own (torch 2.11 lacked a class the device-mismatch
     translation imported): the user gets torch's error, and the log says why it was not translated."""

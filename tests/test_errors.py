@@ -69,16 +69,10 @@ def _unsupported(model, optim, x):
     optim.zero_grad()
 
 
-def _no_zero_grad(model, optim, x):
-    model(x).sum().backward()
-    optim.step()
-
-
 CASES = {
     "data-dependent branch": (_branchy, "branches on or reads the value of a tensor"),
     "item()": (_item, "branches on or reads the value of a tensor"),
     "op without fake kernel": (_unsupported, "no shape"),
-    "gradients left behind": (_no_zero_grad, "zero_grad"),
 }
 
 

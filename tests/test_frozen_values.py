@@ -191,6 +191,46 @@ def test_a_number_drawn_from_a_numpy_generator_the_step_reaches_is_refused_namin
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+class _Trainer:
+    """A user's object holding a numpy generator, passed to the step."""
+
+    def __init__(self):
+        self.rng = np.random.default_rng(0)
+
+
+def _noisy_step(model, optim, x, source):
+    rng = source.rng if isinstance(source, _Trainer) else source
+    loss = model(x).square().mean() * float(rng.uniform(0.5, 1.5))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _fresh_generator_step(model, optim, x, source):
+    loss = model(x).square().mean() * float(np.random.default_rng().uniform(0.5, 1.5))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("step_fn, source, named", [
+    (_noisy_step, lambda: np.random.default_rng(0), "a Generator among the step's arguments"),
+    (_noisy_step, _Trainer, r"_Trainer.rng \(an object the step reaches\)"),
+    (_fresh_generator_step, lambda: None, r"calls numpy.random.default_rng\(\) without a seed"),
+], ids=["argument", "attribute-of-an-argument", "made-unseeded-in-the-step"])
+def test_a_numpy_generator_passed_in_or_made_unseeded_in_the_step_is_refused(step_fn, source, named):
+    """Eager draws new numbers on every call from each of these; the trace would have frozen the first ones."""
+    model, optim = _model_and_optim()
+    before = copy.deepcopy(model.state_dict())
+    step = spmd.compile()(step_fn)
+    with pytest.raises(spmd.SpmdCompileError, match=named):
+        step(model, optim, torch.randn(4, 12, dtype=F64), source())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert np.random.default_rng(3).integers(10) == np.random.Generator(np.random.PCG64(3)).integers(10)
+
+
 def test_item_used_as_a_number_is_refused_naming_the_line():
     model, optim = _model_and_optim()
 
@@ -223,6 +263,42 @@ def test_torch_rng_in_the_step_draws_anew_on_every_call_like_eager():
     torch.manual_seed(1)
     losses = [step(model, optim, x) for _ in range(3)]
     assert len({round(v.item(), 12) for v in losses}) == 3
+    assert all((a - b).abs().item() <= TOL for a, b in zip(losses, expected)), (losses, expected)
+    _assert_same_params(model, ref)
+
+
+class _DropoutOfALayout(nn.Module):
+    """A dropout of an activation laid out unlike its shape: transposed (as nn.TransformerEncoderLayer's after
+    attention) or channels-last."""
+
+    def __init__(self, layout: str):
+        super().__init__()
+        self.layout = layout
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):  # x: (6, 4, 8)
+        h = self.proj(x.transpose(0, 1)).transpose(0, 1)  # (6, 4, 8), strides of (4, 6, 8)
+        if self.layout == "channels-last":
+            h = h.contiguous().view(6, 4, 2, 4).contiguous(memory_format=torch.channels_last)
+        return nn.functional.dropout(h, 0.3, self.training).reshape(6, -1).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels-last"])
+def test_a_dropout_of_an_activation_laid_out_unlike_its_shape_draws_eagers_mask(layout):
+    """The functional draw a traced step holds fills a contiguous mask; eager fills one laid out as the activation
+    (``spmd.trace.mask_layouts``): from the same seed, the same mask in the same places, in the layout the trace
+    recorded (the transposed case's backward views the masked gradient, which failed in another layout)."""
+    torch.manual_seed(0)
+    model = _DropoutOfALayout(layout).to(F64)
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+    body = _step_doing(lambda loss: loss)
+    step = spmd.compile(gm_transformation=spmd.GraphModuleTransformation())(body)
+    x = torch.randn(6, 4, 8, dtype=F64)
+    torch.manual_seed(1)
+    expected = [body(ref, ref_optim, x).detach() for _ in range(3)]
+    torch.manual_seed(1)
+    losses = [step(model, optim, x) for _ in range(3)]
     assert all((a - b).abs().item() <= TOL for a, b in zip(losses, expected)), (losses, expected)
     _assert_same_params(model, ref)
 

@@ -450,3 +450,25 @@ def test_a_restarted_job_takes_the_kept_verdict_where_what_it_assumed_holds(tmp_
     fresh_process()  # other code (a new torch or spmd): probed again
     assert [check(o, code="torch x, spmd z") for o in optims] == first
     assert probes[5:] == ["AdamW", "LBFGS", "_PlainSGD"]
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.1])
+def test_sgd_momentum_reset_to_none_between_steps_starts_anew_as_in_eager(dampening):
+    """``state["momentum_buffer"] = None`` is eager SGD's "no buffer yet": its next step starts the buffer from
+    the gradient (undamped), as the compiled step's first does."""
+    step = square_mean_step
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).double()
+    ref = copy.deepcopy(model)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=dampening) for m in (model, ref)]
+    compiled = spmd.compile(gm_transformation=spmd.GraphModuleTransformation())(step)
+    for i in range(6):
+        if i == 3:
+            for optim in optims:
+                for state in optim.state.values():
+                    state["momentum_buffer"] = None
+        x = torch.randn(8, 4, dtype=torch.float64)
+        assert (compiled(model, optims[0], x) - step(ref, optims[1], x)).abs().item() <= 1e-12
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert (optims[0].state[p]["momentum_buffer"] - optims[1].state[q]["momentum_buffer"]).abs().max() <= 1e-12
+    assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) <= 1e-12

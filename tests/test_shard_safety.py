@@ -16,6 +16,7 @@ gradient never reduced or a reduced gradient never applied once the graph is bro
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -87,6 +88,29 @@ def _checkpointing(rank, world_size):
 
 def test_activation_checkpointing_reentrant_or_not_matches_fsdp2():
     run_distributed(_checkpointing)
+
+
+def evaluation(model, idx, targets):
+    """A forward-only step: no gradient, no optimizer, nothing to check for training."""
+    with torch.no_grad():
+        return model(idx, targets)
+
+
+def _evaluation_on_two_ranks(rank, world_size):
+    for style in ("replicate", "fully_shard"):
+        model = gpt(torch.float64)
+        ref = fsdp2_twin(model) if style == "fully_shard" else copy.deepcopy(model)
+        mode = spmd.DataParallel(style, **({"wrap_policy": block_policy()} if style != "replicate" else {}))
+        if mode.is_sharded:
+            spmd.shard(model, mode)
+        step = spmd.compile(parallel_mode=mode)(evaluation)
+        for idx, targets in batches(rank, 2):
+            assert (step(model, idx, targets) - evaluation(ref, idx, targets)).abs().item() <= TOL, style
+
+
+def test_an_evaluation_step_runs_on_several_ranks_in_every_mode():
+    """Trained parameters that a forward-only step reads get no gradient to reduce, as in eager: not refused."""
+    run_distributed(_evaluation_on_two_ranks)
 
 
 @pytest.fixture(scope="module")

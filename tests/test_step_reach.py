@@ -373,7 +373,8 @@ def test_the_global_names_a_code_reads_are_the_ones_dis_lists():
         return tuple(sorted({i.argval for c in nested_codes(code) for i in dis.get_instructions(c)
                              if i.opname in GLOBAL_LOADS}))
 
-    codes = [f.__code__ for f in gc.get_objects() if isinstance(f, types.FunctionType)
+    # type(), not isinstance(): the latter asks a dead weakref.proxy among gc's objects for its class, and raises
+    codes = [f.__code__ for f in gc.get_objects() if type(f) is types.FunctionType
              and (f.__module__ or "").startswith(("torch.nn.modules", "torch.optim", "spmd.trace", "spmd.step"))]
     body = compile("\n".join(f"v{i} = g{i}(w)" for i in range(300)), "<module body>", "exec")
     assert len(codes) > 500

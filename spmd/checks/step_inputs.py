@@ -37,6 +37,18 @@ def check_materialized(modules: list[nn.Module]) -> None:
         )
 
 
+def check_dense_gradients(modules: list[nn.Module]) -> None:
+    """Refuse embeddings that make sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``'s too):
+    a step graph holds dense tensors, and its gradient collectives and fused optimizers take dense ones."""
+    sparse = [name for mod in modules for name, m in mod.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        raise SpmdCompileError(
+            f"spmd.compile: the embeddings {sparse[:3]}{'...' if len(sparse) > 3 else ''} make sparse gradients "
+            "(sparse=True), which a compiled step, whose gradients, collectives and optimizer updates are dense "
+            "tensors, cannot hold. Build them with sparse=False (the default).")
+
+
 def mesh_device_mismatches(modules: list[nn.Module]) -> list[str]:
     """The sharded parameters whose data is on another device type than their DeviceMesh (``name (data on
     cuda, mesh on cpu)``): their collectives would run over the mesh's backend on the wrong device."""

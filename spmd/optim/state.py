@@ -31,8 +31,10 @@ class CreatedState:
     """What ``ensure_optimizer_state`` added to ``optim.state``, to run its first step exactly or to undo it."""
 
     optim: torch.optim.Optimizer
-    before: dict  # param -> the state keys it had before
+    before: dict  # param -> the state keys it had before, holding a value (not None)
     first_step: dict[tuple[int, str], float] = field(default_factory=dict)  # (group, key) -> value for step 1
+    # param -> the keys that held None (SGD's ``momentum_buffer = None``, a reset eager's next step starts anew)
+    was_none: dict = field(default_factory=dict)
 
     def created_tensors(self) -> list[torch.Tensor]:
         """The state tensors it created (zeros where the optimizer's own first step makes zeros)."""
@@ -46,7 +48,10 @@ class CreatedState:
                 del self.optim.state[p]
             else:
                 for key in set(self.optim.state[p]) - self.before[p]:
-                    del self.optim.state[p][key]
+                    if key in self.was_none.get(p, ()):
+                        self.optim.state[p][key] = None
+                    else:
+                        del self.optim.state[p][key]
 
 
 def _trained(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -139,7 +144,8 @@ def ensure_optimizer_state(optim: torch.optim.Optimizer) -> CreatedState | None:
         missing = not all(optim.state.get(p) for p in params)
     if not missing:
         return None
-    created = CreatedState(optim, {p: set(st) for p, st in optim.state.items()})
+    created = CreatedState(optim, {p: {k for k, v in st.items() if v is not None} for p, st in optim.state.items()},
+                           was_none={p: {k for k, v in st.items() if v is None} for p, st in optim.state.items()})
     try:
         if _list_only_init(optim):
             _with_zero_grads(params, lambda: _init_groups(optim))

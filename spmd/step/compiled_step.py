@@ -40,7 +40,8 @@ class CompiledStep:
     dtensors: dict = field(default_factory=dict)  # output position -> DTensor spec (spmd.trace.step_outputs)
     live: dict = field(default_factory=dict)  # output position -> the state's tensor it returns (step_outputs)
     cache_digest: Optional[str] = None  # its key in the compile cache (``spmd.step.cache_key``), where it has one
-    replays: list = field(default_factory=list)  # Python side effects run after each call but the first (side_effects)
+    # Python side effects run after each call but the first (side_effects); an lr scheduler's step after every call
+    replays: list = field(default_factory=list)
     watch: Optional[ValueWatch] = None  # the Python values its trace read (``spmd.step.value_watch``)
     lowered: bool = False  # ``Transformed.lower`` made it: calls only run ``runner``
     ran: bool = False  # a call ran it to the end (``first_step`` is then used up)

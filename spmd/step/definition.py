@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..checks.optimizer_probe import check_optimizers
-from ..checks.step_inputs import check_materialized, check_mesh_devices, check_optimizers_follow_modules
+from ..checks.step_inputs import (check_dense_gradients, check_materialized, check_mesh_devices,
+                                  check_optimizers_follow_modules)
 from ..compile_options import CompileOptions
 from ..compile_times import phase, recording
 from ..graph_utils import DumpOptions, recording_stages
@@ -134,6 +135,7 @@ class StepDefinition:
         modules, optimizers = find_modules_and_optimizers(found)
         self._apply_overrides(modules)
         check_materialized(modules)
+        check_dense_gradients(modules)
         check_mesh_devices(modules)
         check_optimizers_follow_modules(modules, optimizers)
         scalers = step_scalers(found.scalers)

@@ -50,6 +50,7 @@ _BUDGET = 50_000  # places watched for one step; beyond, deeper values are left 
 # a module's entries the signature or the state check already follow
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "training"})
 _STEP_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")  # a module's
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")  # a parameter's (``p.register_hook(...)``)
 _MODULE_MACHINERY = nn.Module.__call__.__code__.co_filename  # torch/nn/modules/module.py: hooks, not values
 
 
@@ -57,6 +58,12 @@ def _global_hooks() -> list[tuple[str, str]]:
     """torch's process-wide module hooks (``register_module_forward_hook``, ...): their names in
     ``torch.nn.modules.module`` and in words."""
     return [(f"_global{key}", f"torch's global{key.replace('_', ' ')}") for key in _STEP_HOOKS]
+
+
+def _hook_ids(owner: Any, key: str) -> list:
+    """The ids of the hooks in ``owner``'s hook dict ``key`` (none where it has no such dict, or None)."""
+    hooks = vars(owner).get(key) if isinstance(owner, (nn.Module, types.ModuleType)) else getattr(owner, key, None)
+    return list(hooks or ())
 
 
 def _hook_serial() -> int:
@@ -286,10 +293,14 @@ class ValueWatch:
             hooks = vars(m).get(key)
             if isinstance(hooks, dict):
                 self._hook_dict(m, key, f"{where}.{key}")
+        for name, p in m.named_parameters(recurse=False):
+            for key in _TENSOR_HOOKS:  # None until a hook is registered: watched as empty
+                self._hook_dict(p, key, f"{where}.{name}.{key}")
 
     def _hook_dict(self, owner: Any, key: str, where: str) -> None:
-        """Watch the hooks in ``owner.__dict__[key]`` by their handles' ids (new ones get new ids)."""
-        ids = list(vars(owner)[key])
+        """Watch the hooks in ``owner.key`` (a module's or torch's hook dict, a tensor's, which is None while it
+        has none) by their handles' ids (new ones get new ids)."""
+        ids = _hook_ids(owner, key)
         (self._hooks if ids else self._empty_hooks).append((weakref.ref(owner, self._mark_dirty), key, ids, where))
 
     def _function(self, fn: Any, where: str) -> None:
@@ -370,7 +381,7 @@ class ValueWatch:
         registered = _hook_serial() != self._hook_serial or self._dirty  # a hook registered somewhere since
         for ref, key, ids, where in (*self._hooks, *(self._empty_hooks if registered else ())):
             owner = ref()
-            if owner is not None and list(vars(owner).get(key, ())) != ids:
+            if owner is not None and _hook_ids(owner, key) != ids:
                 return f"the hooks in {where} changed"
         self._hook_serial = _hook_serial()
         self._dirty = False

@@ -24,6 +24,7 @@ gradients present traces again, later ones reuse that graph.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -31,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import SpmdCompileError
+from ..graph_utils.meta import ROLE, Role
 
 LEAVES_GRADS = "spmd_leaves_grads"  # gm.meta key: the step leaves gradients (no optimizer step, no_sync)
 
@@ -47,13 +49,19 @@ class GradPlan:
     user's tensors). ``outputs``: parameter indices whose new ``.grad`` the graph returns (after
     the user's outputs), with ``specs`` (the DTensor spec of each, or None). ``kept``: parameters
     whose entry gradient is updated in place (or untouched) and stays. Every other parameter
-    that held a gradient has none after the run.
+    that held a gradient has none after the run. ``no_sync``: the graph leaves gradients and
+    calls no optimizer step, so they stay this rank's own until the call that updates.
+    ``cleared``: parameters holding a gradient on entry that the graph never reads (the step
+    clears it first, ``optim.zero_grad()`` before the backward): not graph inputs, let go of
+    before the run (``let_go``), as eager's ``zero_grad`` frees them before the forward.
     """
 
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     specs: list = field(default_factory=list)
     kept: frozenset = frozenset()
+    no_sync: bool = False
+    cleared: tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.inputs or self.outputs)
@@ -62,6 +70,11 @@ class GradPlan:
         """The graph's gradient inputs: the local tensors of ``params``' gradients, in ``inputs`` order."""
         return [_local(params[i].grad) for i in self.inputs]
 
+    def let_go(self, params: list[torch.Tensor]) -> None:
+        """Drop the gradients on entry that the step clears before reading (``cleared``)."""
+        for i in self.cleared:
+            params[i].grad = None
+
     def leave(self, params: list[torch.Tensor], outs: list) -> None:
         """Put the gradients the run left (``outs``: the graph's gradient outputs) into ``params``."""
         for i in self.inputs:
@@ -69,6 +82,22 @@ class GradPlan:
                 params[i].grad = None
         for i, out, spec in zip(self.outputs, outs, self.specs):
             params[i].grad = out if spec is None else DTensor(out, spec, requires_grad=False)
+
+
+def drop_unread_entry_grads(gm: torch.fx.GraphModule, plan: GradPlan) -> GradPlan:
+    """``plan`` without the gradients on entry that ``gm`` never reads, their placeholders removed from ``gm``
+    (its ``Role.GRAD`` placeholders, in ``plan.inputs`` order). Held through the run, they would add a whole
+    model's gradients to the step's peak where eager's ``zero_grad`` has freed them; one the step leaves
+    untouched (``kept``) stays on its parameter, the others are let go of before the run (``cleared``)."""
+    placeholders = [n for n in gm.graph.find_nodes(op="placeholder") if n.meta.get(ROLE) is Role.GRAD]
+    unread = [i for i, node in zip(plan.inputs, placeholders) if not node.users]
+    if not unread:
+        return plan
+    for i, node in zip(plan.inputs, placeholders):
+        if not node.users:
+            gm.graph.erase_node(node)
+    return dataclasses.replace(plan, inputs=tuple(i for i in plan.inputs if i not in unread),
+                               cleared=tuple(i for i in unread if i not in plan.kept))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -94,23 +123,20 @@ def grads_signature(names: list[str], params: list[torch.Tensor]) -> dict[str, t
             for i in range(len(params)) if params[i].grad is not None}
 
 
-def plan_left_grads(names: list[str], entry: dict[int, torch.Tensor], params: list[torch.Tensor],
+def plan_left_grads(entry: dict[int, torch.Tensor], params: list[torch.Tensor],
                     stepped: bool) -> tuple[GradPlan, list[torch.Tensor]]:
     """After the traced step: the ``GradPlan`` and the traced gradients it returns.
 
     ``entry``: parameter index -> the traced gradient it held on entry. ``stepped``: the step
-    called an optimizer's ``step()``; such a step must clear every gradient (``zero_grad``).
+    called an optimizer's ``step()``. The gradients a step that updates leaves (it clears them
+    first, ``optim.zero_grad(); loss.backward(); optim.step()``, or zeroes them in place,
+    ``zero_grad(set_to_none=False)``) are reduced ones, as DDP and FSDP2 leave theirs.
     """
     left = [i for i, p in enumerate(params) if p.grad is not None and p.grad is not entry.get(i)]
     kept = frozenset(i for i, g in entry.items() if params[i].grad is g)
-    if stepped and (left or kept):
-        still = [names[i] for i in sorted({*left, *kept})]
-        raise SpmdCompileError(
-            "spmd.compile: after train_step returns, these parameters still hold gradients: "
-            f"{still[:5]}{'...' if len(still) > 5 else ''}, although it called optimizer.step(). Call "
-            "optim.zero_grad() (set_to_none=True, the default) at the end of train_step. " + LOOP_INSIDE)
     grads = [params[i].grad for i in left]
-    plan = GradPlan(tuple(entry), tuple(left), [g._spec if isinstance(g, DTensor) else None for g in grads], kept)
+    plan = GradPlan(tuple(entry), tuple(left), [g._spec if isinstance(g, DTensor) else None for g in grads], kept,
+                    no_sync=bool(left) and not stepped)
     return plan, [_local(g) for g in grads]
 
 

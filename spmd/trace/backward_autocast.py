@@ -85,6 +85,18 @@ def _fixed_state(value: Any) -> AutocastState:
     return tuple(state[d] for d in devices)
 
 
+def _grad_fn(value: Any) -> Any:
+    """``value``'s autograd node, or None: not a tensor, made without one, or a view made under ``no_grad``
+    whose base was edited in place (``emb.weight[0].zero_()`` after the optimizer step), whose node autograd
+    refuses to make when asked, although eager, never asking, runs such an edit. No backward runs through it."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.grad_fn
+    except RuntimeError:
+        return None
+
+
 class _NotingAutocast(TorchFunctionMode):
     """Notes, for each autograd node made under it, the autocast state it was made in, and hooks the node so
     that its backward runs in ``fixed`` (when given) or in that state."""
@@ -107,7 +119,7 @@ class _NotingAutocast(TorchFunctionMode):
         return out
 
     def _note(self, values: list) -> None:
-        frontier = [v.grad_fn for v in values if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+        frontier = [node for node in map(_grad_fn, values) if node is not None]
         if not frontier:
             return
         state = None

@@ -52,12 +52,16 @@ from ..errors import SpmdCompileError
 from ..optim.amp_scaler import SCALER_TENSORS, traced_scalers
 from ..optim.hyperparams import HyperMode, LearnedFacts, TracedHyper, hyper_items, traced_capturable
 from ..optim.meta_kernels import register_missing_fused_optimizer_metas
-from .accumulation import LEAVES_GRADS, GradPlan, grads_on_entry, mark_entry_grad, plan_left_grads
+from .accumulation import (LEAVES_GRADS, GradPlan, drop_unread_entry_grads, grads_on_entry, mark_entry_grad,
+                           plan_left_grads)
 from .direct_functionalize import functionalize_writes
-from .host_reads import checking_host_reads, user_frame_of, value_read_error
+from .host_reads import checking_host_reads, torch_reader_of, user_frame_of, value_read_error
+from .mask_layouts import draw_in_memory_order
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
+from .scheduler_steps import recording_scheduler_steps
 from .backward_autocast import backward_autocast
 from .block_masks import as_block_masks, holding_traced
+from .checkpoint_rng import replaying_restored_draws
 from .code_reads import CodeReads
 from .dist_nn import traceable_collectives
 from .grouped_mm import traceable_grouped_mm
@@ -180,7 +184,8 @@ def _translate_trace_error(err: Exception) -> SpmdCompileError | None:
 
     text = str(err)
     if isinstance(err, DataDependentOutputException) or "data-dependent" in text.lower() or "_local_scalar_dense" in text:
-        return value_read_error(user_frame_of(err.__traceback__), getattr(err, "func", None))
+        user = user_frame_of(err.__traceback__)
+        return value_read_error(user, getattr(err, "func", None), torch_reader_of(err.__traceback__, user))
     no_kernel = ("no fake impl or Meta kernel", "attempted to run this operator with Meta", "no fake impl registered")
     if isinstance(err, UnsupportedOperatorException) or any(t in text for t in no_kernel):
         op = getattr(err, "func", None) or (text.split("for <CustomOpDef(", 1)[1].split(")", 1)[0]
@@ -338,6 +343,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     def whole_step(params, buffers, state_tensors, hypers, inputs, grads):
         params_in, buffers_in, state_in = params, buffers, state_tensors
         params = state.as_dtensors(params, state.param_specs, state.param_trained)
+        _copy_tensor_hooks(state.params, params)
         grads = state.as_dtensors(grads, [_grad_spec(state.params[i]) for i in grads_in])
         stepped.clear()
         entry = {i: mark_entry_grad(g) for i, g in zip(grads_in, grads)}
@@ -369,11 +375,12 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             scaler_tensors = state_tensors[n_state - len(SCALER_TENSORS) * len(state.scalers):]  # they come last
             stack.enter_context(traced_scalers(state.scalers, scaler_tensors, found_inf_group))
             stack.enter_context(backward_autocast())  # each op's backward under its forward's, as torch.compile's
+            stack.enter_context(replaying_restored_draws())  # a checkpoint's recompute reuses its forward's draws
             out = fn(*call_args, **call_kwargs)
             refuse_rebound({name: traced[i] for (name, _, _), (_, i) in zip(state.held, state.held_slots)},
                            reach(fn, args, kwargs))
             _check_state_updated_in_place(state, before, states)
-            plan, left = plan_left_grads(state.param_names, entry, params, bool(stepped))
+            plan, left = plan_left_grads(entry, params, bool(stepped))
         # leaving the modules' reparametrization wrote what each name holds now back into its mapping
         _write_back_rebound_buffers(state, buffers, rebound)
         flat_out, out_spec = pytree.tree_flatten(out)
@@ -407,14 +414,16 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
     first_hyper = n_params + n_buffers + n_state
     try:
         # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back;
-        # a number drawn or read at trace would be frozen (host_reads); Python effects replay (side_effects)
-        with untouched(reachable_objects(fn, args, kwargs, state.modules, state.optimizers)), \
-                watching_containers(fn, state.modules), checking_host_reads(fn, state.modules) as value_reads:
+        # a number drawn or read at trace would be frozen (host_reads); Python effects replay (side_effects), an
+        # lr scheduler's step after each call (scheduler_steps)
+        objects = reachable_objects(fn, args, kwargs, state.modules, state.optimizers)
+        with untouched(objects), watching_containers(fn, state.modules), \
+                checking_host_reads(fn, state.modules, [*pytree.tree_leaves((args, kwargs)), *objects]) as value_reads:
             for traces in range(1, len(hyper_values) + 2):
                 value_reads.clear()
                 with _compiling_flag(), run_originals(fn, state.modules), traceable_collectives(), \
                         traceable_grouped_mm(), phase("trace/autograd"), lazy_graph_modules(), \
-                        recording_side_effects(state.modules) as replays:
+                        recording_side_effects(state.modules) as replays, recording_scheduler_steps(replays):
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
@@ -444,6 +453,22 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             (out_holder["dtensors"], out_holder["live"]), replays)
 
 
+def _copy_tensor_hooks(params: list[torch.Tensor], traced: list[torch.Tensor]) -> None:
+    """Register on each traced parameter the hooks its parameter holds (``p.register_hook``,
+    ``p.register_post_accumulate_grad_hook``), in their order: the trace computes with the traced
+    stand-ins, which autograd would otherwise run without the user's hooks. They come before the
+    parallel mode's own (replicate's gradient tag), so a gradient hook acts on the gradient this
+    rank computed before it is reduced, as under DDP. Which hooks a parameter holds is watched
+    between calls (``spmd.step.value_watch``): adding or removing one traces again."""
+    for p, t in zip(params, traced):
+        if not t.requires_grad:
+            continue
+        for hook in (getattr(p, "_backward_hooks", None) or {}).values():
+            t.register_hook(hook)
+        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            t.register_post_accumulate_grad_hook(hook)
+
+
 @reporting  # torch's errors for untraceable steps in the user's terms (spmd.trace.trace_errors)
 def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
                      mode_context: ModeContext | None = None,
@@ -459,6 +484,7 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
         return _FunctionalFusedOptim(impure).run(*flat)
 
     with phase("trace/functionalize"), lazy_graph_modules():
+        draw_in_memory_order(impure)  # a dropout mask of a transposed activation: eager's numbers and layout
         pure = functionalize_writes(impure)  # the common case, without a second trace
         if pure is None:
             log.debug("traced %s again under functionalize", getattr(fn, "__name__", "train_step"))
@@ -474,10 +500,11 @@ def trace_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict,
     for node, role, name in zip(pure.graph.find_nodes(op="placeholder"), roles, names):
         node.meta[ROLE] = role
         node.meta[NAME] = name
+    grads = drop_unread_entry_grads(pure, grads)
     pure.graph._codegen = torch.fx.graph.CodeGen()  # plain positional in, tuple out
     output = next(n for n in reversed(pure.graph.nodes) if n.op == "output")
     output.args = (tuple(output.args[0]),)
     pure = make_lazy(pure)  # the parallel mode and the passes edit it before it runs
-    pure.meta[LEAVES_GRADS] = bool(grads.outputs)
+    pure.meta[LEAVES_GRADS] = grads.no_sync
     return TracedStep(gm=pure, out_spec=out_spec, grads=grads, dtensors=dtensors, replays=replays, live=live,
                       learned=state.learned.for_optimizers(state.optimizers))

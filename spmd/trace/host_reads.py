@@ -20,8 +20,10 @@ and the patched library itself):
 
 Names the step's module, or a model class's module, bound to one of these functions before the trace
 (``from time import time``) are patched in those namespaces too. Calls made from torch or spmd (their
-own timers, RNG seeding) pass through untouched. Not seen: ``numpy.random.Generator`` and
-``RandomState`` instances, ``datetime.now()`` (C types that cannot be patched).
+own timers, RNG seeding) pass through untouched. ``numpy.random.Generator`` and ``RandomState`` instances
+are C objects no patch can see: the ones the step reaches (a global, its closure, a module's attribute, an
+argument or an attribute of an object it reaches) are refused when their state moved during the trace, and
+``numpy.random.default_rng()`` without a seed is refused where the step calls it. Not seen: ``datetime.now()``.
 """
 
 from __future__ import annotations
@@ -99,6 +101,24 @@ def user_frame_of(tb: Optional[types.TracebackType]):
     return found
 
 
+def torch_reader_of(tb: Optional[types.TracebackType], user) -> Optional[types.FrameType]:
+    """The frame of torch's public Python code (``torch.nn``, ``torch.optim``, ``torch.utils``) that the user's
+    frame ``user`` called and that read a value, innermost such frame below ``user`` in ``tb``; None where the
+    user's own code read it (torch's dispatch and tracing machinery does not count)."""
+    found, below = None, user is None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame is user:
+            below = True
+        elif below and (frame.f_globals.get("__name__") or "").startswith(_TORCH_READERS):
+            found = frame
+        tb = tb.tb_next
+    return found
+
+
+_TORCH_READERS = ("torch.nn.modules", "torch.nn.functional", "torch.optim", "torch.utils.checkpoint")
+
+
 def is_library(module_name: str) -> bool:
     return module_name.split(".")[0] in _LIBRARIES
 
@@ -133,10 +153,13 @@ def _generator_state(generator: Any) -> bytes:
     return pickle.dumps(state)
 
 
-def _numpy_generators(fn: Callable, modules: list[nn.Module], namespaces: list[dict]) -> list[tuple[str, Any]]:
+def _numpy_generators(fn: Callable, modules: list[nn.Module], namespaces: list[dict], reached: list
+                      ) -> list[tuple[str, Any]]:
     """(where, generator) for each numpy ``Generator`` or ``RandomState`` the step's code can reach directly: a
-    global of its module or of a model class's module, a closure variable, an attribute of one of its modules
-    (C objects whose draws no patch can see; ``checking_host_reads`` compares their state instead)."""
+    global of its module or of a model class's module, a closure variable, an attribute of one of its modules,
+    one among ``reached`` (its arguments and the objects it reaches, ``spmd.trace.user_objects``) or held by one
+    of them, say a trainer's config (C objects whose draws no patch can see; ``checking_host_reads`` compares
+    their state instead)."""
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is None:
         return []
@@ -158,7 +181,28 @@ def _numpy_generators(fn: Callable, modules: list[nn.Module], namespaces: list[d
                 if isinstance(value, kinds):
                     found.setdefault(id(value), (f"{type(module).__name__}.{name} (of module {path or 'the model'!r})",
                                                  value))
+    for obj in reached:
+        if isinstance(obj, kinds):
+            found.setdefault(id(obj), (f"a {type(obj).__name__} among the step's arguments", obj))
+            continue
+        held = vars(obj).items() if hasattr(obj, "__dict__") and not isinstance(obj, nn.Module) else ()
+        for name, value in held:
+            if isinstance(value, kinds):
+                found.setdefault(id(value), (f"{type(obj).__name__}.{name} (an object the step reaches)", value))
     return list(found.values())
+
+
+def _unseeded(name: str, original: Callable, thread: int) -> Callable:
+    """``original`` (numpy's ``default_rng``), refusing a call from the user's code without a seed: a generator
+    made so in the step draws other numbers on every eager call, which the trace would freeze."""
+    @functools.wraps(original)
+    def guarded(seed=None, *args, **kwargs):
+        frame = user_frame(thread)
+        if seed is None and frame is not None:
+            raise _frozen_draw(f"{name}() without a seed", frame)
+        return original(seed, *args, **kwargs)
+
+    return guarded
 
 
 def _frozen_clock(name: str, frame) -> SpmdCompileError:
@@ -169,12 +213,22 @@ def _frozen_clock(name: str, frame) -> SpmdCompileError:
         "tensor, which does not retrace when it changes).")
 
 
-def value_read_error(frame=None, op=None) -> SpmdCompileError:
+def value_read_error(frame=None, op=None, library=None) -> SpmdCompileError:
     """The step reads a tensor's value as a Python value (``frame``: where, ``op``: the aten op that read it,
-    if known). A fresh error each time: a shared instance would collect every raise's traceback."""
+    if known; ``library``: the frame of torch's own code that read it, which the user's line called, as
+    ``AveragedModel.update_parameters`` or a ``BatchNorm`` with ``momentum=None`` do). A fresh error each
+    time: a shared instance would collect every raise's traceback."""
     at = f" at {where(frame)}" if frame is not None else ""
     if op is not None:
         at = f" ({getattr(op, 'overloadpacket', op)}{at})"
+    if library is not None:
+        return SpmdCompileError(
+            f"spmd.compile: train_step calls torch code that reads the value of a tensor: {where(library)}, "
+            f"called{at or ' from the step'}. Only the running step knows that value, and a whole-step graph "
+            "cannot capture a Python decision on it. Call that code outside train_step (after it returns), or "
+            "use a form that keeps the value a tensor (a BatchNorm with a float momentum rather than None; an "
+            "EMA written with tensor ops, torch._foreach_lerp_(ema_params, params, 1 - decay), instead of "
+            "AveragedModel.update_parameters).")
     return SpmdCompileError(
         f"spmd.compile: train_step branches on or reads the value of a tensor{at} (e.g. `if loss > 0`, "
         "`loss.item()`, `float(t)`), a value only the running step knows, which a whole-step graph cannot capture. "
@@ -261,9 +315,10 @@ def _settle_dynamo_lookups() -> None:
 
 
 @contextlib.contextmanager
-def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list]:
+def checking_host_reads(fn: Callable, modules: list[nn.Module], reached: list = ()) -> Iterator[list]:
     """Patch the host reads listed in the module docstring for the length of the body (a trace of ``fn`` on
-    ``modules``), refusing or warning where the user's code makes one; everything is restored after it.
+    ``modules``; ``reached``: its arguments and the objects it reaches, whose numpy generators are watched),
+    refusing or warning where the user's code makes one; everything is restored after it.
     Yields the frames of the user's ``.item()`` calls whose value is a symbol (``value_read_error``'s
     place where the traced graph keeps one: a hyperparameter read so is specialised on instead)."""
     numpy_random = sys.modules.get("numpy.random")
@@ -322,6 +377,9 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list
                 value = getattr(numpy_random, name)
                 if getattr(value, "__self__", None) is draws and name not in _NOT_DRAWS:
                     patches.set(numpy_random, name, guard(f"numpy.random.{name}", value, _frozen_draw))
+        if callable(getattr(numpy_random, "default_rng", None)):
+            patches.set(numpy_random, "default_rng", _unseeded("numpy.random.default_rng", numpy_random.default_rng,
+                                                               thread))
         for namespace in _user_namespaces(fn, modules):
             for name, value in list(namespace.items()):
                 if callable(value) and id(value) in replaced and namespace[name] is not replaced[id(value)]:
@@ -329,7 +387,7 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module]) -> Iterator[list
         patches.set(_ENVIRON_TYPE, "__getitem__", environ_read)
         patches.set(torch.Tensor, "item", item)
         generators = [(where, g, _generator_state(g)) for where, g in
-                      _numpy_generators(fn, modules, _user_namespaces(fn, modules))]
+                      _numpy_generators(fn, modules, _user_namespaces(fn, modules), list(reached))]
         yield value_reads
         for where, generator, state in generators:
             if _generator_state(generator) != state:

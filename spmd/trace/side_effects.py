@@ -22,7 +22,8 @@ code only: torch and spmd pass through, ``host_reads.user_frame``) and decides p
   happens once, at trace, and a tensor put there is taken out again (``user_objects``).
 
 Replays are plain callables (``TracedStep.replays``), run by ``spmd.compile`` after each call but the
-first (every process traces its step, a step whose lowering the compile cache keeps too).
+first (every process traces its step, a step whose lowering the compile cache keeps too); an lr scheduler's
+step, which the trace does not run, is replayed after every call (``spmd.trace.scheduler_steps``).
 """
 
 from __future__ import annotations

@@ -263,7 +263,10 @@ def unreached_tensor_error(found: Reach) -> SpmdCompileError:
         f"arguments, self, closure or the globals its code names), so it cannot be a graph input.{where} Pass "
         "the tensor to train_step, or keep it in a list or an attribute of an object the step has, e.g. "
         "self.ema = [...] rather than a tuple, or a global the step's own code names rather than one only a "
-        "helper function reads."
+        "helper function reads. An nn.Module's attributes are searched only for its parameters, buffers, "
+        "submodules and plain tensor attributes: tensors in a list on a module, or a module set with "
+        "object.__setattr__ (not registered), are not; register them (register_buffer, a registered submodule) "
+        "or pass them to the step."
     )
 
 

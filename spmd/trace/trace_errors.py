@@ -9,7 +9,8 @@ placeholder once and never again. ``reporting`` wraps the tracer so that:
   naming the cause and the fix (``translate``): shapes that depend on tensor values
   (``nonzero``, ``x[mask]``, ``ctc_loss``: the aten op and the user's line that called it, where
   torch's traceback holds them), a tensor that is none of the step's inputs (a global), a
-  ``torch.distributed.nn`` collective spmd does not trace, a tensor formatted as text, tensors on two devices; a shape that
+  ``torch.distributed.nn`` collective spmd does not trace, a tensor formatted as text, tensors on two devices, a
+  tensor passed where torch needs a Python number (``pack_padded_sequence``'s lengths); a shape that
   depends on tensor values which fake tensors let through as a size symbol is refused alike, naming
   the op (``refuse_data_dependent_shapes``, on the traced graph);
 * a tensor turned into text by the user's code while tracing (``print(loss)``) warns, once
@@ -131,6 +132,14 @@ def translate(err: BaseException) -> Optional[SpmdCompileError]:
             "step would not read again. Pass it to train_step as an argument, or keep it on the model (a buffer, "
             "or a plain tensor attribute of a module; a flex_attention BlockMask as an argument or a module "
             "attribute), so that it enters the graph as an input.")
+    if isinstance(err, TypeError) and re.search(r"but got (Fake)?Tensor|got FakeTensor", text):
+        return SpmdCompileError(
+            f"spmd.compile: train_step passes a tensor where torch needs a Python number, a size or a count"
+            f"{user_line(err.__traceback__)} (e.g. pack_padded_sequence's lengths, which size the packed batch, or "
+            "torch.zeros(n) with a tensor n): only the running step knows that value, and a compiled step is one "
+            "graph in which every shape is fixed when it is traced. Keep shapes fixed: run on the padded batch and "
+            "mask what lies past each length (an RNN over padded steps, then gather each row's last valid output), "
+            "or pass the number to train_step as a Python int (each new value traces again).")
     if isinstance(err, TypeError) and "FakeTensor.__format__" in text:
         return SpmdCompileError(
             "spmd.compile: train_step formats a tensor as text (e.g. f'{loss:.3f}') while it is traced, when the "
