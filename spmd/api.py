@@ -27,7 +27,7 @@ from .step.iter_graph_module import IterGraphModule
 from .step.stages import Traced
 from .step.transformation import GraphModuleTransformation, default_transformation
 from .trace.block_masks import lift
-from .trace.scheduler_steps import SchedulerStep
+from .trace.python_writes import EVERY_CALL
 from .trace.step_outputs import rewrap
 
 __all__ = ["CompiledTrainStep", "compile", "default_transformation"]
@@ -121,9 +121,10 @@ class CompiledTrainStep:
             check_outputs(self.gm_transformation, entry, len(out))
             entry.finished_run()
         # the trace made them for the first call (spmd.trace.side_effects), but for an lr scheduler's step, which
-        # it did not run (spmd.trace.scheduler_steps)
+        # it did not run (spmd.trace.scheduler_steps), and a value written into a param group, which it put back
+        # (spmd.trace.python_writes)
         for replay in entry.replays:
-            if not first_run or isinstance(replay, SchedulerStep):
+            if not first_run or isinstance(replay, EVERY_CALL):
                 replay()
         grads = entry.grads
         if grads:

@@ -8,12 +8,14 @@ either what eager does on every call, or refused / warned about once, naming the
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
 import os
 import random
 import re
 import time
+import types
 import warnings
 from time import perf_counter
 
@@ -231,19 +233,28 @@ def test_a_numpy_generator_passed_in_or_made_unseeded_in_the_step_is_refused(ste
     assert np.random.default_rng(3).integers(10) == np.random.Generator(np.random.PCG64(3)).integers(10)
 
 
-def test_item_used_as_a_number_is_refused_naming_the_line():
+def _line_marked(marker: str) -> int:
+    return next(k for k, line in enumerate(open(__file__), 1) if line.rstrip().endswith(f"# {marker}"))
+
+
+@pytest.mark.parametrize("how", ["item", "tolist", "formatted"])
+def test_item_used_as_a_number_is_refused_naming_the_line(how):
     model, optim = _model_and_optim()
 
     def reads_item(model, optim, x):
         loss = model(x).square().mean()
-        loss = loss * (1.0 + 0.0 * loss.item())
+        if how == "formatted":
+            print(f"loss {loss.item():.3f}")  # reads: formatted
+        else:
+            loss = loss * (1.0 + 0.0 * (loss.item() if how == "item" else sum(loss.reshape(1).tolist())))  # reads
         loss.backward()
         optim.step()
         optim.zero_grad()
         return loss
 
     step = spmd.compile()(reads_item)
-    with pytest.raises(spmd.SpmdCompileError, match=rf"reads the value of a tensor at {re.escape(__file__)}:\d+ "
+    line = _line_marked("reads: formatted" if how == "formatted" else "reads")
+    with pytest.raises(spmd.SpmdCompileError, match=rf"reads the value of a tensor at {re.escape(__file__)}:{line} "
                                                     r"\(in reads_item\).*keep the value a tensor"):
         step(model, optim, torch.randn(4, 12, dtype=F64))
     assert torch.Tensor.item is _ITEM
@@ -329,6 +340,47 @@ def test_an_installed_packages_environment_read_is_its_configuration_and_not_war
     body = _scaled_step(spmd_test_configured_lib.scale)
     caught = _train_beside_eager(spmd.compile()(body), body, (model, optim), (ref, ref_optim))
     assert not [w for w in caught if "SPMD_TEST_LIB_SCALE" in str(w.message)]
+
+
+ARGS = argparse.Namespace(scale=1.0)  # a script's parsed command line, read inside the step
+
+
+class ScaledBy(nn.Module):
+    """A model that keeps its settings in a ``types.SimpleNamespace``, as ``self.cfg``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(12, 1, dtype=F64)
+        self.cfg = types.SimpleNamespace(shift=0.0)
+
+    def forward(self, x):
+        return self.fc(x) + self.cfg.shift
+
+
+def _scaled_by_args(model, optim, x):
+    loss = model(x).pow(2).mean() * ARGS.scale
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_setting_in_an_argparse_namespace_or_a_simple_namespace_changed_between_calls_trains_like_eager():
+    step = spmd.compile()(_scaled_by_args)
+    trained, reference = ScaledBy(), ScaledBy()
+    pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.05)) for m in (trained, reference)]
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for scale, shift in [(1.0, 0.0), (2.0, 0.0), (2.0, 0.5), (0.5, -1.0)]:
+            ARGS.scale = scale
+            trained.cfg.shift = reference.cfg.shift = shift
+            x = torch.randn(4, 12, generator=gen, dtype=F64)
+            assert (step(*pairs[0], x) - _scaled_by_args(*pairs[1], x).detach()).abs().item() <= TOL
+    finally:
+        ARGS.scale = 1.0
+    _assert_same_params(trained, reference)
+    assert step.trace_count == 4  # each changed setting traced again, none frozen
 
 
 # --- Python side effects of the step ---------------------------------------------------------------

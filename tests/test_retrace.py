@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -49,6 +50,28 @@ def test_trace_count_and_one_warning_naming_the_change_when_a_step_keeps_retraci
     assert f"input 2 shape ({step.options.retrace_warning_at}, 4) -> ({step.options.retrace_warning_at + 1}, 4)" in str(
         retrace[0].message)
     assert "input 2 shape (3, 4) -> (4, 4)" in caplog.text  # every retrace is logged with its reason
+
+
+def test_a_retrace_after_the_optimizer_state_was_cleared_names_the_state_and_trains_like_eager(caplog):
+    """The signature a call is looked up by has no state; compiling creates it again, and the log says what
+    was gone rather than that nothing changed."""
+    torch.manual_seed(0)
+    model = MLP(1, 4).double()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.Adam(m.parameters(), lr=0.1) for m in (model, ref))
+    step = spmd.compile()(square_mean_step)
+    gen = torch.Generator().manual_seed(0)
+    for k in range(4):
+        x = torch.randn(2, 4, dtype=torch.float64, generator=gen)
+        torch.testing.assert_close(step(model, optim, x), square_mean_step(ref, ref_optim, x).detach(),
+                                   rtol=0, atol=1e-10)
+        if k == 1:
+            optim.state.clear()
+            ref_optim.state.clear()
+    assert_params_close(model, ref, atol=1e-10, rtol=0)
+    assert step.trace_count == 2
+    assert "nothing in its signature" not in caplog.text
+    assert "exp_avg is gone" in caplog.text
 
 
 def test_the_cache_keeps_the_most_recently_used_signatures():

@@ -2,8 +2,9 @@
 
 Called after ``optim.step()``, the user's scheduler runs after every call, the first included, so the step
 trains as eager does (float64, 1e-10) and lr, ``last_epoch``, ``get_last_lr()`` and ``state_dict()`` are eager's,
-with one trace (hyperparameters are graph inputs). Stepped before its optimizer's step, or given a tensor, it is
-refused naming the scheduler, and nothing changed.
+with one trace (hyperparameters are graph inputs). Stepped before its optimizer's step, or given a tensor, or its
+``get_last_lr()`` read in the step, it is refused naming the scheduler, and nothing changed; its ``last_epoch``
+read in the step is read anew on every call.
 """
 
 from __future__ import annotations
@@ -136,9 +137,23 @@ def _plateau_on_loss(model, optim, sched, x, y):
     return loss
 
 
+def _loss_scaled_by_the_last_lr(model, optim, sched, x, y):
+    loss = F.mse_loss(model(x), y) * sched.get_last_lr()[0]
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _returns_the_last_lr(model, optim, sched, x, y):
+    return _step(model, optim, sched, x, y), sched.get_last_lr()[0]
+
+
 @pytest.mark.parametrize("step, make_sched, said", [
     (_scheduler_first, lambda o: S.StepLR(o, step_size=1, gamma=0.5), "StepLR.step() at"),
     (_plateau_on_loss, lambda o: S.ReduceLROnPlateau(o, patience=0), "ReduceLROnPlateau.step() with a tensor"),
+    (_loss_scaled_by_the_last_lr, lambda o: S.StepLR(o, step_size=1, gamma=0.5), "StepLR.get_last_lr() at"),
+    (_returns_the_last_lr, lambda o: S.LambdaLR(o, lambda k: 1.0 / (1 + k)), "LambdaLR.get_last_lr() at"),
 ])
 def test_a_scheduler_a_replay_cannot_follow_is_refused_and_changes_nothing(step, make_sched, said):
     model = _mlp()
@@ -156,6 +171,30 @@ def test_a_scheduler_a_replay_cannot_follow_is_refused_and_changes_nothing(step,
     assert not optim.state
     for p, q in zip(model.parameters(), params):
         assert torch.equal(p, q) and p.grad is None
+
+
+def _scaled_by_the_epoch(model, optim, sched, x, y):
+    loss = F.mse_loss(model(x), y) * (1 + sched.last_epoch)
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    sched.step()
+    return loss
+
+
+def test_the_schedulers_epoch_read_in_the_step_is_read_anew_on_every_call_as_eager():
+    """``last_epoch`` moves every call (the replayed step): a step computing with it traces again each call."""
+    model, ref = _mlp(), _mlp()
+    optim, ref_optim = _sgd(model), _sgd(ref)
+    sched, ref_sched = S.StepLR(optim, step_size=2, gamma=0.5), S.StepLR(ref_optim, step_size=2, gamma=0.5)
+    train_step = spmd.compile()(_scaled_by_the_epoch)
+    for x, y in _batches()[:3]:
+        loss = train_step(model, optim, sched, x, y)
+        torch.testing.assert_close(loss, _scaled_by_the_epoch(ref, ref_optim, ref_sched, x, y), rtol=0, atol=1e-10)
+        _assert_same_schedule(sched, ref_sched, optim, ref_optim)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
+    assert train_step.trace_count == 3
 
 
 def test_a_restarted_process_does_not_reuse_a_trace_without_its_scheduler(tmp_path, monkeypatch, caplog):

@@ -128,9 +128,9 @@ class CallPath:
             candidate = rank_agreement.Candidate(error=err)
         agreed = candidate if group is None else self.agree(candidate, group, compared, created, args, kwargs, times)
         if candidate.fresh:
-            signature = self.signatures.of(candidate.state, args, kwargs)  # compiling may have created state
-            candidate.entry.compile_times.update(times)
-            self.remember(tuple(signature.items()), candidate.entry, signature)
+            looked_up, signature = signature, self.signatures.of(candidate.state, args, kwargs)  # compiling may
+            candidate.entry.compile_times.update(times)  # have created state (after optim.state.clear())
+            self.remember(tuple(signature.items()), candidate.entry, signature, looked_up)
         else:
             self.cache.move_to_end(key)
         entry, state = agreed.entry, agreed.state
@@ -186,14 +186,16 @@ class CallPath:
             self._agreement_resolved = True
         return self._agreement
 
-    def remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any]) -> None:
-        """Cache ``entry``, count the trace, and say why the step retraced (warning once when it keeps doing
-        so); the least recently used entries beyond ``options.cache_size`` are dropped."""
+    def remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any], looked_up: dict[str, Any]) -> None:
+        """Cache ``entry`` under ``signature``, count the trace, and say why the step retraced (warning once when
+        it keeps doing so): what differs between the last signature and the one the call was looked up by
+        (``looked_up``, before compiling created any state); the least recently used entries beyond
+        ``options.cache_size`` are dropped."""
         options, name = self.definition.options, self.definition.name
         self.trace_count += 1
         stale, self._stale = self._stale, None
         if self.last_signature is not None:
-            changes = describe_changes(self.last_signature, signature) + ([stale] if stale else [])
+            changes = describe_changes(self.last_signature, looked_up) + ([stale] if stale else [])
             changes = changes or ["nothing in its signature"]
             # gradients held on entry or not: an accumulation loop's expected second graph (spmd.trace.accumulation)
             level = logging.INFO if all(c.startswith("gradient of ") for c in changes) else logging.WARNING

@@ -32,7 +32,7 @@ from ..parallel.grad_check import refuse_untrained_parameters
 from ..trace.accumulation import grads_on_entry
 from ..trace import code_reads
 from ..trace.capture import TracedStep, trace_train_step
-from ..trace.side_effects import counters
+from ..trace.python_writes import skipped_counters
 from ..trace.step_reach import Reach, reach
 from ..trace.step_state import StepState, find_modules_and_optimizers
 from .cache_key import function_digest, versions
@@ -45,7 +45,7 @@ from .step_cache import StepCache, cacheable
 from . import transform_store
 from .trace_store import TraceStore, reuse_on, step_roots, trace_index
 from .transformation import GraphModuleTransformation, default_transformation
-from .value_watch import ValueWatch
+from .value_watch import ValueWatch, reachable_functions
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,10 @@ class StepDefinition:
                     state = state.again()
                 with phase("trace"):
                     traced = self._trace(state, args, kwargs, zero_grads_for)
-                    watch = ValueWatch.after_trace(self.fn, state.modules, args, kwargs, traced.reads,
-                                                   counted=counters(traced.replays))
+                    ran = functools.partial(_code_ran, self.fn, state.modules, traced.reads)
+                    with skipped_counters(traced.replays, ran) as counted:  # not those the step reads
+                        watch = ValueWatch.after_trace(self.fn, state.modules, args, kwargs, traced.reads,
+                                                       counted=counted)
                 with phase("expand"):
                     expand = functools.partial(self._expanded, state, grad_order, self.parallel_mode.mesh_dims(state))
                     # a kept trace whose kept transform is reused: loaded and expanded only where it is read
@@ -242,6 +244,14 @@ class StepDefinition:
         options = self.options
         job = job_store(self.parallel_mode.process_group()) if options.one_compile_per_job else None
         return StepCache(self.compile_cache, self.name, job, options.compile_wait_s)
+
+
+def _code_ran(fn: Callable, modules: list[nn.Module], reads: Optional[code_reads.CodeReads]) -> list[tuple]:
+    """(code, its globals) of what a trace of ``fn`` on ``modules`` ran: what it recorded (``reads``), else the
+    code ``fn`` can reach, as the value watch reads it."""
+    if reads is not None:
+        return list(reads.codes.items())
+    return [(f.__code__, f.__globals__) for f in reachable_functions(fn, modules)]
 
 
 @dataclass(frozen=True)

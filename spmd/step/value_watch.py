@@ -16,14 +16,17 @@ where an object differs is its value compared, and a number or string of equal v
 that did change is named (``changed``), and the step is traced again for it, as ``torch.compile``'s guards
 recompile.
 
-Not watched: attributes the step itself counts (``self.calls += 1``, replayed after every call), tensors and
-modules (the signature's), optimizers (their hyperparameters are inputs), objects of torch, spmd, numpy and
-the standard library, the class attributes of classes, and the globals of installed libraries (their code and
-configuration are their own).
+Not watched: attributes the step itself counts and reads nowhere else (``self.calls += 1``, replayed after every
+call; ``spmd.trace.python_writes``), tensors and modules (the signature's), optimizers (their hyperparameters are
+inputs), objects of torch, spmd, numpy and the standard library (but for the read attributes of its bags of the
+user's values, ``argparse.Namespace`` and ``types.SimpleNamespace``, and of lr schedulers: ``scheduler.last_epoch``),
+the class attributes of classes, and the globals of installed libraries (their code and configuration are their
+own).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import logging
@@ -35,6 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..optim.amp_scaler import GradScaler
 from ..trace.block_masks import is_block_mask
@@ -52,12 +56,25 @@ _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules", "training"})
 _STEP_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")  # a module's
 _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")  # a parameter's (``p.register_hook(...)``)
 _MODULE_MACHINERY = nn.Module.__call__.__code__.co_filename  # torch/nn/modules/module.py: hooks, not values
+# objects of the standard library and torch whose attributes are the user's values, changed between calls: the
+# bags of a script's settings (``args = parser.parse_args()``) and an lr scheduler's counters (``last_epoch``)
+_VALUE_BAGS = (argparse.Namespace, types.SimpleNamespace, LRScheduler)
 
 
 def _global_hooks() -> list[tuple[str, str]]:
     """torch's process-wide module hooks (``register_module_forward_hook``, ...): their names in
     ``torch.nn.modules.module`` and in words."""
     return [(f"_global{key}", f"torch's global{key.replace('_', ' ')}") for key in _STEP_HOOKS]
+
+
+def _owner_ref(owner: Any, on_free: Callable) -> Optional[Callable[[], Any]]:
+    """How the watch holds an owner of watched places: weakly, or, for a ``types.SimpleNamespace`` (which
+    cannot be referenced weakly), strongly, as the step's settings are kept anyway; None for anything else
+    that cannot be held weakly (left unwatched)."""
+    try:
+        return weakref.ref(owner, on_free)
+    except TypeError:
+        return (lambda: owner) if isinstance(owner, types.SimpleNamespace) else None
 
 
 def _hook_ids(owner: Any, key: str) -> list:
@@ -189,9 +206,10 @@ class ValueWatch:
     def after_trace(cls, fn: Callable, modules: list[nn.Module], args: tuple, kwargs: dict,
                     reads: Optional[CodeReads], counted: Iterable[tuple[Any, str]] = ()) -> "ValueWatch":
         """The watch of a trace of ``fn`` on ``modules`` with these arguments, taken right after it: ``reads``,
-        what the trace ran where it was recorded (else the code ``fn`` can reach); ``counted``, the (module,
-        attribute) counters the step replays after every call. An object the walk cannot read leaves the watch
-        empty, said once in the log as a warning: the step still compiles, as before the watch existed."""
+        what the trace ran where it was recorded (else the code ``fn`` can reach); ``counted``, the (owner,
+        attribute) counters the step replays after every call and reads nowhere else. An object the walk cannot
+        read leaves the watch empty, said once in the log as a warning: the step still compiles, as before the
+        watch existed."""
         try:
             return cls._built(fn, modules, args, kwargs, reads, counted)
         except Exception as err:  # noqa: BLE001 - a step that compiles must not fail for its watch
@@ -263,7 +281,7 @@ class ValueWatch:
         self._seen.add((id(owner), key))
         if id(owner) not in self._owner_index:
             self._owner_index[id(owner)] = len(self._owners)
-            self._owners.append(weakref.ref(owner, self._mark_dirty))
+            self._owners.append(_owner_ref(owner, self._mark_dirty))
         self._owner_of.append(self._owner_index[id(owner)])
         self._keys.append(key)
         self._ids.append(id(value))
@@ -275,9 +293,7 @@ class ValueWatch:
         state = getattr(obj, "__dict__", None)
         if not isinstance(state, dict):
             return
-        try:
-            weakref.ref(obj)
-        except TypeError:
+        if _owner_ref(obj, self._mark_dirty) is None:
             return  # an object that cannot be held weakly: left unwatched
         for key in sorted(self._names.intersection(state).difference(exclude)):
             if (id(obj), key) not in self._skip:
@@ -333,7 +349,7 @@ class ValueWatch:
         elif isinstance(value, types.ModuleType):  # a config module: config.SCALE
             if isinstance(getattr(value, "__file__", None), str) and source_kind(value.__file__, vars(value)) == "user":
                 self._attributes(value, where)
-        elif not is_library_object(value):
+        elif not is_library_object(value) or isinstance(value, _VALUE_BAGS):
             self._attributes(value, where)
 
     def _contents(self, container: Any, where: str) -> None:

@@ -58,6 +58,7 @@ from .direct_functionalize import functionalize_writes
 from .host_reads import checking_host_reads, torch_reader_of, user_frame_of, value_read_error
 from .mask_layouts import draw_in_memory_order
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
+from .python_writes import group_writes, record_group_writes
 from .scheduler_steps import recording_scheduler_steps
 from .backward_autocast import backward_autocast
 from .block_masks import as_block_masks, holding_traced
@@ -129,14 +130,18 @@ def _eager_foreach(group: dict) -> Optional[bool]:
 
 
 @contextlib.contextmanager
-def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Iterator[dict[int, TracedHyper]]:
+def _rematerialize_optimizers(state: StepState, params, states, hypers,
+                              replays: list) -> Iterator[dict[int, TracedHyper]]:
     """Point each optimizer at the traced tensors for the duration of the trace.
 
     Each numeric hyperparameter becomes its traced input (unless a trace of the step learned that it
     must be specialised, ``state.learned``: then it keeps its value). Yields ``id(tensor) -> TracedHyper``
-    for ``HyperMode``.
+    for ``HyperMode``. After the body the groups are put back as they were; a value the step wrote into one
+    (``group["lr"] = warmup_lr``) is written into the real group after every call (``GroupWrite``s added to
+    ``replays``), as eager leaves it there, and a tensor written there is refused
+    (``spmd.trace.python_writes``).
     """
-    saved, traced_hypers = [], {}
+    saved, traced_hypers, placed = [], {}, []
     slots = iter(zip(state.hyper_slots, hypers))
     try:
         for o_idx, optim in enumerate(state.optimizers):
@@ -163,14 +168,18 @@ def _rematerialize_optimizers(state: StepState, params, states, hypers) -> Itera
                 group["params"] = [params[i] for i in indices]
                 for i in indices:
                     traced_state[params[i]] = states[i]
+                placed.append((optim, g_idx, dict(group)))  # what the step's writes are told from
             optim.state = traced_state
         yield traced_hypers
+        writes = [w for optim, g_idx, before in placed
+                  for w in group_writes(optim, g_idx, before, optim.param_groups[g_idx])]
     finally:
         for optim, opt_state, groups in saved:
             optim.state = opt_state
             for group, old in zip(optim.param_groups, groups):
                 group.clear()
                 group.update(old)
+    record_group_writes(replays, writes)
 
 
 def _grad_spec(param: torch.Tensor):
@@ -367,7 +376,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
             stack.enter_context(swapped([places for places, _ in state.held_slots],
                                         [traced[i] for _, i in state.held_slots]))
             stack.enter_context(holding_traced(state.block_masks, buffers))
-            traced_hypers = stack.enter_context(_rematerialize_optimizers(state, params, states, hypers))
+            traced_hypers = stack.enter_context(_rematerialize_optimizers(state, params, states, hypers, replays))
             before = [dict(st) for st in states]
             numbers = [t for t, as_number in zip(state_tensors, state.state_read_as_number) if as_number]
             stack.enter_context(_hyper_mode_in_steps(HyperMode(traced_hypers, numbers)))
@@ -412,6 +421,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
 
     hook = register_optimizer_step_pre_hook(refuse_unknown_optimizer)
     first_hyper = n_params + n_buffers + n_state
+    value_reads: list = []
     try:
         # what the step stores on objects it reaches (a cached activation, a GradScaler's scale) is put back;
         # a number drawn or read at trace would be frozen (host_reads); Python effects replay (side_effects), an
@@ -423,7 +433,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
                 value_reads.clear()
                 with _compiling_flag(), run_originals(fn, state.modules), traceable_collectives(), \
                         traceable_grouped_mm(), phase("trace/autograd"), lazy_graph_modules(), \
-                        recording_side_effects(state.modules) as replays, recording_scheduler_steps(replays):
+                        recording_side_effects(state.modules, objects) as replays, \
+                        recording_scheduler_steps(replays):
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:
@@ -441,6 +452,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         raise
     except Exception as err:  # torch raises many types here; translate the ones we know
         better = translated(_translate_trace_error, err)
+        if value_reads and "Sym" in str(err):  # Python code used a value read by .item() (f"{t.item():.3f}")
+            better = value_read_error(value_reads[-1])
         if REAL_TENSOR_IN_TRACE in str(err):
             better = unreached_tensor_error(reach(fn, args, kwargs))
         if better is None:

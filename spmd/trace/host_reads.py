@@ -29,6 +29,7 @@ argument or an attribute of an object it reaches) are refused when their state m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
@@ -60,6 +61,7 @@ _LIBRARIES = frozenset({"torch", "spmd", "functorch", "sympy", "mpmath", "networ
                         "fsspec", "typing_extensions"}) | frozenset(sys.stdlib_module_names)
 # the patched functions' own modules: a call between them is one call of the caller's
 _PLUMBING = frozenset({"random", "os", "collections", "numpy", __name__})  # _collections_abc is "collections.abc"
+_ITEM_PLUMBING = _PLUMBING | {"torch._subclasses.fake_tensor"}  # where a user's .item() or .tolist() runs item()
 
 
 def _top(frame) -> str:
@@ -121,6 +123,15 @@ _TORCH_READERS = ("torch.nn.modules", "torch.nn.functional", "torch.optim", "tor
 
 def is_library(module_name: str) -> bool:
     return module_name.split(".")[0] in _LIBRARIES
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """A frame's code and line when it was noted, read by ``where`` as a frame is (a frame's line moves on as it
+    runs)."""
+
+    f_code: types.CodeType
+    f_lineno: int
 
 
 def where(frame) -> str:
@@ -319,11 +330,12 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module], reached: list = 
     """Patch the host reads listed in the module docstring for the length of the body (a trace of ``fn`` on
     ``modules``; ``reached``: its arguments and the objects it reaches, whose numpy generators are watched),
     refusing or warning where the user's code makes one; everything is restored after it.
-    Yields the frames of the user's ``.item()`` calls whose value is a symbol (``value_read_error``'s
-    place where the traced graph keeps one: a hyperparameter read so is specialised on instead)."""
+    Yields the places (``Place``) of the user's ``.item()`` and ``.tolist()`` calls whose value is a symbol
+    (``value_read_error``'s place where the traced graph keeps one: a hyperparameter read so is specialised on
+    instead)."""
     numpy_random = sys.modules.get("numpy.random")
     thread = threading.get_ident()
-    value_reads: list = []  # frames of the user's .item() calls whose value only the running step knows
+    value_reads: list = []  # places of the user's .item() calls whose value only the running step knows
     replaced: dict[int, Callable] = {}  # id(original) -> its guard, for the names bound in user namespaces
 
     def guard(name: str, original: Callable, error: Callable) -> Callable:
@@ -354,9 +366,9 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module], reached: list = 
     def item(self):
         value = original_item(self)
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            frame = user_frame(thread)
+            frame = user_frame(thread, _ITEM_PLUMBING)  # a FakeTensor's tolist() reads its items with item()
             if frame is not None:
-                value_reads.append(frame)
+                value_reads.append(Place(frame.f_code, frame.f_lineno))  # the frame's line moves on
         return value
 
     original_getitem, original_item = _ENVIRON_TYPE.__getitem__, torch.Tensor.item

@@ -16,7 +16,10 @@ Refused (``SpmdCompileError``, naming the scheduler and the line), before anythi
 * a scheduler stepped before a ``step()`` of its optimizer later in the same step: eager's optimizer step uses
   the lr the scheduler set, which a replay after the graph comes too late for;
 * a tensor among a scheduler step's arguments (``ReduceLROnPlateau.step(loss)``): the scheduler reads its value,
-  which the trace does not have.
+  which the trace does not have;
+* ``scheduler.get_last_lr()`` called by the step's own code: the compiled step would return or compute with the
+  lr of the trace on every call. The lr a step may read is its optimizer's (``optim.param_groups[0]["lr"]``, a
+  graph input), and ``get_last_lr()`` is read after the call.
 
 A scheduler the step builds (its constructor's first step) runs at trace, as before.
 """
@@ -36,7 +39,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import SpmdCompileError
-from .host_reads import Patches, where
+from .host_reads import Patches, user_frame, where
 
 
 class SchedulerStep:
@@ -56,16 +59,37 @@ class SchedulerStep:
         scheduler.step(*self.args, **self.kwargs)
 
 
-def _stepping_classes() -> list[type]:
-    """``LRScheduler`` and each subclass defined so far that defines its own ``step`` (``ReduceLROnPlateau``,
-    ``ChainedScheduler``, a user's scheduler)."""
+def _classes_defining(method: str) -> list[type]:
+    """``LRScheduler`` and each subclass defined so far that defines its own ``method`` (``step`` of
+    ``ReduceLROnPlateau``, ``ChainedScheduler``, a user's scheduler)."""
     found, todo = {}, [LRScheduler]
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if "step" in vars(cls):
+        if method in vars(cls):
             found[cls] = None
     return list(found)
+
+
+def _stepping_classes() -> list[type]:
+    return _classes_defining("step")
+
+
+def _refused_lr_read(original: Callable, thread: int) -> Callable:
+    """``get_last_lr`` that refuses a call from the user's code on the trace's thread (module docstring)."""
+    @functools.wraps(original)
+    def get_last_lr(self, *args: Any, **kwargs: Any) -> Any:
+        frame = user_frame(thread)
+        if frame is not None:
+            raise SpmdCompileError(
+                f"spmd.compile: the step calls {type(self).__name__}.get_last_lr() at {where(frame)} while it is "
+                "traced: the compiled step would keep the lr of the trace and use it on every call, where the "
+                "scheduler changes it between calls. Read it outside the step, after the call (loss = "
+                "train_step(...); lr = scheduler.get_last_lr()[0]), or read optim.param_groups[0]['lr'] in the "
+                "step, which the compiled step takes as an input on every call (a 0-dim tensor there).")
+        return original(self, *args, **kwargs)
+
+    return get_last_lr
 
 
 def _named(scheduler: LRScheduler) -> str:
@@ -117,6 +141,8 @@ def recording_scheduler_steps(replays: list[Callable[[], None]]) -> Iterator[Non
     try:
         for cls in _stepping_classes():
             patches.set(cls, "step", wrapped(vars(cls)["step"]))
+        for cls in _classes_defining("get_last_lr"):
+            patches.set(cls, "get_last_lr", _refused_lr_read(vars(cls)["get_last_lr"], thread))
         yield
     finally:
         patches.restore()

@@ -6,16 +6,24 @@ where eager has them on every call. ``recording_side_effects`` watches the trace
 code only: torch and spmd pass through, ``host_reads.user_frame``) and decides per kind:
 
 * ``print(...)`` and a logger's records (``logger.info``, ``logging.warning``, ...) without a tensor
-  among their arguments, made by the user's code, are replayed after each later call, with the text made at trace, and said
-  once (``RuntimeWarning``, at the call's line): a value that changes between calls is not seen in
-  it. With a tensor they are not replayed (its text at trace is a placeholder): the warning says to
-  print the returned value after the step. An installed package's log record (transformers'
-  ``warning_once``) is logged as it is made, at trace, and not replayed: those are mostly said once anyway.
-* ``module.x += c`` / ``-= c`` on a number attribute of one of the step's modules (a counter) is
-  replayed as the same increment after each later call; the augmented assignment is read from the
-  caller's bytecode, so a plain ``module.x = value`` is never mistaken for one.
-* any other attribute write on one of the step's modules is said once: a value is set once, at
+  among their arguments, made by the user's code, are replayed after each later call, with the text
+  made at trace, and said once (``RuntimeWarning``, at the call's line): a value that changes between
+  calls is not seen in it. With a tensor they are not replayed (its text at trace is a placeholder):
+  the warning says to print the returned value after the step. An installed package's log record
+  (transformers' ``warning_once``) is logged as it is made, at trace, and not replayed: those are
+  mostly said once anyway.
+* ``owner.x += c`` / ``-= c`` on a number attribute (a counter) of one of the step's modules, or of
+  one of the user's own objects it reaches (its ``self``, an argument, a global or closure variable:
+  ``trainer.global_step += 1``; ``user_objects.reachable_objects``), is replayed as the same increment
+  after each later call; the augmented assignment is read from the caller's bytecode, so a plain
+  ``owner.x = value`` is never mistaken for one.
+* any other attribute write on those is said once, naming ``Class.attribute``: a value is set once, at
   trace; a tensor computed in the step is not kept at all (``user_objects`` puts the old one back).
+  A tensor stored in place of one is the trace's to handle: a module's is written back into the old
+  one, an object's is refused by name (``step_reach.refuse_rebound``). A module's writes are seen
+  through ``nn.Module.__setattr__``, an object's through its class's ``__setattr__``, wrapped for the
+  trace around the one the class has (a frozen dataclass still refuses). Objects of torch, spmd, the
+  standard library and installed packages are not watched: their writes are their own.
 * a list, dict or set the step changes in place (``losses.append(loss)`` on a global or closure
   variable of the step, ``self.history.append(...)`` on one of its modules) is said once
   (``watching_containers``), at the line that changes it where the bytecode names it: the change
@@ -23,7 +31,9 @@ code only: torch and spmd pass through, ``host_reads.user_frame``) and decides p
 
 Replays are plain callables (``TracedStep.replays``), run by ``spmd.compile`` after each call but the
 first (every process traces its step, a step whose lowering the compile cache keeps too); an lr scheduler's
-step, which the trace does not run, is replayed after every call (``spmd.trace.scheduler_steps``).
+step, which the trace does not run, and a value written into a param group, which the trace undoes, are
+replayed after every call (``spmd.trace.scheduler_steps``, ``spmd.trace.python_writes``). A counter the step
+also reads is watched, so a call traces again (``python_writes``).
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import sys
 import threading
 import types
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -68,29 +78,39 @@ def _augmented_at(code, offset: int) -> bool:
 
 
 class Increment:
-    """A replay of ``module.name += delta`` (the module held weakly); ``undo`` takes back the trace's own."""
+    """A replay of ``owner.name += delta`` (a module or a user's object, held weakly where it can be); ``undo``
+    takes back the trace's own."""
 
-    def __init__(self, module: nn.Module, name: str, delta: Any):
-        self.ref, self.name, self.delta = weakref.ref(module), name, delta
+    def __init__(self, owner: Any, name: str, delta: Any):
+        self.ref, self.name, self.delta = _reference(owner), name, delta
 
     def __call__(self, sign: int = 1) -> None:
-        module = self.ref()
-        if module is not None:
-            setattr(module, self.name, getattr(module, self.name) + sign * self.delta)
+        owner = self.ref()
+        if owner is not None:
+            setattr(owner, self.name, getattr(owner, self.name) + sign * self.delta)
 
     def undo(self) -> None:
         self(-1)
 
 
-def counters(replays: list) -> list[tuple[nn.Module, str]]:
-    """(module, attribute) of each counter among ``replays`` (``Increment``): its value changes after every
+def _reference(owner: Any) -> Callable[[], Any]:
+    """A weak reference to ``owner``, or a strong one where its class allows none (``__slots__`` without
+    ``__weakref__``): the compiled step then keeps it alive, as its replays need it."""
+    try:
+        return weakref.ref(owner)
+    except TypeError:
+        return lambda: owner
+
+
+def counters(replays: list) -> list[tuple[Any, str]]:
+    """(owner, attribute) of each counter among ``replays`` (``Increment``): its value changes after every
     call by design, so it is no change a compiled step must be traced again for."""
-    return [(module, r.name) for r in replays if isinstance(r, Increment) and (module := r.ref()) is not None]
+    return [(owner, r.name) for r in replays if isinstance(r, Increment) and (owner := r.ref()) is not None]
 
 
 def undo_side_effects(replays: list) -> None:
-    """Take back what the trace that recorded ``replays`` did to the step's modules (its counters' steps), for a
-    trace that failed or is done again."""
+    """Take back what the trace that recorded ``replays`` did to the step's modules and objects (its counters'
+    steps), for a trace that failed or is done again."""
     for replay in reversed(replays):
         if isinstance(replay, Increment):
             replay.undo()
@@ -205,14 +225,78 @@ def _print_again(args: tuple, kwargs: dict) -> None:
     builtins.print(*args, **kwargs)
 
 
+def _watched_class(cls: type) -> bool:
+    """Whether writes on instances of ``cls`` are watched: a class of the user's own (not torch's, spmd's, the
+    standard library's or an installed package's) whose ``__setattr__`` can be wrapped and put back (its
+    metaclass sets and deletes class attributes as ``type`` does; an ``Enum``'s does not)."""
+    module = cls.__module__ or ""
+    file = (getattr(sys.modules.get(module), "__file__", None) or "").replace("\\", "/").split("/")
+    return (not is_library(module) and "site-packages" not in file and "dist-packages" not in file
+            and type(cls).__setattr__ is type.__setattr__ and type(cls).__delattr__ is type.__delattr__)
+
+
+def _user_objects(objects: Iterable) -> list:
+    """The objects among ``objects`` (``user_objects.reachable_objects``) whose attribute writes are recorded as a
+    module's are: those of the user's own classes (``_watched_class``) but modules, watched through
+    ``nn.Module.__setattr__``, and optimizers, whose state the trace captures."""
+    return [obj for obj in objects if hasattr(obj, "__dict__") and _watched_class(type(obj))
+            and not isinstance(obj, (nn.Module, torch.optim.Optimizer))]
+
+
+def _current(owner: Any, name: str) -> Any:
+    """``owner.name`` before a write, or ``_MISSING`` where there is none (or its getter raised)."""
+    try:
+        return getattr(owner, name)
+    except Exception:  # noqa: BLE001 - a property's getter may raise anything; the write decides
+        return _MISSING
+
+
+def _record_write(replays: list, frame, owner: Any, name: str, old: Any, value: Any) -> None:
+    """Decide what the write ``owner.name = value`` the user's code made at ``frame`` (``old``: what it held
+    before, or ``_MISSING``) becomes, the same for a module and a user's object: a counter's step (``+=`` or ``-=``
+    of a number) is appended to ``replays`` as an ``Increment``; a tensor stored, or any other change, is said
+    once, naming ``Class.name``, with the fix for a module (a buffer) or for an object (set it after the call).
+    A tensor stored where one was is not said: the trace holds that one, and writes the new one back into it
+    (a module's) or refuses the step naming it (``step_reach.refuse_rebound``)."""
+    if type(old) in (int, float) and type(value) in (int, float) and _augmented_at(frame.f_code, frame.f_lasti):
+        replays.append(Increment(owner, name, value - old))
+        return
+    what, module = f"{type(owner).__name__}.{name}", isinstance(owner, nn.Module)
+    if _holds_tensor(value):  # a tensor, or a list of them
+        if _holds_tensor(old):
+            return
+        fix = (f"or register a buffer and update it in place (self.{name}.copy_(...)), which the graph does on "
+               "every call." if module else f"and set {what} from what the call returns.")
+        warn_at(frame, f"spmd.compile: the step stores a tensor it computes in {what} at {where(frame)}: the "
+                "compiled step cannot keep it there (the attribute keeps the value it had before the step). "
+                f"Return the tensor from the step instead, {fix}")
+    elif old is _MISSING or not same_value(old, value):
+        fix = ("or keep it in a buffer updated in place (self.register_buffer(name, tensor), then e.g. "
+               "self.calls.add_(1)), which the graph updates on every call." if module else
+               "from what it returns.")
+        warn_at(frame, f"spmd.compile: the step sets {what} at {where(frame)} while it is traced: it is set "
+                f"once, at trace, and later calls, which run the compiled graph, do not set it again. Set it "
+                f"outside the step, {fix}")
+
+
+def _calling(write: Callable, original: Callable) -> Callable:
+    """A class's ``__setattr__`` for the trace: ``write(original, ...)``, ``original`` the one it had."""
+    def setattr_(self, name, value):
+        return write(original, self, name, value)
+    return setattr_
+
+
 @contextlib.contextmanager
-def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[], None]]]:
-    """Watch the body (one trace of a step on ``modules``) as the module docstring says; yields the list the
-    replays are appended to. Everything patched is put back after the body, succeeded or raised."""
+def recording_side_effects(modules: list[nn.Module], objects: list = ()) -> Iterator[list[Callable[[], None]]]:
+    """Watch the body (one trace of a step on ``modules``, reaching ``objects``,
+    ``user_objects.reachable_objects``) as the module docstring says; yields the list the replays are appended
+    to. Everything patched is put back after the body, succeeded or raised."""
     replays: list[Callable[[], None]] = []
     thread = threading.get_ident()
-    owned = {id(m) for root in modules for m in root.modules()}
+    plain = _user_objects(objects)
+    owned = {id(m) for root in modules for m in root.modules()} | {id(obj) for obj in plain}
     original_print, original_log, original_setattr = builtins.print, logging.Logger._log, nn.Module.__setattr__
+    writing = False  # a recorded write runs: what its class's __setattr__ or a property's setter writes is its own
 
     def print_(*args, **kwargs):
         frame = user_frame(thread, _PLUMBING)
@@ -239,34 +323,36 @@ def recording_side_effects(modules: list[nn.Module]) -> Iterator[list[Callable[[
                         "not seen in it. Log such values outside the step, from what it returns.")
         return original_log(self, level, msg, args, *rest, **kwargs)
 
-    def setattr_(self, name, value):
-        frame = user_frame(thread, _PLUMBING) if id(self) in owned else None
-        if frame is None or isinstance(value, (nn.Module, nn.Parameter)) or name in self._parameters \
-                or name in self._buffers or name in self._modules:
-            return original_setattr(self, name, value)
-        old = getattr(self, name, _MISSING)
-        original_setattr(self, name, value)
-        numbers = type(old) in (int, float) and type(value) in (int, float)
-        what = f"{type(self).__name__}.{name}"
-        if numbers and _augmented_at(frame.f_code, frame.f_lasti):
-            replays.append(Increment(self, name, value - old))
-        elif isinstance(value, torch.Tensor):
-            warn_at(frame, f"spmd.compile: the step stores a tensor it computes in {what} at {where(frame)}: the "
-                    "compiled step cannot keep it there (the attribute keeps the value it had before the step). "
-                    "Return the tensor from the step instead, or register a buffer and update it in place "
-                    f"(self.{name}.copy_(...)), which the graph does on every call.")
-        elif old is _MISSING or not same_value(old, value):
-            warn_at(frame, f"spmd.compile: the step sets {what} at {where(frame)} while it is traced: it is set "
-                    "once, at trace, and later calls, which run the compiled graph, do not set it again. Set it "
-                    "outside the step, or keep it in a buffer updated in place (self.register_buffer(name, tensor), "
-                    "then e.g. self.calls.add_(1)), which the graph updates on every call.")
+    def write(original, owner, name, value):
+        """``original(owner, name, value)``, recorded (``_record_write``) where the user's code wrote it on one of
+        the step's modules or objects."""
+        nonlocal writing
+        frame = user_frame(thread, _PLUMBING) if id(owner) in owned and not writing else None
+        if frame is None:
+            return original(owner, name, value)
+        old = _current(owner, name)
+        writing = True
+        try:
+            original(owner, name, value)  # a frozen dataclass raises here, as eager does
+        finally:
+            writing = False
+        _record_write(replays, frame, owner, name, old, value)
         return None
+
+    def module_setattr(self, name, value):
+        if id(self) not in owned or isinstance(value, (nn.Module, nn.Parameter)) or name in self._parameters \
+                or name in self._buffers or name in self._modules:  # the module's structure: traced as such
+            return original_setattr(self, name, value)
+        return write(original_setattr, self, name, value)
 
     patches = Patches()
     try:
         patches.set(builtins, "print", print_)
         patches.set(logging.Logger, "_log", log)
-        patches.set(nn.Module, "__setattr__", setattr_)
+        patches.set(nn.Module, "__setattr__", module_setattr)
+        # each class's own __setattr__, taken before any is wrapped: a subclass's must not call its base's wrapper
+        for cls, original in {type(obj): type(obj).__setattr__ for obj in plain}.items():
+            patches.set(cls, "__setattr__", _calling(write, original))
         yield replays
     except BaseException:
         undo_side_effects(replays)  # a failed trace leaves no count behind

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import is_fake
 
 from . import step_reach
+from .host_reads import is_library
 
 _DEPTH = 4               # how far below an attribute containers are recorded and searched for fake tensors
 
@@ -85,7 +86,34 @@ def reachable_objects(fn: Callable, args: tuple, kwargs: dict, modules: list[nn.
     for obj in referenced:  # e.g. a list the step appends its loss to
         if type(obj) in (dict, list):
             found.setdefault(id(obj), obj)
+    _add_held_objects(found)
     return list(found.values())
+
+
+_HELD_DEPTH = 3  # how far below a reached plain object the plain objects it holds are followed
+_HELD_MOST = 1000  # objects followed so, at most
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of a class of the user's (not torch's, the standard library's or a module's, optimizer's or
+    tensor's), with attributes of its own."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (*step_reach.NOT_USER_OBJECTS, nn.Module,
+                                                                 torch.optim.Optimizer))
+            and not is_library(type(value).__module__))
+
+
+def _add_held_objects(found: dict[int, Any]) -> None:
+    """Add to ``found`` the plain objects the plain objects in it hold in their attributes, a few levels down
+    (``self.state.global_step``: a trainer's state object)."""
+    layer = [o for o in found.values() if _plain_object(o)]
+    for _ in range(_HELD_DEPTH):
+        held = []
+        for obj in layer:
+            for value in vars(obj).values():
+                if _plain_object(value) and id(value) not in found and len(found) < _HELD_MOST:
+                    found[id(value)] = value
+                    held.append(value)
+        layer = held
 
 
 def _holds_fake(value: Any, depth: int = _DEPTH) -> bool:

@@ -1,0 +1,197 @@
+"""A step's writes on the user's own objects happen on every call, as eager's do, or are named once.
+
+Written as training scripts keep their counters: on a trainer object the step is a method of
+(``self.global_step += 1``), on a global bookkeeping object, on an object passed in. A counter's
+``+=`` is replayed after every call (``spmd.trace.side_effects``); a plain value or a tensor set on
+such an object is said once, naming ``Class.attribute``; a frozen dataclass still refuses the write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import spmd
+
+F64 = torch.float64
+TOL = 1e-10
+CALLS = 3
+
+
+class Tally:
+    """A user's bookkeeping object (no nn.Module, no tensor)."""
+
+    def __init__(self):
+        self.calls, self.budget, self.refused, self.last, self.last_loss = 0, 1.0, 0, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    scale: float = 1.0
+
+
+TALLY = Tally()
+
+
+def _model_and_optim(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 6), nn.Tanh(), nn.Linear(6, 1)).to(F64)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _update(model, optim, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(4, 12, generator=gen, dtype=F64) for _ in range(CALLS)]
+
+
+def _assert_same_params(a: nn.Module, b: nn.Module) -> None:
+    worst = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    assert worst <= TOL, f"parameters differ by {worst}"
+
+
+def _spmd_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "spmd" in str(w.message)]
+
+
+def global_counting_step(model, optim, x):
+    TALLY.calls += 1
+    TALLY.budget -= 0.25
+    return _update(model, optim, x)
+
+
+def test_a_counter_on_a_global_object_counts_every_call_as_eager_does():
+    (model, optim), (ref, ref_optim) = _model_and_optim(), _model_and_optim()
+    step, counted = spmd.compile()(global_counting_step), []
+    TALLY.calls, TALLY.budget = 0, 1.0
+    losses = [step(model, optim, x) for x in _batches()]
+    counted.append((TALLY.calls, TALLY.budget))
+    TALLY.calls, TALLY.budget = 0, 1.0
+    expected = [global_counting_step(ref, ref_optim, x).detach() for x in _batches()]
+    counted.append((TALLY.calls, TALLY.budget))
+    assert counted == [(CALLS, 1.0 - 0.25 * CALLS)] * 2
+    assert max((a - b).abs().item() for a, b in zip(losses, expected)) <= TOL
+    _assert_same_params(model, ref)
+    assert step.trace_count == 1  # a counter's own step is no change to trace again for
+
+
+class Trainer:
+    def __init__(self, model, optim):
+        self.model, self.optim, self.global_step = model, optim, 0
+
+    def train_step(self, x):
+        self.global_step += 1
+        return _update(self.model, self.optim, x)
+
+
+def test_a_counter_on_self_of_a_bound_method_step_counts_every_call():
+    trainer, reference = Trainer(*_model_and_optim()), Trainer(*_model_and_optim())
+    step = spmd.compile()(trainer.train_step)
+    for k, x in enumerate(_batches(), start=1):
+        assert (step(x) - reference.train_step(x).detach()).abs().item() <= TOL
+        assert trainer.global_step == reference.global_step == k
+    _assert_same_params(trainer.model, reference.model)
+
+
+class NestedTrainer:
+    """Keeps its counters in a state object of its own (``self.state.global_step``), as HF's Trainer does."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim, self.state = model, optim, Tally()
+
+    def train_step(self, x):
+        self.state.calls += 1
+        self.state.last_loss = None
+        return _update(self.model, self.optim, x)
+
+
+def test_a_counter_on_an_object_the_trainer_holds_counts_every_call():
+    trainer, reference = NestedTrainer(*_model_and_optim()), NestedTrainer(*_model_and_optim())
+    step = spmd.compile()(trainer.train_step)
+    for k, x in enumerate(_batches(), start=1):
+        assert (step(x) - reference.train_step(x).detach()).abs().item() <= TOL
+        assert trainer.state.calls == reference.state.calls == k
+    _assert_same_params(trainer.model, reference.model)
+    assert step.trace_count == 1
+
+
+def passed_counting_step(model, optim, x, tally):
+    tally.calls += 1
+    tally.budget -= 0.5
+    return _update(model, optim, x)
+
+
+def test_a_counter_on_an_object_passed_as_an_argument_counts_every_call():
+    (model, optim), (ref, ref_optim) = _model_and_optim(), _model_and_optim()
+    tally, ref_tally = Tally(), Tally()
+    step = spmd.compile()(passed_counting_step)
+    for x in _batches():
+        loss = step(model, optim, x, tally)
+        assert (loss - passed_counting_step(ref, ref_optim, x, ref_tally).detach()).abs().item() <= TOL
+        assert (tally.calls, tally.budget) == (ref_tally.calls, ref_tally.budget)
+    assert tally.calls == CALLS
+    _assert_same_params(model, ref)
+
+
+def recording_step(model, optim, x, tally):
+    loss = _update(model, optim, x)
+    tally.last = 0.5
+    tally.last_loss = loss
+    return loss
+
+
+def test_a_plain_write_and_a_tensor_stored_on_an_object_are_named_once():
+    model, optim = _model_and_optim()
+    tally = Tally()
+    step = spmd.compile()(recording_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for x in _batches():
+            step(model, optim, x, tally)
+    said = _spmd_warnings(caught)
+    assert len(said) == 2, said
+    assert "sets Tally.last " in said[0] and __file__ in said[0], said
+    assert "stores a tensor it computes in Tally.last_loss" in said[1] and __file__ in said[1], said
+    assert tally.last == 0.5 and tally.last_loss is None  # set once, at trace; the tensor is not kept
+
+
+def frozen_writing_step(model, optim, x, settings, tally):
+    tally.calls += 1
+    try:
+        settings.scale = 2.0
+    except dataclasses.FrozenInstanceError:
+        tally.refused += 1
+    return _update(model, optim, x) * settings.scale
+
+
+def test_a_frozen_dataclass_still_refuses_a_write_and_its_class_is_left_as_it_was():
+    (model, optim), (ref, ref_optim) = _model_and_optim(), _model_and_optim()
+    settings, tally, ref_tally = Settings(), Tally(), Tally()
+    own_setattr = vars(Settings)["__setattr__"]
+    step = spmd.compile()(frozen_writing_step)
+    for x in _batches():
+        loss = step(model, optim, x, settings, tally)
+        assert (loss - frozen_writing_step(ref, ref_optim, x, settings, ref_tally).detach()).abs().item() <= TOL
+    assert (tally.calls, tally.refused) == (ref_tally.calls, ref_tally.refused) == (CALLS, CALLS)
+    assert settings.scale == 1.0
+    assert vars(Settings)["__setattr__"] is own_setattr and "__setattr__" not in vars(Tally)
+    _assert_same_params(model, ref)
+
+    def unguarded(model, optim, x, settings):
+        settings.scale = 2.0
+        return _update(model, optim, x)
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spmd.compile()(unguarded)(model, optim, _batches()[0], settings)
+    assert settings.scale == 1.0 and vars(Settings)["__setattr__"] is own_setattr
