@@ -195,3 +195,89 @@ def test_a_frozen_dataclass_still_refuses_a_write_and_its_class_is_left_as_it_wa
     with pytest.raises(dataclasses.FrozenInstanceError):
         spmd.compile()(unguarded)(model, optim, _batches()[0], settings)
     assert settings.scale == 1.0 and vars(Settings)["__setattr__"] is own_setattr
+
+
+# --- global and closure variables the step rebinds (spmd.trace.rebinds) ----------------------------------------
+
+STEPS_DONE = 0  # a script's global step counter
+LAST_SEEN = None
+
+
+def global_counter_step(model, optim, x):
+    global STEPS_DONE
+    STEPS_DONE += 1
+    return _update(model, optim, x)
+
+
+def _closure_counter_step():
+    calls = 0
+
+    def step(model, optim, x):
+        nonlocal calls
+        calls += 1
+        return _update(model, optim, x)
+
+    return step, lambda: calls
+
+
+def test_a_global_and_a_closure_counter_count_every_call_with_one_trace():
+    global STEPS_DONE
+    (model, optim), (ref, ref_optim) = _model_and_optim(), _model_and_optim()
+    STEPS_DONE = 0
+    step = spmd.compile()(global_counter_step)
+    closure_step, calls = _closure_counter_step()
+    closure_step = spmd.compile()(closure_step)
+    for k, x in enumerate(_batches(), start=1):
+        assert (step(model, optim, x) - _update(ref, ref_optim, x).detach()).abs().item() <= TOL
+        closure_step(model, optim, x)
+        _update(ref, ref_optim, x)
+        assert (STEPS_DONE, calls()) == (k, k)
+    _assert_same_params(model, ref)
+    assert step.trace_count == closure_step.trace_count == 1
+
+
+def halving_step(model, optim, x):
+    global STEPS_DONE
+    STEPS_DONE += 1
+    return _update(model, optim, x) * (1.0 if STEPS_DONE % 2 else 0.5)  # reads the counter
+
+
+def test_a_global_counter_the_step_reads_traces_again_and_matches_eager():
+    global STEPS_DONE
+    (model, optim), (ref, ref_optim) = _model_and_optim(), _model_and_optim()
+    step = spmd.compile()(halving_step)
+    STEPS_DONE, losses = 0, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [step(model, optim, x) for x in _batches()]
+    STEPS_DONE = 0
+    for loss, x in zip(losses, _batches()):
+        assert (loss - halving_step(ref, ref_optim, x).detach()).abs().item() <= TOL
+    assert step.trace_count == CALLS
+    assert any("reads" in m and "STEPS_DONE" in m for m in _spmd_warnings(caught))
+
+
+def rebinding_step(model, optim, x):
+    global LAST_SEEN
+    LAST_SEEN = "set in the step"
+    return _update(model, optim, x)
+
+
+def test_another_global_rebound_in_the_step_is_named_once_and_a_failed_trace_puts_counters_back():
+    global LAST_SEEN, STEPS_DONE
+    model, optim = _model_and_optim()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spmd.compile()(rebinding_step)(model, optim, _batches()[0])
+    said = _spmd_warnings(caught)
+    assert len(said) == 1 and "rebinds the global" in said[0] and "LAST_SEEN" in said[0], said
+    LAST_SEEN, STEPS_DONE = None, 0
+
+    def failing_step(model, optim, x):
+        global STEPS_DONE
+        STEPS_DONE += 1
+        return _update(model, optim, x).item() * 2.0  # refused: a tensor's value read
+
+    with pytest.raises(spmd.SpmdCompileError):
+        spmd.compile()(failing_step)(model, optim, _batches()[0])
+    assert STEPS_DONE == 0

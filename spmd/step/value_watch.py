@@ -232,7 +232,8 @@ class ValueWatch:
             if code_kind(code, namespace) != "user" or getattr(module, "__dict__", None) is not namespace:
                 continue
             for name in global_names(code):
-                if name in namespace and (id(module), name) not in watch._seen:
+                place = (id(module), name)
+                if name in namespace and place not in watch._seen and place not in watch._skip:
                     watch._place(module, name, f"global {module.__name__}.{name}")
         for root in _callables(fn):
             watch._function(root, getattr(root, "__qualname__", "the step"))
@@ -322,7 +323,7 @@ class ValueWatch:
     def _function(self, fn: Any, where: str) -> None:
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             value = _cell_value(cell)
-            if _signatures_own(value):
+            if _signatures_own(value) or (id(cell), name) in self._skip:  # a counter the step keeps
                 continue
             self._cells.append((cell, id(value), self._keep(value), f"closure variable {name} of {where}"))
             self._value(value, f"{name} (closure of {where})")

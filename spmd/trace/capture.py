@@ -59,6 +59,7 @@ from .host_reads import checking_host_reads, torch_reader_of, user_frame_of, val
 from .mask_layouts import draw_in_memory_order
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
 from .python_writes import group_writes, record_group_writes
+from .rebinds import recording_rebinds
 from .scheduler_steps import recording_scheduler_steps
 from .backward_autocast import backward_autocast
 from .block_masks import as_block_masks, holding_traced
@@ -434,7 +435,7 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
                 with _compiling_flag(), run_originals(fn, state.modules), traceable_collectives(), \
                         traceable_grouped_mm(), phase("trace/autograd"), lazy_graph_modules(), \
                         recording_side_effects(state.modules, objects) as replays, \
-                        recording_scheduler_steps(replays):
+                        recording_scheduler_steps(replays), recording_rebinds(fn, replays):
                     impure = make_fx(whole_step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)
                 read = _hyper_scalar_reads(impure, first_hyper, len(hyper_values))
                 if not read:

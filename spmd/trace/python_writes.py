@@ -38,7 +38,8 @@ from .scheduler_steps import SchedulerStep
 from .side_effects import Increment, counters
 from .step_reach import nested_codes
 
-_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
+_STORES = frozenset({"STORE_ATTR", "STORE_GLOBAL", "STORE_DEREF"})  # a counter's: an attribute, a global, a cell
 _AUGMENTED = frozenset({"+=", "-=", "INPLACE_ADD", "INPLACE_SUBTRACT"})  # BINARY_OP's argrepr (3.11+), opnames before
 _STACK_MOVES = frozenset({"SWAP", "ROT_TWO", "CACHE"})  # between an augmented op and its store
 
@@ -48,7 +49,7 @@ Code = Iterable[tuple[types.CodeType, dict]]  # code objects with the globals ea
 # --- counters the step reads --------------------------------------------------------------------------------
 
 
-def _line_of(code: types.CodeType, offset: int) -> int:
+def line_of(code: types.CodeType, offset: int) -> int:
     starts = [(o, line) for o, line in dis.findlinestarts(code) if line is not None and o <= offset]
     return max(starts, default=(0, code.co_firstlineno))[1]
 
@@ -62,7 +63,7 @@ def _first_read(code: types.CodeType, name: str) -> int | None:
         if instruction.argval == name:
             if instruction.opname in _LOADS or instruction.opname == "LOAD_CONST":
                 loads.append(instruction.offset)
-            elif instruction.opname == "STORE_ATTR" and loads and previous is not None \
+            elif instruction.opname in _STORES and loads and previous is not None \
                     and (previous.argrepr in _AUGMENTED or previous.opname in _AUGMENTED):
                 loads.pop()
         if instruction.opname not in _STACK_MOVES:
@@ -80,15 +81,17 @@ def _reading_lines(ran: Code, names: set[str]) -> dict[str, tuple[str, int, dict
                 codes.setdefault(code, namespace)
     found: dict[str, tuple[str, int, dict]] = {}
     for code, namespace in codes.items():
-        for name in names.intersection(code.co_names).union(names.intersection(code.co_consts)).difference(found):
+        named = {*code.co_names, *code.co_freevars, *code.co_cellvars, *code.co_consts}
+        for name in names.intersection(named).difference(found):
             offset = _first_read(code, name)
             if offset is not None:
-                found[name] = (code.co_filename, _line_of(code, offset), namespace)
+                found[name] = (code.co_filename, line_of(code, offset), namespace)
     return found
 
 
 def _warn_read(owner: Any, name: str, file: str, line: int, namespace: dict) -> None:
-    what = f"{type(owner).__name__}.{name}"
+    what = (f"{owner.__name__}.{name}" if isinstance(owner, types.ModuleType)
+            else name if type(owner).__name__ == "cell" else f"{type(owner).__name__}.{name}")
     buffer = (f", or keep the counter in a buffer updated in place (self.register_buffer('{name}', "
               f"torch.zeros((), dtype=torch.long)), then self.{name}.add_(1)), which the graph reads on every call"
               if isinstance(owner, nn.Module) else ", or pass it to the step as a 0-dim tensor")

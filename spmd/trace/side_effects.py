@@ -32,7 +32,8 @@ code only: torch and spmd pass through, ``host_reads.user_frame``) and decides p
 Replays are plain callables (``TracedStep.replays``), run by ``spmd.compile`` after each call but the
 first (every process traces its step, a step whose lowering the compile cache keeps too); an lr scheduler's
 step, which the trace does not run, and a value written into a param group, which the trace undoes, are
-replayed after every call (``spmd.trace.scheduler_steps``, ``spmd.trace.python_writes``). A counter the step
+replayed after every call (``spmd.trace.scheduler_steps``, ``spmd.trace.python_writes``); a global or closure
+counter (``global step; step += 1``) is replayed as a module's (``spmd.trace.rebinds``). A counter the step
 also reads is watched, so a call traces again (``python_writes``).
 """
 
