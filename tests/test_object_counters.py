@@ -200,7 +200,7 @@ def test_a_frozen_dataclass_still_refuses_a_write_and_its_class_is_left_as_it_wa
 # --- global and closure variables the step rebinds (spmd.trace.rebinds) ----------------------------------------
 
 STEPS_DONE = 0  # a script's global step counter
-LAST_SEEN = None
+LAST_SEEN = LAST_LOSS = None
 
 
 def global_counter_step(model, optim, x):
@@ -258,9 +258,10 @@ def test_a_global_counter_the_step_reads_traces_again_and_matches_eager():
 
 
 def rebinding_step(model, optim, x):
-    global LAST_SEEN
+    global LAST_SEEN, LAST_LOSS
     LAST_SEEN = "set in the step"
-    return _update(model, optim, x)
+    LAST_LOSS = _update(model, optim, x)
+    return LAST_LOSS
 
 
 def test_another_global_rebound_in_the_step_is_named_once_and_a_failed_trace_puts_counters_back():
@@ -270,7 +271,9 @@ def test_another_global_rebound_in_the_step_is_named_once_and_a_failed_trace_put
         warnings.simplefilter("always")
         spmd.compile()(rebinding_step)(model, optim, _batches()[0])
     said = _spmd_warnings(caught)
-    assert len(said) == 1 and "rebinds the global" in said[0] and "LAST_SEEN" in said[0], said
+    assert len(said) == 2 and all("rebinds the global" in m for m in said), said
+    assert "LAST_SEEN" in " ".join(said) and "tensor it gets has no value" in " ".join(said)
+    assert LAST_LOSS is None  # the traced tensor is not left in the global
     LAST_SEEN, STEPS_DONE = None, 0
 
     def failing_step(model, optim, x):

@@ -7,7 +7,8 @@ compares, around the trace, the variables the user's code stores to (``STORE_GLO
 a function's own closure variables, found in the bytecode of the step's function and of the user's functions it
 names): a number changed by ``+=`` / ``-=`` becomes an ``Increment`` of its module's attribute or a
 ``CellIncrement``, replayed after every later call as a module counter is (``spmd.trace.side_effects``); any
-other rebinding is said once, at the storing line. A failed trace puts every rebound variable back.
+other rebinding is said once, at the storing line, and a tensor stored so (a traced one) is taken back. A failed
+trace puts every rebound variable back.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import sys
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.utils._pytree as pytree
 
 from .host_reads import is_library, warn_at_line
 from .python_writes import line_of
@@ -124,12 +128,15 @@ def _replay_of(place: _Place, now: Any) -> Optional[Increment]:
     return kind(place.owner, place.name, now - place.before)
 
 
-def _warn_rebound(place: _Place) -> None:
+def _warn_rebound(place: _Place, tensor: bool) -> None:
     file, line, namespace = place.line
+    kept = ("the tensor it gets has no value until the step runs, so it keeps the value it had before the step"
+            if tensor else "it is set once, at trace, and later calls, which run the compiled graph, do not set it "
+            "again")
     warn_at_line(file, line, namespace,
-                 f"spmd.compile: the step rebinds {place.described()} at {file}:{line} while it is traced: it is "
-                 "set once, at trace, and later calls, which run the compiled graph, do not set it again. Return "
-                 "the value from the step and set it outside (a counter, name += 1, is counted on every call).")
+                 f"spmd.compile: the step rebinds {place.described()} at {file}:{line} while it is traced: {kept}. "
+                 "Return the value from the step and set it outside (a counter, name += 1, is counted on every "
+                 "call).")
 
 
 @contextlib.contextmanager
@@ -154,8 +161,11 @@ def recording_rebinds(fn: Callable, replays: list) -> Iterator[None]:
         replay = _replay_of(place, now)
         if replay is not None:
             replays.append(replay)
-        else:
-            _warn_rebound(place)
+            continue
+        tensor = any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(now))
+        if tensor:  # a traced tensor: put back, as ``user_objects`` does on objects
+            place.put_back()
+        _warn_rebound(place, tensor)
 
 
 __all__ = ["CellIncrement", "recording_rebinds"]
