@@ -272,7 +272,7 @@ class HyperMode(TorchFunctionMode):
     def _hyper(self, v) -> Optional[TracedHyper]:
         return self.hypers.get(id(v)) if isinstance(v, torch.Tensor) else None
 
-    def _specialise(self, h: TracedHyper) -> float:
+    def specialise(self, h: TracedHyper) -> float:
         h.facts.specialised.add((h.key, h.index))
         return h.value
 
@@ -292,10 +292,10 @@ class HyperMode(TorchFunctionMode):
                 h.facts.guards.add((h.key, h.index, "ne", 0.0))
                 return h.value != 0
             if func in _TO_NUMBER:
-                return _TO_NUMBER[func](self._specialise(h))
+                return _TO_NUMBER[func](self.specialise(h))
         fused = fused_float_args(func)
         if fused:
-            kwargs = {k: self._specialise(self._hyper(v)) if k in fused and self._hyper(v) else v
+            kwargs = {k: self.specialise(self._hyper(v)) if k in fused and self._hyper(v) else v
                       for k, v in kwargs.items()}
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         for t in tensors:
@@ -351,14 +351,18 @@ class HyperMode(TorchFunctionMode):
 
     def _as_python_numbers(self, tensors: list, args: tuple, kwargs: dict, inplace: bool) -> tuple[tuple, dict]:
         """Cast the floating number operands of an op whose other tensors are all 0-dim to those
-        tensors' dtype, as a Python number takes the dtype of the tensor it meets."""
+        tensors' dtype, as a Python number takes the dtype of the tensor it meets; beside integer or bool
+        tensors only, to the default dtype, as a Python float makes their result."""
         others = [t for t in tensors if id(t) not in self.numbers]
-        if len(others) == len(tensors) or any(t.dim() != 0 for t in others):
+        if len(others) == len(tensors):
             return args, kwargs
-        floats = [t.dtype for t in others if t.is_floating_point()]
-        if not floats:
-            return args, kwargs
-        target = functools.reduce(torch.promote_types, floats)
+        floats = [t.dtype for t in others if t.is_floating_point() or t.is_complex()]
+        if not floats:  # integer or bool tensors: a Python float makes the result the default dtype
+            target = torch.get_default_dtype()
+        elif any(t.dim() != 0 for t in others):
+            return args, kwargs  # a dimensioned floating tensor's dtype wins over a 0-dim one's already
+        else:
+            target = functools.reduce(torch.promote_types, floats)
 
         def cast(x):
             if isinstance(x, torch.Tensor) and id(x) in self.numbers and x.is_floating_point() and x.dtype != target:

@@ -55,6 +55,7 @@ from ..optim.meta_kernels import register_missing_fused_optimizer_metas
 from .accumulation import (LEAVES_GRADS, GradPlan, drop_unread_entry_grads, grads_on_entry, mark_entry_grad,
                            plan_left_grads)
 from .direct_functionalize import functionalize_writes
+from .hyper_reads import HyperReads
 from .host_reads import checking_host_reads, torch_reader_of, user_frame_of, value_read_error
 from .mask_layouts import draw_in_memory_order
 from .side_effects import recording_side_effects, undo_side_effects, watching_containers
@@ -229,24 +230,31 @@ class _FunctionalFusedOptim(torch.fx.Interpreter):
 
 @contextlib.contextmanager
 def _hyper_mode_in_steps(mode: HyperMode) -> Iterator[None]:
-    """Run ``mode`` inside every ``Optimizer.step`` (and only there: the model's own code is left alone)."""
+    """Run ``mode`` inside every ``Optimizer.step``, and ``HyperReads`` on the step's own code around them (a
+    hyperparameter it reads is a Python number in eager: ``spmd.trace.hyper_reads``)."""
     active = []
+    reads = HyperReads(mode)
 
     def enter(optim, args, kwargs):
+        reads.paused += 1
         mode.__enter__()
         active.append(mode)
 
     def leave(optim, args, kwargs):
         active.pop().__exit__(None, None, None)
+        reads.paused -= 1
 
     handles = [register_optimizer_step_pre_hook(enter), register_optimizer_step_post_hook(leave)]
     try:
-        yield
+        with reads:
+            try:
+                yield
+            finally:
+                while active:  # a step that raised skips its post-hook
+                    active.pop().__exit__(None, None, None)
     finally:
         for h in handles:
             h.remove()
-        while active:  # a step that raised skips its post-hook
-            active.pop().__exit__(None, None, None)
 
 
 def _check_state_updated_in_place(state: StepState, before: list[dict], after: list[dict]) -> None:
