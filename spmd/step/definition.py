@@ -45,7 +45,7 @@ from .step_cache import StepCache, cacheable
 from . import transform_store
 from .trace_store import TraceStore, reuse_on, step_roots, trace_index
 from .transformation import GraphModuleTransformation, default_transformation
-from .value_watch import ValueWatch, reachable_functions
+from .value_watch import ValueWatch, code_ran
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class StepDefinition:
                     state = state.again()
                 with phase("trace"):
                     traced = self._trace(state, args, kwargs, zero_grads_for)
-                    ran = functools.partial(_code_ran, self.fn, state.modules, traced.reads)
+                    ran = functools.partial(code_ran, self.fn, state.modules, traced.reads)
                     with skipped_counters(traced.replays, ran) as counted:  # not those the step reads
                         watch = ValueWatch.after_trace(self.fn, state.modules, args, kwargs, traced.reads,
                                                        counted=counted)
@@ -244,14 +244,6 @@ class StepDefinition:
         options = self.options
         job = job_store(self.parallel_mode.process_group()) if options.one_compile_per_job else None
         return StepCache(self.compile_cache, self.name, job, options.compile_wait_s)
-
-
-def _code_ran(fn: Callable, modules: list[nn.Module], reads: Optional[code_reads.CodeReads]) -> list[tuple]:
-    """(code, its globals) of what a trace of ``fn`` on ``modules`` ran: what it recorded (``reads``), else the
-    code ``fn`` can reach, as the value watch reads it."""
-    if reads is not None:
-        return list(reads.codes.items())
-    return [(f.__code__, f.__globals__) for f in reachable_functions(fn, modules)]
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,14 @@ def _holds_signatures_own(container: Any) -> bool:
     return any(map(_signatures_own, items))
 
 
+def code_ran(fn: Callable, modules: list[nn.Module], reads: Optional[CodeReads]) -> list[tuple]:
+    """(code, its globals) of what a trace of ``fn`` on ``modules`` ran: what it recorded (``reads``), else the
+    code ``fn`` can reach."""
+    if reads is not None:
+        return list(reads.codes.items())
+    return [(f.__code__, f.__globals__) for f in reachable_functions(fn, modules)]
+
+
 class ValueWatch:
     """The places one trace read (module docstring): ``changed`` says which one changed since, or None.
 
@@ -221,10 +229,7 @@ class ValueWatch:
     def _built(cls, fn: Callable, modules: list[nn.Module], args: tuple, kwargs: dict,
                reads: Optional[CodeReads], counted: Iterable[tuple[Any, str]]) -> "ValueWatch":
         watch = cls()
-        if reads is not None:
-            ran = list(reads.codes.items())
-        else:
-            ran = [(f.__code__, f.__globals__) for f in reachable_functions(fn, modules)]
+        ran = code_ran(fn, modules, reads)
         watch._names = read_names(code for code, _ in ran)
         watch._skip = frozenset((id(m), name) for m, name in counted)
         for code, namespace in ran:

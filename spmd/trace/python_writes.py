@@ -23,7 +23,6 @@ value it writes into one of its optimizers' param groups.
 from __future__ import annotations
 
 import contextlib
-import dis
 import types
 import weakref
 from typing import Any, Callable, Iterable, Iterator
@@ -33,6 +32,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from ..errors import SpmdCompileError
+from .bytecode import instructions, line_of
 from .host_reads import is_library, warn_at_line
 from .scheduler_steps import SchedulerStep
 from .side_effects import Increment, counters
@@ -40,8 +40,6 @@ from .step_reach import nested_codes
 
 _LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
 _STORES = frozenset({"STORE_ATTR", "STORE_GLOBAL", "STORE_DEREF"})  # a counter's: an attribute, a global, a cell
-_AUGMENTED = frozenset({"+=", "-=", "INPLACE_ADD", "INPLACE_SUBTRACT"})  # BINARY_OP's argrepr (3.11+), opnames before
-_STACK_MOVES = frozenset({"SWAP", "ROT_TWO", "CACHE"})  # between an augmented op and its store
 
 Code = Iterable[tuple[types.CodeType, dict]]  # code objects with the globals each ran under
 
@@ -49,25 +47,16 @@ Code = Iterable[tuple[types.CodeType, dict]]  # code objects with the globals ea
 # --- counters the step reads --------------------------------------------------------------------------------
 
 
-def line_of(code: types.CodeType, offset: int) -> int:
-    starts = [(o, line) for o, line in dis.findlinestarts(code) if line is not None and o <= offset]
-    return max(starts, default=(0, code.co_firstlineno))[1]
-
-
 def _first_read(code: types.CodeType, name: str) -> int | None:
     """The offset of the first instruction of ``code`` that reads attribute ``name`` other than for its own
     ``x.name += ...`` / ``-=``, or None. Each augmented store takes back the latest load of the name before it."""
     loads: list[int] = []
-    previous = None
-    for instruction in dis.get_instructions(code):
+    for instruction, augmented in instructions(code):
         if instruction.argval == name:
             if instruction.opname in _LOADS or instruction.opname == "LOAD_CONST":
                 loads.append(instruction.offset)
-            elif instruction.opname in _STORES and loads and previous is not None \
-                    and (previous.argrepr in _AUGMENTED or previous.opname in _AUGMENTED):
+            elif instruction.opname in _STORES and loads and augmented:
                 loads.pop()
-        if instruction.opname not in _STACK_MOVES:
-            previous = instruction
     return loads[0] if loads else None
 
 

@@ -14,7 +14,6 @@ trace puts every rebound variable back.
 from __future__ import annotations
 
 import contextlib
-import dis
 import sys
 import types
 from dataclasses import dataclass
@@ -23,14 +22,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .bytecode import instructions, line_of
 from .host_reads import is_library, warn_at_line
-from .python_writes import line_of
 from .side_effects import Increment
 from .step_reach import nested_codes
 from .user_objects import named_references
 
-_AUGMENTED = frozenset({"+=", "-=", "INPLACE_ADD", "INPLACE_SUBTRACT"})  # BINARY_OP's argrepr (3.11+), opnames before
-_STACK_MOVES = frozenset({"SWAP", "ROT_TWO", "CACHE"})  # between an augmented op and its store
 _MISSING = object()
 
 
@@ -77,13 +74,9 @@ class _Place:
 
 def _stores(code: types.CodeType, opname: str) -> Iterator[tuple[str, int, bool]]:
     """(name, line, augmented) of each ``opname`` store in ``code``."""
-    previous = None
-    for instruction in dis.get_instructions(code):
+    for instruction, augmented in instructions(code):
         if instruction.opname == opname:
-            augmented = previous is not None and (previous.argrepr in _AUGMENTED or previous.opname in _AUGMENTED)
             yield instruction.argval, line_of(code, instruction.offset), augmented
-        if instruction.opname not in _STACK_MOVES:
-            previous = instruction
 
 
 def _user_functions(fn: Callable) -> list[types.FunctionType]:

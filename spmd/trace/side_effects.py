@@ -55,27 +55,17 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .bytecode import augmented_at, line_of
 from .host_reads import Patches, installed_code, is_library, user_frame, warn_at, warn_at_line, where
+from .step_reach import nested_codes
 from .user_objects import named_references
 
 _PLUMBING = frozenset({"logging", __name__})
-_AUGMENTED = {"+=", "-=", "INPLACE_ADD", "INPLACE_SUBTRACT"}  # BINARY_OP's argrepr (3.11+), opnames before
 _MISSING = object()
 
 
 def _holds_tensor(values: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(values))
-
-
-def _augmented_at(code, offset: int) -> bool:
-    """Whether the attribute store at ``offset`` of ``code`` is ``x.a += ...`` or ``x.a -= ...``."""
-    before = None
-    for instruction in dis.get_instructions(code):
-        if instruction.offset == offset:
-            return before is not None and (before.argrepr in _AUGMENTED or before.opname in _AUGMENTED)
-        if instruction.opname not in ("SWAP", "ROT_TWO", "CACHE"):
-            before = instruction
-    return False
 
 
 class Increment:
@@ -138,24 +128,16 @@ def _changed(container: Any, before: list) -> bool:
     return any(a is not b for a, b in zip(now, before))
 
 
-def _codes(code) -> Iterator:
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, type(code)):
-            yield from _codes(const)
-
-
 def _line_changing(codes: list, name: str) -> Optional[tuple[str, int]]:
     """(file, line) where one of ``codes`` loads ``name`` and calls a mutating method on it (``name.append``),
     else where it first loads ``name``, else None."""
     first = None
-    for code in (c for top in codes for c in _codes(top)):
-        starts = [(offset, line) for offset, line in dis.findlinestarts(code) if line is not None]
-        instructions = list(dis.get_instructions(code))
-        for here, after in zip(instructions, instructions[1:] + [None]):
+    for code in (c for top in codes for c in nested_codes(top)):
+        listed = list(dis.get_instructions(code))
+        for here, after in zip(listed, listed[1:] + [None]):
             if here.argval != name or not here.opname.startswith("LOAD_"):
                 continue
-            line = max(((o, ln) for o, ln in starts if o <= here.offset), default=(0, code.co_firstlineno))[1]
+            line = line_of(code, here.offset)
             if after is not None and after.opname.startswith("LOAD_") and after.argval in _MUTATORS:
                 return code.co_filename, line
             first = first or (code.co_filename, line)
@@ -259,7 +241,7 @@ def _record_write(replays: list, frame, owner: Any, name: str, old: Any, value: 
     once, naming ``Class.name``, with the fix for a module (a buffer) or for an object (set it after the call).
     A tensor stored where one was is not said: the trace holds that one, and writes the new one back into it
     (a module's) or refuses the step naming it (``step_reach.refuse_rebound``)."""
-    if type(old) in (int, float) and type(value) in (int, float) and _augmented_at(frame.f_code, frame.f_lasti):
+    if type(old) in (int, float) and type(value) in (int, float) and augmented_at(frame.f_code, frame.f_lasti):
         replays.append(Increment(owner, name, value - old))
         return
     what, module = f"{type(owner).__name__}.{name}", isinstance(owner, nn.Module)
