@@ -62,6 +62,7 @@ def test_untraceable_step_names_cause_and_fix_and_touches_nothing(step, match, f
     with pytest.raises(SpmdCompileError, match=match) as info:
         spmd.compile()(step)(model, optim, torch.randn(8, 4))
     assert "FakeTensor" not in str(info.value) and "SymInt" not in str(info.value)
+    assert str(info.value).startswith(f"spmd.compile: {step.__name__} ")  # the step's own name, not train_step's
     _assert_unchanged(model, optim, snap)
 
 

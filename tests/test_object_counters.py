@@ -284,3 +284,37 @@ def test_another_global_rebound_in_the_step_is_named_once_and_a_failed_trace_put
     with pytest.raises(spmd.SpmdCompileError):
         spmd.compile()(failing_step)(model, optim, _batches()[0])
     assert STEPS_DONE == 0
+
+
+class Guarded(nn.Module):
+    """A module with a ``__setattr__`` of its own that calls nn.Module's (as libraries' modules do to check
+    what is set), counting its calls in ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 1, dtype=F64)
+        self.calls = 0
+
+    def __setattr__(self, name, value):
+        if name == "calls" and value < 0:
+            raise ValueError("calls cannot be negative")
+        super().__setattr__(name, value)
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x)
+
+
+def test_a_counter_on_a_module_with_its_own_setattr_counts_every_call():
+    torch.manual_seed(0)
+    model, ref = Guarded(), Guarded()
+    ref.load_state_dict(model.state_dict())
+    optim, ref_optim = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+    step = spmd.compile()(_update)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for k, x in enumerate(_batches(), start=1):
+            assert (step(model, optim, x) - _update(ref, ref_optim, x).detach()).abs().item() <= TOL
+            assert model.calls == ref.calls == k
+    assert not _spmd_warnings(caught) and step.trace_count == 1
+    _assert_same_params(model, ref)

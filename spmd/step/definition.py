@@ -23,6 +23,7 @@ from ..checks.step_inputs import (check_dense_gradients, check_materialized, che
                                   check_optimizers_follow_modules)
 from ..compile_options import CompileOptions
 from ..compile_times import phase, recording
+from ..errors import naming_the_step
 from ..graph_utils import DumpOptions, recording_stages
 from ..optim.amp_scaler import ensure_scale, step_scalers
 from ..optim.hyperparams import LearnedFacts
@@ -178,8 +179,9 @@ class StepDefinition:
                     expand = functools.partial(self._expanded, state, grad_order, self.parallel_mode.mesh_dims(state))
                     # a kept trace whose kept transform is reused: loaded and expanded only where it is read
                     gm = expand(traced.gm) if traced.gm is not None else lambda: expand(traced.load_gm())
-            except BaseException:
+            except BaseException as err:
                 undo_created(created)
+                naming_the_step(err, self.name)
                 raise
         return Traced(gm, traced, state, tuple(created), times, dict(dump.stages), dump.options, self.name,
                       self.transformation_for(state), self.parallel_mode, watch)

@@ -262,6 +262,14 @@ def _record_write(replays: list, frame, owner: Any, name: str, old: Any, value: 
                 f"outside the step, {fix}")
 
 
+def _past_setattr(frame):
+    """The frame of the assignment that reached ``frame``: past ``__setattr__`` methods (a class's own, which
+    calls its base's, as a module subclass's does with ``super().__setattr__``)."""
+    while frame is not None and frame.f_code.co_name == "__setattr__" and frame.f_back is not None:
+        frame = frame.f_back
+    return frame
+
+
 def _calling(write: Callable, original: Callable) -> Callable:
     """A class's ``__setattr__`` for the trace: ``write(original, ...)``, ``original`` the one it had."""
     def setattr_(self, name, value):
@@ -310,7 +318,7 @@ def recording_side_effects(modules: list[nn.Module], objects: list = ()) -> Iter
         """``original(owner, name, value)``, recorded (``_record_write``) where the user's code wrote it on one of
         the step's modules or objects."""
         nonlocal writing
-        frame = user_frame(thread, _PLUMBING) if id(owner) in owned and not writing else None
+        frame = _past_setattr(user_frame(thread, _PLUMBING)) if id(owner) in owned and not writing else None
         if frame is None:
             return original(owner, name, value)
         old = _current(owner, name)
