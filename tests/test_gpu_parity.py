@@ -302,3 +302,34 @@ def _optimizers_on_gpus(rank, world_size):
 
 def test_optimizers_with_hyperparameter_inputs_match_ddp_on_gpus_in_float64():
     run_distributed(_optimizers_on_gpus, world_size=WORLD_SIZE, backend="nccl")
+
+
+def test_a_step_reading_the_lr_keeps_eagers_dtype_under_cuda_graphs_without_recapture():
+    """The default GPU step (Inductor, CUDA graphs) of a step that scales its loss by the lr it reads, the lr
+    cut every call: the float32 loss stays float32 (a Python number's promotion), the values follow the lr,
+    one trace, captured on the first call only (``spmd.trace.hyper_reads``)."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = MLP(layers=2, dim=64).to(device)
+    ref = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.AdamW(m.parameters(), lr=0.01, fused=True, capturable=True) for m in (model, ref))
+
+    def step(model, optim, batch):
+        loss = model(batch).square().mean() * optim.param_groups[0]["lr"]
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    compiled = spmd.compile(cache_dir=False)(step)
+    captured = []
+    for k in range(5):
+        for o in (optim, ref_optim):
+            o.param_groups[0]["lr"] = 0.01 / (k + 1)
+        batch = torch.randn(16, 64, device=device)
+        got, want = compiled(model, optim, batch), step(ref, ref_optim, batch)
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-4)
+        captured.append(compiled.cuda_graph_captures)
+    assert_params_close(model, ref, atol=1e-4, rtol=1e-4)
+    assert compiled.trace_count == 1 and captured[0] >= 1 and len(set(captured)) == 1, captured
