@@ -139,6 +139,27 @@ def test_an_augmented_assignment_to_a_read_lr_leaves_the_optimizers_lr():
     assert step.trace_count == 1
 
 
+def float32_lr_step(model, optim, x):
+    lr = optim.param_groups[0]["lr"]  # a float32 tensor (as the lr of a fused CUDA optimizer is traced)
+    loss = model(x).square().mean() * lr
+    assert f"{lr:.2f}" == "0.01"  # read after it met a tensor
+    _update(optim, loss)
+    return loss
+
+
+def test_a_hyperparameter_kept_as_a_float32_tensor_is_read_after_it_meets_a_tensor():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    twin = copy.deepcopy(model)
+    optim, ref_optim = (torch.optim.Adam(m.parameters(), lr=torch.tensor(0.01)) for m in (model, twin))
+    step = spmd.compile()(float32_lr_step)
+    for x in torch.randn(3, 6, 4, generator=torch.Generator().manual_seed(1)):
+        got, want = step(model, optim, x), float32_lr_step(twin, ref_optim, x)
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+    assert step.trace_count == 1
+
+
 def test_a_value_the_optimizer_step_computes_is_refused_by_name():
     from spmd.optim.hyperparams import HyperMode
     from spmd.trace.hyper_reads import HyperReads

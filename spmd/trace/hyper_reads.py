@@ -69,12 +69,14 @@ class HyperReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.paused or not self._touches_number(args, kwargs) or torch.compiler.is_dynamo_compiling():
+        if self.paused:
+            return func(*args, **kwargs)
+        if func in _CONVERSIONS and args and (id(args[0]) in self.rules.hypers or id(args[0]) in self.rules.numbers):
+            return self._converted(func, args, kwargs)  # a hyperparameter kept as a tensor (a float32 lr) too
+        if not self._touches_number(args, kwargs) or torch.compiler.is_dynamo_compiling():
             return func(*args, **kwargs)
         if func in _CONSTRUCTORS and args and id(args[0]) in self.rules.numbers:
             return self._constructed(func, args, kwargs)
-        if func in _CONVERSIONS and args and isinstance(args[0], torch.Tensor):
-            return self._converted(func, args, kwargs)
         if args and id(args[0]) in self.rules.numbers and _out_of_place(func) is not None:
             func = _out_of_place(func)  # ``lr *= 0.5`` (``mul_``) rebinds a Python float: nothing is written
         out = self.rules.__torch_function__(func, types, args, kwargs)
