@@ -237,14 +237,16 @@ def _line_marked(marker: str) -> int:
     return next(k for k, line in enumerate(open(__file__), 1) if line.rstrip().endswith(f"# {marker}"))
 
 
-@pytest.mark.parametrize("how", ["item", "tolist", "formatted"])
-def test_item_used_as_a_number_is_refused_naming_the_line(how):
+@pytest.mark.parametrize("how", ["item", "tolist", "formatted", "printed"])
+def test_item_used_as_a_number_is_refused_naming_the_line(how, capsys):
     model, optim = _model_and_optim()
 
     def reads_item(model, optim, x):
         loss = model(x).square().mean()
         if how == "formatted":
             print(f"loss {loss.item():.3f}")  # reads: formatted
+        elif how == "printed":
+            print(f"loss {loss.item()}")  # reads: printed
         else:
             loss = loss * (1.0 + 0.0 * (loss.item() if how == "item" else sum(loss.reshape(1).tolist())))  # reads
         loss.backward()
@@ -253,14 +255,19 @@ def test_item_used_as_a_number_is_refused_naming_the_line(how):
         return loss
 
     step = spmd.compile()(reads_item)
-    line = _line_marked("reads: formatted" if how == "formatted" else "reads")
-    with pytest.raises(spmd.SpmdCompileError, match=rf"reads the value of a tensor at {re.escape(__file__)}:{line} "
-                                                    r"\(in reads_item\).*keep the value a tensor"):
-        step(model, optim, torch.randn(4, 12, dtype=F64))
-    assert torch.Tensor.item is _ITEM
+    line = _line_marked(f"reads: {how}" if how in ("formatted", "printed") else "reads")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        with pytest.raises(spmd.SpmdCompileError, match=rf"reads the value of a tensor at {re.escape(__file__)}:"
+                                                        rf"{line} \(in reads_item\).*keep the value a tensor"):
+            step(model, optim, torch.randn(4, 12, dtype=F64))
+    assert torch.Tensor.item is _ITEM and torch.SymFloat.__repr__ is _SYMBOL_TEXT
+    assert "loss" not in capsys.readouterr().out  # nothing printed: no symbol's name for a value (was "loss zuf0")
+    assert not [w for w in caught if "prints" in str(w.message)]
 
 
 _ITEM = torch.Tensor.item
+_SYMBOL_TEXT = torch.SymFloat.__repr__
 
 
 def test_torch_rng_in_the_step_draws_anew_on_every_call_like_eager():

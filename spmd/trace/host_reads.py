@@ -12,8 +12,9 @@ and the patched library itself):
   the call, its file:line and the fix (torch's RNG, which the graph draws on every call, or the value
   passed as an argument);
 * ``tensor.item()`` whose value only the running step knows is refused alike, by the trace, at the
-  user's line (``value_read_error``; a hyperparameter read so is specialised on instead:
-  ``spmd.trace.capture``);
+  user's line (``value_read_error``; a hyperparameter read so is its value: ``spmd.trace.hyper_reads``);
+  made into text there (``print(loss.item())``, ``f"{loss.item()}"``), it is refused at once, before a
+  symbol's name is printed;
 * an ``os.environ`` / ``os.getenv`` read in the user's code warns (``RuntimeWarning``), once per place, that
   the step keeps the value read at trace: environment variables are configuration, and library code reading
   one is never refused (nor warned about: an installed package's read is its configuration).
@@ -62,6 +63,7 @@ _LIBRARIES = frozenset({"torch", "spmd", "functorch", "sympy", "mpmath", "networ
 # the patched functions' own modules: a call between them is one call of the caller's
 _PLUMBING = frozenset({"random", "os", "collections", "numpy", __name__})  # _collections_abc is "collections.abc"
 _ITEM_PLUMBING = _PLUMBING | {"torch._subclasses.fake_tensor"}  # where a user's .item() or .tolist() runs item()
+_TEXT_PLUMBING = _PLUMBING | {"spmd.trace.side_effects"}  # print() while a trace records it
 
 
 def _top(frame) -> str:
@@ -371,6 +373,14 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module], reached: list = 
                 value_reads.append(Place(frame.f_code, frame.f_lineno))  # the frame's line moves on
         return value
 
+    def symbol_text(original: Callable) -> Callable:
+        def as_text(self):
+            frame = user_frame(thread, _TEXT_PLUMBING)  # print() is side_effects' while it records
+            if frame is not None:  # the user's print(loss.item()) / f"{loss.item()}": the value is not known
+                raise value_read_error(frame)
+            return original(self)
+        return as_text
+
     original_getitem, original_item = _ENVIRON_TYPE.__getitem__, torch.Tensor.item
     _settle_dynamo_lookups()
     patches = Patches()
@@ -398,6 +408,8 @@ def checking_host_reads(fn: Callable, modules: list[nn.Module], reached: list = 
                     patches.set(namespace, name, replaced[id(value)])
         patches.set(_ENVIRON_TYPE, "__getitem__", environ_read)
         patches.set(torch.Tensor, "item", item)
+        for symbol in (torch.SymInt, torch.SymFloat, torch.SymBool):  # the text of an .item() read (str, format)
+            patches.set(symbol, "__repr__", symbol_text(symbol.__repr__))
         generators = [(where, g, _generator_state(g)) for where, g in
                       _numpy_generators(fn, modules, _user_namespaces(fn, modules), list(reached))]
         yield value_reads
