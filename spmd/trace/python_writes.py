@@ -137,11 +137,12 @@ EVERY_CALL = (SchedulerStep, GroupWrite)
 def _tensor_written(optim: torch.optim.Optimizer, index: int, key: str) -> SpmdCompileError:
     entry = f"param_groups[{index}][{key!r}]"
     return SpmdCompileError(
-        f"spmd.compile: the step writes a tensor into {type(optim).__name__}.{entry} while it is traced: the "
-        "tensor has no value until the step runs, so the optimizer cannot keep it after a call of the compiled "
-        f"step. Compute the value outside the step and set it there before the call (optim.{entry} = value: "
-        "every numeric hyperparameter is an input of the compiled step, read on every call), or write a Python "
-        "number.")
+        f"spmd.compile: the step writes a tensor into {type(optim).__name__}.{entry} while it is traced (or a "
+        f"value computed from the group's hyperparameters, such as {entry} * 0.5, which the trace computes as a "
+        "tensor): it has no value until the step runs, so the optimizer cannot keep it after a call of the "
+        f"compiled step. Compute the value outside the step and set it there before the call (optim.{entry} = "
+        "value, or an lr scheduler: every numeric hyperparameter is an input of the compiled step, read on every "
+        "call), or write a Python number.")
 
 
 def group_writes(optim: torch.optim.Optimizer, index: int, placed: dict, group: dict) -> list[GroupWrite]:
