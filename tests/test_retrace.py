@@ -52,6 +52,29 @@ def test_trace_count_and_one_warning_naming_the_change_when_a_step_keeps_retraci
     assert "input 2 shape (3, 4) -> (4, 4)" in caplog.text  # every retrace is logged with its reason
 
 
+def weighted_step(model, optim, x, weight):
+    loss = model(x).square().mean() * weight
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return loss
+
+
+def test_a_number_argument_changing_every_call_is_named_at_its_second_retrace_with_the_fix():
+    torch.manual_seed(0)
+    model = MLP(1, 4)
+    optim = torch.optim.SGD(model.parameters(), lr=0.125)
+    step = spmd.compile()(weighted_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for weight in (1.0, 0.5, 1.0, 0.5, 1 / 3, 0.25):  # the first two values again: cached, no retrace
+            step(model, optim, torch.randn(2, 4), weight)
+    said = [w for w in caught if "Python number argument" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
+    assert "input 3, a Python number argument (0.5 -> 0.3333333333333333)" in str(said[0].message)
+    assert "torch.tensor(value)" in str(said[0].message)
+
+
 def test_a_retrace_after_the_optimizer_state_was_cleared_names_the_state_and_trains_like_eager(caplog):
     """The signature a call is looked up by has no state; compiling creates it again, and the log says what
     was gone rather than that nothing changed."""

@@ -52,6 +52,7 @@ class CallPath:
         self._agreement: Optional[rank_agreement.Agreement] = None
         self._agreement_resolved = False
         self._stale: Optional[str] = None  # what changed of the values the last entry's trace read
+        self._number_retraces: dict[str, int] = {}  # number argument (``input 3``) -> retraces for a new value
 
     def prepare_call(self, args: tuple, kwargs: dict) -> tuple[CompiledStep, list, list]:
         """(compiled step, its graph inputs, the state's tensors: parameters, buffers, optimizer state, in graph
@@ -186,6 +187,22 @@ class CallPath:
             self._agreement_resolved = True
         return self._agreement
 
+    def _warn_changing_numbers(self, looked_up: dict[str, Any]) -> None:
+        """Warn once for a Python number argument that a second retrace is for a new value of (an annealed loss
+        weight, a step count passed in): each value is a graph of its own, compiled anew."""
+        for input_name, value in looked_up.items():
+            before = self.last_signature.get(input_name)
+            if not input_name.startswith("input ") or before == value or not (_number(before) and _number(value)):
+                continue
+            self._number_retraces[input_name] = self._number_retraces.get(input_name, 0) + 1
+            if self._number_retraces[input_name] == 2:
+                warnings.warn(
+                    f"spmd.compile: {self.definition.name} was traced again for a new value of {input_name}, a "
+                    f"Python number argument ({before} -> {value}), the second time: each value is a graph of its "
+                    "own, traced and compiled anew. If it changes from call to call (an annealed loss weight, a "
+                    "step count), pass it as a 0-dim tensor (torch.tensor(value)), which the compiled step reads "
+                    "on every call, or use it outside the step.", RuntimeWarning, stacklevel=6)
+
     def remember(self, key: tuple, entry: CompiledStep, signature: dict[str, Any], looked_up: dict[str, Any]) -> None:
         """Cache ``entry`` under ``signature``, count the trace, and say why the step retraced (warning once when
         it keeps doing so): what differs between the last signature and the one the call was looked up by
@@ -200,6 +217,7 @@ class CallPath:
             # gradients held on entry or not: an accumulation loop's expected second graph (spmd.trace.accumulation)
             level = logging.INFO if all(c.startswith("gradient of ") for c in changes) else logging.WARNING
             log.log(level, "spmd.compile: %s retraced (trace %d): %s", name, self.trace_count, "; ".join(changes))
+            self._warn_changing_numbers(looked_up)
             if self.trace_count == options.retrace_warning_at:
                 warnings.warn(
                     f"spmd.compile: {name} has been traced {self.trace_count} times; each trace costs "
@@ -242,3 +260,14 @@ class ZeroGradVariants:
             variant.first_step, plain.first_step = plain.first_step, {}
         plain.variants[(zero_grads_for, tuple(grad_order))] = variant
         return rank_agreement.Candidate(variant, state, fresh=True)
+
+
+def _number(text: Any) -> bool:
+    """Whether a signature's value is that of an int or float argument (its repr)."""
+    if not isinstance(text, str) or text in ("True", "False", "None"):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
