@@ -239,3 +239,45 @@ def _ddp_parity(rank, world_size):
 
 def test_a_scheduler_in_the_step_matches_ddp_on_two_ranks():
     run_distributed(_ddp_parity)
+
+
+def _logging_step(model, optim, sched, x, y):
+    lr_used = optim.param_groups[0]["lr"]  # read before the scheduler's step: the lr this call steps with
+    loss = _step(model, optim, sched, x, y)
+    group = optim.param_groups[0]
+    return {"loss": loss, "lr_used": lr_used, "lr_next": group["lr"], "betas": group["betas"]}
+
+
+def test_hyperparameters_returned_after_the_schedulers_step_are_eagers_numbers():
+    """Read after ``sched.step()`` in the step, the lr and betas are what the scheduler set (returned: read after
+    the call, once it ran); read before, the call's own lr: Python numbers as in eager, not the trace's."""
+    make_optim, make_sched = CASES["OneCycleLR-Adam-betas"]
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = make_optim(model), make_optim(ref)
+    sched, ref_sched = make_sched(optim), make_sched(ref_optim)
+    train_step = spmd.compile()(_logging_step)
+    for x, y in _batches():
+        got, want = train_step(model, optim, sched, x, y), _logging_step(ref, ref_optim, ref_sched, x, y)
+        torch.testing.assert_close(got.pop("loss"), want.pop("loss"), rtol=0, atol=1e-10)
+        assert got == want and type(got["lr_used"]) is type(got["betas"][1]) is float, (got, want)
+        _assert_same_schedule(sched, ref_sched, optim, ref_optim)
+    assert train_step.trace_count == 1
+
+
+def _scaled_after_schedule(model, optim, sched, x, y):
+    loss = _step(model, optim, sched, x, y)
+    return loss * optim.param_groups[0]["lr"]  # uses: the lr the scheduler sets after the call
+
+
+def test_a_value_the_scheduler_sets_used_in_the_step_after_its_step_is_refused_naming_the_line():
+    model, (make_optim, make_sched) = _mlp(), CASES["StepLR"]
+    optim = make_optim(model)
+    sched = make_sched(optim)
+    before = [p.detach().clone() for p in model.parameters()]
+    line = _scaled_after_schedule.__code__.co_firstlineno + 2
+    with pytest.raises(spmd.SpmdCompileError, match=rf"uses optim\.param_groups\[0\]\['lr'\] at .*:{line} .*after "
+                                                    r"StepLR\.step\(\) in the step.*Read it before"):
+        spmd.compile()(_scaled_after_schedule)(model, optim, sched, *_batches()[0])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert sched.last_epoch == 0 and optim.param_groups[0]["lr"] == 0.1 and type(optim.param_groups[0]["lr"]) is float

@@ -60,7 +60,7 @@ from .trace_guards import TraceGuards, Unguardable, failed_guard, fingerprint, g
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4            # bumped when what a kept trace holds changes
+FORMAT = 5            # bumped when what a kept trace holds changes
 KEPT_PER_STEP = 4     # kept traces per index, the newest first
 
 

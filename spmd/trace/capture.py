@@ -406,8 +406,8 @@ def capture_train_step(fn: Callable, state: StepState, args: tuple, kwargs: dict
         if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in flat_out):
             raise value_read_error()
         owned = {id(t): k for k, t in enumerate((*params_in, *buffers_in, *state_in))}
-        values, out_holder["dtensors"], out_holder["live"] = graph_outputs(flat_out, owned,
-                                                                           getattr(fn, "__name__", "train_step"))
+        values, out_holder["dtensors"], out_holder["live"] = graph_outputs(
+            flat_out, owned, getattr(fn, "__name__", "train_step"), {id(t): k for k, t in enumerate(hypers)})
         return values + [g.detach() for g in left]
 
     hyper_values = state.hyper_tensors()

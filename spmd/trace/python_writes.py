@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from ..errors import SpmdCompileError
 from .bytecode import instructions, line_of
 from .host_reads import is_library, warn_at_line
+from .scheduled_values import unscheduled
 from .scheduler_steps import SchedulerStep
 from .side_effects import Increment, counters
 from .step_reach import nested_codes
@@ -151,6 +152,7 @@ def group_writes(optim: torch.optim.Optimizer, index: int, placed: dict, group: 
     user's value), ``params`` aside. Raises ``SpmdCompileError`` for a tensor written there."""
     writes = []
     for key, value in group.items():
+        value = unscheduled(value)  # what a scheduler's step in the step starts from (spmd.trace.scheduled_values)
         if key == "params" or (key in placed and placed[key] is value):
             continue
         if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):

@@ -17,6 +17,8 @@ Refused (``SpmdCompileError``, naming the scheduler and the line), before anythi
   the lr the scheduler set, which a replay after the graph comes too late for;
 * a tensor among a scheduler step's arguments (``ReduceLROnPlateau.step(loss)``): the scheduler reads its value,
   which the trace does not have;
+* a value the scheduler sets, read by the step after its ``step()`` (``spmd.trace.scheduled_values``): returned, it
+  is the value after the call; computed with, refused;
 * ``scheduler.get_last_lr()`` called by the step's own code: the compiled step would return or compute with the
   lr of the trace on every call. The lr a step may read is its optimizer's (``optim.param_groups[0]["lr"]``, a
   graph input), and ``get_last_lr()`` is read after the call.
@@ -40,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import SpmdCompileError
 from .host_reads import Patches, user_frame, where
+from .scheduled_values import mark_scheduled
 
 
 class SchedulerStep:
@@ -132,6 +135,7 @@ def recording_scheduler_steps(replays: list[Callable[[], None]]) -> Iterator[Non
                     "loss = train_step(...); scheduler.step(loss).")
             recorded.append((self, place))
             replays.append(SchedulerStep(self, args, kwargs, id(self.optimizer) in stepped))
+            mark_scheduled(self, _named(self))  # what the step reads after it is set after the call
             return None
 
         return step
