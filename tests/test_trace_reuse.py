@@ -71,12 +71,12 @@ def _step_function(helpers, factor: float):
     return train_step
 
 
-def _train(cache, factor: float = 1.0, lr: float = 0.1) -> tuple[list, list, dict]:
+def _train(cache, factor: float = 1.0, lr: float = 0.1, nesterov: bool = False) -> tuple[list, list, dict]:
     """Three steps of a fresh compile of the user's step: (losses, parameters, compile phases of the first)."""
     helpers = sys.modules["helpers"]
     torch.manual_seed(0)
     model = MLP(layers=2, dim=8).double()
-    optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=nesterov)
     step = spmd.compile(cache_dir=cache)(_step_function(helpers, factor))
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -111,7 +111,8 @@ def test_a_kept_trace_is_reused_until_what_it_ran_or_read_changes(user_modules, 
     _check(cache, reused=True)  # nothing changed
     _check(cache, reused=False, factor=2.0)  # a closure value of the step
     _check(cache, reused=True, factor=2.0)
-    _check(cache, reused=False, lr=0.05)  # the optimizer's settings
+    _check(cache, reused=True, lr=0.05)  # a hyperparameter's value (a resumed job's lr): a graph input
+    _check(cache, reused=False, lr=0.05, nesterov=True)  # an optimizer flag
     monkeypatch.setenv("LOSS_SHIFT", "1.5")  # an environment variable the step reads
     with pytest.warns(RuntimeWarning, match="LOSS_SHIFT"):
         _check(cache, reused=False, lr=0.05)

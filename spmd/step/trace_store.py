@@ -77,6 +77,7 @@ class KeptTrace:
     grads: GradPlan
     live: dict
     learned: hyperparams.LearnedFacts
+    assumed: list  # what the trace assumed of each param group's values (``assumed``), checked before reuse
     warnings: list
     uid: str = ""  # this trace's id, which what is kept of its transform names (``spmd.step.transform_store``)
     format: int = FORMAT
@@ -137,6 +138,8 @@ class TraceStore:
                       "was kept yet with these versions, torch settings, rank, world size, mode and overrides)")
         for candidate in kept:
             why = failed_guard(candidate.guards, now)
+            if why is None and assumed(state, candidate.learned) != candidate.assumed:
+                why = "a hyperparameter it branched on or computed with as a number changed"
             graph = self._graph_data(candidate.uid) if why is None else None
             if graph is not None:
                 with phase("trace/reused"):
@@ -150,12 +153,12 @@ class TraceStore:
             for w in caught:  # shown as they would have been, and kept to be shown again on reuse
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         if reads is not None:
-            uid = self._keep(traced, reads, now, caught, kept)
+            uid = self._keep(traced, state, reads, now, caught, kept)
             if uid is not None:
                 traced = dataclasses.replace(traced, kept_id=uid)
         return traced
 
-    def _keep(self, traced: TracedStep, reads: code_reads.CodeReads, now: Any, caught: list,
+    def _keep(self, traced: TracedStep, state: StepState, reads: code_reads.CodeReads, now: Any, caught: list,
               kept: list) -> Optional[str]:
         """Keep ``traced`` with its guards; its id, or None where it is not kept (said once in the log)."""
         why = unkept_because(traced)
@@ -164,7 +167,7 @@ class TraceStore:
                 record = KeptTrace(
                     guards_for(reads, now), bool(traced.gm.meta.get(LEAVES_GRADS)),
                     _spec_text(traced.out_spec), traced.grads, dict(traced.live), traced.learned,
-                    [(str(w.message), w.category, w.filename, w.lineno) for w in caught], uuid.uuid4().hex)
+                    assumed(state, traced.learned), [(str(w.message), w.category, w.filename, w.lineno) for w in caught], uuid.uuid4().hex)
                 self.store.save(graph_entry(record.uid), record_graph(traced.gm))
                 now_kept = [record, *kept]
                 self.store.save(self.digest, now_kept[:KEPT_PER_STEP])
@@ -223,6 +226,13 @@ class TraceStore:
 def graph_entry(uid: str) -> str:
     """The name of the entry holding the kept trace ``uid``'s graph, beside the index of kept traces."""
     return f"graph-{uid}"
+
+
+def assumed(state: StepState, learned: hyperparams.LearnedFacts) -> list:
+    """What a trace that learned ``learned`` assumed of ``state``'s param groups now: their flags, each guard's
+    outcome and each value specialised on (``hyperparams.group_signature``). The fingerprint leaves numeric
+    hyperparameters out (graph inputs); a kept trace is reused only where these are the same."""
+    return [hyperparams.group_signature(o, g, learned) for o in state.optimizers for g in o.param_groups]
 
 
 def _graph_of(kept: KeptTrace, graph_data: bytes):
