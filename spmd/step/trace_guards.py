@@ -42,7 +42,6 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..optim.hyperparams import hyper_items
 from ..trace.code_reads import CodeReads
 from ..trace.step_reach import global_names
 from .describe import canonical_json, describe, describe_function, tensor_facts
@@ -491,16 +490,21 @@ class _Walk:
     def _optimizer(self, o: torch.optim.Optimizer, where: str) -> Any:
         # a numeric hyperparameter is a graph input: only that it is one (the kept trace's assumptions about its
         # value, a branch taken or a value specialised on, are checked apart: ``spmd.step.trace_store``)
-        groups = [{k: "hyperparameter" if k in {key for key, _, _ in hyper_items(g)}
-                   else self.value(v, f"{where} group {i} {k}") if k != "params" else len(v) for k, v in g.items()}
-                  for i, g in enumerate(o.param_groups)]
+        groups = [{k: "hyperparameter" if _python_numbers(v) else self.value(v, f"{where} group {i} {k}")
+                   if k != "params" else len(v) for k, v in g.items()} for i, g in enumerate(o.param_groups)]
         state = [{k: self.value(v, f"{where} state") for k, v in sorted(o.state[p].items())}
                  for g in o.param_groups for p in g["params"] if p in o.state]
         hooks = {k: self.value(v, f"{where}.{k}") for k, v in sorted(vars(o).items()) if k.endswith("hooks")}
-        numbers = {key for key, _, _ in hyper_items(o.defaults)}  # a group's values unless the group sets its own
-        defaults = {k: "hyperparameter" if k in numbers else v for k, v in o.defaults.items()}
+        defaults = {k: "hyperparameter" if _python_numbers(v) else v for k, v in o.defaults.items()}
         return {"class": self._class(type(o), where), "defaults": self.value(defaults, f"{where} defaults"),
                 "groups": groups, "state": state, "hooks": hooks}
+
+
+def _python_numbers(value: Any) -> bool:
+    """A param group's numeric hyperparameter held as Python numbers (``lr``, ``betas``): a float64 graph input
+    whatever its value. One held as a tensor is fingerprinted as a tensor (its dtype is the input's)."""
+    items = value if isinstance(value, tuple) and value else (value,)
+    return all(type(v) in (int, float) for v in items)
 
 
 __all__ = ["TraceGuards", "Unguardable", "code_kind", "failed_guard", "fingerprint", "guards_for", "is_library_object",
