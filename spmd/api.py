@@ -131,7 +131,7 @@ class CompiledTrainStep:
             n = len(out) - len(grads.outputs)
             grads.leave(owned, out[n:])
             out = out[:n]
-        out = rewrap(out, entry.dtensors, entry.live, owned, entry.hyper_values)
+        out = rewrap(out, entry.dtensors, entry.live, owned, entry.group_values)
         return pytree.tree_unflatten(out, entry.out_spec)
 
     def trace(self, *args, **kwargs) -> Traced:

@@ -30,6 +30,7 @@ class CompiledStep:
     graph_source: Union[fx.GraphModule, Callable[[], fx.GraphModule]]
     hyper_tensors: list[torch.Tensor] = field(default_factory=list)  # kept across calls: CUDA graphs read them in place
     hyper_values: list[float] = field(default_factory=list)
+    group_values: list[float] = field(default_factory=list)  # the groups' values this call (not first_step's)
     first_step: dict[int, float] = field(default_factory=dict)  # hyper slot -> its value for the first run only
     compile_times: dict[str, float] = field(default_factory=dict)  # phase -> seconds (spmd.compile_times)
     report: Any = None  # what the ranks compare before it runs (rank_check.RankReport), made once
@@ -66,6 +67,7 @@ class CompiledStep:
         """The graph's hyperparameter inputs holding ``values`` (``StepState.hyper_values()``), refilled
         in place only where a value changed; until a call ran the step, ``first_step``'s values where
         it has them. ``state`` makes the tensors when the entry has none yet."""
+        self.group_values = values  # what the step reads in its groups (a returned one: ``step_outputs.HyperOutput``)
         if self.first_step and not self.ran:
             values = [self.first_step.get(i, v) for i, v in enumerate(values)]
         if values != self.hyper_values:

@@ -43,7 +43,7 @@ def _refused(v: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class HyperOutput:
     """A hyperparameter returned as read (``return loss, optim.param_groups[0]["lr"]``): eager returns its Python
-    number, the value of ``slot`` in the call (``CompiledStep.hyper_values``), not the graph's 0-dim tensor."""
+    number, the value of ``slot`` in the call (``CompiledStep.group_values``), not the graph's 0-dim tensor."""
 
     slot: int
 
