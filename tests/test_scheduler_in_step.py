@@ -281,3 +281,26 @@ def test_a_value_the_scheduler_sets_used_in_the_step_after_its_step_is_refused_n
         spmd.compile()(_scaled_after_schedule)(model, optim, sched, *_batches()[0])
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert sched.last_epoch == 0 and optim.param_groups[0]["lr"] == 0.1 and type(optim.param_groups[0]["lr"]) is float
+
+
+def _overriding_step(model, optim, sched, x, y):
+    loss = _step(model, optim, sched, x, y)
+    optim.param_groups[0]["lr"] = 0.02  # after the scheduler's step: what eager's group keeps
+    return loss
+
+
+def test_a_number_written_after_the_schedulers_step_stays_in_the_group_as_in_eager():
+    make_optim, make_sched = CASES["StepLR"]
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = make_optim(model), make_optim(ref)
+    sched, ref_sched = make_sched(optim), make_sched(ref_optim)
+    train_step = spmd.compile()(_overriding_step)
+    for x, y in _batches():
+        torch.testing.assert_close(train_step(model, optim, sched, x, y),
+                                   _overriding_step(ref, ref_optim, ref_sched, x, y), rtol=0, atol=1e-10)
+        assert optim.param_groups[0]["lr"] == ref_optim.param_groups[0]["lr"] == 0.02
+        _assert_same_schedule(sched, ref_sched, optim, ref_optim)
+    assert train_step.trace_count == 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-10)

@@ -122,8 +122,9 @@ class GroupWrite:
     """A replay of ``optim.param_groups[index][key] = value`` (the optimizer held weakly), run after every call
     of the compiled step, the first included: the trace's own write was undone with the traced group."""
 
-    def __init__(self, optim: torch.optim.Optimizer, index: int, key: str, value: Any):
+    def __init__(self, optim: torch.optim.Optimizer, index: int, key: str, value: Any, after_scheduler: bool = False):
         self.ref, self.index, self.key, self.value = weakref.ref(optim), index, key, value
+        self.after_scheduler = after_scheduler  # written after a scheduler's step in the step that sets the entry
 
     def __call__(self) -> None:
         optim = self.ref()
@@ -152,21 +153,31 @@ def group_writes(optim: torch.optim.Optimizer, index: int, placed: dict, group: 
     user's value), ``params`` aside. Raises ``SpmdCompileError`` for a tensor written there."""
     writes = []
     for key, value in group.items():
-        value = unscheduled(value)  # what a scheduler's step in the step starts from (spmd.trace.scheduled_values)
-        if key == "params" or (key in placed and placed[key] is value):
+        unset = unscheduled(value)  # what a scheduler's step in the step starts from (spmd.trace.scheduled_values)
+        if key == "params" or (key in placed and placed[key] is unset):
             continue
-        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
+        if any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(unset)):
             raise _tensor_written(optim, index, key)
-        writes.append(GroupWrite(optim, index, key, value))
+        writes.append(GroupWrite(optim, index, key, unset, after_scheduler=unset is value))
     return writes
 
 
 def record_group_writes(replays: list, writes: list[GroupWrite]) -> None:
-    """Put ``writes`` among a trace's ``replays`` before its first scheduler step: a scheduler stepped in the step
-    comes after its optimizer's step, so after a write the optimizer stepped with, and sets the lr eager
-    leaves."""
+    """Put ``writes`` among a trace's ``replays`` in eager's order: before its first scheduler step (a scheduler
+    stepped in the step comes after its optimizer's step, so after a write the optimizer stepped with), but after
+    the last scheduler step that sets the entry where the step wrote it after that step (a warmup overriding the
+    scheduler's lr)."""
     at = next((k for k, r in enumerate(replays) if isinstance(r, SchedulerStep)), len(replays))
-    replays[at:at] = writes
+    later = []
+    for write in writes:
+        setting = [k for k, r in enumerate(replays) if isinstance(r, SchedulerStep) and r.optimizer() is write.ref()
+                   and (write.index, write.key) in r.sets]
+        if write.after_scheduler and setting:
+            later.append((setting[-1], write))
+    for k, write in sorted(later, key=lambda kw: -kw[0]):
+        replays.insert(k + 1, write)
+    early = [w for w in writes if all(w is not lw for _, lw in later)]
+    replays[at:at] = early
 
 
 __all__ = ["EVERY_CALL", "GroupWrite", "group_writes", "record_group_writes", "skipped_counters"]

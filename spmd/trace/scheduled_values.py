@@ -71,18 +71,24 @@ def _cycles_momentum(scheduler: Any) -> bool:
     return bool(getattr(scheduler, "cycle_momentum", False)) or any(map(_cycles_momentum, inner))
 
 
-def mark_scheduled(scheduler: Any, name: str) -> None:
-    """Put a ``ScheduledValue`` in each entry of the scheduler's optimizer's groups that its step sets."""
+def mark_scheduled(scheduler: Any, name: str) -> list[tuple[int, str]]:
+    """Put a ``ScheduledValue`` in each entry of the scheduler's optimizer's groups that its step sets; returns
+    them, as (group index, key)."""
     optim = scheduler.optimizer
     cycles = _cycles_momentum(scheduler)
+    marked = []
     for g, group in enumerate(optim.param_groups):
         if "lr" in group:
             group["lr"] = ScheduledValue(optim, g, "lr", None, name)
+            marked.append((g, "lr"))
         if cycles and "momentum" in group:
             group["momentum"] = ScheduledValue(optim, g, "momentum", None, name)
+            marked.append((g, "momentum"))
         if cycles and isinstance(group.get("betas"), (tuple, list)) and group["betas"]:
             betas = group["betas"]
             group["betas"] = type(betas)((ScheduledValue(optim, g, "betas", 0, name), *betas[1:]))
+            marked.append((g, "betas"))
+    return marked
 
 
 def unscheduled(value: Any) -> Any:

@@ -52,6 +52,8 @@ class SchedulerStep:
 
     def __init__(self, scheduler: LRScheduler, args: tuple, kwargs: dict, after_optimizer: bool):
         self.ref, self.args, self.kwargs, self.after_optimizer = weakref.ref(scheduler), args, kwargs, after_optimizer
+        self.optimizer = weakref.ref(scheduler.optimizer)
+        self.sets: list[tuple[int, str]] = []  # (group, key) of the entries its step sets (``mark_scheduled``)
 
     def __call__(self) -> None:
         scheduler = self.ref()
@@ -135,7 +137,7 @@ def recording_scheduler_steps(replays: list[Callable[[], None]]) -> Iterator[Non
                     "loss = train_step(...); scheduler.step(loss).")
             recorded.append((self, place))
             replays.append(SchedulerStep(self, args, kwargs, id(self.optimizer) in stepped))
-            mark_scheduled(self, _named(self))  # what the step reads after it is set after the call
+            replays[-1].sets = mark_scheduled(self, _named(self))  # what the step reads after it: set after the call
             return None
 
         return step
