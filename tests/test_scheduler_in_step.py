@@ -241,6 +241,15 @@ def test_a_scheduler_in_the_step_matches_ddp_on_two_ranks():
     run_distributed(_ddp_parity)
 
 
+def _twins(name: str) -> tuple:
+    """(model, its eager twin, their optimizers, their schedulers) of ``CASES[name]``."""
+    make_optim, make_sched = CASES[name]
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    optim, ref_optim = make_optim(model), make_optim(ref)
+    return model, ref, optim, ref_optim, make_sched(optim), make_sched(ref_optim)
+
+
 def _logging_step(model, optim, sched, x, y):
     lr_used = optim.param_groups[0]["lr"]  # read before the scheduler's step: the lr this call steps with
     loss = _step(model, optim, sched, x, y)
@@ -251,11 +260,7 @@ def _logging_step(model, optim, sched, x, y):
 def test_hyperparameters_returned_after_the_schedulers_step_are_eagers_numbers():
     """Read after ``sched.step()`` in the step, the lr and betas are what the scheduler set (returned: read after
     the call, once it ran); read before, the call's own lr: Python numbers as in eager, not the trace's."""
-    make_optim, make_sched = CASES["OneCycleLR-Adam-betas"]
-    model = _mlp()
-    ref = copy.deepcopy(model)
-    optim, ref_optim = make_optim(model), make_optim(ref)
-    sched, ref_sched = make_sched(optim), make_sched(ref_optim)
+    model, ref, optim, ref_optim, sched, ref_sched = _twins("OneCycleLR-Adam-betas")
     train_step = spmd.compile()(_logging_step)
     for x, y in _batches():
         got, want = train_step(model, optim, sched, x, y), _logging_step(ref, ref_optim, ref_sched, x, y)
@@ -290,11 +295,7 @@ def _overriding_step(model, optim, sched, x, y):
 
 
 def test_a_number_written_after_the_schedulers_step_stays_in_the_group_as_in_eager():
-    make_optim, make_sched = CASES["StepLR"]
-    model = _mlp()
-    ref = copy.deepcopy(model)
-    optim, ref_optim = make_optim(model), make_optim(ref)
-    sched, ref_sched = make_sched(optim), make_sched(ref_optim)
+    model, ref, optim, ref_optim, sched, ref_sched = _twins("StepLR")
     train_step = spmd.compile()(_overriding_step)
     for x, y in _batches():
         torch.testing.assert_close(train_step(model, optim, sched, x, y),
