@@ -16,8 +16,8 @@ eager it holds a Python number there, and a 0-dim float64 tensor behaves otherwi
 for a Python number; a comparison with a number is a guard (the step is traced again only when its outcome
 changes); a conversion to a Python number uses the value, which then joins the step's signature, so each new
 value traces the step again. That is said once, at the line that read it, with the fix: keep it a tensor.
-A number computed from hyperparameters (``lr * 2``) is kept as a tensor without a value: converting it is
-refused naming the hyperparameter and the way to write it.
+A number the step computes from hyperparameters alone (``1 - beta2``) carries its value too, so it converts
+likewise; only one computed inside the optimizer's step has none, and converting it is refused.
 """
 
 from __future__ import annotations

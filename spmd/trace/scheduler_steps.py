@@ -91,7 +91,7 @@ def _refused_lr_read(original: Callable, thread: int) -> Callable:
                 "traced: the compiled step would keep the lr of the trace and use it on every call, where the "
                 "scheduler changes it between calls. Read it outside the step, after the call (loss = "
                 "train_step(...); lr = scheduler.get_last_lr()[0]), or read optim.param_groups[0]['lr'] in the "
-                "step, which the compiled step takes as an input on every call (a 0-dim tensor there).")
+                "step, which the compiled step takes as an input on every call.")
         return original(self, *args, **kwargs)
 
     return get_last_lr
