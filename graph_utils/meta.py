@@ -28,6 +28,9 @@ spelled in one place.
 * ``MESH_DIM``: on each collective, the name of the device-mesh dimension whose ranks it runs
   over (``"dp"``, ``"tp"``, a hybrid mesh's ``"replicate"``/``"shard"``; set by the expansion,
   ``spmd.parallel.group_roles``), absent for a group of no mesh the step knows.
+* ``DONATED``: True on a placeholder of a piece of a cut step graph whose value nothing reads after the piece
+  and nothing else holds (``spmd.lower.piece_plan``): Inductor may write the piece's values into its memory
+  (``spmd.lower.donated_inputs``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ CARRIES = "spmd_carries"
 RECOMPUTE_OF = "spmd_recompute_of"
 MESH_DIM = "spmd_mesh_dim"
 SEEDS_BEFORE = "spmd_seeds_before"
+DONATED = "spmd_donated"
 
 
 class Role:

@@ -307,7 +307,8 @@ def test_optimizers_with_hyperparameter_inputs_match_ddp_on_gpus_in_float64():
 def test_a_step_reading_the_lr_keeps_eagers_dtype_under_cuda_graphs_without_recapture():
     """The default GPU step (Inductor, CUDA graphs) of a step that scales its loss by the lr it reads, the lr
     cut every call: the float32 loss stays float32 (a Python number's promotion), the values follow the lr,
-    one trace, captured on the first call only (``spmd.trace.hyper_reads``)."""
+    one trace, its CUDA graph captured once, on the second call (the first runs uncaptured, as
+    warm-up), never again (``spmd.trace.hyper_reads``)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = MLP(layers=2, dim=64).to(device)
@@ -332,4 +333,4 @@ def test_a_step_reading_the_lr_keeps_eagers_dtype_under_cuda_graphs_without_reca
         torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-4)
         captured.append(compiled.cuda_graph_captures)
     assert_params_close(model, ref, atol=1e-4, rtol=1e-4)
-    assert compiled.trace_count == 1 and captured[0] >= 1 and len(set(captured)) == 1, captured
+    assert compiled.trace_count == 1 and captured == [0, 1, 1, 1, 1], captured

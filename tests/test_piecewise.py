@@ -501,18 +501,21 @@ def test_a_graph_on_the_wire_names_its_memory_formats_not_a_module_that_reaches_
 def test_a_graph_on_the_wire_keeps_the_metadata_its_compile_reads():
     """A piece compiled by a worker is compiled under the same rules as one compiled here: each node keeps its
     ``RECOMPUTE_OF`` and ``SEEDS_BEFORE`` (``spmd.lower.recompute_fusion`` reads them; without them a worker's
-    kernels may span a gradient seed) and its ``original_aten`` (Inductor names the kernel after it)."""
-    from spmd.graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
+    kernels may span a gradient seed) and its ``original_aten`` (Inductor names the kernel after it); a
+    placeholder keeps ``DONATED`` (``spmd.lower.donated_inputs``: without it a worker's code holds both the input
+    and what the whole graph writes into its memory)."""
+    from spmd.graph_utils.meta import DONATED, RECOMPUTE_OF, SEEDS_BEFORE
 
     graph = fx.Graph()
     x = graph.placeholder("x")
+    x.meta[DONATED] = True
     forward = graph.call_function(torch.ops.aten.exp.default, (x,))
     forward.meta.update({SEEDS_BEFORE: 0, "original_aten": torch.ops.aten.native_layer_norm.default})
     again = graph.call_function(torch.ops.aten.exp.default, (x,))
     again.meta.update({SEEDS_BEFORE: 1, RECOMPUTE_OF: forward.name, "original_aten": torch.ops.aten.exp.default})
     graph.output((forward, again))
-    back = [n for n in graph_wire.from_bytes(graph_wire.to_bytes(graph)).graph.nodes if n.op == "call_function"]
-    assert [n.meta for n in back] == [forward.meta, again.meta]
+    back = [n for n in graph_wire.from_bytes(graph_wire.to_bytes(graph)).graph.nodes if n.op != "output"]
+    assert [n.meta for n in back] == [{DONATED: True}, forward.meta, again.meta]
 
 
 def test_a_worker_compiling_for_a_gpu_starts_no_pool_of_kernel_compilers():
@@ -941,3 +944,81 @@ def test_the_log_names_what_crosses_each_cut_largest_first(monkeypatch, caplog):
     modules, specs, plan = piece_plan.cut(gm, 2, [x, w])
     (held,) = piece_report.crossings(modules, specs, plan)
     assert all(c.bytes < 64 * 4096 * 4 for c in held), held
+
+
+def _two_matmuls_and_a_tail(x, w1, w2):
+    """A value made by one matmul (``b``), then read last by pointwise ops of its own shape: cut between them, the
+    reading piece may write their result into ``b``'s memory."""
+    b = torch.mm(torch.mm(x, w1).relu(), w2)
+    c = (b * 2 + 1).tanh()
+    return (torch.mm(c, w2.t()).sum(),)
+
+
+def test_a_piece_writes_into_the_values_only_it_reads_as_the_whole_graph_would(monkeypatch):
+    """Whole, Inductor writes a kernel's result over a value it reads last; a piece could not, since its inputs
+    might be its caller's (Llama's 500 MiB loss gradient was held beside the logits it is written over: BENCHMARKS.md,
+    "Round 59"). The plan donates a value an earlier piece made and no later piece reads, never one of the graph's
+    inputs; Inductor's code for the piece writes into it; the pieces compute what the graph does, in float64
+    exactly; the graph's inputs are as they were."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from spmd.graph_utils.meta import DONATED
+    from spmd.lower.compile_graph import compile_piece
+    from spmd.lower.fx_cache import _cache_key_tag
+    from spmd.lower.inductor_code import code_of
+
+    monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 1)
+    inputs = [torch.randn(64, 64, dtype=torch.float64) for _ in range(3)]
+    gm = make_fx(_two_matmuls_and_a_tail, tracing_mode="fake")(*inputs)
+    modules, specs, plan = piece_plan.cut(gm, 2, inputs)
+    assert len(modules) == 2
+    made = set(plan.makes[0])
+    assert plan.donates[0] == () and plan.donates[1] and set(plan.donates[1]) <= made & set(plan.drops[1])
+    placeholders = [n for n in modules[1].graph.nodes if n.op == "placeholder"]
+    donated = [ph.name for ph, i in zip(placeholders, plan.takes[1]) if ph.meta.get(DONATED)]
+    assert len(donated) == len(plan.donates[1])
+    assert "spmd_donated_inputs" in _cache_key_tag(modules[1]) and "spmd_donated_inputs" not in _cache_key_tag(
+        modules[0])
+    with torch.no_grad():
+        compiled = [compile_piece(m, s, f"piece{k}", False)[0] for k, (m, s) in enumerate(zip(modules, specs))]
+        source = code_of(compiled[1]).source
+        assert any(f"= {name}; del {name}  # reuse" in source for name in donated), source
+        given = _clone(inputs)
+        (got,) = piece_run.run_pieces(plan, compiled)(list(given))
+    (want,) = _two_matmuls_and_a_tail(*inputs)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(given, inputs))
+
+
+def test_a_donated_value_sharing_its_memory_with_another_is_handed_over_as_a_copy(caplog):
+    """Where Inductor returns one buffer as two outputs, or a graph input as an output, a later piece given one of
+    them as donated would write over the other: found on the first call, it is handed a copy, every call."""
+    plan = piece_plan.PiecePlan(takes=((0,), (1, 2), (3, 0)), makes=((1, 2), (3,), ()), drops=((), (1, 2), (3, 0)),
+                                donates=((), (1, 2), (3,)))
+    seen = []
+
+    def first(args):  # returns the graph's input as its first output, a new value as its second
+        (x,) = args
+        args.clear()
+        return [x, x + 1]
+
+    def writes_its_input(args):  # as code compiled with its inputs donated: its result written over the first
+        value, other = args
+        args.clear()
+        seen.append(value.data_ptr())
+        return [value.mul_(10).add_(other)]
+
+    def last(args):
+        made, x = args
+        args.clear()
+        return [made + x]
+
+    x = torch.ones(4)
+    run = piece_run.run_pieces(plan, [first, writes_its_input, last])
+    with caplog.at_level(logging.INFO, logger="spmd.lower.piece_run"):
+        for _ in range(2):
+            (out,) = run([x])
+            assert torch.equal(x, torch.ones(4)) and torch.equal(out, torch.full((4,), 13.0))
+    assert all(ptr != x.data_ptr() for ptr in seen)
+    shared = [r.getMessage() for r in caplog.records if "handed over as a copy" in r.getMessage()]
+    assert len(shared) == 1 and "piece 1's donated input 1" in shared[0], shared

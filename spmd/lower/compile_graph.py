@@ -19,6 +19,7 @@ from torch._dispatch.python import enable_python_dispatcher
 
 from ..compile_times import phase
 from .rewrites import apply_inductor_decompositions
+from .donated_inputs import donating_inputs
 from .foreach_fusion import fusing_producers_safely
 from .fx_cache import inductor_cache_context
 from .kernel_names import short_kernel_names
@@ -68,7 +69,7 @@ def inner_compile(gm: fx.GraphModule, example_inputs: list, label: str,
     kernels = collecting_triton_kernels(not fx_cache and device_of(example_inputs).type == "cuda")
     with (phase(f"lower/{label}/inductor_compile_fx/compile_fx_inner"), context as cache, kernels as bundle,
           fusing_producers_safely(), fused_optimizer_layouts(), backward_stays_in_the_backward(),
-          short_kernel_names()):
+          short_kernel_names(), donating_inputs()):
         # Inductor gets fake inputs, as from AOT autograd: it compiles from their metadata alone, and its
         # FX graph cache key would hash a real input by value (every parameter copied to the host)
         compiled = compile_fx_inner(gm, fakes, cudagraphs=BoxedBool(False), is_inference=True)

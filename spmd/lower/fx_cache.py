@@ -16,7 +16,8 @@ say which arguments Inductor may treat as written; so their schemas go into the 
 through ``torch.compiler.config.cache_key_tag``. Their Python implementations are looked
 up when the compiled code runs, not baked into it. Nor does it see the fusion rules we patch
 into its scheduler (``spmd.lower.foreach_fusion``, ``spmd.lower.recompute_fusion``) or the layout rule
-we give its fallbacks (``spmd.lower.optimizer_layout``), which the tag names for graphs they apply to.
+we give its fallbacks (``spmd.lower.optimizer_layout``), or which inputs of a piece it may write into
+(``spmd.lower.donated_inputs``), which the tag names for graphs they apply to.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.fx as fx
 
 from ..graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
 from ..graph_utils.optimizer_ops import is_foreach, is_fused_optimizer
+from .donated_inputs import DONATED_INPUTS_RULE, donated_positions
 from .foreach_fusion import FOREACH_FUSION_RULE
 from .optimizer_layout import FUSED_OPTIMIZER_LAYOUT_RULE
 from .recompute_fusion import RECOMPUTE_FUSION_RULE
@@ -56,8 +58,9 @@ def _cache_key_tag(gm: fx.GraphModule) -> str:
     """The user's ``cache_key_tag`` followed by a digest of our ops' schemas and the names of the rules we
     compile the graph under: for foreach ops the fusion rule (``spmd.lower.foreach_fusion``), for fused
     optimizer ops (ATen's or ours) the layout rule (``spmd.lower.optimizer_layout``), for recomputed nodes or a
-    backward the rule that keeps backward work in the backward (``spmd.lower.recompute_fusion``). Code Inductor
-    made before a rule is not reused. The user's tag alone where none applies."""
+    backward the rule that keeps backward work in the backward (``spmd.lower.recompute_fusion``), for a piece
+    with donated inputs the rule and their positions (``spmd.lower.donated_inputs``). Code Inductor made before a
+    rule is not reused. The user's tag alone where none applies."""
     parts = [_user_tag()] if _user_tag() else []
     schemas = opaque_schemas(gm)
     if schemas:
@@ -68,6 +71,8 @@ def _cache_key_tag(gm: fx.GraphModule) -> str:
         parts.append(FUSED_OPTIMIZER_LAYOUT_RULE)
     if any(RECOMPUTE_OF in n.meta or n.meta.get(SEEDS_BEFORE) for n in gm.graph.nodes):
         parts.append(RECOMPUTE_FUSION_RULE)
+    if donated := donated_positions(gm):
+        parts.append(f"{DONATED_INPUTS_RULE}:{','.join(map(str, donated))}")
     return "|".join(parts)
 
 

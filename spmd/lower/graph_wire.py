@@ -3,8 +3,9 @@
 Each node is written as its kind, its name, its target (an op by its qualified name, or ``getitem``)
 and its arguments, with the nodes it reads written as their positions, and the metadata the compile reads:
 whether it is a recompute (``meta[RECOMPUTE_OF]``) and how many gradient seeds come before it
-(``meta[SEEDS_BEFORE]``), both for ``spmd.lower.recompute_fusion``, and the op Inductor names its kernel after
-(``meta["original_aten"]``, by name). A memory format is
+(``meta[SEEDS_BEFORE]``), both for ``spmd.lower.recompute_fusion``, the op Inductor names its kernel after
+(``meta["original_aten"]``, by name) and whether a placeholder is donated (``meta[DONATED]``,
+``spmd.lower.donated_inputs``). A memory format is
 written by its name (``_TorchName``): pickle finds it by searching the loaded modules for one that reaches
 it, and in a process started by ``multiprocessing`` that search picks ``__mp_main__``, which the receiving
 process does not have. No other metadata is sent: the receiving process propagates fake values from the
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..graph_utils.meta import RECOMPUTE_OF, SEEDS_BEFORE
+from ..graph_utils.meta import DONATED, RECOMPUTE_OF, SEEDS_BEFORE
 
 
 class NotWireable(ValueError):
@@ -75,7 +76,7 @@ def _target_name(node: fx.Node) -> str:
 
 def _wired_meta(node: fx.Node) -> dict:
     """The metadata of ``node`` the compile reads, each value plain (an op by its name)."""
-    meta = {key: node.meta[key] for key in (RECOMPUTE_OF, SEEDS_BEFORE) if key in node.meta}
+    meta = {key: node.meta[key] for key in (RECOMPUTE_OF, SEEDS_BEFORE, DONATED) if key in node.meta}
     if isinstance(node.meta.get("original_aten"), torch._ops.OpOverload):
         meta["original_aten"] = node.meta["original_aten"].name()
     return meta
@@ -116,6 +117,7 @@ def from_bytes(data: bytes) -> fx.GraphModule:
         args, kwargs = resolve(args), resolve(kwargs)
         if op == "placeholder":
             node = graph.placeholder(name)
+            node.meta.update(meta)
         elif op == "output":
             node = graph.output(args[0])
         else:

@@ -31,7 +31,8 @@ go is ``spmd.lower.piece_places``'s; here, what crosses them and how (``cut``):
   write to a value another piece holds.
 
 What a cut costs when the step runs: Inductor fuses nothing across it, a value crossing it is allocated whole
-(``spmd.lower.piece_report`` logs what crosses each cut) and kept in the layout the trace gave it (but for rows
+(``spmd.lower.piece_report`` logs what crosses each cut; the piece reading it last may write into it, as the whole
+graph's kernels would: ``_donate``, ``spmd.lower.donated_inputs``) and kept in the layout the trace gave it (but for rows
 padded for a matmul, above), and a collective waited beyond it keeps its input until the end of the waiting piece
 rather than until the wait. Replayed as one CUDA graph (``spmd.lower.cudagraphs`` captures the pieces run in
 turn), a collective launched in one piece and waited in another is captured as in the whole graph: the capture
@@ -51,7 +52,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..graph_utils.nodes import is_wait_node, waited_collective
+from ..graph_utils.meta import DONATED
+from ..graph_utils.nodes import is_comm_node, is_wait_node, waited_collective
 from ..graph_utils.optimizer_ops import written_inputs
 from .matmul_order import MATMULS
 from .piece_places import RANGE_ENTER, cut_positions, is_view, memory_owner, write_anchors, written_result
@@ -102,7 +104,8 @@ class PiecePlan:
     Values are numbered: the graph's inputs first, then each piece's outputs in turn. ``takes[p]``:
     the values piece ``p`` is called on; ``makes[p]``: what its outputs are (the last piece's
     outputs are the graph's); ``drops[p]``: the values nothing reads after piece ``p``, let go
-    before it runs so that its code frees them as it goes, as the whole graph's code would.
+    before it runs so that its code frees them as it goes, as the whole graph's code would;
+    ``donates[p]``: those of them piece ``p`` was compiled to write into (``spmd.lower.donated_inputs``).
     """
 
     takes: tuple[tuple[int, ...], ...]
@@ -110,6 +113,7 @@ class PiecePlan:
     drops: tuple[tuple[int, ...], ...]
     shapes: tuple[tuple[Optional[tuple[int, ...]], ...], ...] = ()  # each made value's shape (None: not a tensor)
     dtypes: tuple[tuple[Optional[torch.dtype], ...], ...] = ()  # each made value's dtype (None: not a tensor)
+    donates: tuple[tuple[int, ...], ...] = ()
 
     def __len__(self) -> int:
         return len(self.takes)
@@ -261,7 +265,35 @@ def _build(nodes: list[fx.Node], placeholders: list[fx.Node], piece_of: dict[fx.
         g.eliminate_dead_code()
         g.lint()
         modules.append(fx.GraphModule(gm, g))
-    return modules, specs, PiecePlan(tuple(map(tuple, takes)), tuple(makes), tuple(drops), tuple(shapes), tuple(dtypes))
+    made_by = {i: node for node, i in value_id.items() if node.op != "placeholder"}
+    donates = tuple(_donate(graphs[p], takes[p], set(drops[p]), made_by) for p in range(count))
+    return modules, specs, PiecePlan(tuple(map(tuple, takes)), tuple(makes), tuple(drops), tuple(shapes), tuple(dtypes),
+                                     donates)
+
+
+def _donate(graph: fx.Graph, takes: Sequence[int], drops: set[int], made_by: dict[int, fx.Node]) -> tuple[int, ...]:
+    """Mark donated (``meta[DONATED]``) each placeholder of a piece's ``graph`` whose value an earlier piece made
+    (``made_by``: its node in the whole graph, by value), no later piece reads (``drops``) and this piece reads
+    in an op, not as an output of its own: a value that is neither a collective's result nor its input (a
+    collective may still be writing or reading it, where Inductor does not see its wait). Returns the donated
+    values."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    returned = set(pytree.tree_leaves(next(iter(reversed(graph.nodes))).args))
+    donated = []
+    for ph, i in zip(placeholders, takes):
+        made = made_by.get(i)
+        if made is None or i not in drops or not ph.users or ph in returned or _touches_a_collective(made):
+            continue
+        ph.meta[DONATED] = True
+        donated.append(i)
+    return tuple(donated)
+
+
+def _touches_a_collective(node: fx.Node) -> bool:
+    """``node`` is a collective or a wait, or either reads it or a view of it."""
+    if is_comm_node(node) or is_wait_node(node):
+        return True
+    return any(is_comm_node(u) or is_wait_node(u) or (is_view(u) and _touches_a_collective(u)) for u in node.users)
 
 
 def _row_padding(value: Any) -> int:

@@ -1,6 +1,11 @@
 """How the pieces of a cut step graph run: in turn, each on the values the plan says, letting go of each value after
 the piece that reads it last (``PiecePlan``, from ``spmd.lower.piece_plan``), and each piece's outputs made as its
 graph gives them before a later piece reads them (``as_their_graph_gives``; the whole graph's outputs too).
+
+A piece may write into the values it was compiled to take as donated (``spmd.lower.donated_inputs``): nothing but
+its input list holds them when it runs. Where one shares its memory with another value (Inductor returned an output
+that is another output, or an input, as it is), it is handed over as a copy: which ones is the same every call,
+found on the first.
 """
 
 from __future__ import annotations
@@ -26,9 +31,15 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
     conform = [as_their_graph_gives(plan.shapes[p] if plan.shapes else (), plan.dtypes[p] if plan.dtypes else (),
                                     f"piece {p}'s output") for p in range(len(steps))]
 
+    copied: Optional[list[set[int]]] = None  # by piece, the donated values it takes as copies (found on a first call)
+
     def run(args: list) -> list:
+        nonlocal copied
         values = dict(enumerate(args))
         args.clear()
+        first = copied is None
+        copied = copied if copied is not None else [set() for _ in steps]
+        inputs_memory = _memory_of(values.values()) if first else set()
         held = holding()
         unread = _release_unread_state(held, values, plan.takes) if held is not None else {}
         try:
@@ -38,6 +49,12 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
                 inputs = [values[i] for i in takes]
                 for i in drops:
                     del values[i]
+                if first and plan.donates and plan.donates[p]:
+                    copied[p] = _shared_donations(plan.donates[p], takes, inputs, inputs_memory | _memory_of(
+                        values.values()), p)
+                for k, i in enumerate(takes):
+                    if i in copied[p]:
+                        inputs[k] = inputs[k].clone()
                 outputs = conform[p](piece(inputs))
                 if p == len(steps) - 1:
                     return outputs
@@ -52,6 +69,28 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
                 held.restore(tensors)
 
     return run
+
+
+def _memory_of(tensors: Any) -> set[int]:
+    """The addresses of the memory ``tensors`` (tensors or other values, ignored) live in."""
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor) and t.numel()}
+
+
+def _shared_donations(donated: Sequence[int], takes: Sequence[int], inputs: Sequence[Any], elsewhere: set[int],
+                      piece: int) -> set[int]:
+    """Which of piece ``piece``'s ``donated`` values share their memory with a value held ``elsewhere`` (the
+    graph's inputs, values later pieces read) or with another of its ``inputs`` (taken as ``takes``): the piece
+    must get those as copies, or it would write over the other value."""
+    shared = set()
+    for k, (i, value) in enumerate(zip(takes, inputs)):
+        if i not in donated or not isinstance(value, torch.Tensor) or not value.numel():
+            continue
+        others = elsewhere | _memory_of(v for j, v in enumerate(inputs) if j != k)
+        if value.untyped_storage().data_ptr() in others:
+            log.info("spmd: piece %d's donated input %d shares its memory with another value; it is handed over "
+                     "as a copy", piece, i)
+            shared.add(i)
+    return shared
 
 
 def _release_unread_state(held: HeldBack, inputs: dict[int, Any], takes: Sequence[Sequence[int]]
