@@ -959,7 +959,7 @@ def test_a_piece_writes_into_the_values_only_it_reads_as_the_whole_graph_would(m
     might be its caller's (Llama's 500 MiB loss gradient was held beside the logits it is written over: BENCHMARKS.md,
     "Round 59"). The plan donates a value an earlier piece made and no later piece reads, never one of the graph's
     inputs; Inductor's code for the piece writes into it; the pieces compute what the graph does, in float64
-    exactly; the graph's inputs are as they were."""
+    to 1e-12 (Inductor sums in its own order); the graph's inputs are as they were."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from spmd.graph_utils.meta import DONATED
@@ -968,6 +968,7 @@ def test_a_piece_writes_into_the_values_only_it_reads_as_the_whole_graph_would(m
     from spmd.lower.inductor_code import code_of
 
     monkeypatch.setattr(piece_places, "MIN_PIECE_WEIGHT", 1)
+    torch.manual_seed(0)
     inputs = [torch.randn(64, 64, dtype=torch.float64) for _ in range(3)]
     gm = make_fx(_two_matmuls_and_a_tail, tracing_mode="fake")(*inputs)
     modules, specs, plan = piece_plan.cut(gm, 2, inputs)
@@ -986,7 +987,7 @@ def test_a_piece_writes_into_the_values_only_it_reads_as_the_whole_graph_would(m
         given = _clone(inputs)
         (got,) = piece_run.run_pieces(plan, compiled)(list(given))
     (want,) = _two_matmuls_and_a_tail(*inputs)
-    assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert all(torch.equal(a, b) for a, b in zip(given, inputs))
 
 
