@@ -1,4 +1,9 @@
-"""The two exception types spmd raises: one for a step it cannot compile, one for a mistake in its settings."""
+"""The two exception types spmd raises: one for a step it cannot compile, one for a mistake in its settings; and
+the step's own name in what spmd says of it (errors and warnings are written before the step is known)."""
+
+import contextlib
+import contextvars
+from typing import Iterator, Optional
 
 
 class SpmdCompileError(RuntimeError):
@@ -11,6 +16,28 @@ class SpmdConfigError(ValueError):
 
 
 _SUBJECT = "spmd.compile: train_step "
+_SUBJECTS = (_SUBJECT, "spmd.compile: the step ")
+_COMPILING: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("spmd_compiling", default=None)
+
+
+@contextlib.contextmanager
+def compiling(name: str) -> Iterator[None]:
+    """Within the block, the step being compiled is the function called ``name``: ``named`` says it."""
+    token = _COMPILING.set(name)
+    try:
+        yield
+    finally:
+        _COMPILING.reset(token)
+
+
+def named(message: str) -> str:
+    """``message`` with its generic subject (``spmd.compile: the step``, ``spmd.compile: train_step``) replaced by
+    the name of the function being compiled (``compiling``), where one is."""
+    name = _COMPILING.get()
+    for subject in _SUBJECTS if name is not None else ():
+        if message.startswith(subject):
+            return f"spmd.compile: {name} {message[len(subject):]}"
+    return message
 
 
 def naming_the_step(err: BaseException, name: str) -> None:

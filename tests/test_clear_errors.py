@@ -66,6 +66,25 @@ def test_untraceable_step_names_cause_and_fix_and_touches_nothing(step, match, f
     _assert_unchanged(model, optim, snap)
 
 
+def test_a_warning_of_the_trace_names_the_compiled_function_as_its_errors_do(capsys):
+    """What spmd warns of while it traces a step says the function's own name, not "the step"."""
+    def fine_tune(model, optim, batch):
+        loss = model(batch).square().mean()
+        print("step done")
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss
+
+    model, optim = _model_and_adam()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spmd.compile()(fine_tune)(model, optim, torch.randn(8, 4))
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "prints at" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("spmd.compile: fine_tune prints at "), said
+    assert capsys.readouterr().out.count("step done") == 1
+
+
 class _PackedLSTM(torch.nn.Module):
     def __init__(self):
         super().__init__()

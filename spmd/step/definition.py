@@ -23,7 +23,7 @@ from ..checks.step_inputs import (check_dense_gradients, check_materialized, che
                                   check_optimizers_follow_modules)
 from ..compile_options import CompileOptions
 from ..compile_times import phase, recording
-from ..errors import naming_the_step
+from ..errors import compiling, naming_the_step
 from ..graph_utils import DumpOptions, recording_stages
 from ..optim.amp_scaler import ensure_scale, step_scalers
 from ..optim.hyperparams import LearnedFacts
@@ -156,7 +156,7 @@ class StepDefinition:
         objects as they were. ``zero_grads_for`` and ``grad_order``: see ``rank_check.zero_gradient_plan``.
         """
         times: dict[str, float] = {}
-        with recording(times), recording_stages(self.dump_options()) as dump:
+        with recording(times), recording_stages(self.dump_options()) as dump, compiling(self.name):
             with phase("optimizer_check"):
                 kept = self.kept_checks(state)
                 check_optimizers(state.optimizers, kept, canonical_json(versions()) if kept is not None else "")

@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from ..errors import SpmdCompileError
+from ..errors import SpmdCompileError, named
 from .code_reads import note_environ_read
 
 _CLOCKS = ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "process_time",
@@ -90,8 +90,9 @@ def warn_at(frame, message: str) -> None:
 
 
 def warn_at_line(file: str, line: int, namespace: dict, message: str) -> None:
-    """A ``RuntimeWarning`` attributed to ``file:line`` of the module whose globals are ``namespace``, once."""
-    warnings.warn_explicit(message, RuntimeWarning, file, line, module=namespace.get("__name__"),
+    """A ``RuntimeWarning`` attributed to ``file:line`` of the module whose globals are ``namespace``, once; it
+    names the step being compiled by its own name (``spmd.errors.named``)."""
+    warnings.warn_explicit(named(message), RuntimeWarning, file, line, module=namespace.get("__name__"),
                            registry=namespace.setdefault("__warningregistry__", {}))
 
 
