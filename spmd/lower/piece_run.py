@@ -52,7 +52,7 @@ def run_pieces(plan: PiecePlan, pieces: Sequence[Callable[[list], Any]]) -> Call
                 if first and plan.donates and plan.donates[p]:
                     copied[p] = _shared_donations(plan.donates[p], takes, inputs, inputs_memory | _memory_of(
                         values.values()), p)
-                for k, i in enumerate(takes):
+                for k, i in enumerate(takes) if copied[p] else ():  # mostly none: no loop per call
                     if i in copied[p]:
                         inputs[k] = inputs[k].clone()
                 outputs = conform[p](piece(inputs))
